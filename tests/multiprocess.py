@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import pickle
 import socket
+import time
 import traceback
 from typing import Any, Callable
 
@@ -26,7 +28,8 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        queue.put((rank, "ok", fn(rank, world_size, *args)))
+        # Plain pickle copies tensors by value; torch's shared-memory handles die with the child.
+        queue.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # report every failure, including assertion errors, to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -48,8 +51,6 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         p.start()
     results: dict[int, Any] = {}
     errors = []
-    import time
-
     deadline = time.monotonic() + timeout
     while len(results) + len(errors) < world_size:
         if time.monotonic() > deadline:
@@ -60,7 +61,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
             time.sleep(0.05)
             continue
         rank, status, value = queue.get()
-        (results.__setitem__(rank, value) if status == "ok" else errors.append(f"rank {rank}:\n{value}"))
+        if status == "ok":
+            results[rank] = pickle.loads(value)
+        else:
+            errors.append(f"rank {rank}:\n{value}")
     for p in procs:
         p.join(timeout=5)
         if p.is_alive():

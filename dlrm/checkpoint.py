@@ -1,0 +1,105 @@
+"""Crash-safe sharded checkpoints with torch.distributed.checkpoint (DCP).
+
+Layout under ``<dir>``: ``step-<N>/`` holds the DCP shards of the model and optimizer (each rank
+writes its own), ``train_state.json`` (iteration, data position, LR schedule, world size) and
+``rng-rank<r>.pt``; ``latest`` names the newest complete step. A save is written to
+``.tmp-step-<N>/`` and renamed into place only once every rank has finished, so a crash during a
+save leaves the previous checkpoint untouched and usable.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+LATEST = "latest"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def _rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def latest_step(root: Path) -> Path | None:
+    """The newest complete checkpoint under ``root``, or None."""
+    pointer = root / LATEST
+    if pointer.exists():
+        step = root / pointer.read_text().strip()
+        if (step / "train_state.json").exists():
+            return step
+    complete = [p for p in root.glob("step-*") if (p / "train_state.json").exists()]
+    return max(complete, key=lambda p: int(p.name.split("-")[1]), default=None)
+
+
+def save(root: Path, model: torch.nn.Module, optimizer: Any, train_state: dict[str, Any], rank: int,
+         keep: int = 2) -> Path:
+    """Write a checkpoint of ``train_state['iteration']`` on every rank (a collective call)."""
+    step = int(train_state["iteration"])
+    final, tmp = root / f"step-{step}", root / f".tmp-step-{step}"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint_id=str(tmp))
+    torch.save(_rng_state(), tmp / f"rng-rank{rank}.pt")
+    _barrier()  # every rank's shard and RNG file is on disk
+    if rank == 0:
+        (tmp / "train_state.json").write_text(json.dumps(train_state, indent=2, sort_keys=True))
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        pointer_tmp = root / f".{LATEST}.tmp"
+        pointer_tmp.write_text(final.name)
+        pointer_tmp.replace(root / LATEST)
+        old = sorted((p for p in root.glob("step-*") if p != final), key=lambda p: int(p.name.split("-")[1]))
+        for stale in old[: max(0, len(old) - (keep - 1))]:
+            shutil.rmtree(stale, ignore_errors=True)
+        for stale_tmp in root.glob(".tmp-step-*"):
+            if stale_tmp != tmp:
+                shutil.rmtree(stale_tmp, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def load(step_dir: Path, model: torch.nn.Module, optimizer: Any, rank: int, world_size: int) -> dict[str, Any]:
+    """Restore model, optimizer and this rank's RNG from ``step_dir``; return its train_state."""
+    state_file = step_dir / "train_state.json"
+    if not state_file.exists():
+        raise CheckpointError(f"{step_dir} is not a complete checkpoint (no train_state.json)")
+    train_state = json.loads(state_file.read_text())
+    saved_ws = int(train_state["world_size"])
+    if saved_ws != world_size:
+        raise CheckpointError(
+            f"checkpoint {step_dir} was written by {saved_ws} ranks but this job has {world_size}: "
+            f"the data position and per-rank RNG streams depend on the world size. Resume with "
+            f"--nproc_per_node/--nnodes giving {saved_ws} ranks, or start a new run (resume=false)."
+        )
+    optimizer.init_state()  # materialize lazily created optimizer state so DCP can load into it
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    dcp.load(state, checkpoint_id=str(step_dir))
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    rng_file = step_dir / f"rng-rank{rank}.pt"
+    _set_rng_state(torch.load(rng_file, weights_only=False))
+    return train_state

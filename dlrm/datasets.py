@@ -1,0 +1,70 @@
+"""Resolve the `data` config group to a preprocessed array directory and its splits."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch.distributed as dist
+
+from data.loader import criteo_batches, dataset_info
+from data.preprocess import prepare_sample
+from dlrm.env import DistEnv
+
+
+def _cache_dir(cfg: Mapping[str, Any], what: str, options: Mapping[str, Any]) -> Path:
+    root = Path(os.path.expanduser(cfg.get("cache_dir") or "~/.cache/dlrm-compress"))
+    key = hashlib.sha1(json.dumps(options, sort_keys=True).encode()).hexdigest()[:10]
+    return root / f"{what}-{key}"
+
+
+def prepare_data(cfg: Mapping[str, Any], env: DistEnv) -> Path:
+    """The array directory for this config; rank 0 builds cached data, the others wait for it."""
+    name = cfg["name"]
+    if name == "criteo":
+        if not cfg.get("processed_dir"):
+            raise ValueError("data=criteo needs data.processed_dir=DIR (the output of dlrm-preprocess)")
+        path = Path(cfg["processed_dir"]).expanduser()
+        if not (path / "meta.json").exists():
+            raise FileNotFoundError(f"data.processed_dir={path} has no meta.json: run dlrm-preprocess first")
+        return path
+    if name == "criteo_sample":
+        path = _cache_dir(cfg, "criteo_sample", {"v": 1})
+        build = lambda: prepare_sample(path)  # noqa: E731
+    elif name == "synthetic":
+        options = {k: cfg[k] for k in ("rows", "max_cardinality", "seed", "positive_rate")}
+        options["rows"] = dict(options["rows"])
+        path = _cache_dir(cfg, "synthetic", options)
+        from data.synthetic import generate
+
+        build = lambda: path if (path / "meta.json").exists() else generate(  # noqa: E731
+            path, rows=options["rows"], seed=int(options["seed"]),
+            max_cardinality=options["max_cardinality"], positive_rate=float(options["positive_rate"]))
+    else:
+        raise ValueError(f"data.name must be criteo, criteo_sample or synthetic (got {name!r})")
+    if env.is_main:
+        build()
+    if dist.is_initialized():
+        dist.barrier()
+    return path
+
+
+def split_stems(cfg: Mapping[str, Any], info: Mapping[str, Any], path: Path) -> dict[str, list[str]]:
+    """train/val/test stems from the config, checked against the dataset's files."""
+    available = [f["stem"] for f in info["files"]]
+    splits = {}
+    for split in ("train", "val", "test"):
+        stems = list(cfg.get(f"{split}_stems") or [])
+        if not stems:
+            raise ValueError(f"data.{split}_stems is empty; {path} has stems {available}")
+        missing = [s for s in stems if s not in available]
+        if missing:
+            raise ValueError(f"data.{split}_stems names {missing}, but {path} has only {available}")
+        splits[split] = stems
+    return splits
+
+
+__all__ = ["prepare_data", "split_stems", "criteo_batches", "dataset_info"]

@@ -1,0 +1,69 @@
+"""Evaluation metrics synchronized across ranks (torchmetrics), and the run's metrics.json."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+import torchmetrics
+from torchmetrics.classification import BinaryAccuracy, BinaryAUROC
+
+
+class LogLoss(torchmetrics.Metric):
+    """Mean binary cross-entropy of sigmoid(logits); sums and counts reduce across ranks."""
+
+    full_state_update = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("total", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", default=torch.tensor(0, dtype=torch.int64), dist_reduce_fx="sum")
+
+    def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(
+            logits.double(), labels.double(), reduction="sum")
+        self.total += loss
+        self.count += labels.numel()
+
+    def compute(self) -> torch.Tensor:
+        return self.total / self.count.clamp(min=1)
+
+
+class Evaluator:
+    """AUROC, log loss and accuracy over one evaluation pass; ``compute`` syncs every rank."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.auc = BinaryAUROC().to(device)
+        self.accuracy = BinaryAccuracy().to(device)
+        self.logloss = LogLoss().to(device)
+        self.samples = torchmetrics.SumMetric().to(device)
+
+    def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        labels = labels.float()
+        probs = torch.sigmoid(logits.float())
+        self.auc.update(probs, labels.long())
+        self.accuracy.update(probs, labels.long())
+        self.logloss.update(logits, labels)
+        self.samples.update(torch.tensor(float(labels.numel()), device=labels.device))
+
+    def compute(self) -> dict[str, float]:
+        out = {
+            "auc": float(self.auc.compute()),
+            "logloss": float(self.logloss.compute()),
+            "accuracy": float(self.accuracy.compute()),
+            "samples": int(self.samples.compute()),
+        }
+        for metric in (self.auc, self.accuracy, self.logloss, self.samples):
+            metric.reset()
+        return out
+
+
+def write_metrics_json(path: Path, metrics: Mapping[str, Any]) -> None:
+    """Atomically write metrics.json (a reader never sees a half-written file)."""
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(clean, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)

@@ -1,0 +1,35 @@
+"""TensorBoard on rank 0 only; every other rank gets a logger that does nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+from torch.utils.tensorboard import SummaryWriter
+
+
+class TensorBoardLogger:
+    def __init__(self, log_dir: Path | None) -> None:
+        self.writer = SummaryWriter(log_dir=str(log_dir)) if log_dir is not None else None
+
+    def scalars(self, values: Mapping[str, float], step: int) -> None:
+        if self.writer is None:
+            return
+        for tag, value in values.items():
+            self.writer.add_scalar(tag, value, step)
+
+    def text(self, tag: str, value: str) -> None:
+        if self.writer is not None:
+            self.writer.add_text(tag, value)
+
+    def hparams(self, hparams: Mapping[str, Any], metrics: Mapping[str, float]) -> None:
+        """The run's config beside its final metrics, so runs compare in the HPARAMS view."""
+        if self.writer is None:
+            return
+        clean = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in hparams.items()}
+        self.writer.add_hparams(clean, dict(metrics), run_name=".")
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()
