@@ -8,6 +8,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.rendezvous import rendezvous
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,12 @@ def init_distributed(device: str = "auto", timeout_s: float = 600.0) -> DistEnv:
         if "MASTER_ADDR" not in os.environ:  # plain `python -m dlrm.train`: a private 1-rank group
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        # torchrun restarts reuse the agent's store, where the dead attempt's gloo addresses still
+        # sit under the same keys; a per-attempt prefix keeps new workers from dialling them.
+        store, _, _ = next(rendezvous("env://", rank, world_size, timeout=timeout))
+        store = dist.PrefixStore(f"dlrm/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     return DistEnv(rank, world_size, local_rank, local_world_size, dev, backend)
 
 

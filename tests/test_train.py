@@ -1,0 +1,138 @@
+"""The trainer end to end with torchrun: metrics, TensorBoard, resume, restarts, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from trainer_runs import REPO, SMALL, env_for, losses, torchrun_cmd, train
+
+METRIC_KEYS = {"auc", "logloss", "accuracy", "iterations", "samples_per_s", "forward_ratio",
+               "backward_ratio", "max_abs_error_seen", "config_name"}
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+def test_two_ranks_write_metrics_and_tensorboard(tmp_path, cache):
+    run_dir = tmp_path / "run"
+    proc = train(run_dir, cache, ["max_iterations=12", "eval_every=6", "pipeline=true"])
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert METRIC_KEYS <= metrics.keys()
+    assert metrics["iterations"] == 12 and metrics["world_size"] == 2
+    assert 0.0 < metrics["auc"] < 1.0 and metrics["logloss"] > 0 and metrics["samples"] == 391
+    assert "test AUC" in proc.stdout and str(run_dir) in proc.stdout
+    events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "eval/auc", "eval/logloss", "eval/accuracy", "test/auc"} <= tags
+    assert [e.step for e in events.Scalars("eval/auc")] == [6, 12]
+    assert len(events.Scalars("train/loss")) == 12
+
+
+def test_plain_loop_and_pipeline_give_the_same_losses(tmp_path, cache):
+    common = ["max_iterations=6", "loss_log=true", "data.shuffle=false"]
+    train(tmp_path / "pipe", cache, [*common, "pipeline=true"])
+    train(tmp_path / "plain", cache, [*common, "pipeline=false"])
+    assert losses(tmp_path / "pipe") == losses(tmp_path / "plain")
+
+
+def test_resume_continues_with_the_losses_of_an_uninterrupted_run(tmp_path, cache):
+    full, part = tmp_path / "full", tmp_path / "part"
+    common = ["loss_log=true", "checkpoint.every=5", "epochs=2", "batch_size=256", "eval_every=20"]
+    train(full, cache, [*common, "max_iterations=22"])  # crosses an epoch boundary (14 per epoch)
+    train(part, cache, [*common, "max_iterations=10"])
+    assert (part / "checkpoints" / "latest").read_text() == "step-10"
+    train(part, cache, [*common, "max_iterations=22", "resume=true"])
+    reference, resumed = losses(full), losses(part)
+    assert sorted(resumed) == list(range(1, 23))
+    assert [resumed[i] for i in range(11, 23)] == [reference[i] for i in range(11, 23)]
+    assert json.loads((part / "metrics.json").read_text())["iterations"] == 22
+
+
+def test_resume_with_another_world_size_names_both_sizes(tmp_path, cache):
+    run_dir = tmp_path / "run"
+    train(run_dir, cache, ["max_iterations=3"])
+    proc = train(run_dir, cache, ["max_iterations=6", "resume=true"], nproc=1, check=False)
+    assert proc.returncode != 0
+    assert "written by 2 ranks but this job has 1" in proc.stderr
+
+
+def test_crash_during_save_leaves_previous_checkpoint_usable(tmp_path, cache):
+    run_dir = tmp_path / "run"
+    train(run_dir, cache, ["max_iterations=4"])
+    ckpts = run_dir / "checkpoints"
+    # What a save killed half-way leaves behind: a temporary directory without train_state.json.
+    (ckpts / ".tmp-step-8").mkdir()
+    (ckpts / ".tmp-step-8" / "__0_0.distcp").write_bytes(b"partial")
+    proc = train(run_dir, cache, ["max_iterations=6", "resume=true"])
+    assert "resumed from" in (run_dir / "train_rank0.log").read_text()
+    assert json.loads((run_dir / "metrics.json").read_text())["iterations"] == 6
+    assert not (ckpts / ".tmp-step-8").exists() and (ckpts / "latest").read_text() == "step-6"
+    assert proc.returncode == 0
+
+
+def _worker_pids(agent_pid: int) -> dict[int, int]:
+    """rank -> pid of the trainer processes the torchrun agent started (not its helpers)."""
+    out = {}
+    for task in Path(f"/proc/{agent_pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+            environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            rank = [e.split(b"=", 1)[1] for e in environ if e.startswith(b"RANK=")]
+            if b"dlrm.train" in cmdline and rank:
+                out[int(rank[0])] = int(child)
+    return out
+
+
+def test_sigkilled_rank_restarts_from_the_last_checkpoint_and_finishes(tmp_path, cache):
+    run_dir = tmp_path / "run"
+    total = 60
+    overrides = [f"hydra.run.dir={run_dir}", f"data.cache_dir={cache}", *SMALL, "loss_log=true",
+                 "checkpoint.every=10", "batch_size=32", f"max_iterations={total}"]
+    agent = subprocess.Popen(torchrun_cmd(2, overrides, max_restarts=1), cwd=REPO, env=env_for(cache),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # wait until training is past the first checkpoint
+            if (run_dir / "losses.txt").exists() and len(losses(run_dir)) >= 15:
+                break
+            time.sleep(0.1)
+        first_attempt = losses(run_dir)
+        assert len(first_attempt) >= 15, "training did not start in time"
+        workers = _worker_pids(agent.pid)
+        assert sorted(workers) == [0, 1], workers
+        os.kill(workers[1], signal.SIGKILL)
+        stdout, stderr = agent.communicate(timeout=240)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    assert agent.returncode == 0, stderr[-12000:]
+    log = (run_dir / "train_rank0.log").read_text()
+    assert "resumed from" in log
+    final = losses(run_dir)
+    assert max(final) == total
+    assert json.loads((run_dir / "metrics.json").read_text())["iterations"] == total
+    # Iterations trained twice (after the checkpoint, before the kill) repeat the same losses.
+    redone = [i for i in first_attempt if i in final and i > 10 * (min(first_attempt) // 10)]
+    assert all(final[i] == first_attempt[i] for i in redone)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model=transformer", "Could not find 'model/transformer'"),
+    ("sharding.type=diagonal", "sharding.type must be one of"),
+    ("no_such_key=1", "no_such_key"),
+    ("optimizer.dense.name=lion", "optimizer.dense.name must be one of"),
+])
+def test_bad_override_fails_with_a_message_naming_it(tmp_path, cache, override, message):
+    proc = train(tmp_path / "run", cache, [override, "max_iterations=1"], nproc=1, check=False)
+    assert proc.returncode != 0
+    assert message in proc.stderr + proc.stdout

@@ -1,0 +1,46 @@
+"""Launch the real trainer with torchrun in a subprocess, as a user would."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from multiprocess import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+# A small model and short runs keep each launch to seconds on 2 CPU cores.
+SMALL = ["model.embedding_dim=16", "model.dense_arch_layer_sizes=[32,16]", "model.over_arch_layer_sizes=[32,1]",
+         "progress_bar=false", "log_every=1"]
+
+
+def torchrun_cmd(nproc: int, overrides: list[str], max_restarts: int = 0) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+            f"--max-restarts={max_restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+            "-m", "dlrm.train", *overrides]
+
+
+def env_for(cache: Path) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env["DLRM_TEST_CACHE"] = str(cache)
+    return env
+
+
+def train(run_dir: Path, cache: Path, overrides: list[str], nproc: int = 2, check: bool = True,
+          timeout: float = 300) -> subprocess.CompletedProcess:
+    cmd = torchrun_cmd(nproc, [f"hydra.run.dir={run_dir}", f"data.cache_dir={cache}", *SMALL, *overrides])
+    proc = subprocess.run(cmd, cwd=REPO, env=env_for(cache), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"trainer failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """iteration -> loss from losses.txt (a restarted run appends; the last value wins)."""
+    out = {}
+    for line in (run_dir / "losses.txt").read_text().splitlines(keepends=True):
+        if line.endswith("\n"):  # a line still being written has no newline yet
+            it, loss = line.split()
+            out[int(it)] = float(loss)
+    return out
