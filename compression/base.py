@@ -1,0 +1,153 @@
+"""The codec interface, the registry behind ``get_codec``, and the shared input checks."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+import math
+from typing import ClassVar, Sequence, Union
+
+import torch
+
+from . import format as fmt
+from .format import PayloadError
+
+Bound = Union[float, Sequence[float], torch.Tensor]
+
+_REGISTRY: dict[str, type["Codec"]] = {}
+_BY_ID: dict[int, type["Codec"]] = {}
+
+
+def register(cls: type["Codec"]) -> type["Codec"]:
+    """Class decorator: make a codec reachable by ``get_codec(cls.name)`` and by its payload id."""
+    if cls.name in _REGISTRY or cls.codec_id in _BY_ID:
+        raise ValueError(f"codec name {cls.name!r} or id {cls.codec_id} registered twice")
+    _REGISTRY[cls.name] = cls
+    _BY_ID[cls.codec_id] = cls
+    return cls
+
+
+def get_codec(name: str, **params) -> "Codec":
+    """Build the codec registered as ``name`` with its keyword parameters."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown codec {name!r}; available: {', '.join(sorted(_REGISTRY))}")
+    try:
+        return _REGISTRY[name](**params)
+    except TypeError as e:  # name the codec: "unexpected keyword" alone does not say which
+        raise TypeError(f"codec {name!r}: {e}") from None
+
+
+def available_codecs() -> list[str]:
+    """Names accepted by :func:`get_codec`."""
+    return sorted(_REGISTRY)
+
+
+def codec_for(payload: torch.Tensor) -> "Codec":
+    """The (default-parameter) codec that wrote ``payload``; decoding needs no parameters."""
+    header, _ = fmt.unpack(payload)
+    if header.codec_id not in _BY_ID:
+        raise PayloadError(f"payload written by unknown codec id {header.codec_id}")
+    return _BY_ID[header.codec_id]()
+
+
+def decode(payload: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode any payload with the codec named in its header."""
+    return codec_for(payload).decode(payload, ids)
+
+
+class Codec(ABC):
+    """tensor [rows, cols] -> self-describing uint8 payload -> tensor.
+
+    ``bounded`` codecs guarantee ``|decode(encode(x, eb)) - x| <= eb`` element-wise; the others
+    ignore ``eb`` (cast/quantised baselines).
+    """
+
+    name: ClassVar[str]
+    codec_id: ClassVar[int]
+    bounded: ClassVar[bool] = False
+
+    @abstractmethod
+    def encode(self, x: torch.Tensor, eb: Bound | None = None, ids: torch.Tensor | None = None, *,
+               blocks: Sequence[int] | None = None) -> torch.Tensor:
+        """Compress ``x`` into one payload (see the package docstring for ``eb``/``ids``/``blocks``)."""
+
+    @abstractmethod
+    def decode(self, payload: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Rebuild the tensor (shape, dtype, device of the payload) from a payload."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+    # -- shared helpers -------------------------------------------------------------------------
+
+    def _header(self, payload: torch.Tensor) -> tuple[fmt.Header, list[torch.Tensor]]:
+        """Unpack and check that this codec wrote the payload."""
+        header, sections = fmt.unpack(payload)
+        if header.codec_id != self.codec_id:
+            other = _BY_ID.get(header.codec_id)
+            raise PayloadError(f"payload was written by codec {other.name if other else header.codec_id!r}"
+                               f", not {self.name!r}")
+        return header, sections
+
+
+def check_input(x: torch.Tensor) -> None:
+    """Reject anything but a 2-D float32/float16/bfloat16 tensor, naming what was given."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [rows, cols], got shape {tuple(x.shape)}")
+    if x.dtype not in fmt.DTYPES:
+        raise ValueError(f"x dtype {x.dtype} not supported; use one of {list(fmt.DTYPES)}")
+
+
+def resolve_blocks(cols: int, eb: Bound | None, ids: torch.Tensor | None,
+                   blocks: Sequence[int] | None) -> list[int]:
+    """Column widths of the blocks (tables): ``blocks`` if given, else an equal split into as many
+    blocks as ``eb`` has bounds or ``ids`` has columns, else one block."""
+    if blocks is not None:
+        widths = [int(b) for b in blocks]
+        if any(w < 0 for w in widths) or sum(widths) != cols:
+            raise ValueError(f"blocks={widths} must be non-negative widths summing to cols={cols}")
+        return widths
+    n = 1
+    if eb is not None and not isinstance(eb, (int, float)) and not (isinstance(eb, torch.Tensor) and eb.dim() == 0):
+        n = len(eb)
+    elif ids is not None and ids.dim() == 2:
+        n = ids.shape[1]
+    if n == 1:
+        return [cols]
+    if n == 0 or cols % n:
+        raise ValueError(f"cannot split {cols} columns into {n} equal blocks; pass blocks=[...]")
+    return [cols // n] * n
+
+
+def resolve_bounds(eb: Bound | None, widths: list[int], required: bool) -> list[float]:
+    """One absolute bound per block as Python floats; ``inf`` marks an unbounded codec."""
+    if eb is None:
+        if required:
+            raise ValueError("this codec needs an error bound eb (a float or one per block)")
+        return [math.inf] * len(widths)
+    if isinstance(eb, torch.Tensor):
+        eb = eb.detach().cpu().double().reshape(-1).tolist() if eb.dim() else float(eb)
+    bounds = [float(eb)] * len(widths) if isinstance(eb, (int, float)) else [float(e) for e in eb]
+    if len(bounds) != len(widths):
+        raise ValueError(f"{len(bounds)} error bounds for {len(widths)} blocks {widths}")
+    if required:
+        bad = [i for i, e in enumerate(bounds) if not (e >= 0 and math.isfinite(e))]
+        if bad:
+            raise ValueError(f"error bound of block {bad[0]} is {bounds[bad[0]]}: must be finite and >= 0")
+    return bounds
+
+
+def check_ids(ids: torch.Tensor | None, rows: int, n_blocks: int, where: str) -> torch.Tensor | None:
+    """Validate ``ids`` ([rows] or [rows, n_blocks] integers) and return them as int64 [rows, n_blocks]."""
+    if ids is None:
+        return None
+    if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise TypeError(f"{where}: ids must be an integer tensor, got "
+                        f"{ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__}")
+    if ids.dim() == 1 and ids.shape[0] == rows:
+        return ids.long()[:, None].expand(rows, n_blocks)
+    if ids.dim() == 2 and tuple(ids.shape) == (rows, n_blocks):
+        return ids.long()
+    raise ValueError(f"{where}: ids shape {tuple(ids.shape)} must be [{rows}] or [{rows}, {n_blocks}]")
+

@@ -1,0 +1,66 @@
+"""Unbounded baselines that only change the wire dtype: ``none`` (exact), ``fp16``, ``bf16``."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Sequence
+
+import torch
+
+from . import format as fmt
+from .base import Bound, Codec, check_ids, check_input, register, resolve_blocks, resolve_bounds
+
+
+class CastCodec(Codec):
+    """Send ``x.to(wire_dtype)``; ``eb`` and ``ids`` are ignored (recorded as unbounded)."""
+
+    wire_dtype: ClassVar[torch.dtype | None]  # None: keep the input dtype (lossless)
+
+    def encode(self, x: torch.Tensor, eb: Bound | None = None, ids: torch.Tensor | None = None, *,
+               blocks: Sequence[int] | None = None) -> torch.Tensor:
+        """Cast and wrap ``x``; one section holding the cast values."""
+        check_input(x)
+        widths = resolve_blocks(x.shape[1], eb, ids, blocks)
+        resolve_bounds(eb, widths, required=False)  # reject malformed bounds even though unused
+        check_ids(ids, x.shape[0], len(widths), f"codec {self.name!r} encode")
+        wire = x if self.wire_dtype is None else x.to(self.wire_dtype)
+        header = fmt.Header(self.codec_id, x.dtype, x.shape[0], x.shape[1], widths,
+                            [float("inf")] * len(widths))
+        return fmt.pack(header, [wire], device=x.device)
+
+    def decode(self, payload: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Undo the cast; the result never aliases ``payload``."""
+        header, (section,) = self._header(payload)
+        wire_dtype = header.dtype if self.wire_dtype is None else self.wire_dtype
+        values = fmt.view_as(section, wire_dtype, "cast values")
+        if values.numel() != header.rows * header.cols:
+            raise fmt.PayloadError(f"cast values: {values.numel()} values for shape "
+                                   f"[{header.rows}, {header.cols}]")
+        out = values.reshape(header.rows, header.cols)
+        return out.clone() if out.dtype == header.dtype else out.to(header.dtype)
+
+
+@register
+class NoneCodec(CastCodec):
+    """Exact: the input bytes as they are."""
+
+    name = "none"
+    codec_id = 1
+    wire_dtype = None
+
+
+@register
+class Fp16Codec(CastCodec):
+    """IEEE half precision (round to nearest even, overflow to inf)."""
+
+    name = "fp16"
+    codec_id = 2
+    wire_dtype = torch.float16
+
+
+@register
+class Bf16Codec(CastCodec):
+    """bfloat16 (round to nearest even)."""
+
+    name = "bf16"
+    codec_id = 3
+    wire_dtype = torch.bfloat16

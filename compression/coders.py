@@ -1,0 +1,133 @@
+"""Encoder stage: non-negative int32 codes -> bytes, fixed-length blocks or byte planes + zstd.
+
+Both coders are lossless over [0, 2**31); the decoder is told how many codes to expect.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Protocol
+
+import torch
+import zstandard
+
+from . import reference
+from .format import PayloadError, view_as
+
+FIXED, ZSTD = 0, 1
+
+
+class Coder(Protocol):
+    """codes -> section bytes -> codes."""
+
+    kind: int
+
+    def encode(self, codes: torch.Tensor) -> torch.Tensor: ...
+
+    def decode(self, section: torch.Tensor, n: int, what: str) -> torch.Tensor: ...
+
+
+class BlockCoder:
+    """cuSZp-style: groups of 32 codes, one width byte per group, then the packed words.
+
+    Section: uint8 widths [ceil(n/32)] | zero pad to 4 bytes | int32 words [sum(widths)].
+    """
+
+    kind = FIXED
+
+    def __init__(self, backend=reference):
+        self.backend = backend
+
+    def encode(self, codes: torch.Tensor) -> torch.Tensor:
+        """Pack ``codes`` (non-negative int32)."""
+        widths, words = self.backend.block_pack(codes)
+        pad = torch.zeros(-widths.numel() % 4, dtype=torch.uint8, device=codes.device)
+        return torch.cat([widths, pad, words.view(torch.uint8)])
+
+    def decode(self, section: torch.Tensor, n: int, what: str) -> torch.Tensor:
+        """Unpack ``n`` codes, checking that the section has exactly the bytes they need."""
+        g = -(-n // reference.GROUP)
+        head = g + (-g % 4)
+        if section.numel() < head:
+            raise PayloadError(f"{what}: {section.numel()} bytes cannot hold {g} group widths")
+        widths = section[:g]
+        if g and int(widths.max()) > 31:
+            raise PayloadError(f"{what}: group width {int(widths.max())} > 31")
+        need = int(widths.long().sum()) * 4 if g else 0
+        if section.numel() - head != need:
+            raise PayloadError(f"{what}: {section.numel() - head} bytes of packed words, widths say {need}")
+        words = view_as(section[head:], torch.int32, what)
+        return self.backend.block_unpack(widths, words, n)
+
+
+class ZstdCoder:
+    """Near-entropy: the codes' significant bytes as planes (low byte first), then one zstd frame.
+
+    Section: u8 number of planes (0..4) | zstd frame of ``planes * n`` bytes (absent if 0 planes).
+    Runs on the host; device tensors are copied.
+    """
+
+    kind = ZSTD
+
+    def __init__(self, level: int = 1):
+        self.level = level
+        self._local = threading.local()  # zstd contexts are not thread-safe: one pair per thread
+
+    @property
+    def _cctx(self) -> zstandard.ZstdCompressor:
+        if not hasattr(self._local, "cctx"):
+            self._local.cctx = zstandard.ZstdCompressor(level=self.level)
+        return self._local.cctx
+
+    @property
+    def _dctx(self) -> zstandard.ZstdDecompressor:
+        if not hasattr(self._local, "dctx"):
+            self._local.dctx = zstandard.ZstdDecompressor()
+        return self._local.dctx
+
+    def encode(self, codes: torch.Tensor) -> torch.Tensor:
+        """Byte-plane ``codes`` (non-negative int32) and zstd them."""
+        device = codes.device
+        codes = codes.cpu()
+        top = int(codes.max()) if codes.numel() else 0
+        planes = (top.bit_length() + 7) // 8
+        if planes == 0:
+            return torch.zeros(1, dtype=torch.uint8, device=device)
+        if planes == 1:
+            raw = codes.to(torch.uint8)
+        else:
+            raw = codes.view(torch.uint8).view(-1, 4)[:, :planes].t().contiguous()
+        frame = self._cctx.compress(raw.numpy())
+        out = torch.empty(1 + len(frame), dtype=torch.uint8)
+        out[0] = planes
+        out[1:] = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
+        return out.to(device)
+
+    def decode(self, section: torch.Tensor, n: int, what: str) -> torch.Tensor:
+        """Decompress ``n`` codes; the frame must hold exactly ``planes * n`` bytes."""
+        if section.numel() < 1:
+            raise PayloadError(f"{what}: empty section")
+        host = section.cpu()
+        planes = int(host[0])
+        if planes > 4:
+            raise PayloadError(f"{what}: {planes} byte planes (at most 4)")
+        if planes == 0:
+            if section.numel() != 1:
+                raise PayloadError(f"{what}: all-zero codes with {section.numel() - 1} trailing bytes")
+            return torch.zeros(n, dtype=torch.int32, device=section.device)
+        try:
+            raw = self._dctx.decompress(host[1:].numpy(), max_output_size=planes * n)
+        except zstandard.ZstdError as e:
+            raise PayloadError(f"{what}: zstd frame does not decode ({e})") from None
+        if len(raw) != planes * n:
+            raise PayloadError(f"{what}: zstd frame holds {len(raw)} bytes, expected {planes * n}")
+        b = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        if planes == 1:
+            out = b.to(torch.int32)
+        else:
+            full = torch.zeros(n, 4, dtype=torch.uint8)
+            full[:, :planes] = b.view(planes, n).t()
+            out = full.view(torch.int32).view(-1)
+        if planes == 4 and n and int(out.min()) < 0:  # only a 4th plane can set the sign bit
+            raise PayloadError(f"{what}: negative code")
+        return out.to(section.device)

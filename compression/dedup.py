@@ -1,0 +1,170 @@
+"""Dedup stage: the unique rows of each column block, by id (exact by contract) or by value.
+
+Unique rows of a block are listed in canonical key order (ascending id, or ascending row hash),
+blocks one after another. A receiver that knows the ids rebuilds the row -> unique mapping
+itself, so only the per-block counts travel; in value mode the mapping (the index) travels too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+NONE, IDS, VALUE = 0, 1, 2
+_HASH_SEED = 0x5EED
+
+
+@dataclass
+class Plan:
+    """Where each unique row comes from and where each (block, row) goes back to."""
+
+    mode: int
+    counts: torch.Tensor  # int64 [n_blocks]: unique rows per block
+    first: torch.Tensor  # int64 [U]: a source row of each unique row, block-major
+    inverse: torch.Tensor | None  # int64 [n_blocks, rows]: index within the block; None = identity
+
+
+def unique_per_block(keys: torch.Tensor, want_first: bool = True
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Per column of ``keys`` [rows, n_blocks]: (counts, a source row of each unique key in
+    block-major canonical order, inverse [n_blocks, rows] index within the block)."""
+    rows, nb = keys.shape
+    if nb == 1 or keys.stride(1) == 0:  # one key column shared by every block: one unique
+        uniq, inv = torch.unique(keys[:, 0], sorted=True, return_inverse=True)
+        first = None
+        if want_first:
+            first = torch.empty_like(uniq).scatter_(0, inv, torch.arange(rows, device=keys.device))
+            first = first.repeat(nb) if nb > 1 else first
+        counts = torch.full((nb,), uniq.numel(), dtype=torch.int64, device=keys.device)
+        return counts, first, inv.expand(nb, rows)
+    s, perm = torch.sort(keys.t().contiguous(), dim=1)  # one vectorised sort for every block
+    new = torch.ones_like(s, dtype=torch.bool)
+    new[:, 1:] = s[:, 1:] != s[:, :-1]
+    local = new.cumsum(1)
+    local -= 1
+    inverse = torch.empty_like(local).scatter_(1, perm, local)
+    return new.sum(1), perm[new] if want_first else None, inverse
+
+
+def identity_plan(rows: int, n_blocks: int, device: torch.device) -> Plan:
+    """No dedup: every row of every block is its own unique row."""
+    counts = torch.full((n_blocks,), rows, dtype=torch.int64, device=device)
+    first = torch.arange(rows, device=device).repeat(n_blocks)
+    return Plan(NONE, counts, first, None)
+
+
+def plan_by_ids(ids: torch.Tensor) -> Plan:
+    """Dedup by the caller's ids [rows, n_blocks] (equal id => equal row, by contract)."""
+    counts, first, inverse = unique_per_block(ids)
+    return Plan(IDS, counts, first, inverse)
+
+
+def inverse_from_ids(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Receiver side of :func:`plan_by_ids`: (counts, inverse) from the same ids."""
+    counts, _, inverse = unique_per_block(ids, want_first=False)
+    return counts, inverse
+
+
+def _row_hashes(x: torch.Tensor, widths: list[int]) -> torch.Tensor:
+    """int64 hash of each (row, block) from the value bits (collisions are checked later).
+
+    Two wrapping int32 multiply-sums (int64 multiplies are several times slower on CPU).
+    """
+    bits = x.contiguous().view(torch.int32 if x.element_size() == 4 else torch.int16).int()
+    gen = torch.Generator().manual_seed(_HASH_SEED)
+    mult = (torch.randint(-(1 << 30), 1 << 30, (2, max(widths + [1])), generator=gen, dtype=torch.int32)
+            * 2 + 1).to(x.device)
+
+    def hash64(block: torch.Tensor, w: int) -> torch.Tensor:
+        h1 = (block * mult[0, :w]).sum(-1, dtype=torch.int32).long()
+        h2 = (block * mult[1, :w]).sum(-1, dtype=torch.int32).long()
+        return (h1 << 32) | (h2 & 0xFFFFFFFF)
+
+    if len(set(widths)) == 1 and widths[0] > 0:
+        d = widths[0]
+        return hash64(bits.view(x.shape[0], len(widths), d), d)
+    cols, start = [], 0
+    for w in widths:
+        cols.append(hash64(bits[:, start:start + w], w))
+        start += w
+    return torch.stack(cols, 1)
+
+
+def plan_by_value(x: torch.Tensor, widths: list[int]) -> Plan:
+    """Dedup bit-identical rows per block; a block whose hash collides is left undeduplicated."""
+    rows, nb = x.shape[0], len(widths)
+    keys = _row_hashes(x, widths)
+    counts, first, inverse = unique_per_block(keys)
+    bad = mismatched_blocks(x, widths, counts, first, inverse)
+    if bad.any():  # astronomically rare: fall back to the row number as key for those blocks
+        keys[:, bad] = torch.arange(rows, device=x.device)[:, None]
+        counts, first, inverse = unique_per_block(keys)
+    return Plan(VALUE, counts, first, inverse)
+
+
+def index_pays_off(plan: Plan, widths: list[int], rows: int) -> bool:
+    """Whether value dedup saves more than its index costs: the removed values (about half a byte
+    each at typical bounds) must outweigh the index (at most about 2 bytes per row and block)."""
+    removed = int(((rows - plan.counts) * torch.tensor(widths, device=plan.counts.device)).sum())
+    return removed >= 4 * rows * len(widths)
+
+
+def mismatched_blocks(x: torch.Tensor, widths: list[int], counts: torch.Tensor, first: torch.Tensor,
+                inverse: torch.Tensor) -> torch.Tensor:
+    """bool [n_blocks]: blocks where some row differs (bitwise) from the unique row it maps to."""
+    bits = x.contiguous().view(torch.int32 if x.element_size() == 4 else torch.int16)
+    offsets = counts.cumsum(0) - counts
+    src = first[inverse + offsets[:, None]]  # [nb, rows]: the representative row
+    out, start = [], 0
+    for b, w in enumerate(widths):
+        block = bits[:, start:start + w]
+        out.append(not torch.equal(torch.index_select(block, 0, src[b]), block))
+        start += w
+    return torch.tensor(out, dtype=torch.bool, device=x.device)
+
+
+def gather(x: torch.Tensor, widths: list[int], plan: Plan) -> torch.Tensor:
+    """Flat values of the unique rows, block after block, each row's columns in order."""
+    if not widths or x.numel() == 0:
+        return x.new_zeros(int((plan.counts * torch.tensor(widths, dtype=torch.int64,
+                                                           device=plan.counts.device)).sum()))
+    if len(set(widths)) == 1:
+        d, nb = widths[0], len(widths)
+        if nb == 1:
+            return torch.index_select(x, 0, plan.first).view(-1)
+        blk = torch.repeat_interleave(torch.arange(nb, device=x.device), plan.counts)
+        return torch.index_select(x.reshape(-1, d), 0, plan.first * nb + blk).view(-1)
+    parts, start, row0 = [], 0, 0
+    for w, u in zip(widths, plan.counts.tolist()):
+        parts.append(torch.index_select(x[:, start:start + w], 0, plan.first[row0:row0 + u]).reshape(-1))
+        start, row0 = start + w, row0 + u
+    return torch.cat(parts)
+
+
+def scatter(values: torch.Tensor, widths: list[int], counts: torch.Tensor,
+            inverse: torch.Tensor | None, rows: int) -> torch.Tensor:
+    """Inverse of :func:`gather`: the full [rows, cols] tensor from the unique rows' values."""
+    cols = sum(widths)
+    if cols == 0:
+        return values.new_zeros(rows, 0)
+    if inverse is None:  # identity plan: blocks are stored [rows, w] one after another
+        if len(set(widths)) <= 1:
+            nb = len(widths)
+            d = widths[0] if widths else 0
+            return values.view(nb, rows, d).transpose(0, 1).reshape(rows, cols)
+        inverse = torch.arange(rows, device=values.device).expand(len(widths), rows)
+    if len(set(widths)) == 1:
+        d, nb = widths[0], len(widths)
+        if nb == 1:
+            return torch.index_select(values.view(-1, d), 0, inverse[0])
+        offsets = counts.cumsum(0) - counts
+        g = (inverse + offsets[:, None]).t().reshape(-1)  # [rows * nb] index of the unique row
+        return torch.index_select(values.view(-1, d), 0, g).view(rows, cols)
+    out = values.new_empty(rows, cols)
+    start, pos = 0, 0
+    for b, w in enumerate(widths):
+        u = int(counts[b])
+        out[:, start:start + w] = torch.index_select(values[pos:pos + u * w].view(u, w), 0, inverse[b])
+        start, pos = start + w, pos + u * w
+    return out

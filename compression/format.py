@@ -1,0 +1,180 @@
+"""The self-describing payload: a fixed header, a section table and 8-byte-aligned sections.
+
+Layout (little-endian)::
+
+    magic "DLCZ" | version u8 | codec id u8 | dtype u8 | flags u8 | header_len u32 | total_len u64
+    | crc32 u32 (over every other byte of the payload) | rows u64 | cols u32
+    | n_blocks u32 | n_sections u32 | block widths u32 * n_blocks | bounds f64 * n_blocks
+    | codec info u32 * 4 | section lengths u64 * n_sections | zero padding to 8 bytes
+    | section 0 | pad to 8 | section 1 | pad ...
+
+Every check that fails raises :class:`PayloadError` naming the field, so a truncated, corrupted
+or foreign buffer is never decoded into wrong values.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+
+MAGIC = b"DLCZ"
+VERSION = 1
+_PREFIX = struct.Struct("<4sBBBBIQI")  # magic, version, codec, dtype, flags, header_len, total_len, crc
+_CRC_AT = _PREFIX.size - 4  # the crc is the prefix's last field and covers every other byte
+_FIXED = struct.Struct("<QIII")  # rows, cols, n_blocks, n_sections
+N_INFO = 4  # codec-private u32 words (e.g. the lossy codec's stage choices)
+_ALIGN = 8
+_MAX_BLOCKS = 1 << 20
+_MAX_SECTIONS = 64
+
+DTYPES: dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_DTYPE_OF = {v: k for k, v in DTYPES.items()}
+
+
+class PayloadError(ValueError):
+    """A payload is truncated, corrupted, foreign or inconsistent with the decoder's inputs."""
+
+
+@dataclass
+class Header:
+    """Everything the payload says about itself, besides the section bytes."""
+
+    codec_id: int
+    dtype: torch.dtype
+    rows: int
+    cols: int
+    widths: list[int]
+    bounds: list[float]
+    flags: int = 0
+    info: list[int] = field(default_factory=lambda: [0] * N_INFO)
+
+
+def _pad(n: int) -> int:
+    return -n % _ALIGN
+
+
+def _as_bytes_tensor(t: torch.Tensor) -> torch.Tensor:
+    """Flat uint8 view of a tensor's bytes (copies only if it is not contiguous)."""
+    t = t.contiguous().reshape(-1)
+    return t.view(torch.uint8) if t.dtype != torch.uint8 else t
+
+
+def pack(header: Header, sections: list[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
+    """Serialise a header and its sections into one uint8 payload tensor on ``device``."""
+    if len(header.widths) != len(header.bounds):
+        raise ValueError(f"{len(header.widths)} block widths but {len(header.bounds)} bounds")
+    if len(header.info) != N_INFO:
+        raise ValueError(f"codec info must have {N_INFO} words, got {len(header.info)}")
+    body_parts = [_as_bytes_tensor(s) for s in sections]
+    lengths = [int(p.numel()) for p in body_parts]
+    nb, ns = len(header.widths), len(body_parts)
+    rest = b"".join([
+        _FIXED.pack(header.rows, header.cols, nb, ns),
+        struct.pack(f"<{nb}I", *header.widths),
+        struct.pack(f"<{nb}d", *header.bounds),
+        struct.pack(f"<{N_INFO}I", *header.info),
+        struct.pack(f"<{ns}Q", *lengths),
+    ])
+    header_len = _PREFIX.size + len(rest)
+    rest += bytes(_pad(header_len))
+    header_len += _pad(header_len)
+    if device is None:
+        device = body_parts[0].device if body_parts else torch.device("cpu")
+    pieces = [_on(torch.frombuffer(bytearray(bytes(_PREFIX.size) + rest), dtype=torch.uint8), device)]
+    zeros = _on(_ZEROS, device)
+    for p, n in zip(body_parts, lengths):
+        pieces.append(_on(p, device))
+        if _pad(n):
+            pieces.append(zeros[:_pad(n)])
+    out = torch.cat(pieces)  # one copy of every section into the payload
+    prefix = _PREFIX.pack(MAGIC, VERSION, header.codec_id, DTYPES[header.dtype], header.flags,
+                          header_len, out.numel(), 0)[:_CRC_AT]
+    crc = _crc32(out[_PREFIX.size:], zlib.crc32(prefix))
+    prefix += struct.pack("<I", crc)
+    out[:_PREFIX.size] = _on(torch.frombuffer(bytearray(prefix), dtype=torch.uint8), device)
+    return out
+
+
+_ZEROS = torch.zeros(_ALIGN, dtype=torch.uint8)
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t if t.device == device else t.to(device)
+
+
+def _crc32(t: torch.Tensor, start: int) -> int:
+    """zlib crc32 of a uint8 tensor, continuing from ``start`` (device tensors are copied to host)."""
+    return zlib.crc32(t.cpu().numpy() if t.device.type != "cpu" else t.numpy(), start)
+
+
+def _host_bytes(t: torch.Tensor, n: int) -> bytes:
+    return t[:n].cpu().numpy().tobytes()
+
+
+def unpack(payload: torch.Tensor) -> tuple[Header, list[torch.Tensor]]:
+    """Validate a payload and return its header and section views (on the payload's device)."""
+    if not isinstance(payload, torch.Tensor):
+        raise PayloadError(f"payload must be a torch.uint8 tensor, got {type(payload).__name__}")
+    if payload.dtype != torch.uint8 or payload.dim() != 1:
+        raise PayloadError(f"payload must be a 1-D torch.uint8 tensor, got {payload.dtype} "
+                           f"with shape {tuple(payload.shape)}")
+    payload = payload.contiguous()
+    size = payload.numel()
+    if size < _PREFIX.size:
+        raise PayloadError(f"payload of {size} bytes is shorter than the {_PREFIX.size}-byte prefix "
+                           "(truncated or not a dlrm-compress payload)")
+    prefix = _host_bytes(payload, _PREFIX.size)
+    magic, version, codec_id, dtype_code, flags, header_len, total, crc = _PREFIX.unpack(prefix)
+    if magic != MAGIC:
+        raise PayloadError(f"bad magic {magic!r}, expected {MAGIC!r}: not a dlrm-compress payload")
+    if version != VERSION:
+        raise PayloadError(f"payload format version {version}, this decoder reads version {VERSION}")
+    if total != size:
+        raise PayloadError(f"payload is {size} bytes but its header says {total} "
+                           f"({'truncated' if size < total else 'trailing bytes'})")
+    if not _PREFIX.size + _FIXED.size <= header_len <= size:
+        raise PayloadError(f"header length {header_len} out of range for a {size}-byte payload")
+    if _crc32(payload[_PREFIX.size:], zlib.crc32(prefix[:_CRC_AT])) != crc:
+        raise PayloadError("checksum mismatch: the payload is corrupted")
+    # The crc covers everything below, so what follows only guards against encoder bugs.
+    raw = _host_bytes(payload, header_len)
+    if dtype_code not in _DTYPE_OF:
+        raise PayloadError(f"unknown dtype code {dtype_code} in header")
+    rows, cols, nb, ns = _FIXED.unpack_from(raw, _PREFIX.size)
+    if nb > _MAX_BLOCKS or ns > _MAX_SECTIONS:
+        raise PayloadError(f"header claims {nb} blocks and {ns} sections: corrupted")
+    pos = _PREFIX.size + _FIXED.size
+    need = pos + 12 * nb + 4 * N_INFO + 8 * ns
+    if need > header_len:
+        raise PayloadError(f"header of {header_len} bytes cannot hold {nb} blocks and {ns} sections")
+    widths = list(struct.unpack_from(f"<{nb}I", raw, pos)); pos += 4 * nb
+    bounds = list(struct.unpack_from(f"<{nb}d", raw, pos)); pos += 8 * nb
+    info = list(struct.unpack_from(f"<{N_INFO}I", raw, pos)); pos += 4 * N_INFO
+    lengths = struct.unpack_from(f"<{ns}Q", raw, pos)
+    if sum(widths) != cols:
+        raise PayloadError(f"block widths {widths} sum to {sum(widths)}, header says {cols} columns")
+    sections, start = [], header_len
+    for i, n in enumerate(lengths):
+        if start + n > size:
+            raise PayloadError(f"section {i} ({n} bytes at offset {start}) runs past the payload end")
+        sections.append(payload[start:start + n])
+        start += n + _pad(n)
+    if start != size:
+        raise PayloadError(f"sections end at byte {start}, payload has {size}")
+    header = Header(codec_id=codec_id, dtype=_DTYPE_OF[dtype_code], rows=rows, cols=cols,
+                    widths=widths, bounds=bounds, flags=flags, info=info)
+    return header, sections
+
+
+def view_as(section: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:
+    """Reinterpret a section's bytes as ``dtype`` (copying only when misaligned)."""
+    item = dtype.itemsize
+    if section.numel() % item:
+        raise PayloadError(f"{what}: {section.numel()} bytes is not a whole number of {dtype}")
+    if section.data_ptr() % item:
+        section = section.clone()
+    return section.view(dtype)
+

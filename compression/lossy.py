@@ -1,0 +1,168 @@
+"""The error-bounded codec: dedup -> quantise (bin 2 eb, verified) -> fixed-length or entropy coder.
+
+Sections, one per stage: counts (dedup, int64 per block) | index (dedup, value mode only) |
+codes (coder) | exceptions (quantiser). The header's codec info records the stage choices:
+word 0 = dedup mode | coder << 2, word 1 = fingerprint of the ids in id mode.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence, Union
+
+import torch
+
+from . import coders, dedup, format as fmt, quantize, reference
+from .base import Bound, Codec, check_ids, check_input, register, resolve_blocks, resolve_bounds
+from .format import PayloadError
+
+Entropy = Union[bool, str]
+
+
+_WEIGHTS: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def ids_fingerprint(ids: torch.Tensor) -> int:
+    """32-bit weighted sum of the ids [rows, n_blocks]: catches a receiver passing other ids.
+
+    Weights are odd, so changing any single id changes the sum; one id column shared by every
+    block (a [rows] id tensor) is summed once.
+    """
+    rows, nb = ids.shape
+    key = (rows, nb, ids.device)
+    if key not in _WEIGHTS:
+        if len(_WEIGHTS) > 64:
+            _WEIGHTS.clear()
+        w_row = torch.arange(rows, device=ids.device) * -7046029254386353131 + 0x2545F491 | 1
+        w_blk = torch.arange(nb, device=ids.device) * 0x5851F42D4C957F2D + 0x14057B7EF767814F | 1
+        _WEIGHTS[key] = (w_row, w_blk)
+    w_row, w_blk = _WEIGHTS[key]
+    if nb == 1 or ids.stride(1) == 0:
+        total = torch.dot(ids[:, 0], w_row) * w_blk.sum()
+    else:
+        total = ((ids * w_row[:, None]).sum(0) * w_blk).sum()
+    return int(total) & 0xFFFFFFFF
+
+
+def _backend(name: str, device: torch.device):
+    """The module with quantize/dequantize/block_pack/block_unpack for this device."""
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
+        return reference
+    if name in ("triton", "auto"):
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("backend='triton' on CPU tensors runs only in Triton's interpreter: "
+                               "set TRITON_INTERPRET=1 before triton is imported")
+        from . import kernels  # imports triton; only needed on this path
+        return kernels
+    raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {name!r}")
+
+
+@register
+class LossyCodec(Codec):
+    """Error-bounded: ``|decode(encode(x, eb)) - x| <= eb`` for every element, always.
+
+    Parameters: ``entropy`` True (byte planes + zstd, near entropy), False (cuSZp-style
+    fixed-length blocks, the GPU fast path) or "auto" (zstd for CPU tensors, blocks on CUDA);
+    ``level``: zstd level; ``dedup``: deduplicate bit-identical rows when no ids are given;
+    ``backend``: "auto" (Triton kernels on CUDA, torch reference on CPU), "torch" or "triton"
+    (on CPU only under TRITON_INTERPRET=1); ``verify_ids``: check on encode that rows sharing an
+    id in a block are bit-identical (the contract the id path relies on; costs one full compare).
+    """
+
+    name = "lossy"
+    codec_id = 4
+    bounded = True
+
+    def __init__(self, entropy: Entropy = "auto", level: int = 1, dedup: bool = True,
+                 backend: str = "auto", verify_ids: bool = False):
+        if entropy not in (True, False, "auto"):
+            raise ValueError(f"entropy must be True, False or 'auto', got {entropy!r}")
+        if backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+        self.entropy, self.level, self.dedup, self.backend = entropy, level, dedup, backend
+        self.verify_ids = verify_ids
+        self._zstd = coders.ZstdCoder(level)
+
+    def _coder(self, kind: int, backend) -> coders.Coder:
+        return self._zstd if kind == coders.ZSTD else coders.BlockCoder(backend)
+
+    def encode(self, x: torch.Tensor, eb: Bound | None = None, ids: torch.Tensor | None = None, *,
+               blocks: Sequence[int] | None = None) -> torch.Tensor:
+        """Compress ``x`` under absolute bound(s) ``eb``; see the package docstring."""
+        check_input(x)
+        rows, cols = x.shape
+        widths = resolve_blocks(cols, eb, ids, blocks)
+        bounds = resolve_bounds(eb, widths, required=True)
+        keys = check_ids(ids, rows, len(widths), "lossy encode")
+        if keys is not None and keys.device != x.device:
+            raise ValueError(f"lossy encode: ids on {keys.device}, x on {x.device}")
+        backend = _backend(self.backend, x.device)
+        kind = coders.ZSTD if self.entropy is True or (self.entropy == "auto" and x.device.type != "cuda") \
+            else coders.FIXED
+        coder = self._coder(kind, backend)
+
+        if keys is not None:
+            plan = dedup.plan_by_ids(keys)
+            if self.verify_ids:
+                bad = dedup.mismatched_blocks(x, widths, plan.counts, plan.first, plan.inverse)
+                if bad.any():
+                    raise ValueError(f"lossy encode: rows sharing an id differ in block(s) "
+                                     f"{bad.nonzero().view(-1).tolist()}: ids must identify rows")
+        elif self.dedup and rows > 1:
+            plan = dedup.plan_by_value(x, widths)
+            if not dedup.index_pays_off(plan, widths, rows):
+                plan = dedup.identity_plan(rows, len(widths), x.device)
+        else:
+            plan = dedup.identity_plan(rows, len(widths), x.device)
+        values = dedup.gather(x, widths, plan)
+        sizes = [u * w for u, w in zip(plan.counts.tolist(), widths)]
+        step, ed = quantize.steps_and_margins(bounds, sizes, x.device)
+        codes, exceptions = quantize.encode(values, step, ed, backend)
+
+        index = coder.encode(plan.inverse.reshape(-1).to(torch.int32)) if plan.mode == dedup.VALUE \
+            else torch.zeros(0, dtype=torch.uint8, device=x.device)
+        info = [plan.mode | kind << 2, ids_fingerprint(keys) if keys is not None else 0, 0, 0]
+        header = fmt.Header(self.codec_id, x.dtype, rows, cols, widths, bounds, info=info)
+        return fmt.pack(header, [plan.counts, index, coder.encode(codes), exceptions], device=x.device)
+
+    def decode(self, payload: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Rebuild the tensor; payloads encoded with ids need the same ids here."""
+        header, sections = self._header(payload)
+        if len(sections) != 4:
+            raise PayloadError(f"lossy payload has {len(sections)} sections, expected 4")
+        counts_s, index_s, codes_s, exc_s = sections
+        mode, kind = header.info[0] & 3, header.info[0] >> 2
+        if mode not in (dedup.NONE, dedup.IDS, dedup.VALUE) or kind not in (coders.FIXED, coders.ZSTD):
+            raise PayloadError(f"unknown stage choice word {header.info[0]:#x}")
+        rows, widths, nb = header.rows, header.widths, len(header.widths)
+        device = payload.device
+        backend = _backend(self.backend, device)
+        coder = self._coder(kind, backend)
+        counts = fmt.view_as(counts_s, torch.int64, "dedup counts").clone()
+        if counts.numel() != nb or (nb and (int(counts.min()) < min(rows, 1) or int(counts.max()) > rows)):
+            raise PayloadError(f"dedup counts {counts.tolist()[:8]} invalid for {nb} blocks of {rows} rows")
+
+        if mode == dedup.IDS:
+            if ids is None:
+                raise PayloadError("payload was encoded with ids and carries no row index: "
+                                   "pass the same ids to decode")
+            keys = check_ids(ids, rows, nb, "lossy decode").to(device)
+            if ids_fingerprint(keys) != header.info[1]:
+                raise PayloadError("ids differ from the ids the payload was encoded with")
+            mine, inverse = dedup.inverse_from_ids(keys)
+            if not torch.equal(mine, counts):
+                raise PayloadError("ids give other unique counts than the payload's")
+        elif mode == dedup.VALUE:
+            inverse = coder.decode(index_s, nb * rows, "dedup index").long().view(nb, rows)
+            if nb and rows and bool((inverse >= counts[:, None]).any()):
+                raise PayloadError("dedup index points past its block's unique rows")
+        else:
+            if bool((counts != rows).any()):
+                raise PayloadError(f"undeduplicated payload with counts {counts.tolist()[:8]} != {rows}")
+            inverse = None
+        sizes = [u * w for u, w in zip(counts.tolist(), widths)]
+        n = sum(sizes)
+        codes = coder.decode(codes_s, n, "codes")
+        step, _ = quantize.steps_and_margins(header.bounds, sizes, device)
+        values = quantize.decode(codes, step, exc_s, header.dtype, "exceptions", backend)
+        return dedup.scatter(values, widths, counts.to(device), inverse, rows)

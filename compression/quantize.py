@@ -1,0 +1,60 @@
+"""Quantisation stage: float32 values -> zig-zag codes + a raw-exception section, and back.
+
+The exception section is the positions of the values whose verified reconstruction missed the
+bound (NaN, Inf, huge values, float rounding), then their exact bits in the input dtype:
+int32 positions (int64 when there are 2**31 values or more) | raw values, same count.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference
+from .format import PayloadError, view_as
+
+
+def steps_and_margins(bounds: list[float], sizes: list[int], device: torch.device
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-value (or one shared) float32 bin width ``2 eb`` and strict margin ``ed`` (<= eb)."""
+    steps = [reference.step_of(e) for e in bounds]
+    eds = [reference.float32_at_most(e) for e in bounds]
+    if len(set(zip(steps, eds))) <= 1:  # one bound for the whole payload: broadcast a scalar
+        return (torch.tensor(steps[0] if steps else 1.0, device=device),
+                torch.tensor(eds[0] if eds else 0.0, device=device))
+    counts = torch.tensor(sizes, device=device)
+    return (torch.repeat_interleave(torch.tensor(steps, device=device), counts),
+            torch.repeat_interleave(torch.tensor(eds, device=device), counts))
+
+
+def encode(values: torch.Tensor, step: torch.Tensor, ed: torch.Tensor, backend=reference
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(zig-zag codes, exception section) of ``values`` (float32, float16 or bfloat16).
+
+    The bound is verified on what the decoder returns: float32 ``q * step`` cast to the input
+    dtype; misses keep their input bits (torch's half -> float casts do not keep NaN payloads).
+    """
+    codes, miss = backend.quantize(values.float(), step, ed, values.dtype)
+    pos = miss.nonzero().view(-1)
+    pos = pos.to(torch.int32) if values.numel() < 2**31 else pos
+    section = torch.cat([pos.view(torch.uint8), values[pos].view(torch.uint8)])
+    return codes, section
+
+
+def decode(codes: torch.Tensor, step: torch.Tensor, section: torch.Tensor, dtype: torch.dtype, what: str,
+           backend=reference) -> torch.Tensor:
+    """Values in ``dtype`` from codes, with the exceptions restored bit for bit."""
+    n = codes.numel()
+    pos_dtype, pos_size = (torch.int32, 4) if n < 2**31 else (torch.int64, 8)
+    item = pos_size + dtype.itemsize
+    if section.numel() % item:
+        raise PayloadError(f"{what}: {section.numel()} bytes is not a whole number of exceptions")
+    k = section.numel() // item
+    pos = view_as(section[:k * pos_size], pos_dtype, what).long()
+    raw = view_as(section[k * pos_size:], dtype, what)
+    if k and (int(pos.min()) < 0 or int(pos.max()) >= n):
+        raise PayloadError(f"{what}: exception position outside [0, {n})")
+    out = backend.dequantize(codes, step)
+    if dtype != torch.float32:
+        out = out.to(dtype)
+    out[pos] = raw
+    return out

@@ -1,0 +1,76 @@
+"""The payload container: truncation, bit flips and foreign bytes always raise PayloadError."""
+
+import random
+
+import pytest
+import torch
+
+import compression
+from compression import PayloadError
+
+
+def _payloads():
+    """One small payload per registered codec that runs here (baselines may be absent on CPU)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(37, 12, generator=g) * 0.01
+    x[::3] = x[0]  # duplicates, so dedup sections are non-trivial
+    ids = torch.arange(37)
+    ids[::3] = 0
+    out = {}
+    for name in compression.available_codecs():
+        codec = compression.get_codec(name)
+        try:
+            out[name] = (codec, codec.encode(x, 1e-3), None)
+        except NotImplementedError:
+            continue
+        if codec.bounded:
+            out[name + "+ids"] = (codec, codec.encode(x, 1e-3, ids), ids)
+    return out
+
+
+PAYLOADS = _payloads()
+
+
+@pytest.mark.parametrize("key", sorted(PAYLOADS))
+def test_every_truncation_raises(key):
+    codec, payload, ids = PAYLOADS[key]
+    for n in sorted({0, 1, 5, 23, 24, 31, 32, payload.numel() // 2, payload.numel() - 1}):
+        with pytest.raises(PayloadError):
+            codec.decode(payload[:n].clone(), ids)
+
+
+@pytest.mark.parametrize("key", sorted(PAYLOADS))
+def test_every_single_bit_flip_raises(key):
+    codec, payload, ids = PAYLOADS[key]
+    rng = random.Random(key)
+    positions = list(range(min(64, payload.numel()))) + rng.sample(range(payload.numel()), min(64, payload.numel()))
+    for pos in positions:
+        bad = payload.clone()
+        bad[pos] ^= 1 << rng.randrange(8)
+        with pytest.raises(PayloadError):
+            codec.decode(bad, ids)
+
+
+def test_foreign_bytes_raise():
+    codec = compression.get_codec("none")
+    for junk in [torch.zeros(0, dtype=torch.uint8), torch.arange(200, dtype=torch.uint8),
+                 torch.frombuffer(bytearray(b"PK\x03\x04" + bytes(60)), dtype=torch.uint8)]:
+        with pytest.raises(PayloadError):
+            codec.decode(junk)
+        with pytest.raises(PayloadError):
+            compression.decode(junk)
+    with pytest.raises(PayloadError, match="uint8"):
+        codec.decode(torch.zeros(40, dtype=torch.float32))
+
+
+def test_trailing_bytes_raise():
+    codec, payload, ids = PAYLOADS["none"]
+    with pytest.raises(PayloadError, match="trailing"):
+        codec.decode(torch.cat([payload, torch.zeros(8, dtype=torch.uint8)]), ids)
+
+
+def test_sections_survive_an_unaligned_payload_view():
+    codec, payload, ids = PAYLOADS["none"]
+    buf = torch.zeros(payload.numel() + 3, dtype=torch.uint8)
+    buf[3:] = payload
+    assert torch.equal(codec.decode(buf[3:]), codec.decode(payload))

@@ -1,0 +1,191 @@
+"""The lossy codec: the error bound holds on every element, whatever the data, ids and blocks."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import compression
+from compression import PayloadError
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SPECIALS = [float("nan"), float("inf"), -float("inf"), 1e-40, -1e-45, 3e30, -0.0]
+
+
+@st.composite
+def cases(draw):
+    """A tensor with duplicate rows consistent with its ids, blocks, bounds and specials."""
+    rows = draw(st.integers(0, 48))
+    nb = draw(st.integers(1, 4))
+    widths = [draw(st.integers(0 if nb > 1 else 1, 9)) for _ in range(nb)]
+    cols = sum(widths)
+    dtype = draw(st.sampled_from(DTYPES))
+    scale = 10.0 ** draw(st.integers(-8, 4))
+    seed = draw(st.integers(0, 2**31 - 1))
+    distinct = draw(st.integers(1, max(rows, 1)))
+    g = torch.Generator().manual_seed(seed)
+    # Rows of each block come from a small table indexed by per-block ids: equal id, equal row.
+    ids = torch.randint(0, distinct, (rows, nb), generator=g) * 7 - 3
+    x = torch.empty(rows, cols)
+    start = 0
+    for b, w in enumerate(widths):
+        table = torch.randn(distinct, w, generator=g) * scale
+        if draw(st.booleans()) and distinct * w:  # sprinkle specials into the table
+            flat = table.view(-1)
+            k = draw(st.integers(1, min(4, flat.numel())))
+            where = torch.randperm(flat.numel(), generator=g)[:k]
+            flat[where] = torch.tensor([SPECIALS[draw(st.integers(0, len(SPECIALS) - 1))] for _ in range(k)])
+        x[:, start:start + w] = table[(ids[:, b] + 3) // 7]
+        start += w
+    x = x.to(dtype)
+    rel = [10.0 ** draw(st.floats(-7, 1)) for _ in range(nb)]
+    eb = [r * scale for r in rel]
+    if draw(st.booleans()):
+        eb[draw(st.integers(0, nb - 1))] = 0.0
+    return x, widths, eb, ids
+
+
+def check_bound(x: torch.Tensor, y: torch.Tensor, widths, eb) -> None:
+    """|y - x| <= eb per block in float64; NaN stays NaN and +-Inf stays exactly."""
+    assert y.shape == x.shape and y.dtype == x.dtype
+    xd, yd = x.double(), y.double()
+    nan = torch.isnan(xd)
+    assert torch.equal(nan, torch.isnan(yd)), "NaN positions changed"
+    ints = torch.int32 if x.dtype == torch.float32 else torch.int16
+    assert torch.equal(x.view(ints)[nan], y.view(ints)[nan]), "NaN bits changed"
+    inf = torch.isinf(xd)
+    assert torch.equal(xd[inf], yd[inf]), "Inf changed"
+    start = 0
+    for w, e in zip(widths, eb):
+        fx, fy = xd[:, start:start + w], yd[:, start:start + w]
+        fin = torch.isfinite(fx)
+        if fin.any():
+            err = (fy[fin] - fx[fin]).abs().max().item()
+            assert err <= e, f"error {err!r} > bound {e!r} in block at column {start}"
+        start += w
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases(), entropy=st.booleans(), id_form=st.sampled_from(["none", "per_block", "shared"]))
+def test_bound_holds_on_every_element(case, entropy, id_form):
+    x, widths, eb, ids = case
+    if id_form == "shared":  # one id per row for every block: equal id must mean equal row
+        ids = ids[:, 0].contiguous()
+        first = {}
+        x = x[[first.setdefault(int(i), r) for r, i in enumerate(ids)]]
+    elif id_form == "none":
+        ids = None
+    codec = compression.get_codec("lossy", entropy=entropy)
+    payload = codec.encode(x, eb, ids, blocks=widths)
+    y = codec.decode(payload, ids)
+    check_bound(x, y, widths, eb)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases())
+def test_ids_path_equals_value_path_and_fixed_equals_entropy(case):
+    x, widths, eb, ids = case
+    outs = []
+    for entropy in (True, False):
+        codec = compression.get_codec("lossy", entropy=entropy)
+        outs.append(codec.decode(codec.encode(x, eb, ids, blocks=widths), ids))
+        outs.append(codec.decode(codec.encode(x, eb, blocks=widths)))
+        outs.append(compression.get_codec("lossy", entropy=entropy, dedup=False).decode(
+            codec.encode(x, eb, blocks=widths)))
+    ints = {torch.float32: torch.int32}.get(x.dtype, torch.int16)
+    for o in outs[1:]:
+        assert torch.equal(o.view(ints), outs[0].view(ints))
+
+
+def test_zero_bound_is_lossless_and_empty_and_one_row_work():
+    codec = compression.get_codec("lossy")
+    x = torch.randn(5, 8)
+    assert torch.equal(codec.decode(codec.encode(x, 0.0)), x)
+    for shape in [(0, 8), (1, 8), (3, 0), (0, 0)]:
+        x = torch.randn(*shape)
+        for ids in (None, torch.arange(shape[0])):
+            y = codec.decode(codec.encode(x, 1e-2, ids), ids)
+            assert y.shape == x.shape
+            check_bound(x, y, [shape[1]], [1e-2])
+
+
+def test_duplicates_shrink_the_payload():
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(16, 64, generator=g) * 0.01
+    ids = torch.randint(0, 16, (1024,), generator=g)
+    x = table[ids]
+    codec = compression.get_codec("lossy")
+    with_ids = codec.encode(x, 1e-3, ids).numel()
+    by_value = codec.encode(x, 1e-3).numel()
+    plain = compression.get_codec("lossy", dedup=False, entropy=False).encode(x, 1e-3).numel()
+    assert with_ids < by_value < plain / 10  # (zstd alone would find some repeats: use blocks)
+
+
+def test_decoding_with_missing_or_other_ids_raises():
+    x = torch.randn(64, 8)
+    ids = torch.arange(64) % 10
+    x = x[ids]
+    codec = compression.get_codec("lossy")
+    payload = codec.encode(x, 1e-3, ids)
+    with pytest.raises(PayloadError, match="pass the same ids"):
+        codec.decode(payload)
+    with pytest.raises(PayloadError, match="ids differ"):
+        codec.decode(payload, ids.flip(0))
+    with pytest.raises(ValueError, match="ids shape"):
+        codec.decode(payload, ids[:10])
+
+
+def test_per_block_ids_with_different_tables():
+    g = torch.Generator().manual_seed(3)
+    ids = torch.stack([torch.randint(0, 5, (200,), generator=g), torch.randint(0, 50, (200,), generator=g)], 1)
+    x = torch.cat([(torch.randn(5, 16, generator=g) * 0.1)[ids[:, 0]],
+                   (torch.randn(50, 32, generator=g) * 10)[ids[:, 1]]], 1)
+    codec = compression.get_codec("lossy")
+    y = codec.decode(codec.encode(x, [1e-3, 1e-1], ids, blocks=[16, 32]), ids)
+    check_bound(x, y, [16, 32], [1e-3, 1e-1])
+
+
+def test_bad_bounds_are_rejected():
+    codec = compression.get_codec("lossy")
+    x = torch.randn(4, 4)
+    for eb in [None, -1.0, math.nan, math.inf]:
+        with pytest.raises(ValueError, match="bound"):
+            codec.encode(x, eb)
+    with pytest.raises(ValueError, match="entropy"):
+        compression.get_codec("lossy", entropy="yes")
+
+
+def test_value_dedup_survives_hash_collisions(monkeypatch):
+    from compression import dedup
+
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(8, 16, generator=g) * 0.01)[torch.randint(0, 8, (300,), generator=g)]
+    monkeypatch.setattr(dedup, "_row_hashes", lambda x, widths: torch.zeros(x.shape[0], len(widths),
+                                                                             dtype=torch.int64))
+    codec = compression.get_codec("lossy")
+    y = codec.decode(codec.encode(x, [1e-3, 1e-3], blocks=[8, 8]))
+    check_bound(x, y, [8, 8], [1e-3, 1e-3])  # every row "collides": dedup falls back per block
+
+
+def test_shared_ids_and_their_per_table_expansion_are_interchangeable():
+    g = torch.Generator().manual_seed(9)
+    ids = torch.randint(0, 30, (128,), generator=g)
+    x = (torch.randn(30, 48, generator=g) * 0.01)[ids]
+    codec = compression.get_codec("lossy")
+    expanded = ids[:, None].expand(128, 3).contiguous()
+    a = codec.decode(codec.encode(x, [1e-3] * 3, ids), expanded)
+    b = codec.decode(codec.encode(x, [1e-3] * 3, expanded), ids.int())
+    assert torch.equal(a, b)
+    check_bound(x, a, [16, 16, 16], [1e-3] * 3)
+
+
+def test_verify_ids_catches_rows_that_break_the_id_contract():
+    x = torch.randn(4, 8)
+    ids = torch.tensor([[0, 0], [1, 1], [3, 0], [2, 2]])  # block 1: rows 0 and 2 share id 0, differ
+    codec = compression.get_codec("lossy", verify_ids=True)
+    with pytest.raises(ValueError, match=r"block\(s\) \[1\]"):
+        codec.encode(x, [1e-3, 1e-3], ids, blocks=[4, 4])
+    shared = torch.tensor([0, 1, 0, 2])
+    good = x[shared]
+    check_bound(good, codec.decode(codec.encode(good, 1e-3, shared), shared), [8], [1e-3])
