@@ -14,6 +14,7 @@ Arrays are memory-mapped; only the rows of the current batch are read.
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Iterator
 
 import numpy as np
@@ -30,7 +31,28 @@ def dataset_info(data_dir: str | os.PathLike) -> dict[str, Any]:
     return read_meta(data_dir)
 
 
-def _open_stem(data_dir: str | os.PathLike, stem: str, meta: dict[str, Any]) -> tuple[np.ndarray, ...]:
+_SLICE = re.compile(r"^(?P<stem>[^\[\]]+)\[(?P<lo>[0-9.]*):(?P<hi>[0-9.]*)\]$")
+
+
+def parse_stem(spec: str) -> tuple[str, float, float]:
+    """``"day_23[0.5:]"`` -> ``("day_23", 0.5, 1.0)``: a stem, or a fraction range of its rows.
+
+    The published protocols evaluate on halves of the last day (Terabyte day 23, Kaggle day 6):
+    ``val_stems=[day_23[:0.5]]``, ``test_stems=[day_23[0.5:]]``.
+    """
+    m = _SLICE.match(spec)
+    if m is None:
+        if "[" in spec or "]" in spec:
+            raise ValueError(f"stem {spec!r}: a row range is written stem[lo:hi] with fractions, e.g. day_23[0.5:]")
+        return spec, 0.0, 1.0
+    lo, hi = float(m["lo"] or 0.0), float(m["hi"] or 1.0)
+    if not 0.0 <= lo < hi <= 1.0:
+        raise ValueError(f"stem {spec!r}: need 0 <= lo < hi <= 1 (got {lo}, {hi})")
+    return m["stem"], lo, hi
+
+
+def _open_stem(data_dir: str | os.PathLike, spec: str, meta: dict[str, Any]) -> tuple[np.ndarray, ...]:
+    stem, lo, hi = parse_stem(spec)
     if stem not in meta["rows"]:
         raise DatasetError(f"{data_dir}: no stem {stem!r}; it has {sorted(meta['rows'])}")
     arrays = []
@@ -44,7 +66,9 @@ def _open_stem(data_dir: str | os.PathLike, stem: str, meta: dict[str, Any]) -> 
         if a.shape != want:
             raise DatasetError(f"{path}: shape {a.shape}, meta.json says {want}")
         arrays.append(a)
-    return tuple(arrays)
+    n = meta["rows"][stem]
+    first, last = round(n * lo), round(n * hi)
+    return tuple(a[first:last] for a in arrays)
 
 
 def _split(n: int, parts: int, r: int) -> tuple[int, int]:

@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 import torch.distributed as dist
 
-from data.loader import criteo_batches, dataset_info
+from data.loader import criteo_batches, dataset_info, parse_stem
 from data.preprocess import prepare_sample
 from dlrm.env import DistEnv
 
@@ -60,7 +60,7 @@ def split_stems(cfg: Mapping[str, Any], info: Mapping[str, Any], path: Path) -> 
         stems = list(cfg.get(f"{split}_stems") or [])
         if not stems:
             raise ValueError(f"data.{split}_stems is empty; {path} has stems {available}")
-        missing = [s for s in stems if s not in available]
+        missing = [s for s in stems if parse_stem(s)[0] not in available]
         if missing:
             raise ValueError(f"data.{split}_stems names {missing}, but {path} has only {available}")
         splits[split] = stems

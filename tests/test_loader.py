@@ -148,3 +148,20 @@ def test_real_gloo_ranks_cover_the_epoch(tmp_path):
     seen = run_ranks(_gloo_epoch, 3, str(d), timeout=120)
     flat = [g for s in seen for g in s]
     assert sorted(flat) == list(range(43))
+
+
+def test_stem_row_ranges_split_a_file_into_disjoint_halves(tmp_path):
+    from data.loader import parse_stem
+    from data.synthetic import generate
+
+    generate(tmp_path / "ds", rows={"day": 101}, seed=3, max_cardinality=50)
+    halves = [criteo_batches(tmp_path / "ds", [spec], 1000, 0, 1, shuffle=False, seed=0)
+              for spec in ("day[:0.5]", "day[0.5:]")]
+    whole = next(iter(criteo_batches(tmp_path / "ds", ["day"], 1000, 0, 1, shuffle=False, seed=0)))
+    parts = [next(iter(h)) for h in halves]
+    assert [len(p.labels) for p in parts] == [50, 51]  # round(101 * 0.5) = 50
+    assert torch.equal(torch.cat([p.dense_features for p in parts]), whole.dense_features)
+    assert parse_stem("day_23") == ("day_23", 0.0, 1.0)
+    for bad in ("day[0.5:0.2]", "day[a:b]", "day[1:2]"):
+        with pytest.raises(ValueError, match="stem"):
+            parse_stem(bad)
