@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -136,3 +137,20 @@ def test_bad_override_fails_with_a_message_naming_it(tmp_path, cache, override, 
     proc = train(tmp_path / "run", cache, [override, "max_iterations=1"], nproc=1, check=False)
     assert proc.returncode != 0
     assert message in proc.stderr + proc.stdout
+
+
+def test_trains_on_dlrm_preprocess_output_of_real_terabyte_rows(tmp_path, cache):
+    rows = (REPO / "tests" / "fixtures" / "day_0_head1000.tsv").read_text().splitlines(keepends=True)
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "day_0.tsv").write_text("".join(rows[:800]))
+    (raw / "day_1.tsv").write_text("".join(rows[800:]))
+    out = tmp_path / "tb"
+    subprocess.run([sys.executable, "-m", "data.preprocess", "--format", "terabyte", "--out", str(out),
+                    str(raw / "day_0.tsv"), str(raw / "day_1.tsv")], cwd=REPO, check=True, env=env_for(cache))
+    run_dir = tmp_path / "run"
+    train(run_dir, cache, ["data=criteo", f"data.processed_dir={out}", "data.train_stems=[day_0]",
+                           "data.val_stems=['day_1[:0.5]']", "data.test_stems=['day_1[0.5:]']", "batch_size=32"])
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["iterations"] == 13 and metrics["samples"] == 100  # 800 / 64 rounds up; day_1 half
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
