@@ -1,0 +1,48 @@
+"""Error-bound policy seam: ``bound_fn(feature, direction, iteration) -> float`` per table block.
+
+The dist asks the policy once per feature, direction and call; adaptive policies (table-wise,
+iteration-wise, dual) plug in as another callable with the same signature. In ``rel`` mode the
+policy's value is a fraction of the block's value range in the chunk being sent.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import torch
+
+BoundFn = Callable[[str, str, int], float]
+
+
+def fixed_bound(eb: float) -> BoundFn:
+    """The same bound for every feature, direction and iteration."""
+    eb = float(eb)
+
+    def bound(feature: str, direction: str, iteration: int) -> float:
+        return eb
+
+    bound.eb = eb  # type: ignore[attr-defined]  # visible in reprs and tests
+    return bound
+
+
+def policy_values(bound_fn: BoundFn, features: Sequence[str], direction: str, iteration: int) -> list[float]:
+    """Ask the policy for each feature; reject values the codec could not honour."""
+    out = []
+    for f in features:
+        v = float(bound_fn(f, direction, iteration))
+        if not (v >= 0.0 and math.isfinite(v)):
+            raise ValueError(f"bound policy returned {v} for feature {f!r} ({direction}, iteration "
+                             f"{iteration}); a bound must be finite and >= 0")
+        out.append(v)
+    return out
+
+
+def absolute_bounds(x: torch.Tensor, widths: Sequence[int], values: Sequence[float], mode: str) -> list[float]:
+    """Per-block absolute bounds of a chunk: the policy values, times the block's finite value
+    range in rel mode (the compressor's own definition; a constant block gets 0, sent exactly)."""
+    if mode == "abs":
+        return list(values)
+    from compression import relative_to_absolute
+
+    return relative_to_absolute(x, list(values), list(widths))

@@ -1,0 +1,71 @@
+"""One direction's codec with its bound policy: chunk ``[rows, D]`` of column blocks <-> payload.
+
+A chunk packs the blocks (tables) one rank sends to one peer; each block gets its own absolute
+bound from the policy (times the block's value range in ``rel`` mode). Decode failures become a
+:class:`CompressedCommError` naming the source rank, the tables and the iteration.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from dlrm.comm.bounds import BoundFn, absolute_bounds, fixed_bound, policy_values
+from dlrm.comm.config import DirectionSpec
+
+
+class CompressedCommError(RuntimeError):
+    """A compressed all-to-all payload could not be decoded (or had the wrong shape)."""
+
+
+class DirectionCodec:
+    """The codec, bound policy and dedup switch of one direction (``forward`` or ``backward``)."""
+
+    def __init__(self, spec: DirectionSpec, direction: str, bound_fn: BoundFn | None = None) -> None:
+        import compression  # imported here: the compressor package is optional for qcomm configs
+
+        self.spec = spec
+        self.direction = direction
+        self.codec = compression.get_codec(spec.codec, **dict(spec.params))
+        self.bounded = bool(getattr(self.codec, "bounded", False))
+        self.bound_fn = bound_fn if bound_fn is not None else fixed_bound(spec.eb)
+        self.dedup = spec.dedup
+
+    def __repr__(self) -> str:
+        return (f"DirectionCodec({self.direction}, codec={self.spec.codec!r}, mode={self.spec.mode}, "
+                f"dedup={self.dedup})")
+
+    def policy(self, features: Sequence[str], iteration: int) -> list[float]:
+        """The policy's value per feature (absolute bound, or fraction of range in rel mode)."""
+        if not self.bounded:
+            return [math.inf] * len(features)
+        return policy_values(self.bound_fn, features, self.direction, iteration)
+
+    def bounds(self, chunk: torch.Tensor, widths: Sequence[int], values: Sequence[float]) -> list[float] | None:
+        """Absolute per-block bounds for this chunk, or None for unbounded (cast) codecs."""
+        if not self.bounded:
+            return None
+        return absolute_bounds(chunk, widths, values, self.spec.mode)
+
+    def encode(self, chunk: torch.Tensor, widths: Sequence[int], bounds: Sequence[float] | None,
+               ids: torch.Tensor | None) -> torch.Tensor:
+        """Payload (uint8, 1-D) of one chunk; ``ids`` ``[rows, n_blocks]`` or None (value dedup)."""
+        return self.codec.encode(chunk.contiguous(), None if bounds is None else list(bounds),
+                                 ids if self.dedup else None, blocks=list(widths))
+
+    def decode(self, payload: torch.Tensor, shape: tuple[int, int], ids: torch.Tensor | None, *,
+               src: int, dst: int, features: Sequence[str], tables: Sequence[str], iteration: int,
+               where: str) -> torch.Tensor:
+        """Decode one peer's payload, checking its shape; any failure names source, tables, iteration."""
+        what = (f"rank {dst} ({where}): cannot decode the {self.direction} payload ({payload.numel()} "
+                f"bytes) from rank {src} carrying tables {list(tables)} (features {list(features)}) at "
+                f"iteration {iteration}")
+        try:
+            out = self.codec.decode(payload, ids if self.dedup else None)
+        except Exception as e:  # any codec failure: name the transfer, keep the cause chained
+            raise CompressedCommError(f"{what}: {type(e).__name__}: {e}") from e
+        if tuple(out.shape) != tuple(shape):
+            raise CompressedCommError(f"{what}: decoded shape {tuple(out.shape)}, expected {tuple(shape)}")
+        return out

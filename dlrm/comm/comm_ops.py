@@ -1,0 +1,337 @@
+"""Variable-size compressed all-to-all with autograd, in TorchRec's Req/Wait pattern.
+
+Mirrors ``torchrec.distributed.comm_ops`` (``All2All_Pooled_Req`` / ``_Wait``): ``Req.forward``
+encodes one payload per peer, exchanges the payload sizes (a blocking ``all_to_all_single`` of
+``world_size`` int64 words) and launches the byte ``all_to_all_single`` with variable splits,
+returning TorchRec's ``Request.dummy_tensor``; ``Wait.forward`` waits and decodes. In backward
+``Wait.backward`` encodes the gradient and launches its exchange, ``Req.backward`` waits, decodes
+and divides by the world size as TorchRec does (``GRADIENT_DIVISION``).
+
+A layout says how a tensor is cut into per-peer chunks and how received chunks are merged:
+:class:`PooledA2ALayout` (table/column-wise: rows out, columns back) and
+:class:`ReduceScatterLayout` (row-wise: rows out and summed, the whole gradient back to every
+rank). A rank's own chunk never travels and is never compressed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Function
+from torchrec.distributed.comm_ops import Request, get_gradient_division
+
+from dlrm.comm.codec import CompressedCommError, DirectionCodec
+from dlrm.comm.ids import keep_first_duplicates, sum_duplicates
+from dlrm.comm.stats import CommStats
+
+# Fault injection for tests: fn(payload, src=, dst=, direction=, iteration=) -> payload, applied
+# by the sender after encoding. None in normal runs.
+PayloadHook = Callable[..., torch.Tensor]
+_payload_hook: PayloadHook | None = None
+
+
+def set_payload_hook(hook: PayloadHook | None) -> None:
+    """Install (or clear with None) a hook that may alter each payload before it is sent."""
+    global _payload_hook
+    _payload_hook = hook
+
+
+class Blocks(NamedTuple):
+    """The column blocks of a chunk: one per (feature, shard), in column order."""
+
+    features: list[str]
+    widths: list[int]
+
+    @property
+    def dim(self) -> int:
+        return sum(self.widths)
+
+
+class PooledA2ALayout:
+    """Table/column-wise: rows go to their sample's rank; each owner gets its columns' gradient."""
+
+    def __init__(self, rank: int, batch_size_per_rank: Sequence[int], blocks_per_rank: Sequence[Blocks]) -> None:
+        self.rank, self.bs, self.blocks = rank, list(batch_size_per_rank), list(blocks_per_rank)
+
+    def split(self, direction: str, x: torch.Tensor) -> list[torch.Tensor]:
+        if direction == "forward":
+            return list(x.split(self.bs, dim=0))
+        return list(x.split([b.dim for b in self.blocks], dim=1))
+
+    def send_blocks(self, direction: str, peer: int) -> Blocks:
+        return self.blocks[self.rank] if direction == "forward" else self.blocks[peer]
+
+    def recv_blocks(self, direction: str, peer: int) -> Blocks:
+        return self.blocks[peer] if direction == "forward" else self.blocks[self.rank]
+
+    def recv_shape(self, direction: str, peer: int) -> tuple[int, int]:
+        if direction == "forward":
+            return self.bs[self.rank], self.blocks[peer].dim
+        return self.bs[peer], self.blocks[self.rank].dim
+
+    def merge(self, direction: str, parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(parts, dim=1 if direction == "forward" else 0)
+
+
+class ReduceScatterLayout:
+    """Row-wise: every rank holds partial sums of every sample; rows go to their sample's rank
+    and are summed there (in source-rank order); the gradient goes back whole to every rank."""
+
+    def __init__(self, rank: int, rows_per_rank: Sequence[int], blocks: Blocks, world_size: int) -> None:
+        self.rank, self.bs, self.blocks, self.ws = rank, list(rows_per_rank), blocks, world_size
+
+    def split(self, direction: str, x: torch.Tensor) -> list[torch.Tensor]:
+        if direction == "forward":
+            return list(x.split(self.bs, dim=0))
+        return [x] * self.ws  # the same tensor: encoded once, sent to every peer
+
+    def send_blocks(self, direction: str, peer: int) -> Blocks:
+        return self.blocks
+
+    recv_blocks = send_blocks
+
+    def recv_shape(self, direction: str, peer: int) -> tuple[int, int]:
+        return (self.bs[self.rank] if direction == "forward" else self.bs[peer]), self.blocks.dim
+
+    def merge(self, direction: str, parts: list[torch.Tensor]) -> torch.Tensor:
+        if direction == "backward":
+            return torch.cat(parts, dim=0)
+        out = parts[0].clone()
+        for p in parts[1:]:
+            out += p
+        return out
+
+
+@dataclass
+class CompressedA2AInfo:
+    """One collective's plan for both directions (the analogue of TorchRec's All2AllPooledInfo)."""
+
+    layout: PooledA2ALayout | ReduceScatterLayout
+    codecs: dict[str, DirectionCodec]  # "forward" / "backward"
+    # Ids of the rows sent to / received from each peer in forward (None: value dedup); the
+    # backward sends to the forward's sources, so it uses them the other way round.
+    fwd_send_ids: list[torch.Tensor | None]
+    fwd_recv_ids: list[torch.Tensor | None]
+    stats: CommStats
+    iteration: int
+    sample: bool  # measure errors and per-feature sizes on this call
+    where: str  # names the sharding in error messages
+    global_ranks: list[int] = field(default_factory=list)
+    feature_tables: dict[str, str] = field(default_factory=dict)  # for error messages
+    # Multiplies the policy's bounds per direction, so that errors that add up (row-wise partial
+    # sums, the two stages of table-row-wise) stay within the policy's bound in total.
+    bound_scale: dict[str, float] = field(default_factory=lambda: {"forward": 1.0, "backward": 1.0})
+
+    def send_ids(self, direction: str) -> list[torch.Tensor | None]:
+        return self.fwd_send_ids if direction == "forward" else self.fwd_recv_ids
+
+    def recv_ids(self, direction: str) -> list[torch.Tensor | None]:
+        return self.fwd_recv_ids if direction == "forward" else self.fwd_send_ids
+
+
+@dataclass
+class _Transfer:
+    """An exchange in flight: the async work, the receive buffer and sizes, our own chunk."""
+
+    work: dist.Work | None
+    recv_buf: torch.Tensor
+    recv_sizes: list[int]
+    self_part: torch.Tensor
+
+
+def _nan_aware_abs_error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| with equal non-finite values (nan/nan, inf/inf) counted as 0 and mismatches as inf."""
+    same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+    err = (a - b).abs()
+    return torch.where(same, torch.zeros_like(err), torch.nan_to_num(err, nan=torch.inf))
+
+
+def _sample(dc: DirectionCodec, chunk: torch.Tensor, payload: torch.Tensor, blocks: Blocks,
+            bounds: list[float] | None, ids: torch.Tensor | None, stats: CommStats, d: str) -> None:
+    """Sender-side sampling: decode our own payload for errors, encode each block alone for sizes."""
+    decoded = dc.codec.decode(payload, ids if dc.dedup else None)
+    col_err = _nan_aware_abs_error(decoded.float(), chunk.float()).amax(dim=0) if chunk.shape[0] else None
+    elt, c = chunk.element_size(), 0
+    for k, (f, w) in enumerate(zip(blocks.features, blocks.widths)):
+        if w and col_err is not None:
+            e = float(col_err[c:c + w].max())
+            stats.maximum(f"{d}/max_abs_error/{f}", e)
+            stats.maximum(f"{d}/max_abs_error", e)
+            if bounds is not None:
+                b = bounds[k]
+                stats.maximum(f"{d}/max_error_over_bound", e / b if b > 0 else (0.0 if e == 0 else torch.inf))
+            solo = dc.encode(chunk[:, c:c + w], [w], None if bounds is None else [bounds[k]],
+                             None if ids is None else ids[:, k:k + 1])
+            stats.add(f"{d}/sampled_raw_bytes/{f}", chunk.shape[0] * w * elt)
+            stats.add(f"{d}/sampled_wire_bytes/{f}", solo.numel())
+        c += w
+
+
+def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[torch.Tensor]) -> _Transfer:
+    """Encode a chunk per peer, exchange sizes, launch the async byte all-to-all."""
+    layout, dc, stats = info.layout, info.codecs[d], info.stats
+    me, ws = pg.rank(), pg.size()
+    ids_per_peer = info.send_ids(d)
+    t0 = time.perf_counter()
+    payloads: list[torch.Tensor | None] = [None] * ws
+    memo: dict[int, torch.Tensor] = {}  # the same chunk object (row-wise backward) is encoded once
+    policy: dict[int, list[float]] = {}
+    sample, sample_s = info.sample, 0.0
+    for i in range(1, ws):
+        peer = (me + i) % ws
+        chunk, ids = chunks[peer], ids_per_peer[peer]
+        if chunk.numel() == 0:
+            continue  # both sides know the shape: nothing to send
+        blocks = layout.send_blocks(d, peer)
+        elt = chunk.element_size()
+        for f, w in zip(blocks.features, blocks.widths):
+            stats.add(f"{d}/raw_bytes/{f}", chunk.shape[0] * w * elt)
+        stats.add(f"{d}/raw_bytes", chunk.numel() * elt)
+        if ids is None and id(chunk) in memo:
+            payloads[peer] = memo[id(chunk)]
+        else:
+            if ids is not None and d == "backward" and dc.dedup:
+                chunk = sum_duplicates(chunk, ids, blocks.widths)
+            key = id(blocks)
+            if key not in policy:
+                policy[key] = [v * info.bound_scale[d] for v in dc.policy(blocks.features, info.iteration)]
+            bounds = dc.bounds(chunk, blocks.widths, policy[key])
+            payload = dc.encode(chunk, blocks.widths, bounds, ids)
+            if sample:
+                ts = time.perf_counter()
+                _sample(dc, chunk, payload, blocks, bounds, ids, stats, d)
+                sample = False
+                sample_s = time.perf_counter() - ts
+            if ids is None:
+                memo[id(chunks[peer])] = payload
+            payloads[peer] = payload
+        if _payload_hook is not None:
+            payloads[peer] = _payload_hook(payloads[peer], src=info.global_ranks[me],
+                                           dst=info.global_ranks[peer], direction=d, iteration=info.iteration)
+    t1 = time.perf_counter()
+    device = chunks[me].device
+    send_sizes = [0 if p is None else int(p.numel()) for p in payloads]
+    recv_t = torch.empty(ws, dtype=torch.int64, device=device)
+    dist.all_to_all_single(recv_t, torch.tensor(send_sizes, dtype=torch.int64, device=device), group=pg)
+    recv_sizes = recv_t.tolist()
+    sent = [p for p in payloads if p is not None]
+    send_buf = torch.cat(sent) if sent else torch.empty(0, dtype=torch.uint8, device=device)
+    recv_buf = torch.empty(sum(max(n, 0) for n in recv_sizes), dtype=torch.uint8, device=device)
+    bad = [(info.global_ranks[p], n) for p, n in enumerate(recv_sizes) if n < 0]
+    if bad:
+        raise CompressedCommError(f"rank {info.global_ranks[me]} ({info.where}): size exchange of the {d} "
+                                  f"all-to-all at iteration "
+                                  f"{info.iteration} returned negative sizes (rank, size) {bad}")
+    work = dist.all_to_all_single(recv_buf, send_buf, recv_sizes, send_sizes, group=pg, async_op=True)
+    t2 = time.perf_counter()
+    stats.add(f"{d}/wire_bytes", sum(send_sizes) + 8 * (ws - 1))
+    stats.add(f"{d}/codec_ms", 1e3 * (t1 - t0 - sample_s))
+    if sample_s:
+        stats.add(f"{d}/sample_ms", 1e3 * sample_s)
+    stats.add(f"{d}/comm_ms", 1e3 * (t2 - t1))
+    stats.add(f"{d}/calls", 1)
+    return _Transfer(work, recv_buf, recv_sizes, chunks[me])
+
+
+def _receive(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, tr: _Transfer) -> list[torch.Tensor]:
+    """Wait for the bytes and decode each peer's payload (our own chunk is used as is)."""
+    layout, dc, stats = info.layout, info.codecs[d], info.stats
+    me, ws = pg.rank(), pg.size()
+    t0 = time.perf_counter()
+    if tr.work is not None:
+        tr.work.wait()
+    t1 = time.perf_counter()
+    ids_per_peer = info.recv_ids(d)
+    parts, offset = [], 0
+    for peer in range(ws):
+        n, shape = tr.recv_sizes[peer], layout.recv_shape(d, peer)
+        payload = tr.recv_buf[offset:offset + n]
+        offset += n
+        if peer == me:
+            parts.append(tr.self_part)
+            continue
+        blocks = layout.recv_blocks(d, peer)
+        if shape[0] * shape[1] == 0:  # nothing was due (a rank without tables, an empty batch)
+            if n != 0:
+                raise CompressedCommError(
+                    f"rank {info.global_ranks[me]} ({info.where}): rank {info.global_ranks[peer]} sent {n} {d} "
+                    "bytes where none were "
+                    f"expected (features {blocks.features}, iteration {info.iteration})")
+            parts.append(tr.self_part.new_zeros(shape))
+            continue
+        if n == 0:
+            raise CompressedCommError(
+                f"rank {info.global_ranks[me]} ({info.where}): rank {info.global_ranks[peer]} sent no {d} payload "
+                "for features "
+                f"{blocks.features} at iteration {info.iteration} (expected shape {shape})")
+        ids = ids_per_peer[peer]
+        tables = sorted({info.feature_tables.get(f, f) for f in blocks.features})
+        part = dc.decode(payload, shape, ids, src=info.global_ranks[peer], dst=info.global_ranks[me],
+                         features=blocks.features, tables=tables, iteration=info.iteration, where=info.where)
+        if ids is not None and d == "backward" and dc.dedup:
+            keep_first_duplicates(part, ids, blocks.widths)
+        parts.append(part)
+    stats.add(f"{d}/comm_ms", 1e3 * (t1 - t0))
+    stats.add(f"{d}/codec_ms", 1e3 * (time.perf_counter() - t1))
+    return parts
+
+
+class CompressedAll2All_Req(Function):
+    """Forward: encode + launch; backward: wait + decode the gradient (cf. All2All_Pooled_Req)."""
+
+    @staticmethod
+    def forward(ctx, pg: dist.ProcessGroup, myreq: Request, info: CompressedA2AInfo,
+                input: torch.Tensor) -> torch.Tensor:
+        transfer = _send(pg, info, "forward", info.layout.split("forward", input))
+        myreq.req = transfer.work
+        myreq.tensor = transfer
+        myreq.a2ai = info
+        myreq.wait_function = CompressedAll2All_Wait
+        ctx.myreq = myreq
+        ctx.pg = pg
+        return myreq.dummy_tensor
+
+    @staticmethod
+    def backward(ctx, *unused: torch.Tensor) -> tuple[None, None, None, torch.Tensor]:
+        myreq, pg = ctx.myreq, ctx.pg
+        parts = _receive(pg, myreq.a2ai, "backward", myreq.tensor)
+        grad_input = myreq.a2ai.layout.merge("backward", parts)
+        if get_gradient_division():  # as TorchRec: equivalent to running on a single rank
+            grad_input.div_(pg.size())
+        myreq.req = None
+        myreq.tensor = None
+        myreq.dummy_tensor = None
+        return (None, None, None, grad_input)
+
+
+class CompressedAll2All_Wait(Function):
+    """Forward: wait + decode + merge; backward: encode the gradient + launch (cf. All2All_Pooled_Wait)."""
+
+    @staticmethod
+    def forward(ctx, pg: dist.ProcessGroup, myreq: Request, *dummy_tensor: torch.Tensor) -> torch.Tensor:
+        info, transfer = myreq.a2ai, myreq.tensor
+        myreq.req = None
+        myreq.tensor = None
+        ctx.myreq = myreq
+        ctx.pg = pg
+        ctx.info = info
+        return info.layout.merge("forward", _receive(pg, info, "forward", transfer))
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[None, None, torch.Tensor]:
+        myreq, pg, info = ctx.myreq, ctx.pg, ctx.info
+        transfer = _send(pg, info, "backward", info.layout.split("backward", grad_output.contiguous()))
+        myreq.req = transfer.work
+        myreq.tensor = transfer
+        return (None, None, myreq.dummy_tensor)
+
+
+def compressed_all_to_all(pg: dist.ProcessGroup, info: CompressedA2AInfo, input: torch.Tensor) -> Request:
+    """Start one compressed collective; ``.wait()`` on the result gives the merged output."""
+    myreq = Request(pg, device=input.device)
+    CompressedAll2All_Req.apply(pg, myreq, info, input)
+    return myreq

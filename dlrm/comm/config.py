@@ -1,0 +1,134 @@
+"""The `compression` config group, validated in one place into small frozen specs.
+
+Two kinds of config exist (see `configs/compression/`):
+
+* ``kind: compressed`` (default) - our variable-size compressed all-to-alls, with ``forward`` and
+  ``backward`` each ``{codec, eb, mode, dedup, params}``;
+* ``kind: qcomm`` - TorchRec's stock QComms path (fixed-rate fp16/bf16/int8 casts inside the
+  stock collectives), with ``qcomm: {forward_precision, backward_precision}``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+KINDS = ("compressed", "qcomm")
+MODES = ("abs", "rel")
+QCOMM_PRECISIONS = ("fp32", "fp16", "bf16", "int8")
+# Sharding types our sharder may let the planner choose; RW/TWRW are allowed on CPU too.
+ALL_SHARDING_TYPES = ("data_parallel", "table_wise", "column_wise", "table_column_wise", "row_wise",
+                      "table_row_wise")
+
+_TOP_KEYS = {"name", "kind", "forward", "backward", "qcomm", "stats", "sharding_types"}
+_DIR_KEYS = {"codec", "eb", "mode", "dedup", "params"}
+_STATS_KEYS = {"sample_every"}
+_QCOMM_KEYS = {"forward_precision", "backward_precision"}
+
+
+@dataclass(frozen=True)
+class DirectionSpec:
+    """How one direction (forward embeddings or backward gradients) is compressed."""
+
+    codec: str
+    eb: float = 0.0  # default bound of the fixed policy: absolute, or relative to the block's range
+    mode: str = "abs"
+    dedup: bool = True  # forward: pass ids to the codec; backward: also sum duplicate-id gradients
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CompressionSpec:
+    """A whole `compression` config entry."""
+
+    name: str
+    kind: str = "compressed"
+    forward: DirectionSpec | None = None
+    backward: DirectionSpec | None = None
+    qcomm_forward: str = "fp32"
+    qcomm_backward: str = "fp32"
+    sample_every: int = 10  # sender-side error and per-feature size sampling period (0: never)
+    sharding_types: tuple[str, ...] = ALL_SHARDING_TYPES
+
+
+def to_plain(cfg: Any) -> Any:
+    """An OmegaConf DictConfig/ListConfig (or anything else) as plain Python containers."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+    except ImportError:  # omegaconf comes with hydra; plain dicts work without it
+        return cfg
+    if isinstance(cfg, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(cfg, resolve=True)
+    return cfg
+
+
+def _check_keys(cfg: Mapping[str, Any], allowed: set[str], where: str) -> None:
+    unknown = sorted(set(cfg) - allowed)
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+
+
+def _direction(cfg: Any, where: str) -> DirectionSpec:
+    if not isinstance(cfg, Mapping):
+        raise ValueError(f"{where} must be a mapping {{codec, eb, mode, dedup, params}}, got {cfg!r}")
+    _check_keys(cfg, _DIR_KEYS, where)
+    if "codec" not in cfg or not isinstance(cfg["codec"], str):
+        raise ValueError(f"{where}.codec must name a codec (none, fp16, bf16, int8, lossy), got "
+                         f"{cfg.get('codec')!r}")
+    try:
+        eb = float(cfg.get("eb", 0.0))
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}.eb must be a number, got {cfg.get('eb')!r}") from None
+    if not eb >= 0.0 or eb == float("inf"):
+        raise ValueError(f"{where}.eb must be finite and >= 0, got {eb}")
+    mode = cfg.get("mode", "abs")
+    if mode not in MODES:
+        raise ValueError(f"{where}.mode must be one of {MODES}, got {mode!r}")
+    dedup = cfg.get("dedup", True)
+    if not isinstance(dedup, bool):
+        raise ValueError(f"{where}.dedup must be true or false, got {dedup!r}")
+    params = cfg.get("params") or {}
+    if not isinstance(params, Mapping):
+        raise ValueError(f"{where}.params must be a mapping of codec keyword arguments, got {params!r}")
+    return DirectionSpec(codec=cfg["codec"], eb=eb, mode=mode, dedup=dedup, params=dict(params))
+
+
+def parse_compression_cfg(cfg: Mapping[str, Any]) -> CompressionSpec:
+    """Validate a `compression` config (dict or DictConfig); errors name the offending key."""
+    cfg = to_plain(cfg)
+    where = "compression"
+    if not isinstance(cfg, Mapping):
+        raise ValueError(f"{where} config must be a mapping, got {type(cfg).__name__}")
+    _check_keys(cfg, _TOP_KEYS, where)
+    name = str(cfg.get("name", "unnamed"))
+    kind = cfg.get("kind", "compressed")
+    if kind not in KINDS:
+        raise ValueError(f"{where}.kind must be one of {KINDS}, got {kind!r}")
+    stats = cfg.get("stats") or {}
+    _check_keys(stats, _STATS_KEYS, f"{where}.stats")
+    sample_every = stats.get("sample_every", 10)
+    if not isinstance(sample_every, int) or sample_every < 0:
+        raise ValueError(f"{where}.stats.sample_every must be an integer >= 0, got {sample_every!r}")
+    types = cfg.get("sharding_types") or ALL_SHARDING_TYPES
+    bad = [t for t in types if t not in ALL_SHARDING_TYPES]
+    if bad:
+        raise ValueError(f"{where}.sharding_types: {bad} not in {list(ALL_SHARDING_TYPES)}")
+    common = dict(name=name, kind=kind, sample_every=sample_every, sharding_types=tuple(types))
+    if kind == "qcomm":
+        if "forward" in cfg or "backward" in cfg:
+            raise ValueError(f"{where}: kind qcomm takes `qcomm: {{forward_precision, backward_precision}}`"
+                             ", not forward/backward codec entries")
+        q = cfg.get("qcomm") or {}
+        _check_keys(q, _QCOMM_KEYS, f"{where}.qcomm")
+        fwd, bwd = q.get("forward_precision", "fp32"), q.get("backward_precision", "fp32")
+        for key, val in (("forward_precision", fwd), ("backward_precision", bwd)):
+            if val not in QCOMM_PRECISIONS:
+                raise ValueError(f"{where}.qcomm.{key} must be one of {QCOMM_PRECISIONS}, got {val!r}")
+        return CompressionSpec(qcomm_forward=fwd, qcomm_backward=bwd, **common)
+    if "qcomm" in cfg:
+        raise ValueError(f"{where}.qcomm is only read with kind: qcomm (kind is {kind!r})")
+    for key in ("forward", "backward"):
+        if key not in cfg:
+            raise ValueError(f"{where}.{key} is missing: give {{codec: ..., eb: ..., mode: abs|rel}}")
+    return CompressionSpec(forward=_direction(cfg["forward"], f"{where}.forward"),
+                           backward=_direction(cfg["backward"], f"{where}.backward"), **common)

@@ -1,0 +1,155 @@
+"""Per-feature, per-direction statistics of the compressed all-to-alls, as TensorBoard-ready keys.
+
+Each compressed dist owns a :class:`CommStats` of plain sums and maxima; nothing is communicated
+while training. :func:`comm_stats` merges the dists of one process; :func:`comm_stats_all_ranks`
+(called on every rank at log/eval time) merges across ranks with one ``all_gather_object``.
+
+What is measured, per direction (``forward`` = pooled embeddings, ``backward`` = gradients):
+
+* ``raw_bytes``: fp32 bytes of the chunks sent to other ranks (a rank's own chunk never travels);
+  exact, also per feature.
+* ``wire_bytes``: payload bytes actually sent plus the 8-byte size words of the size exchange;
+  ``ratio`` = raw / wire.
+* per-feature ``ratio/<f>``: sampled - every ``sample_every`` training iterations the sender also
+  encodes each block of one chunk alone and records its size (packed payloads mix the tables).
+* ``max_abs_error`` (and ``/<f>``): sampled on the sender - on the same iterations it decodes the
+  payload of one destination and compares it with what it encoded (the receiver's own decode is
+  not compared: it has no original). ``max_error_over_bound`` is the worst error/bound seen (must
+  stay <= 1 for bounded codecs).
+* ``codec_ms`` (encode + decode + duplicate-id sums) and ``comm_ms`` (size exchange + waiting for
+  the data), summed over the window, with ``calls`` the number of collectives; ``sample_ms`` is the
+  cost of the sampling above, kept out of ``codec_ms``. Host clocks: on CUDA they include the
+  host syncs the size exchange forces and miss kernel time still in flight.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+
+DIRECTIONS = ("forward", "backward")
+
+
+class CommStats:
+    """Sums and maxima keyed ``direction/name[/feature]``, for the current window and the whole run."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = defaultdict(float)
+        self.maxes: dict[str, float] = {}
+        self.run_sums: dict[str, float] = defaultdict(float)  # never reset: run totals
+        self.run_maxes: dict[str, float] = {}
+
+    def add(self, key: str, value: float) -> None:
+        self.sums[key] += value
+        self.run_sums[key] += value
+
+    def maximum(self, key: str, value: float) -> None:
+        for maxes in (self.maxes, self.run_maxes):
+            if key not in maxes or value > maxes[key] or value != value:  # keep NaN visible
+                maxes[key] = value
+
+    def reset(self) -> None:
+        """Start a new window (run totals are kept)."""
+        self.sums.clear()
+        self.maxes.clear()
+
+    def state(self, run: bool = False) -> tuple[dict[str, float], dict[str, float]]:
+        return (dict(self.run_sums), dict(self.run_maxes)) if run else (dict(self.sums), dict(self.maxes))
+
+
+def merge(states: Iterable[tuple[Mapping[str, float], Mapping[str, float]]]) -> tuple[dict, dict]:
+    """Sum the sums and take the max of the maxima of several :meth:`CommStats.state` results."""
+    sums: dict[str, float] = defaultdict(float)
+    maxes: dict[str, float] = {}
+    for s, m in states:
+        for k, v in s.items():
+            sums[k] += v
+        for k, v in m.items():
+            if k not in maxes or v > maxes[k] or v != v:
+                maxes[k] = v
+    return dict(sums), maxes
+
+
+def derive(sums: Mapping[str, float], maxes: Mapping[str, float]) -> dict[str, float]:
+    """Flat ``comm/...`` keys: totals, ratios, per-feature figures, and ``comm/max_abs_error_seen``."""
+    out: dict[str, float] = {}
+    for k, v in sums.items():
+        if "/sampled_" not in k:
+            out[f"comm/{k}"] = float(v)
+    for k, v in maxes.items():
+        out[f"comm/{k}"] = float(v)
+    for d in DIRECTIONS:
+        raw, wire = sums.get(f"{d}/raw_bytes", 0.0), sums.get(f"{d}/wire_bytes", 0.0)
+        if wire > 0:
+            out[f"comm/{d}/ratio"] = raw / wire
+        prefix = f"{d}/sampled_raw_bytes/"
+        for k, sraw in sums.items():
+            if k.startswith(prefix):
+                feature = k[len(prefix):]
+                swire = sums.get(f"{d}/sampled_wire_bytes/{feature}", 0.0)
+                if swire > 0:
+                    out[f"comm/{d}/ratio/{feature}"] = sraw / swire
+    errs = [maxes[f"{d}/max_abs_error"] for d in DIRECTIONS if f"{d}/max_abs_error" in maxes]
+    if errs:
+        out["comm/max_abs_error_seen"] = max(errs)
+    return out
+
+
+def _dists(model: torch.nn.Module) -> list[Any]:
+    """Every compressed dist inside ``model`` (TorchRec keeps output dists in plain lists)."""
+    from dlrm.comm.embeddingbag import CompressedShardedEmbeddingBagCollection
+
+    found = []
+    for m in model.modules():
+        if isinstance(m, CompressedShardedEmbeddingBagCollection):
+            found.extend(d for d in m.compressed_dists())
+    return found
+
+
+def _collect(model: torch.nn.Module, reset: bool, run: bool = False) -> tuple[dict, dict]:
+    dists = _dists(model)
+    state = merge(d.stats.state(run) for d in dists)
+    if reset:
+        for d in dists:
+            d.stats.reset()
+    return state
+
+
+def _all_ranks(state: tuple[dict, dict], group: dist.ProcessGroup | None) -> tuple[dict, dict]:
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return state
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, state, group=group)
+    return merge(gathered)
+
+
+def comm_stats(model: torch.nn.Module, reset: bool = True) -> dict[str, float]:
+    """This rank's statistics since the last reset, as flat ``comm/...`` keys (no communication)."""
+    return derive(*_collect(model, reset))
+
+
+def comm_stats_all_ranks(model: torch.nn.Module, reset: bool = True,
+                         group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """All ranks' statistics since the last reset, merged (bytes and times summed, errors maxed).
+
+    A collective: call it on every rank (at log or eval time, never per iteration).
+    """
+    return derive(*_all_ranks(_collect(model, reset), group))
+
+
+def comm_summary(model: torch.nn.Module, group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """Whole-run totals of all ranks for metrics.json: ``forward_ratio``, ``backward_ratio``,
+    ``max_abs_error_seen`` (1.0 / 0.0 when nothing was compressed, e.g. one process). A collective."""
+    d = derive(*_all_ranks(_collect(model, reset=False, run=True), group))
+    return {"forward_ratio": d.get("comm/forward/ratio", 1.0),
+            "backward_ratio": d.get("comm/backward/ratio", 1.0),
+            "max_abs_error_seen": d.get("comm/max_abs_error_seen", 0.0)}
+
+
+def set_iteration(model: torch.nn.Module, iteration: int) -> None:
+    """Set the training iteration every compressed dist passes to the bound policies (e.g. on resume)."""
+    for d in _dists(model):
+        d.iteration = int(iteration)

@@ -1,0 +1,131 @@
+"""Single-process pieces of dlrm.comm: config validation, ids and duplicate-id gradients, layouts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torchrec import KeyedJaggedTensor
+
+from dlrm.comm.comm_ops import Blocks, PooledA2ALayout, ReduceScatterLayout
+from dlrm.comm.config import parse_compression_cfg
+from dlrm.comm.ids import Region, chunk_ids, keep_first_duplicates, sum_duplicates
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "compression"
+
+
+# -- config ------------------------------------------------------------------------------------
+
+def test_every_shipped_config_parses_and_builds_a_sharder():
+    from omegaconf import OmegaConf
+
+    from dlrm.comm import make_sharders
+
+    names = set()
+    for path in sorted(CONFIGS.glob("*.yaml")):
+        cfg = OmegaConf.load(path)
+        spec = parse_compression_cfg(cfg)
+        assert spec.name == path.stem
+        (sharder,) = make_sharders(cfg)
+        assert "table_wise" in sharder.sharding_types("cpu")
+        names.add(spec.name)
+    assert {"none", "fp16", "bf16", "int8", "qcomm_fp16", "qcomm_bf16", "qcomm_int8", "lossy"} <= names
+
+
+def test_row_wise_is_offered_on_cpu_unlike_stock_torchrec():
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    from dlrm.comm import make_sharders
+
+    ours = make_sharders({"name": "x", "forward": {"codec": "none"}, "backward": {"codec": "none"}})[0]
+    assert {"row_wise", "table_row_wise"} <= set(ours.sharding_types("cpu"))
+    assert "row_wise" not in EmbeddingBagCollectionSharder().sharding_types("cpu")
+
+
+@pytest.mark.parametrize("cfg, message", [
+    ({"name": "x", "forward": {"codec": "lossy"}}, "compression.backward is missing"),
+    ({"name": "x", "forward": {"codec": "lossy", "eb": -1}, "backward": {"codec": "none"}}, "compression.forward.eb"),
+    ({"name": "x", "forward": {"codec": "lossy", "mode": "relative"}, "backward": {"codec": "none"}},
+     "compression.forward.mode"),
+    ({"name": "x", "forward": {"codec": "lossy", "bound": 1}, "backward": {"codec": "none"}}, "unknown key(s) ['bound']"),
+    ({"name": "x", "kind": "qcomm", "qcomm": {"forward_precision": "fp12"}}, "compression.qcomm.forward_precision"),
+    ({"name": "x", "kind": "zip"}, "compression.kind"),
+    ({"name": "x", "forward": {"codec": "none"}, "backward": {"codec": "none"}, "sharding_types": ["grid_shard"]},
+     "compression.sharding_types"),
+])
+def test_bad_config_names_the_key(cfg, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")
+                       .replace(")", r"\)")):
+        parse_compression_cfg(cfg)
+
+
+def test_unknown_codec_is_reported_by_name():
+    from dlrm.comm import make_sharders
+
+    with pytest.raises(ValueError, match="unknown codec 'zfp'"):
+        make_sharders({"name": "x", "forward": {"codec": "zfp"}, "backward": {"codec": "none"}})
+
+
+def test_policy_returning_a_bad_bound_is_rejected_with_feature_and_iteration():
+    from dlrm.comm.bounds import policy_values
+
+    with pytest.raises(ValueError, match="'f_b' \\(forward, iteration 7\\)"):
+        policy_values(lambda f, d, i: -1.0 if f == "f_b" else 0.1, ["f_a", "f_b"], "forward", 7)
+
+
+# -- ids ------------------------------------------------------------------------------------------
+
+def kjt(lengths: list[list[int]], values: list[int], weights: bool = False) -> KeyedJaggedTensor:
+    keys = [f"k{i}" for i in range(len(lengths))]
+    v = torch.tensor(values)
+    return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=v, lengths=torch.tensor(sum(lengths, [])),
+                                               weights=torch.ones(len(values)) if weights else None)
+
+
+def test_chunk_ids_gives_ids_only_where_every_bag_holds_one_id():
+    # 2 keys, stride 4: key 0 is single-valued; key 1 has an empty bag at position 2
+    k = kjt([[1, 1, 1, 1], [1, 1, 0, 1]], [10, 11, 12, 13, 20, 21, 23])
+    got = chunk_ids(k, [Region(0, 1, 0, 4), Region(0, 2, 0, 2), Region(0, 2, 2, 2), Region(1, 1, 3, 1)])
+    assert torch.equal(got[0], torch.tensor([[10], [11], [12], [13]]))
+    assert torch.equal(got[1], torch.tensor([[10, 20], [11, 21]]))
+    assert got[2] is None  # the empty bag: pooled row is 0, not a table row
+    assert torch.equal(got[3], torch.tensor([[23]]))
+    assert chunk_ids(kjt([[1, 1]], [1, 2], weights=True), [Region(0, 1, 0, 2)]) == [None]  # weighted
+
+
+def test_duplicate_id_gradients_sum_to_the_same_per_id_totals_with_inf():
+    ids = torch.tensor([[4, 1], [7, 1], [4, 2], [4, 1], [9, 3]])
+    widths = [3, 2]
+    g = torch.randint(-5, 6, (5, 5)).float()
+    g[3, 0] = float("inf")
+    sent = sum_duplicates(g, ids, widths)
+    assert torch.equal(sent[0, :3], sent[2, :3]) and torch.equal(sent[0, :3], sent[3, :3])  # equal rows per id
+    received = keep_first_duplicates(sent.clone(), ids, widths)
+    assert (received[2:4, :3] == 0).all() and (received[3, 3:] == 0).all()  # zeros, not inf * 0 = nan
+    for k, (c0, c1) in enumerate([(0, 3), (3, 5)]):
+        for i in ids[:, k].unique():
+            rows = ids[:, k] == i
+            assert torch.equal(received[rows, c0:c1].sum(0), g[rows, c0:c1].sum(0))
+
+
+# -- layouts ----------------------------------------------------------------------------------------
+
+def test_pooled_a2a_layout_cuts_rows_out_and_columns_back():
+    blocks = [Blocks(["a"], [2]), Blocks(["b", "c"], [1, 3])]
+    layout = PooledA2ALayout(rank=1, batch_size_per_rank=[3, 2], blocks_per_rank=blocks)
+    x = torch.arange(5 * 4).view(5, 4).float()  # rank 1's lookup output: [B_global, D_local]
+    assert [c.shape[0] for c in layout.split("forward", x)] == [3, 2]
+    assert layout.recv_shape("forward", 0) == (2, 2) and layout.recv_shape("backward", 0) == (3, 4)
+    g = torch.arange(2 * 6).view(2, 6).float()  # gradient of [B_local, D_global]
+    assert [c.shape[1] for c in layout.split("backward", g)] == [2, 4]
+    assert layout.send_blocks("forward", 0) == blocks[1] and layout.send_blocks("backward", 0) == blocks[0]
+
+
+def test_reduce_scatter_layout_sums_partials_in_rank_order():
+    layout = ReduceScatterLayout(rank=0, rows_per_rank=[2, 1], blocks=Blocks(["a"], [2]), world_size=2)
+    parts = [torch.ones(2, 2), torch.full((2, 2), 2.0)]
+    assert torch.equal(layout.merge("forward", parts), torch.full((2, 2), 3.0))
+    g = torch.ones(2, 2)
+    chunks = layout.split("backward", g)
+    assert chunks[0] is chunks[1] is g  # one gradient, encoded once, sent to every rank
