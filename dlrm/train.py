@@ -18,7 +18,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from dlrm import checkpoint, comm_glue
+from dlrm import checkpoint
+from dlrm.comm import comm_stats_all_ranks, comm_summary, make_sharders, set_iteration
 from dlrm.datasets import criteo_batches, dataset_info, prepare_data, split_stems
 from dlrm.env import DistEnv, init_distributed, shutdown
 from dlrm.loop import Stepper, evaluate, take
@@ -51,7 +52,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     model = build_model(cfg.model, info["sparse_features"], info["num_embeddings"], len(info["dense_features"]))
     apply_sparse_optimizer(model, cfg.optimizer)
     table_names = [f"t_{name}" for name in info["sparse_features"]]
-    sharders = comm_glue.sharders(cfg.compression)
+    sharders = make_sharders(cfg.compression)
     model = shard_model(model, cfg.sharding, env, sharders, cfg.batch_size, table_names, cfg.model.embedding_dim)
     optimizer = build_optimizer(model, cfg.optimizer)
     schedule = WarmupDecayLR(optimizer, **cfg.lr_schedule)
@@ -73,6 +74,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         state = checkpoint.load(last, model, optimizer, env.rank, env.world_size)
         iteration, epoch, batch_in_epoch = state["iteration"], state["epoch"], state["batch_in_epoch"]
         schedule.load_state_dict(state["lr_schedule"])
+        set_iteration(model, iteration)
         if env.is_main:
             log.info("resumed from %s at iteration %d (epoch %d, batch %d)", last, iteration, epoch, batch_in_epoch)
 
@@ -100,6 +102,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             now = time.perf_counter()
             tb.scalars({"train/loss": float(loss), "train/lr": schedule.lr,
                         "train/samples_per_s": window_samples / max(now - window_start, 1e-9)}, iteration)
+            tb.scalars(comm_stats_all_ranks(model), iteration)  # a collective: every rank logs
             window_start, window_samples = now, 0
         if env.is_main and cfg.loss_log:
             with open(run_dir / "losses.txt", "a") as f:
@@ -127,7 +130,6 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         if (cfg.eval_every and iteration % cfg.eval_every == 0) or (not cfg.eval_every and at_epoch_end):
             last_val = evaluate(model, take(iter(batches("val", cfg.eval_batch_size)), cfg.limit_eval_batches), env.device)
             tb.scalars({f"eval/{k}": v for k, v in last_val.items() if k != "samples"}, iteration)
-            tb.scalars(comm_glue.stats(model, prefix="comm/"), iteration)
             if env.is_main:
                 log.info("iteration %d: val %s", iteration, last_val)
         if cfg.checkpoint.every and iteration % cfg.checkpoint.every == 0 and iteration < total:
@@ -136,7 +138,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     save()
 
     test = evaluate(model, iter(batches("test", cfg.eval_batch_size)), env.device)
-    comm = comm_glue.summary(model)
+    comm = comm_summary(model)
     metrics = {
         **test,
         "val_auc": last_val.get("auc"), "val_logloss": last_val.get("logloss"),
