@@ -19,7 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from dlrm import checkpoint
-from dlrm.comm import comm_stats_all_ranks, comm_summary, make_sharders, set_iteration
+from dlrm.comm import (comm_stats_all_ranks, comm_summary, make_sharders, parse_compression_cfg, qcomm_ratios,
+                       set_iteration)
 from dlrm.datasets import criteo_batches, dataset_info, prepare_data, split_stems
 from dlrm.env import DistEnv, init_distributed, shutdown
 from dlrm.loop import Stepper, evaluate, take
@@ -139,6 +140,9 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
     test = evaluate(model, iter(batches("test", cfg.eval_batch_size)), env.device)
     comm = comm_summary(model)
+    spec = parse_compression_cfg(cfg.compression)
+    if spec.kind == "qcomm":  # TorchRec's own path counts no bytes; its fixed rate gives the ratio
+        comm.update(qcomm_ratios(spec))
     metrics = {
         **test,
         "val_auc": last_val.get("auc"), "val_logloss": last_val.get("logloss"),

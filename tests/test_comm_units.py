@@ -129,3 +129,16 @@ def test_reduce_scatter_layout_sums_partials_in_rank_order():
     g = torch.ones(2, 2)
     chunks = layout.split("backward", g)
     assert chunks[0] is chunks[1] is g  # one gradient, encoded once, sent to every rank
+
+
+def test_qcomm_configs_report_their_fixed_rate_as_the_wire_ratio():
+    import yaml
+
+    from dlrm.comm import parse_compression_cfg, qcomm_ratios
+
+    configs = Path(__file__).resolve().parents[1] / "configs" / "compression"
+    ratios = {name: qcomm_ratios(parse_compression_cfg(yaml.safe_load((configs / f"{name}.yaml").read_text())))
+              for name in ("qcomm_fp16", "qcomm_bf16", "qcomm_int8")}
+    assert ratios["qcomm_fp16"] == {"forward_ratio": 2.0, "backward_ratio": 2.0}
+    assert ratios["qcomm_bf16"]["forward_ratio"] == 2.0
+    assert ratios["qcomm_int8"]["forward_ratio"] == 128 / 40  # 32 int8 values + fp32 scale and bias

@@ -28,11 +28,11 @@ from torchrec.distributed.types import ModuleSharder
 
 from dlrm.comm.bounds import BoundFn, fixed_bound
 from dlrm.comm.codec import CompressedCommError
-from dlrm.comm.config import CompressionSpec, parse_compression_cfg
+from dlrm.comm.config import CompressionSpec, parse_compression_cfg, qcomm_ratios
 from dlrm.comm.stats import comm_stats, comm_stats_all_ranks, comm_summary, set_iteration
 
 __all__ = ["make_sharders", "build_sharders", "comm_stats", "comm_stats_all_ranks", "comm_summary", "set_iteration",
-           "parse_compression_cfg", "fixed_bound", "BoundFn", "CompressedCommError"]
+           "parse_compression_cfg", "qcomm_ratios", "fixed_bound", "BoundFn", "CompressedCommError"]
 
 
 def _qcomm_registry(spec: CompressionSpec) -> dict[str, Any] | None:

@@ -132,3 +132,15 @@ def parse_compression_cfg(cfg: Mapping[str, Any]) -> CompressionSpec:
             raise ValueError(f"{where}.{key} is missing: give {{codec: ..., eb: ..., mode: abs|rel}}")
     return CompressionSpec(forward=_direction(cfg["forward"], f"{where}.forward"),
                            backward=_direction(cfg["backward"], f"{where}.backward"), **common)
+
+
+# Wire bytes per fp32 value of TorchRec's QComms codecs; INT8 row-wise adds an fp32 scale and bias
+# per 32-value row (fbgemm's default row_dim), hence 1 + 8/32.
+_QCOMM_BYTES_PER_VALUE = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.25}
+
+
+def qcomm_ratios(spec: CompressionSpec) -> dict[str, float]:
+    """Nominal ``forward_ratio``/``backward_ratio`` of a QComms config: the stock path has no byte
+    counters, but its codecs are fixed-rate, so the ratio follows from the precision alone."""
+    return {"forward_ratio": 4.0 / _QCOMM_BYTES_PER_VALUE[spec.qcomm_forward],
+            "backward_ratio": 4.0 / _QCOMM_BYTES_PER_VALUE[spec.qcomm_backward]}
