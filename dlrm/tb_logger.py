@@ -7,10 +7,14 @@ from typing import Any, Mapping
 
 from torch.utils.tensorboard import SummaryWriter
 
+from dlrm.tb_layout import add_layout
+
 
 class TensorBoardLogger:
     def __init__(self, log_dir: Path | None) -> None:
         self.writer = SummaryWriter(log_dir=str(log_dir)) if log_dir is not None else None
+        if self.writer is not None:
+            add_layout(self.writer)  # accuracy beside compression ratio in the CUSTOM SCALARS tab
 
     def scalars(self, values: Mapping[str, float], step: int) -> None:
         if self.writer is None:

@@ -18,6 +18,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from compression.policies import TableStats, build_policy
 from dlrm import checkpoint
 from dlrm.comm import (comm_stats_all_ranks, comm_summary, make_sharders, parse_compression_cfg, qcomm_ratios,
                        set_iteration)
@@ -29,6 +30,7 @@ from dlrm.model import build_model
 from dlrm.optim import WarmupDecayLR, apply_sparse_optimizer, build_optimizer
 from dlrm.run_dir import register_resolvers
 from dlrm.sharding import describe_plan, shard_model
+from dlrm.tb_layout import policy_scalars
 from dlrm.tb_logger import TensorBoardLogger
 
 log = logging.getLogger("dlrm.train")
@@ -52,8 +54,15 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
     model = build_model(cfg.model, info["sparse_features"], info["num_embeddings"], len(info["dense_features"]))
     apply_sparse_optimizer(model, cfg.optimizer)
-    table_names = [f"t_{name}" for name in info["sparse_features"]]
-    sharders = make_sharders(cfg.compression)
+    features = list(info["sparse_features"])
+    table_names = [f"t_{name}" for name in features]
+    spec = parse_compression_cfg(cfg.compression)
+    policy = None
+    if spec.kind == "compressed":  # QComms has no bounds; every other codec asks the policy
+        policy = build_policy(cfg.policy, [TableStats(f, n, cfg.model.embedding_dim)
+                                           for f, n in zip(features, info["num_embeddings"])],
+                              modes={"forward": spec.forward.mode, "backward": spec.backward.mode})
+    sharders = make_sharders(cfg.compression, bound_fn_forward=policy, bound_fn_backward=policy)
     model = shard_model(model, cfg.sharding, env, sharders, cfg.batch_size, table_names, cfg.model.embedding_dim)
     optimizer = build_optimizer(model, cfg.optimizer)
     schedule = WarmupDecayLR(optimizer, **cfg.lr_schedule)
@@ -76,6 +85,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         iteration, epoch, batch_in_epoch = state["iteration"], state["epoch"], state["batch_in_epoch"]
         schedule.load_state_dict(state["lr_schedule"])
         set_iteration(model, iteration)
+        if policy is not None:
+            policy.load_state_dict(state.get("policy", {}))
         if env.is_main:
             log.info("resumed from %s at iteration %d (epoch %d, batch %d)", last, iteration, epoch, batch_in_epoch)
 
@@ -83,6 +94,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         checkpoint.save(ckpt_root, model, optimizer, {
             "iteration": iteration, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
             "world_size": env.world_size, "lr_schedule": schedule.state_dict(),
+            "policy": policy.state_dict() if policy is not None else {},
         }, env.rank, keep=cfg.checkpoint.keep)
 
     stepper = Stepper(model, optimizer, env.device, pipelined=cfg.pipeline)
@@ -103,7 +115,11 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             now = time.perf_counter()
             tb.scalars({"train/loss": float(loss), "train/lr": schedule.lr,
                         "train/samples_per_s": window_samples / max(now - window_start, 1e-9)}, iteration)
-            tb.scalars(comm_stats_all_ranks(model), iteration)  # a collective: every rank logs
+            comm = comm_stats_all_ranks(model)  # a collective: every rank logs
+            tb.scalars(comm, iteration)
+            if policy is not None:
+                policy.observe(iteration, comm)  # the same merged stats on every rank: same bounds
+                tb.scalars(policy_scalars(policy, iteration, features), iteration)
             window_start, window_samples = now, 0
         if env.is_main and cfg.loss_log:
             with open(run_dir / "losses.txt", "a") as f:
@@ -140,7 +156,6 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
     test = evaluate(model, iter(batches("test", cfg.eval_batch_size)), env.device)
     comm = comm_summary(model)
-    spec = parse_compression_cfg(cfg.compression)
     if spec.kind == "qcomm":  # TorchRec's own path counts no bytes; its fixed rate gives the ratio
         comm.update(qcomm_ratios(spec))
     metrics = {
@@ -151,6 +166,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         **comm,
         "config_name": cfg.run_name, "world_size": env.world_size,
         "compression": cfg.compression.name, "sharding_plan": plan,
+        **(policy.summary() if policy is not None else {"policy": None}),
     }
     tb.scalars({f"test/{k}": test[k] for k in ("auc", "logloss", "accuracy")}, iteration)
     tb.hparams(flat_config(cfg), {"hparam/auc": test["auc"], "hparam/logloss": test["logloss"],

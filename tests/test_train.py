@@ -36,6 +36,11 @@ def test_two_ranks_write_metrics_and_tensorboard(tmp_path, cache):
     tags = set(events.Tags()["scalars"])
     assert {"train/loss", "train/lr", "eval/auc", "eval/logloss", "eval/accuracy", "test/auc"} <= tags
     assert [e.step for e in events.Scalars("eval/auc")] == [6, 12]
+    # the default run compresses with the dual policy: ratios and per-table bounds are logged
+    assert {"comm/forward/ratio", "comm/backward/ratio", "comm/forward/eb/cat_0"} <= tags
+    assert metrics["forward_ratio"] > 5 and metrics["policy"] == "dual"
+    bounds = {t: events.Scalars(t)[-1].value for t in tags if t.startswith("comm/forward/eb/")}
+    assert len(set(bounds.values())) == 3  # tight, base and loose table classes
     assert len(events.Scalars("train/loss")) == 12
 
 
