@@ -5,7 +5,9 @@ PY     := $(VENV)/bin/python
 NPROC  ?= 2
 ARGS   ?=
 
-.PHONY: venv train test bench clean
+NETARGS ?=
+
+.PHONY: venv train test bench bench-network clean
 
 venv:
 	@PYTHON=$(PYTHON) bash scripts/setup_env.sh $(VENV)
@@ -17,8 +19,14 @@ train: venv
 test: venv
 	@$(PY) -m pytest -q $(ARGS)
 
+# Codec benchmark, then (as root, which the network namespace needs) the emulated-link benchmark.
 bench: venv
 	@$(PY) -m compression.bench $(ARGS)
+	@if [ "$$(id -u)" = 0 ]; then bash scripts/bench_network.sh $(NETARGS); \
+	 else echo "network benchmark skipped: needs root (sudo make bench-network)"; fi
+
+bench-network: venv
+	@bash scripts/bench_network.sh $(NETARGS)
 
 clean:
 	rm -rf outputs multirun runs .pytest_cache

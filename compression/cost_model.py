@@ -1,0 +1,332 @@
+"""Iteration-time cost model of table-wise sharded DLRM training with compressed all-to-alls.
+
+Pure arithmetic (no torch, TorchRec or dlrm import), so that the trainer, the benchmarks and a
+user's notebook can price a configuration before running it. Seconds, bytes and bytes/s throughout.
+
+One training iteration on ``N`` ranks, each with ``b`` samples and a balanced share of tables::
+
+    T = compute + a2a_fwd + a2a_bwd + allreduce + input_dist + codec_fwd + codec_bwd
+    a2a_d   = latency + bytes_a2a / (ratio_d * B)          bytes_a2a = (N-1)/N * b * sum(dims) * 4
+    codec_d = bytes_a2a / encode_d + bytes_a2a / decode_d  (each rank encodes what it sends and
+                                                            decodes as much as it receives)
+    allreduce = latency + 2 (N-1)/N * dense_params * 4 / B (ring all-reduce of the dense MLPs)
+
+``B`` is the bandwidth a rank gets: a cluster NIC per rank (``Link(shared=False)``), or one medium
+that every rank's traffic crosses, like the emulated loopback of ``scripts/bench_network.sh``
+(``Link(shared=True)``: the bytes of all ``N`` ranks queue on it; its token-bucket shaper also lets
+a burst through at once at the start of each collective, ``Link.burst_bytes``). Nothing overlaps
+in the model, so it is an upper bound where TorchRec overlaps communication with compute.
+
+For one table or one payload the model reduces to the published per-table speedup of Feng et al.
+(notes/papers.md §1.2): ``1 / (1/CR + B (1/Tc + 1/Td))`` - see :func:`table_speedup` - and the
+choice of codec stages (:func:`choose_stages`) is the argmin of its denominator, the seconds each
+raw byte costs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Hashable, Mapping, NamedTuple, Sequence, TypeVar
+
+INF = math.inf
+
+# Feng et al. (SC'24) time breakdown of uncompressed training, 32 A100s, `paper_script/stack_bar.py`
+# (notes/papers.md §1.4): the all-to-alls are 62.6% of the iteration.
+PUBLISHED_BREAKDOWN = {"a2a_forward": 0.313, "a2a_backward": 0.313, "allreduce": 0.229, "compute": 0.145}
+PUBLISHED_SPEEDUP = 1.38  # the paper's headline, forward all-to-all compressed only (Terabyte)
+
+
+def _positive(name: str, value: float, allow_inf: bool = False) -> float:
+    """``value`` as a float, or a ValueError naming ``name`` if it is not > 0 (and finite)."""
+    v = float(value)
+    if not v > 0 or (v == INF and not allow_inf):
+        raise ValueError(f"{name} must be a positive{'' if allow_inf else ' finite'} number, got {value!r}")
+    return v
+
+
+@dataclass(frozen=True)
+class Link:
+    """A network link: bandwidth, per-collective latency, and whether all ranks share it."""
+
+    bytes_per_s: float
+    latency_s: float = 0.0
+    shared: bool = False  # True: one medium carries every rank's bytes (the emulated loopback)
+    # A token-bucket shaper (tc tbf) lets this many bytes through at once after an idle spell:
+    # each collective that follows compute starts with a full bucket. 0 for a plain link.
+    burst_bytes: float = 0.0
+
+    def __post_init__(self) -> None:
+        _positive("Link.bytes_per_s", self.bytes_per_s, allow_inf=True)
+        if not self.latency_s >= 0 or not self.burst_bytes >= 0:
+            raise ValueError(f"Link.latency_s and burst_bytes must be >= 0, got {self.latency_s!r}, "
+                             f"{self.burst_bytes!r}")
+
+    def per_rank_bytes_per_s(self, ranks: int) -> float:
+        """The bandwidth one rank sees while all ``ranks`` send at once."""
+        return self.bytes_per_s / ranks if self.shared else self.bytes_per_s
+
+    def seconds(self, bytes_per_rank: float, ranks: int) -> float:
+        """Time of a collective in which each of ``ranks`` ranks sends ``bytes_per_rank``."""
+        if bytes_per_rank <= 0:
+            return 0.0
+        on_link = bytes_per_rank * ranks if self.shared else bytes_per_rank
+        return self.latency_s + max(0.0, on_link - self.burst_bytes) / self.bytes_per_s
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one iteration moves and computes: ranks, batch, table dims, dense parameters, compute."""
+
+    ranks: int
+    batch_per_rank: int
+    dims: tuple[int, ...]  # embedding dim of every table (all sharded table-wise over the ranks)
+    dense_params: int = 0  # data-parallel (all-reduced) parameters
+    compute_s: float = 0.0  # forward + backward + optimizer, without communication or codec
+    value_bytes: int = 4  # fp32 pooled embeddings and gradients
+    input_bytes_per_lookup: int = 12  # input dist: an int64 id and an int32 length per (sample, table)
+
+    def __post_init__(self) -> None:
+        if int(self.ranks) < 1 or int(self.batch_per_rank) < 1:
+            raise ValueError(f"Workload needs ranks >= 1 and batch_per_rank >= 1, got {self.ranks}, "
+                             f"{self.batch_per_rank}")
+        if not self.dims or any(int(d) < 1 for d in self.dims):
+            raise ValueError(f"Workload.dims must list positive table dims, got {self.dims!r}")
+        if self.compute_s < 0 or self.dense_params < 0:
+            raise ValueError("Workload.compute_s and dense_params must be >= 0")
+
+    def a2a_bytes(self) -> float:
+        """Uncompressed bytes one rank sends in one direction's pooled-embedding all-to-all.
+
+        Each rank keeps the rows of its own samples: (N-1)/N of its tables' output travels.
+        """
+        n = self.ranks
+        return (n - 1) / n * self.batch_per_rank * sum(self.dims) * self.value_bytes
+
+    def allreduce_bytes(self) -> float:
+        """Bytes one rank sends in a ring all-reduce of the dense parameters."""
+        n = self.ranks
+        return 2 * (n - 1) / n * self.dense_params * self.value_bytes
+
+    def input_dist_bytes(self) -> float:
+        """Bytes one rank sends in the sparse input all-to-all (single-valued features)."""
+        n = self.ranks
+        return (n - 1) / n * self.batch_per_rank * len(self.dims) * self.input_bytes_per_lookup
+
+
+@dataclass(frozen=True)
+class CodecCost:
+    """One direction's codec: wire ratio (raw/wire) and encode/decode throughput in raw bytes/s."""
+
+    ratio: float = 1.0
+    encode_bytes_per_s: float = INF
+    decode_bytes_per_s: float = INF
+
+    def __post_init__(self) -> None:
+        _positive("CodecCost.ratio", self.ratio)
+        _positive("CodecCost.encode_bytes_per_s", self.encode_bytes_per_s, allow_inf=True)
+        _positive("CodecCost.decode_bytes_per_s", self.decode_bytes_per_s, allow_inf=True)
+
+    def codec_seconds(self, raw_bytes: float) -> float:
+        """Encode plus decode time of ``raw_bytes``."""
+        return raw_bytes / self.encode_bytes_per_s + raw_bytes / self.decode_bytes_per_s
+
+    def seconds_per_byte(self, link_bytes_per_s: float) -> float:
+        """What one raw byte costs end to end: wire time at the link rate plus codec time."""
+        return 1.0 / (self.ratio * link_bytes_per_s) + 1.0 / self.encode_bytes_per_s + 1.0 / self.decode_bytes_per_s
+
+
+NO_CODEC = CodecCost()
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Seconds per iteration, by component."""
+
+    compute: float
+    a2a_forward: float
+    a2a_backward: float
+    allreduce: float = 0.0
+    input_dist: float = 0.0
+    codec_forward: float = 0.0
+    codec_backward: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    @property
+    def a2a(self) -> float:
+        """Both pooled-embedding all-to-alls (wire time, codec excluded)."""
+        return self.a2a_forward + self.a2a_backward
+
+    @property
+    def a2a_share(self) -> float:
+        """Fraction of the iteration spent in the two all-to-alls (the published 62.6%)."""
+        return self.a2a / self.total
+
+    def shares(self) -> dict[str, float]:
+        """Every component as a fraction of the total."""
+        t = self.total
+        return {f.name: getattr(self, f.name) / t for f in fields(self)}
+
+    def as_dict(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def iteration_time(w: Workload, link: Link, forward: CodecCost = NO_CODEC,
+                   backward: CodecCost = NO_CODEC) -> Breakdown:
+    """The modelled iteration of workload ``w`` on ``link`` with these codecs, from first principles."""
+    raw = w.a2a_bytes()
+    return Breakdown(
+        compute=w.compute_s,
+        a2a_forward=link.seconds(raw / forward.ratio, w.ranks),
+        a2a_backward=link.seconds(raw / backward.ratio, w.ranks),
+        allreduce=link.seconds(w.allreduce_bytes(), w.ranks),
+        input_dist=link.seconds(w.input_dist_bytes(), w.ranks),
+        codec_forward=forward.codec_seconds(raw),
+        codec_backward=backward.codec_seconds(raw),
+    )
+
+
+def with_codecs(base: Breakdown, raw_bytes: float, forward: CodecCost = NO_CODEC,
+                backward: CodecCost = NO_CODEC, latency_s: float = 0.0) -> Breakdown:
+    """An uncompressed breakdown (measured or published) with codecs applied to its all-to-alls.
+
+    The bandwidth part of each all-to-all (beyond ``latency_s``) shrinks by the direction's ratio;
+    encode and decode of ``raw_bytes`` (what one rank sends per direction) are added.
+    """
+    def shrink(t: float, c: CodecCost) -> float:
+        fixed = min(latency_s, t)
+        return fixed + (t - fixed) / c.ratio
+
+    return replace(base, a2a_forward=shrink(base.a2a_forward, forward),
+                   a2a_backward=shrink(base.a2a_backward, backward),
+                   codec_forward=base.codec_forward + forward.codec_seconds(raw_bytes),
+                   codec_backward=base.codec_backward + backward.codec_seconds(raw_bytes))
+
+
+def from_shares(shares: Mapping[str, float], a2a_forward_s: float) -> Breakdown:
+    """Absolute times from a published breakdown (fractions by component) and the forward
+    all-to-all's time, e.g. raw bytes / link bandwidth of the published cluster."""
+    known = {f.name for f in fields(Breakdown)}
+    unknown = sorted(set(shares) - known)
+    if unknown:
+        raise ValueError(f"breakdown shares have unknown component(s) {unknown}; known: {sorted(known)}")
+    if not shares.get("a2a_forward", 0) > 0:
+        raise ValueError("breakdown shares need a positive a2a_forward share to scale from")
+    total = float(a2a_forward_s) / shares["a2a_forward"]
+    return Breakdown(**{**{k: 0.0 for k in ("compute", "a2a_forward", "a2a_backward")},
+                        **{k: v * total for k, v in shares.items()}})
+
+
+def project_published(w: Workload, link_bytes_per_s: float, forward: CodecCost, backward: CodecCost,
+                      shares: Mapping[str, float] = PUBLISHED_BREAKDOWN) -> dict[str, Breakdown]:
+    """A published setup: its breakdown scaled to ``w``'s forward all-to-all at the link rate,
+    then compressed forward only (what Feng et al. did) and in both directions (what we do)."""
+    raw = w.a2a_bytes()
+    base = from_shares(shares, raw / _positive("link_bytes_per_s", link_bytes_per_s))
+    return {"uncompressed": base,
+            "forward_only": with_codecs(base, raw, forward, NO_CODEC),
+            "forward_backward": with_codecs(base, raw, forward, backward)}
+
+
+def calibrate_compute(measured_total_s: float, modelled: Breakdown) -> Breakdown:
+    """``modelled`` with its compute set so that its total equals a measured iteration time
+    (the residual after the modelled communication and codec; errors if that is negative)."""
+    rest = modelled.total - modelled.compute
+    compute = float(measured_total_s) - rest
+    if compute < 0:
+        raise ValueError(f"measured {measured_total_s:.4g} s per iteration is less than the modelled "
+                         f"communication and codec time {rest:.4g} s: the link or byte counts are wrong")
+    return replace(modelled, compute=compute)
+
+
+def speedup(base: Breakdown, new: Breakdown) -> float:
+    """Iteration-time ratio: how much faster ``new`` trains than ``base``."""
+    return base.total / new.total
+
+
+def amdahl_limit(share: float) -> float:
+    """The speedup cap when only a fraction ``share`` of the time can shrink (to zero)."""
+    if not 0 <= share < 1:
+        raise ValueError(f"share must be in [0, 1), got {share!r}")
+    return 1.0 / (1.0 - share)
+
+
+def table_speedup(ratio: float, link_bytes_per_s: float, encode_bytes_per_s: float,
+                  decode_bytes_per_s: float) -> float:
+    """Feng et al.'s per-table speedup of one transfer: ``1 / (1/CR + B (1/Tc + 1/Td))``."""
+    c = CodecCost(ratio, encode_bytes_per_s, decode_bytes_per_s)
+    return 1.0 / (c.seconds_per_byte(_positive("link_bytes_per_s", link_bytes_per_s)) * link_bytes_per_s)
+
+
+class Stages(NamedTuple):
+    """The optional stages of the lossy codec: an entropy coder (zstd) after quantisation, and
+    deduplication of identical rows. ``codec_params()`` gives ``compression.get_codec("lossy", ...)``
+    keyword arguments."""
+
+    entropy: bool
+    dedup: bool
+
+    def codec_params(self) -> dict[str, bool]:
+        return {"entropy": self.entropy, "dedup": self.dedup}
+
+
+K = TypeVar("K", bound=Hashable)
+
+
+def choose_stages(ratio_by_stage: Mapping[K, float],
+                  throughput_by_stage: Mapping[K, tuple[float, float]],
+                  link_bytes_per_s: float) -> K:
+    """The stage configuration that moves a raw byte fastest over this link.
+
+    ``ratio_by_stage`` maps each candidate (e.g. :class:`Stages`) to its measured wire ratio,
+    ``throughput_by_stage`` to its (encode, decode) throughput in raw bytes/s, and
+    ``link_bytes_per_s`` is the bandwidth one rank gets (``Link.per_rank_bytes_per_s``). Slow links
+    favour the stronger ratio (entropy on), fast links the faster codec. Ties go to the candidate
+    with fewer stages switched on, then to the first given.
+    """
+    link = _positive("link_bytes_per_s", link_bytes_per_s, allow_inf=True)
+    if not ratio_by_stage:
+        raise ValueError("choose_stages needs at least one candidate")
+    missing = [k for k in ratio_by_stage if k not in throughput_by_stage]
+    if missing:
+        raise ValueError(f"no (encode, decode) throughput for stage choice(s) {missing}")
+
+    def cost(item: tuple[int, K]) -> tuple[float, int, int]:
+        i, k = item
+        enc, dec = throughput_by_stage[k]
+        c = CodecCost(ratio_by_stage[k], enc, dec)
+        on = sum(bool(v) for v in k) if isinstance(k, tuple) else 0
+        wire = 0.0 if link == INF else 1.0 / (c.ratio * link)
+        return wire + 1.0 / c.encode_bytes_per_s + 1.0 / c.decode_bytes_per_s, on, i
+
+    return min(enumerate(ratio_by_stage), key=cost)[1]
+
+
+def choose_stages_per_table(ratio_by_table: Mapping[str, Mapping[K, float]],
+                            throughput_by_stage: Mapping[K, tuple[float, float]],
+                            link_bytes_per_s: float) -> dict[str, K]:
+    """:func:`choose_stages` for every table (ratios differ by table, throughputs by stage)."""
+    return {t: choose_stages(r, throughput_by_stage, link_bytes_per_s) for t, r in ratio_by_table.items()}
+
+
+def crossover_bandwidth(a: CodecCost, b: CodecCost) -> float | None:
+    """The link rate at which ``a`` and ``b`` cost the same per raw byte (None: one always wins).
+
+    Below it the codec with the higher ratio wins, above it the faster one.
+    """
+    wire = 1.0 / a.ratio - 1.0 / b.ratio  # coefficient of 1/B in cost(a) - cost(b)
+    codec = (1.0 / b.encode_bytes_per_s + 1.0 / b.decode_bytes_per_s
+             - 1.0 / a.encode_bytes_per_s - 1.0 / a.decode_bytes_per_s)
+    if wire == 0 or codec == 0 or (wire > 0) != (codec > 0):
+        return None
+    return wire / codec
+
+
+def harmonic_ratio(raw_bytes: Sequence[float], ratios: Sequence[float]) -> float:
+    """Aggregate ratio of several tables: total raw bytes over total wire bytes."""
+    if len(raw_bytes) != len(ratios) or not raw_bytes:
+        raise ValueError("harmonic_ratio needs one ratio per raw byte count")
+    return sum(raw_bytes) / sum(r / _positive("ratio", c) for r, c in zip(raw_bytes, ratios))
