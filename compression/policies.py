@@ -426,7 +426,7 @@ _FORBIDS = {"fixed": {"classes", "schedule", "control"}, "table_wise": {"eb", "s
             "iteration_wise": {"classes", "control"}, "dual": {"eb", "control"}, "closed_loop": set()}
 
 
-def _plain(cfg: Any) -> Any:
+def plain_config(cfg: Any) -> Any:
     """An OmegaConf container (or anything else) as plain Python, without importing omegaconf."""
     to_container = getattr(type(cfg), "__module__", "").startswith("omegaconf")
     if to_container:
@@ -436,7 +436,7 @@ def _plain(cfg: Any) -> Any:
     return cfg
 
 
-def _check_keys(cfg: Mapping[str, Any], allowed: set[str], where: str) -> None:
+def check_keys(cfg: Mapping[str, Any], allowed: set[str], where: str) -> None:
     unknown = sorted(set(cfg) - allowed)
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
@@ -460,7 +460,7 @@ def _number(cfg: Mapping[str, Any], key: str, where: str, default: float | None 
 def _schedule(cfg: Any, where: str) -> Schedule:
     if not isinstance(cfg, Mapping):
         raise ValueError(f"{where} must be a mapping {{kind, early_stage, c}}, got {cfg!r}")
-    _check_keys(cfg, _SCHEDULE_KEYS, where)
+    check_keys(cfg, _SCHEDULE_KEYS, where)
     kind = cfg.get("kind", PUBLISHED_SCHEDULE)
     if kind not in SCHEDULES:
         raise ValueError(f"{where}.kind must be one of {SCHEDULES}, got {kind!r}")
@@ -476,7 +476,7 @@ def _schedule(cfg: Any, where: str) -> Schedule:
 def _classes(cfg: Any, tables: Sequence[TableStats], where: str) -> dict[str, str]:
     if not isinstance(cfg, Mapping):
         raise ValueError(f"{where} must be a mapping (source: published|auto, ...), got {cfg!r}")
-    _check_keys(cfg, _CLASS_KEYS, where)
+    check_keys(cfg, _CLASS_KEYS, where)
     source = cfg.get("source", "auto")
     if source == "published":
         extra = sorted(set(cfg) - {"source", "dataset"})
@@ -498,7 +498,7 @@ def _classes(cfg: Any, tables: Sequence[TableStats], where: str) -> dict[str, st
 def _rule(cfg: Any, tables: Sequence[TableStats], where: str) -> DirectionRule:
     if not isinstance(cfg, Mapping):
         raise ValueError(f"{where} must be a mapping with a `kind` ({', '.join(KINDS)}), got {cfg!r}")
-    _check_keys(cfg, _RULE_KEYS, where)
+    check_keys(cfg, _RULE_KEYS, where)
     kind = cfg.get("kind")
     if kind not in KINDS:
         raise ValueError(f"{where}.kind must be one of {KINDS}, got {kind!r}")
@@ -519,7 +519,7 @@ def _rule(cfg: Any, tables: Sequence[TableStats], where: str) -> DirectionRule:
         c = cfg["control"]
         if not isinstance(c, Mapping):
             raise ValueError(f"{where}.control must be a mapping {{target, min, max, gain, max_step}}")
-        _check_keys(c, _CONTROL_KEYS, f"{where}.control")
+        check_keys(c, _CONTROL_KEYS, f"{where}.control")
         cw = f"{where}.control"
         try:
             control = Control(target=_number(c, "target", cw, positive=True), min=_number(c, "min", cw, positive=True),
@@ -531,7 +531,7 @@ def _rule(cfg: Any, tables: Sequence[TableStats], where: str) -> DirectionRule:
         bounds_cfg = cfg.get("bounds") or PUBLISHED_BOUNDS
         if not isinstance(bounds_cfg, Mapping):
             raise ValueError(f"{where}.bounds must be a mapping {{tight, base, loose}}, got {bounds_cfg!r}")
-        _check_keys(bounds_cfg, set(CLASSES), f"{where}.bounds")
+        check_keys(bounds_cfg, set(CLASSES), f"{where}.bounds")
         values = {k: _number(bounds_cfg, k, f"{where}.bounds", PUBLISHED_BOUNDS[k]) for k in CLASSES}
         classes = _classes(cfg["classes"], tables, f"{where}.classes")
         return DirectionRule(kind, None, {f: values[c] for f, c in classes.items()}, classes, scale, schedule,
@@ -550,10 +550,10 @@ def build_policy(cfg: Mapping[str, Any], tables: Sequence[TableStats],
     (+ bounds), schedule, scale, control}`` (see ``configs/policy/``). ``modes``: the compression
     config's ``mode`` per direction, if known; a closed loop in ``abs`` mode is refused.
     """
-    cfg = _plain(cfg)
+    cfg = plain_config(cfg)
     if not isinstance(cfg, Mapping):
         raise ValueError(f"policy config must be a mapping, got {type(cfg).__name__}")
-    _check_keys(cfg, {"name", *DIRECTIONS}, "policy")
+    check_keys(cfg, {"name", *DIRECTIONS}, "policy")
     names = [t.feature for t in tables]
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate feature names in the table statistics: {names}")
@@ -568,6 +568,6 @@ def build_policy(cfg: Mapping[str, Any], tables: Sequence[TableStats],
     return Policy(str(cfg.get("name", "policy")), rules)
 
 
-__all__ = ["TableStats", "Policy", "DirectionRule", "Schedule", "Control", "build_policy", "schedule_multiplier",
+__all__ = ["plain_config", "check_keys", "TableStats", "Policy", "DirectionRule", "Schedule", "Control", "build_policy", "schedule_multiplier",
            "published_classes", "automatic_classes", "control_update", "feature_index", "PUBLISHED_TABLES",
            "PUBLISHED_BOUNDS", "PUBLISHED_C", "PUBLISHED_EARLY_STAGE", "DIRECTIONS", "KINDS", "SCHEDULES"]

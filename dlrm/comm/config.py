@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from compression.policies import check_keys, plain_config
+
 KINDS = ("compressed", "qcomm")
 MODES = ("abs", "rel")
 QCOMM_PRECISIONS = ("fp32", "fp16", "bf16", "int8")
@@ -51,27 +53,10 @@ class CompressionSpec:
     sharding_types: tuple[str, ...] = ALL_SHARDING_TYPES
 
 
-def to_plain(cfg: Any) -> Any:
-    """An OmegaConf DictConfig/ListConfig (or anything else) as plain Python containers."""
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-    except ImportError:  # omegaconf comes with hydra; plain dicts work without it
-        return cfg
-    if isinstance(cfg, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(cfg, resolve=True)
-    return cfg
-
-
-def _check_keys(cfg: Mapping[str, Any], allowed: set[str], where: str) -> None:
-    unknown = sorted(set(cfg) - allowed)
-    if unknown:
-        raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
-
-
 def _direction(cfg: Any, where: str) -> DirectionSpec:
     if not isinstance(cfg, Mapping):
         raise ValueError(f"{where} must be a mapping {{codec, eb, mode, dedup, params}}, got {cfg!r}")
-    _check_keys(cfg, _DIR_KEYS, where)
+    check_keys(cfg, _DIR_KEYS, where)
     if "codec" not in cfg or not isinstance(cfg["codec"], str):
         raise ValueError(f"{where}.codec must name a codec (none, fp16, bf16, int8, lossy), got "
                          f"{cfg.get('codec')!r}")
@@ -95,17 +80,17 @@ def _direction(cfg: Any, where: str) -> DirectionSpec:
 
 def parse_compression_cfg(cfg: Mapping[str, Any]) -> CompressionSpec:
     """Validate a `compression` config (dict or DictConfig); errors name the offending key."""
-    cfg = to_plain(cfg)
+    cfg = plain_config(cfg)
     where = "compression"
     if not isinstance(cfg, Mapping):
         raise ValueError(f"{where} config must be a mapping, got {type(cfg).__name__}")
-    _check_keys(cfg, _TOP_KEYS, where)
+    check_keys(cfg, _TOP_KEYS, where)
     name = str(cfg.get("name", "unnamed"))
     kind = cfg.get("kind", "compressed")
     if kind not in KINDS:
         raise ValueError(f"{where}.kind must be one of {KINDS}, got {kind!r}")
     stats = cfg.get("stats") or {}
-    _check_keys(stats, _STATS_KEYS, f"{where}.stats")
+    check_keys(stats, _STATS_KEYS, f"{where}.stats")
     sample_every = stats.get("sample_every", 10)
     if not isinstance(sample_every, int) or sample_every < 0:
         raise ValueError(f"{where}.stats.sample_every must be an integer >= 0, got {sample_every!r}")
@@ -119,7 +104,7 @@ def parse_compression_cfg(cfg: Mapping[str, Any]) -> CompressionSpec:
             raise ValueError(f"{where}: kind qcomm takes `qcomm: {{forward_precision, backward_precision}}`"
                              ", not forward/backward codec entries")
         q = cfg.get("qcomm") or {}
-        _check_keys(q, _QCOMM_KEYS, f"{where}.qcomm")
+        check_keys(q, _QCOMM_KEYS, f"{where}.qcomm")
         fwd, bwd = q.get("forward_precision", "fp32"), q.get("backward_precision", "fp32")
         for key, val in (("forward_precision", fwd), ("backward_precision", bwd)):
             if val not in QCOMM_PRECISIONS:
