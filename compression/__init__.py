@@ -5,6 +5,7 @@ API (the contract in DESIGN.md "Public contracts")::
     codec = compression.get_codec(name, **params)   # names: compression.available_codecs()
     payload = codec.encode(x, eb, ids=None, *, blocks=None)  # -> 1-D torch.uint8, self-describing
     y = codec.decode(payload, ids=None)              # -> x's shape and dtype, payload's device
+    codec.decode(payload, ids=None, out=y)           # into a caller's tensor (any strides)
 
 - ``x``: 2-D ``[rows, cols]`` float32 / float16 / bfloat16 (restored on decode).
 - ``eb``: absolute bound, a float or one per column block; ``blocks=[d0, d1, ...]`` gives the

@@ -49,9 +49,10 @@ def codec_for(payload: torch.Tensor) -> "Codec":
     return _BY_ID[header.codec_id]()
 
 
-def decode(payload: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+def decode(payload: torch.Tensor, ids: torch.Tensor | None = None, *,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode any payload with the codec named in its header."""
-    return codec_for(payload).decode(payload, ids)
+    return codec_for(payload).decode(payload, ids, out=out)
 
 
 class Codec(ABC):
@@ -71,8 +72,14 @@ class Codec(ABC):
         """Compress ``x`` into one payload (see the package docstring for ``eb``/``ids``/``blocks``)."""
 
     @abstractmethod
-    def decode(self, payload: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Rebuild the tensor (shape, dtype, device of the payload) from a payload."""
+    def decode(self, payload: torch.Tensor, ids: torch.Tensor | None = None, *,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rebuild the tensor (shape, dtype, device of the payload) from a payload.
+
+        ``out``: write into this tensor instead (the payload's shape, dtype and device; it may be
+        a strided view, e.g. one peer's columns of an all-to-all's output) and return it. Reusing
+        or sharing the output saves the allocation (page faults on CPU) and the caller's copy.
+        """
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
@@ -87,6 +94,24 @@ class Codec(ABC):
             raise PayloadError(f"payload was written by codec {other.name if other else header.codec_id!r}"
                                f", not {self.name!r}")
         return header, sections
+
+
+def check_out(out: torch.Tensor | None, header: fmt.Header, device: torch.device) -> None:
+    """Reject an ``out=`` tensor that cannot hold the payload's tensor (a caller error, not a
+    payload error)."""
+    if out is None:
+        return
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    want = (header.rows, header.cols)
+    if tuple(out.shape) != want or out.dtype != header.dtype or out.device != device:
+        raise ValueError(f"out is {tuple(out.shape)} {out.dtype} on {out.device}; the payload holds "
+                         f"{list(want)} {header.dtype} on {device}")
+
+
+def into(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``result``, or ``out`` after copying (and casting) ``result`` into it."""
+    return result if out is None else out.copy_(result)
 
 
 def check_input(x: torch.Tensor) -> None:

@@ -14,7 +14,7 @@ from typing import ClassVar, Sequence
 import torch
 
 from . import format as fmt
-from .base import Bound, Codec, check_ids, check_input, register, resolve_blocks, resolve_bounds
+from .base import Bound, Codec, check_ids, check_input, check_out, into, register, resolve_blocks, resolve_bounds
 
 # fbgemm_gpu.quantize_comm constants (TorchRec's defaults).
 HFP8_EBITS, HFP8_MBITS, HFP8_BIAS = 4, 3, 15
@@ -66,21 +66,23 @@ class FbgemmCodec(Codec):
                             [float("inf")] * len(widths), info=[self.chunk, 0, 0, 0])
         return fmt.pack(header, [wire], device=x.device)
 
-    def decode(self, payload: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+    def decode(self, payload: torch.Tensor, ids: torch.Tensor | None = None, *,
+               out: torch.Tensor | None = None) -> torch.Tensor:
         """Dequantise back to the input's shape and dtype."""
         header, (section,) = self._header(payload)
+        check_out(out, header, payload.device)
         chunk = header.info[0]
         if chunk < 1:
             raise fmt.PayloadError(f"{self.name}: chunk size {chunk} in header")
         n = header.rows * header.cols
         n_padded = n + (-n % chunk)
         if n_padded == 0:
-            return torch.zeros(header.rows, header.cols, dtype=header.dtype, device=payload.device)
+            return into(torch.zeros(header.rows, header.cols, dtype=header.dtype, device=payload.device), out)
         _fbgemm()
         if section.numel() != self._wire_bytes(n_padded, chunk):
             raise fmt.PayloadError(f"{self.name}: {section.numel()} quantised bytes for {n_padded} values")
-        out = self._dequantize(section, n_padded, chunk).reshape(-1)[:n]
-        return out.reshape(header.rows, header.cols).to(header.dtype)
+        values = self._dequantize(section, n_padded, chunk).reshape(-1)[:n]
+        return into(values.reshape(header.rows, header.cols).to(header.dtype), out)
 
 
 @register

@@ -6,6 +6,9 @@ One payload per table (as the all-to-all sends per table and destination), at ab
 1e-2, 1e-3, 1e-4 and at the same numbers relative to each table's value range. Throughput is
 input float bytes / median time over ``--repeats`` runs (after one warm-up); ``--clock cpu``
 counts this process's CPU time instead of wall time, for machines shared with other work.
+Decompression is timed twice: into fresh tensors, and into the caller's output buffers
+(``decode(..., out=)``, reused across repeats, as the all-to-all decodes into its output; on CPU a
+fresh 1 MB tensor per table costs page faults that can exceed the decoding itself).
 ``--input`` takes a ``torch.save``d dict: table name -> {"values": float [rows, dim], "ids":
 optional int [rows]}; without it a Criteo-like batch is generated (see ``synthetic``).
 """
@@ -65,6 +68,7 @@ class Row:
     bound_held: bool | None  # None: the codec promises no bound
     compress_MBps: float
     decompress_MBps: float
+    decompress_into_MBps: float  # decode(..., out=) into reused output buffers
     bytes_in: int
     bytes_out: int
     max_error_over_bound: float | None = None
@@ -106,7 +110,8 @@ def _timed(fn, repeats: int) -> tuple[float, object]:
 
 
 def run_variant(v: Variant, tables: dict, bounds: list[list[float]] | None, repeats: int) -> tuple:
-    """(seconds to encode all tables, seconds to decode, bytes out, max abs error per table)."""
+    """(seconds to encode all tables, to decode into fresh tensors, to decode into reused
+    buffers, bytes out, max abs error per table)."""
     codec = compression.get_codec(v.codec, **v.params)
     names = list(tables)
     vals = [tables[n]["values"] for n in names]
@@ -114,11 +119,15 @@ def run_variant(v: Variant, tables: dict, bounds: list[list[float]] | None, repe
     ebs = bounds if bounds is not None else [None] * len(names)
     t_enc, payloads = _timed(lambda: [codec.encode(x, e, i) for x, e, i in zip(vals, ebs, ids)], repeats)
     t_dec, outs = _timed(lambda: [codec.decode(p, i) for p, i in zip(payloads, ids)], repeats)
+    bufs = [torch.empty_like(x) for x in vals]
+    t_into, _ = _timed(lambda: [codec.decode(p, i, out=b) for p, i, b in zip(payloads, ids, bufs)], repeats)
+    if any(not torch.equal(b.view(-1).view(torch.uint8), y.view(-1).view(torch.uint8)) for b, y in zip(bufs, outs)):
+        raise AssertionError(f"{v.label}: decoding into a buffer differs from decoding into a fresh tensor")
     errs = []
     for x, y in zip(vals, outs):
         fin = torch.isfinite(x)
         errs.append((y.double()[fin] - x.double()[fin]).abs().max().item() if fin.any() else 0.0)
-    return t_enc, t_dec, sum(int(p.numel()) for p in payloads), errs
+    return t_enc, t_dec, t_into, sum(int(p.numel()) for p in payloads), errs
 
 
 def benchmark(tables: dict, repeats: int, variants: list[Variant] = VARIANTS,
@@ -138,35 +147,38 @@ def benchmark(tables: dict, repeats: int, variants: list[Variant] = VARIANTS,
             continue
         if not codec.bounded:
             try:
-                t_enc, t_dec, out, errs = run_variant(v, tables, None, repeats)
+                t_enc, t_dec, t_into, out, errs = run_variant(v, tables, None, repeats)
             except NotImplementedError as e:
                 log(f"skip {v.label}: {e}")
                 continue
             rows.append(Row(v.label, "-", None, bytes_in / out, max(errs), None,
-                            bytes_in / t_enc / 1e6, bytes_in / t_dec / 1e6, bytes_in, out))
+                            bytes_in / t_enc / 1e6, bytes_in / t_dec / 1e6, bytes_in / t_into / 1e6,
+                            bytes_in, out))
             continue
         for mode in ("abs", "rel"):
             for e in bound_values:
                 per_table = [[e] if mode == "abs" else compression.relative_to_absolute(t["values"], e)
                              for t in tables.values()]
-                t_enc, t_dec, out, errs = run_variant(v, tables, per_table, repeats)
+                t_enc, t_dec, t_into, out, errs = run_variant(v, tables, per_table, repeats)
                 held = all(err <= b[0] for err, b in zip(errs, per_table))
                 worst = max((err / b[0] if b[0] > 0 else (0.0 if err == 0 else math.inf))
                             for err, b in zip(errs, per_table))
                 rows.append(Row(v.label, mode, e, bytes_in / out, max(errs), held,
-                                bytes_in / t_enc / 1e6, bytes_in / t_dec / 1e6, bytes_in, out, worst))
+                                bytes_in / t_enc / 1e6, bytes_in / t_dec / 1e6, bytes_in / t_into / 1e6,
+                                bytes_in, out, worst))
     return rows
 
 
 def format_table(rows: list[Row]) -> str:
     """The results as a Markdown table."""
-    lines = ["| codec | mode | eb | ratio | max abs err | bound held | compress MB/s | decompress MB/s |",
-             "|---|---|---:|---:|---:|---|---:|---:|"]
+    lines = ["| codec | mode | eb | ratio | max abs err | bound held | compress MB/s | decompress MB/s "
+             "| decompress into buffer MB/s |",
+             "|---|---|---:|---:|---:|---|---:|---:|---:|"]
     for r in rows:
         held = "n/a" if r.bound_held is None else ("yes" if r.bound_held else "**NO**")
         eb = "-" if r.eb is None else f"{r.eb:g}"
         lines.append(f"| {r.codec} | {r.mode} | {eb} | {r.ratio:.2f} | {r.max_abs_error:.3g} | {held} "
-                     f"| {r.compress_MBps:,.0f} | {r.decompress_MBps:,.0f} |")
+                     f"| {r.compress_MBps:,.0f} | {r.decompress_MBps:,.0f} | {r.decompress_into_MBps:,.0f} |")
     return "\n".join(lines)
 
 

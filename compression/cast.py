@@ -7,7 +7,7 @@ from typing import ClassVar, Sequence
 import torch
 
 from . import format as fmt
-from .base import Bound, Codec, check_ids, check_input, register, resolve_blocks, resolve_bounds
+from .base import Bound, Codec, check_ids, check_input, check_out, register, resolve_blocks, resolve_bounds
 
 
 class CastCodec(Codec):
@@ -27,16 +27,20 @@ class CastCodec(Codec):
                             [float("inf")] * len(widths))
         return fmt.pack(header, [wire], device=x.device)
 
-    def decode(self, payload: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+    def decode(self, payload: torch.Tensor, ids: torch.Tensor | None = None, *,
+               out: torch.Tensor | None = None) -> torch.Tensor:
         """Undo the cast; the result never aliases ``payload``."""
         header, (section,) = self._header(payload)
+        check_out(out, header, payload.device)
         wire_dtype = header.dtype if self.wire_dtype is None else self.wire_dtype
         values = fmt.view_as(section, wire_dtype, "cast values")
         if values.numel() != header.rows * header.cols:
             raise fmt.PayloadError(f"cast values: {values.numel()} values for shape "
                                    f"[{header.rows}, {header.cols}]")
-        out = values.reshape(header.rows, header.cols)
-        return out.clone() if out.dtype == header.dtype else out.to(header.dtype)
+        values = values.reshape(header.rows, header.cols)
+        if out is not None:
+            return out.copy_(values)  # one pass: copy and cast together
+        return values.clone() if values.dtype == header.dtype else values.to(header.dtype)
 
 
 @register

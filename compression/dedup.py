@@ -143,28 +143,32 @@ def gather(x: torch.Tensor, widths: list[int], plan: Plan) -> torch.Tensor:
 
 
 def scatter(values: torch.Tensor, widths: list[int], counts: torch.Tensor,
-            inverse: torch.Tensor | None, rows: int) -> torch.Tensor:
-    """Inverse of :func:`gather`: the full [rows, cols] tensor from the unique rows' values."""
+            inverse: torch.Tensor | None, rows: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of :func:`gather`: the full [rows, cols] tensor from the unique rows' values,
+    written into ``out`` (any strides) when given."""
     cols = sum(widths)
-    if cols == 0:
-        return values.new_zeros(rows, 0)
+    if out is None:
+        out = values.new_empty(rows, cols)
+    if cols == 0 or rows == 0:
+        return out
+    nb = len(widths)
     if inverse is None:  # identity plan: blocks are stored [rows, w] one after another
-        if len(set(widths)) <= 1:
-            nb = len(widths)
-            d = widths[0] if widths else 0
-            return values.view(nb, rows, d).transpose(0, 1).reshape(rows, cols)
-        inverse = torch.arange(rows, device=values.device).expand(len(widths), rows)
-    if len(set(widths)) == 1:
-        d, nb = widths[0], len(widths)
-        if nb == 1:
-            return torch.index_select(values.view(-1, d), 0, inverse[0])
+        start, pos = 0, 0
+        for w in widths:
+            out[:, start:start + w] = values[pos:pos + rows * w].view(rows, w)
+            start, pos = start + w, pos + rows * w
+        return out
+    if nb == 1:  # gathers straight into out (index_select accepts a strided out)
+        return torch.index_select(values.view(-1, cols), 0, inverse[0], out=out)
+    if len(set(widths)) == 1 and out.is_contiguous():  # one gather for every block
+        d = widths[0]
         offsets = counts.cumsum(0) - counts
         g = (inverse + offsets[:, None]).t().reshape(-1)  # [rows * nb] index of the unique row
-        return torch.index_select(values.view(-1, d), 0, g).view(rows, cols)
-    out = values.new_empty(rows, cols)
+        torch.index_select(values.view(-1, d), 0, g, out=out.view(rows * nb, d))
+        return out
     start, pos = 0, 0
     for b, w in enumerate(widths):
         u = int(counts[b])
-        out[:, start:start + w] = torch.index_select(values[pos:pos + u * w].view(u, w), 0, inverse[b])
+        torch.index_select(values[pos:pos + u * w].view(u, w), 0, inverse[b], out=out[:, start:start + w])
         start, pos = start + w, pos + u * w
     return out

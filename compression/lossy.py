@@ -13,7 +13,8 @@ from typing import Sequence, Union
 import torch
 
 from . import coders, dedup, format as fmt, quantize, reference
-from .base import Bound, Codec, check_ids, check_input, register, resolve_blocks, resolve_bounds
+from .base import (Bound, Codec, check_ids, check_input, check_out, register, resolve_blocks,
+                   resolve_bounds)
 from .format import PayloadError
 
 Entropy = Union[bool, str]
@@ -125,9 +126,11 @@ class LossyCodec(Codec):
         header = fmt.Header(self.codec_id, x.dtype, rows, cols, widths, bounds, info=info)
         return fmt.pack(header, [plan.counts, index, coder.encode(codes), exceptions], device=x.device)
 
-    def decode(self, payload: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Rebuild the tensor; payloads encoded with ids need the same ids here."""
+    def decode(self, payload: torch.Tensor, ids: torch.Tensor | None = None, *,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rebuild the tensor (into ``out`` if given); payloads encoded with ids need the same ids."""
         header, sections = self._header(payload)
+        check_out(out, header, payload.device)
         if len(sections) != 4:
             raise PayloadError(f"lossy payload has {len(sections)} sections, expected 4")
         counts_s, index_s, codes_s, exc_s = sections
@@ -165,4 +168,4 @@ class LossyCodec(Codec):
         codes = coder.decode(codes_s, n, "codes")
         step, _ = quantize.steps_and_margins(header.bounds, sizes, device)
         values = quantize.decode(codes, step, exc_s, header.dtype, "exceptions", backend)
-        return dedup.scatter(values, widths, counts.to(device), inverse, rows)
+        return dedup.scatter(values, widths, counts.to(device), inverse, rows, out)

@@ -51,6 +51,21 @@ def test_every_single_bit_flip_raises(key):
             codec.decode(bad, ids)
 
 
+@pytest.mark.parametrize("key", sorted(PAYLOADS))
+def test_decode_into_a_callers_tensor(key):
+    codec, payload, ids = PAYLOADS[key]
+    want = codec.decode(payload, ids)
+    rows = torch.full((50, want.shape[1]), -1.0)  # a row window and a column window of bigger tensors
+    cols = torch.full((want.shape[0], want.shape[1] + 4), -1.0)
+    for buf, view in [(rows, rows[5:5 + want.shape[0]]), (cols, cols[:, 3:3 + want.shape[1]])]:
+        assert codec.decode(payload, ids, out=view) is view
+        assert torch.equal(view, want)
+        assert int((buf == -1).sum()) == buf.numel() - want.numel()
+    for bad in [torch.empty(want.shape[0] + 1, want.shape[1]), torch.empty(want.shape, dtype=torch.float16)]:
+        with pytest.raises(ValueError, match="out is"):
+            codec.decode(payload, ids, out=bad)
+
+
 def test_foreign_bytes_raise():
     codec = compression.get_codec("none")
     for junk in [torch.zeros(0, dtype=torch.uint8), torch.arange(200, dtype=torch.uint8),

@@ -80,6 +80,13 @@ def test_bound_holds_on_every_element(case, entropy, id_form):
     payload = codec.encode(x, eb, ids, blocks=widths)
     y = codec.decode(payload, ids)
     check_bound(x, y, widths, eb)
+    # Into a caller's buffer: a strided column window of a wider tensor, the rest untouched.
+    ints = {torch.float32: torch.int32}.get(x.dtype, torch.int16)
+    wide = torch.full((x.shape[0], x.shape[1] + 5), 7.0, dtype=x.dtype)
+    window = wide[:, 2:2 + x.shape[1]]
+    assert codec.decode(payload, ids, out=window) is window
+    assert torch.equal(window.view(ints), y.view(ints))
+    assert bool((wide[:, :2] == 7).all()) and bool((wide[:, 2 + x.shape[1]:] == 7).all())
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

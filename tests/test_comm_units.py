@@ -120,12 +120,24 @@ def test_pooled_a2a_layout_cuts_rows_out_and_columns_back():
     g = torch.arange(2 * 6).view(2, 6).float()  # gradient of [B_local, D_global]
     assert [c.shape[1] for c in layout.split("backward", g)] == [2, 4]
     assert layout.send_blocks("forward", 0) == blocks[1] and layout.send_blocks("backward", 0) == blocks[0]
+    # Received chunks are decoded into windows of one output: peers' columns forward, rows backward.
+    out, windows = layout.output("forward", x)
+    assert out.shape == (2, 6) and [w.shape for w in windows] == [(2, 2), (2, 4)]
+    windows[0].fill_(1.0)
+    windows[1].fill_(2.0)
+    assert torch.equal(out, torch.tensor([[1.0] * 2 + [2.0] * 4] * 2))
+    out, windows = layout.output("backward", g)
+    assert out.shape == (5, 4) and [w.shape for w in windows] == [(3, 4), (2, 4)]
+    assert windows[1].data_ptr() == out[3:].data_ptr()
 
 
 def test_reduce_scatter_layout_sums_partials_in_rank_order():
     layout = ReduceScatterLayout(rank=0, rows_per_rank=[2, 1], blocks=Blocks(["a"], [2]), world_size=2)
     parts = [torch.ones(2, 2), torch.full((2, 2), 2.0)]
     assert torch.equal(layout.merge("forward", parts), torch.full((2, 2), 3.0))
+    assert layout.output("forward", parts[0]) is None  # partial sums are added, not placed
+    out, windows = layout.output("backward", parts[0])
+    assert out.shape == (3, 2) and [w.shape for w in windows] == [(2, 2), (1, 2)]
     g = torch.ones(2, 2)
     chunks = layout.split("backward", g)
     assert chunks[0] is chunks[1] is g  # one gradient, encoded once, sent to every rank

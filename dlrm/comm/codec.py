@@ -57,13 +57,14 @@ class DirectionCodec:
 
     def decode(self, payload: torch.Tensor, shape: tuple[int, int], ids: torch.Tensor | None, *,
                src: int, dst: int, features: Sequence[str], tables: Sequence[str], iteration: int,
-               where: str) -> torch.Tensor:
-        """Decode one peer's payload, checking its shape; any failure names source, tables, iteration."""
+               where: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode one peer's payload (into ``out``, its window of the merged output, if given),
+        checking its shape; any failure names source, tables, iteration."""
         what = (f"rank {dst} ({where}): cannot decode the {self.direction} payload ({payload.numel()} "
                 f"bytes) from rank {src} carrying tables {list(tables)} (features {list(features)}) at "
                 f"iteration {iteration}")
         try:
-            out = self.codec.decode(payload, ids if self.dedup else None)
+            out = self.codec.decode(payload, ids if self.dedup else None, out=out)
         except Exception as e:  # any codec failure: name the transfer, keep the cause chained
             raise CompressedCommError(f"{what}: {type(e).__name__}: {e}") from e
         if tuple(out.shape) != tuple(shape):

@@ -7,10 +7,12 @@ returning TorchRec's ``Request.dummy_tensor``; ``Wait.forward`` waits and decode
 ``Wait.backward`` encodes the gradient and launches its exchange, ``Req.backward`` waits, decodes
 and divides by the world size as TorchRec does (``GRADIENT_DIVISION``).
 
-A layout says how a tensor is cut into per-peer chunks and how received chunks are merged:
+A layout says how a tensor is cut into per-peer chunks and where received chunks go:
 :class:`PooledA2ALayout` (table/column-wise: rows out, columns back) and
 :class:`ReduceScatterLayout` (row-wise: rows out and summed, the whole gradient back to every
-rank). A rank's own chunk never travels and is never compressed.
+rank). Chunks that are concatenated are decoded straight into their window of the output (no
+concatenation copy); summed ones are decoded apart and added. A rank's own chunk never travels
+and is never compressed.
 """
 
 from __future__ import annotations
@@ -73,8 +75,13 @@ class PooledA2ALayout:
             return self.bs[self.rank], self.blocks[peer].dim
         return self.bs[peer], self.blocks[self.rank].dim
 
-    def merge(self, direction: str, parts: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat(parts, dim=1 if direction == "forward" else 0)
+    def output(self, direction: str, like: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The merged output and each peer's window of it (columns forward, rows backward)."""
+        shapes = [self.recv_shape(direction, p) for p in range(len(self.bs))]
+        dim = 1 if direction == "forward" else 0
+        size = [shapes[0][0], sum(s[1] for s in shapes)] if dim else [sum(s[0] for s in shapes), shapes[0][1]]
+        out = like.new_empty(size)
+        return out, list(out.split([s[dim] for s in shapes], dim=dim))
 
 
 class ReduceScatterLayout:
@@ -97,9 +104,15 @@ class ReduceScatterLayout:
     def recv_shape(self, direction: str, peer: int) -> tuple[int, int]:
         return (self.bs[self.rank] if direction == "forward" else self.bs[peer]), self.blocks.dim
 
+    def output(self, direction: str, like: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        """Backward: the whole gradient, each peer's rows a window of it; forward sums (None)."""
+        if direction == "forward":
+            return None
+        out = like.new_empty(sum(self.bs), self.blocks.dim)
+        return out, list(out.split(self.bs, dim=0))
+
     def merge(self, direction: str, parts: list[torch.Tensor]) -> torch.Tensor:
-        if direction == "backward":
-            return torch.cat(parts, dim=0)
+        """Forward: the partial sums, added in source-rank order."""
         out = parts[0].clone()
         for p in parts[1:]:
             out += p
@@ -237,22 +250,25 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
     return _Transfer(work, recv_buf, recv_sizes, chunks[me])
 
 
-def _receive(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, tr: _Transfer) -> list[torch.Tensor]:
-    """Wait for the bytes and decode each peer's payload (our own chunk is used as is)."""
+def _receive(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, tr: _Transfer) -> torch.Tensor:
+    """Wait for the bytes and decode each peer's payload (our own chunk is used as is) into the
+    merged output."""
     layout, dc, stats = info.layout, info.codecs[d], info.stats
     me, ws = pg.rank(), pg.size()
     t0 = time.perf_counter()
     if tr.work is not None:
         tr.work.wait()
     t1 = time.perf_counter()
+    target = layout.output(d, tr.self_part)
+    out, windows = target if target is not None else (None, [None] * ws)
     ids_per_peer = info.recv_ids(d)
     parts, offset = [], 0
     for peer in range(ws):
-        n, shape = tr.recv_sizes[peer], layout.recv_shape(d, peer)
+        n, shape, window = tr.recv_sizes[peer], layout.recv_shape(d, peer), windows[peer]
         payload = tr.recv_buf[offset:offset + n]
         offset += n
         if peer == me:
-            parts.append(tr.self_part)
+            parts.append(tr.self_part if window is None else window.copy_(tr.self_part))
             continue
         blocks = layout.recv_blocks(d, peer)
         if shape[0] * shape[1] == 0:  # nothing was due (a rank without tables, an empty batch)
@@ -261,7 +277,7 @@ def _receive(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, tr: _Transf
                     f"rank {info.global_ranks[me]} ({info.where}): rank {info.global_ranks[peer]} sent {n} {d} "
                     "bytes where none were "
                     f"expected (features {blocks.features}, iteration {info.iteration})")
-            parts.append(tr.self_part.new_zeros(shape))
+            parts.append(tr.self_part.new_zeros(shape) if window is None else window)
             continue
         if n == 0:
             raise CompressedCommError(
@@ -271,13 +287,14 @@ def _receive(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, tr: _Transf
         ids = ids_per_peer[peer]
         tables = sorted({info.feature_tables.get(f, f) for f in blocks.features})
         part = dc.decode(payload, shape, ids, src=info.global_ranks[peer], dst=info.global_ranks[me],
-                         features=blocks.features, tables=tables, iteration=info.iteration, where=info.where)
+                         features=blocks.features, tables=tables, iteration=info.iteration, where=info.where,
+                         out=window)
         if ids is not None and d == "backward" and dc.dedup:
             keep_first_duplicates(part, ids, blocks.widths)
         parts.append(part)
     stats.add(f"{d}/comm_ms", 1e3 * (t1 - t0))
     stats.add(f"{d}/codec_ms", 1e3 * (time.perf_counter() - t1))
-    return parts
+    return out if out is not None else layout.merge(d, parts)
 
 
 class CompressedAll2All_Req(Function):
@@ -298,8 +315,7 @@ class CompressedAll2All_Req(Function):
     @staticmethod
     def backward(ctx, *unused: torch.Tensor) -> tuple[None, None, None, torch.Tensor]:
         myreq, pg = ctx.myreq, ctx.pg
-        parts = _receive(pg, myreq.a2ai, "backward", myreq.tensor)
-        grad_input = myreq.a2ai.layout.merge("backward", parts)
+        grad_input = _receive(pg, myreq.a2ai, "backward", myreq.tensor)
         if get_gradient_division():  # as TorchRec: equivalent to running on a single rank
             grad_input.div_(pg.size())
         myreq.req = None
@@ -319,7 +335,7 @@ class CompressedAll2All_Wait(Function):
         ctx.myreq = myreq
         ctx.pg = pg
         ctx.info = info
-        return info.layout.merge("forward", _receive(pg, info, "forward", transfer))
+        return _receive(pg, info, "forward", transfer)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor) -> tuple[None, None, torch.Tensor]:
