@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 NONE, IDS, VALUE = 0, 1, 2
@@ -31,20 +32,36 @@ def unique_per_block(keys: torch.Tensor, want_first: bool = True
     block-major canonical order, inverse [n_blocks, rows] index within the block)."""
     rows, nb = keys.shape
     if nb == 1 or keys.stride(1) == 0:  # one key column shared by every block: one unique
-        uniq, inv = torch.unique(keys[:, 0], sorted=True, return_inverse=True)
+        uniq, inv = _unique(keys[:, 0])
         first = None
         if want_first:
             first = torch.empty_like(uniq).scatter_(0, inv, torch.arange(rows, device=keys.device))
             first = first.repeat(nb) if nb > 1 else first
         counts = torch.full((nb,), uniq.numel(), dtype=torch.int64, device=keys.device)
         return counts, first, inv.expand(nb, rows)
-    s, perm = torch.sort(keys.t().contiguous(), dim=1)  # one vectorised sort for every block
+    s, perm = _sort_rows(keys.t().contiguous())  # one vectorised sort for every block
     new = torch.ones_like(s, dtype=torch.bool)
     new[:, 1:] = s[:, 1:] != s[:, :-1]
     local = new.cumsum(1)
     local -= 1
     inverse = torch.empty_like(local).scatter_(1, perm, local)
     return new.sum(1), perm[new] if want_first else None, inverse
+
+
+def _unique(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted unique values and the inverse index (numpy's sort is ~3x torch's on CPU)."""
+    if k.device.type == "cpu":
+        uniq, inv = np.unique(k.numpy(), return_inverse=True)
+        return torch.from_numpy(uniq), torch.from_numpy(inv.reshape(-1)).long()
+    return torch.unique(k, sorted=True, return_inverse=True)
+
+
+def _sort_rows(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row sorted, and the permutation (order among equal keys is unspecified)."""
+    if k.device.type == "cpu":
+        perm = np.argsort(k.numpy(), axis=1)
+        return torch.from_numpy(np.take_along_axis(k.numpy(), perm, axis=1)), torch.from_numpy(perm)
+    return torch.sort(k, dim=1)
 
 
 def identity_plan(rows: int, n_blocks: int, device: torch.device) -> Plan:
