@@ -43,6 +43,16 @@ def test_row_wise_is_offered_on_cpu_unlike_stock_torchrec():
     assert "row_wise" not in EmbeddingBagCollectionSharder().sharding_types("cpu")
 
 
+def test_codec_params_that_do_not_fit_the_codec_name_the_key():
+    from dlrm.comm import make_sharders
+
+    # `compression=lossy compression.backward.codec=none` keeps lossy's params for `none`
+    cfg = {"name": "x", "forward": {"codec": "lossy"}, "backward": {"codec": "none", "params": {"level": 1}}}
+    with pytest.raises(ValueError, match=r"compression\.backward\.params \{'level': 1\} do not fit codec 'none'.*"
+                                         r"~compression\.backward\.params"):
+        make_sharders(cfg)
+
+
 @pytest.mark.parametrize("cfg, message", [
     ({"name": "x", "forward": {"codec": "lossy"}}, "compression.backward is missing"),
     ({"name": "x", "forward": {"codec": "lossy", "eb": -1}, "backward": {"codec": "none"}}, "compression.forward.eb"),

@@ -28,7 +28,12 @@ class DirectionCodec:
 
         self.spec = spec
         self.direction = direction
-        self.codec = compression.get_codec(spec.codec, **dict(spec.params))
+        try:
+            self.codec = compression.get_codec(spec.codec, **dict(spec.params))
+        except TypeError as e:  # e.g. `compression.backward.codec=none` keeping lossy's params
+            raise ValueError(f"compression.{direction}.params {dict(spec.params)} do not fit codec "
+                             f"{spec.codec!r} ({e}); override them, or drop them with "
+                             f"~compression.{direction}.params") from None
         self.bounded = bool(getattr(self.codec, "bounded", False))
         self.bound_fn = bound_fn if bound_fn is not None else fixed_bound(spec.eb)
         self.dedup = spec.dedup
