@@ -1,8 +1,8 @@
 """Batches of a preprocessed (or synthetic) dataset for one rank, as TorchRec ``Batch`` objects.
 
 Row order: the rows of the given stems are concatenated in the given order; with ``shuffle`` the
-epoch's order is a permutation drawn from ``(seed, epoch)`` only, so it does not depend on the
-world size. Global batch ``g`` is the ``batch_size * world_size`` consecutive rows
+epoch's order is a permutation drawn from ``(seed, epoch)`` only (``data.shuffle``: held in
+memory up to 134M rows, computed per position above), so it does not depend on the world size. Global batch ``g`` is the ``batch_size * world_size`` consecutive rows
 ``g*B*W .. (g+1)*B*W`` of that order and rank ``r`` takes its ``r``-th slice of ``batch_size``
 rows; hence for a fixed global batch size, every global batch holds the same rows whatever the
 world size. The final partial global batch is split as evenly as possible over the ranks (sizes
@@ -23,6 +23,7 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from data.layout import DatasetError, array_path, read_meta
+from data.shuffle import EpochOrder
 
 
 def dataset_info(data_dir: str | os.PathLike) -> dict[str, Any]:
@@ -107,15 +108,11 @@ class CriteoBatches:
     def __len__(self) -> int:
         return self.batches_per_epoch - self.start_batch
 
-    def order(self) -> np.ndarray:
-        """The epoch's global row order (identical on every rank)."""
-        dtype = np.int32 if self.num_rows < 2**31 else np.int64
-        if not self.shuffle:
-            return np.arange(self.num_rows, dtype=dtype)
-        rng = np.random.default_rng([self.seed, self.epoch])
-        return rng.permutation(self.num_rows).astype(dtype, copy=False)
+    def order(self) -> EpochOrder:
+        """The epoch's global row order (identical on every rank), sliceable by position."""
+        return EpochOrder(self.num_rows, self.shuffle, self.seed, self.epoch)
 
-    def rows_of(self, batch: int, order: np.ndarray | None = None) -> np.ndarray:
+    def rows_of(self, batch: int, order: EpochOrder | None = None) -> np.ndarray:
         """Global row indices that this rank reads for batch number ``batch``."""
         order = self.order() if order is None else order
         gb = self.batch_size * self.world_size

@@ -12,8 +12,16 @@ from multiprocess import run_ranks
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from data import layout
+from data import layout, shuffle
 from data.loader import criteo_batches, dataset_info
+
+
+@pytest.fixture(params=["explicit", "feistel"])
+def order_kind(request, monkeypatch) -> str:
+    """Run a test with the in-memory permutation and with the per-position one (big datasets)."""
+    if request.param == "feistel":
+        monkeypatch.setattr(shuffle, "EXPLICIT_MAX", 0)
+    return request.param
 
 
 def write_indexed_dataset(d: Path, stems: dict[str, int]) -> Path:
@@ -60,7 +68,7 @@ def test_batch_layout(tmp_path):
     (100, 3, 8, False), (100, 4, 8, False), (10, 4, 8, False), (3, 4, 8, False), (97, 2, 16, True),
     (64, 2, 16, False), (65, 2, 16, False), (65, 2, 16, True), (7, 1, 3, False), (1000, 5, 7, False),
 ])
-def test_every_rank_same_batch_count_and_rows_once(tmp_path, rows, world, bs, drop_last):
+def test_every_rank_same_batch_count_and_rows_once(tmp_path, rows, world, bs, drop_last, order_kind):
     split = rows // 3
     d = write_indexed_dataset(tmp_path / "d", {"x": split, "y": rows - split})
     per_rank = [list(criteo_batches(d, ["x", "y"], bs, r, world, shuffle=True, seed=11, drop_last=drop_last))
@@ -81,7 +89,7 @@ def test_every_rank_same_batch_count_and_rows_once(tmp_path, rows, world, bs, dr
         assert sum(sizes) == tail and max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
 
 
-def test_seeded_order_reproducible_and_independent_of_world_size(tmp_path):
+def test_seeded_order_reproducible_and_independent_of_world_size(tmp_path, order_kind):
     d = write_indexed_dataset(tmp_path / "d", {"a": 50, "b": 46})
 
     def epoch_order(seed: int, epoch: int, world: int, bs: int) -> list[int]:
@@ -100,7 +108,7 @@ def test_seeded_order_reproducible_and_independent_of_world_size(tmp_path):
     assert unshuffled == list(range(50, 96)) + list(range(50))  # stems concatenated in the given order
 
 
-def test_start_batch_equals_iterating_and_discarding(tmp_path):
+def test_start_batch_equals_iterating_and_discarding(tmp_path, order_kind):
     d = write_indexed_dataset(tmp_path / "d", {"a": 77})
     full = list(criteo_batches(d, ["a"], 5, 1, 3, True, 2, epoch=4))
     for start in (0, 1, 3, len(full)):
