@@ -83,11 +83,28 @@ def inverse_from_ids(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return counts, inverse
 
 
+def _words(x: torch.Tensor, widths: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """``x``'s bits as the widest integers that tile every block (fewer, wider compares), and the
+    block widths in those words."""
+    x = x.contiguous()
+    item = x.element_size()
+    for size, dtype in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
+        if size >= item and all(w * item % size == 0 for w in widths) and x.data_ptr() % size == 0:
+            try:
+                return x.view(dtype), [w * item // size for w in widths]
+            except RuntimeError:  # e.g. zero columns: a stride the wider view cannot express
+                continue
+    raise AssertionError(f"no integer view of {x.dtype}")  # int16/int32 always tile 2/4-byte values
+
+
 def _row_hashes(x: torch.Tensor, widths: list[int]) -> torch.Tensor:
     """int64 hash of each (row, block) from the value bits (collisions are checked later).
 
-    Two wrapping int32 multiply-sums (int64 multiplies are several times slower on CPU).
+    CPU: one wrapping int64 multiply-sum over 8-byte words (numpy's integer matmul, one pass).
+    Elsewhere: two wrapping int32 multiply-sums, joined.
     """
+    if x.device.type == "cpu":
+        return _row_hashes_host(x, widths)
     bits = x.contiguous().view(torch.int32 if x.element_size() == 4 else torch.int16).int()
     gen = torch.Generator().manual_seed(_HASH_SEED)
     mult = (torch.randint(-(1 << 30), 1 << 30, (2, max(widths + [1])), generator=gen, dtype=torch.int32)
@@ -106,6 +123,20 @@ def _row_hashes(x: torch.Tensor, widths: list[int]) -> torch.Tensor:
         cols.append(hash64(bits[:, start:start + w], w))
         start += w
     return torch.stack(cols, 1)
+
+
+def _row_hashes_host(x: torch.Tensor, widths: list[int]) -> torch.Tensor:
+    bits, ww = _words(x, widths)
+    a = bits.numpy().astype(np.int64, copy=False)
+    rng = np.random.default_rng(_HASH_SEED)
+    mult = rng.integers(-(1 << 62), 1 << 62, max(ww + [1]), dtype=np.int64) | 1
+    if len(set(ww)) == 1 and ww[0] > 0:  # integer matmul wraps silently: that is the hash
+        return torch.from_numpy(a.reshape(x.shape[0], len(ww), ww[0]) @ mult[:ww[0]])
+    cols, start = [], 0
+    for w in ww:
+        cols.append(a[:, start:start + w] @ mult[:w])
+        start += w
+    return torch.from_numpy(np.stack(cols, 1) if cols else np.zeros((x.shape[0], 0), np.int64))
 
 
 def plan_by_value(x: torch.Tensor, widths: list[int]) -> Plan:
@@ -130,13 +161,19 @@ def index_pays_off(plan: Plan, widths: list[int], rows: int) -> bool:
 def mismatched_blocks(x: torch.Tensor, widths: list[int], counts: torch.Tensor, first: torch.Tensor,
                 inverse: torch.Tensor) -> torch.Tensor:
     """bool [n_blocks]: blocks where some row differs (bitwise) from the unique row it maps to."""
-    bits = x.contiguous().view(torch.int32 if x.element_size() == 4 else torch.int16)
+    bits, ww = _words(x, widths)
     offsets = counts.cumsum(0) - counts
     src = first[inverse + offsets[:, None]]  # [nb, rows]: the representative row
+    host = x.device.type == "cpu"  # numpy's gather + compare: ~4x torch's here
+    if host:
+        bits, src = bits.numpy(), src.numpy()
     out, start = [], 0
-    for b, w in enumerate(widths):
+    for b, w in enumerate(ww):
         block = bits[:, start:start + w]
-        out.append(not torch.equal(torch.index_select(block, 0, src[b]), block))
+        if host:
+            out.append(not np.array_equal(np.take(block, src[b], axis=0), block))
+        else:
+            out.append(not torch.equal(torch.index_select(block, 0, src[b]), block))
         start += w
     return torch.tensor(out, dtype=torch.bool, device=x.device)
 
