@@ -48,9 +48,17 @@ def unique_per_block(keys: torch.Tensor, want_first: bool = True
     return new.sum(1), perm[new] if want_first else None, inverse
 
 
+HOST_NUMPY = True  # CPU tensors take numpy's faster sorts and compares (tests switch it off to
+                  # run the device code on CPU)
+
+
+def _host(t: torch.Tensor) -> bool:
+    return HOST_NUMPY and t.device.type == "cpu"
+
+
 def _unique(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sorted unique values and the inverse index (numpy's sort is ~3x torch's on CPU)."""
-    if k.device.type == "cpu":
+    if _host(k):
         uniq, inv = np.unique(k.numpy(), return_inverse=True)
         return torch.from_numpy(uniq), torch.from_numpy(inv.reshape(-1)).long()
     return torch.unique(k, sorted=True, return_inverse=True)
@@ -58,7 +66,7 @@ def _unique(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _sort_rows(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row sorted, and the permutation (order among equal keys is unspecified)."""
-    if k.device.type == "cpu":
+    if _host(k):
         perm = np.argsort(k.numpy(), axis=1)
         return torch.from_numpy(np.take_along_axis(k.numpy(), perm, axis=1)), torch.from_numpy(perm)
     return torch.sort(k, dim=1)
@@ -103,7 +111,7 @@ def _row_hashes(x: torch.Tensor, widths: list[int]) -> torch.Tensor:
     CPU: one wrapping int64 multiply-sum over 8-byte words (numpy's integer matmul, one pass).
     Elsewhere: two wrapping int32 multiply-sums, joined.
     """
-    if x.device.type == "cpu":
+    if _host(x):
         return _row_hashes_host(x, widths)
     bits = x.contiguous().view(torch.int32 if x.element_size() == 4 else torch.int16).int()
     gen = torch.Generator().manual_seed(_HASH_SEED)
@@ -164,7 +172,7 @@ def mismatched_blocks(x: torch.Tensor, widths: list[int], counts: torch.Tensor, 
     bits, ww = _words(x, widths)
     offsets = counts.cumsum(0) - counts
     src = first[inverse + offsets[:, None]]  # [nb, rows]: the representative row
-    host = x.device.type == "cpu"  # numpy's gather + compare: ~4x torch's here
+    host = _host(x)  # numpy's gather + compare: ~4x torch's here
     if host:
         bits, src = bits.numpy(), src.numpy()
     out, start = [], 0

@@ -105,6 +105,29 @@ def test_ids_path_equals_value_path_and_fixed_equals_entropy(case):
         assert torch.equal(o.view(ints), outs[0].view(ints))
 
 
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases())
+def test_device_dedup_code_matches_the_host_fast_path(case):
+    # CPU tensors take numpy's sorts and compares; CUDA tensors the torch code, run here on CPU.
+    from compression import dedup
+
+    x, widths, eb, ids = case
+    codec = compression.get_codec("lossy")
+    ints = {torch.float32: torch.int32}.get(x.dtype, torch.int16)
+    outs = []
+    for host in (True, False):
+        dedup.HOST_NUMPY = host
+        try:
+            for i in (ids, None):
+                plan = dedup.plan_by_ids(ids) if i is not None else dedup.plan_by_value(x, widths)
+                outs.append((plan.counts.tolist(), codec.decode(codec.encode(x, eb, i, blocks=widths), i)))
+        finally:
+            dedup.HOST_NUMPY = True
+    assert outs[2][0] == outs[0][0] and outs[3][0] == outs[1][0]  # same unique rows either way
+    for _, y in outs[1:]:
+        assert torch.equal(y.view(ints), outs[0][1].view(ints))
+
+
 def test_zero_bound_is_lossless_and_empty_and_one_row_work():
     codec = compression.get_codec("lossy")
     x = torch.randn(5, 8)
