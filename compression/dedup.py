@@ -7,6 +7,7 @@ itself, so only the per-block counts travel; in value mode the mapping (the inde
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -133,11 +134,16 @@ def _row_hashes(x: torch.Tensor, widths: list[int]) -> torch.Tensor:
     return torch.stack(cols, 1)
 
 
+@functools.lru_cache(maxsize=8)
+def _host_multipliers(n: int) -> np.ndarray:
+    """Fixed odd 64-bit multipliers of the host hash."""
+    return np.random.default_rng(_HASH_SEED).integers(-(1 << 62), 1 << 62, n, dtype=np.int64) | 1
+
+
 def _row_hashes_host(x: torch.Tensor, widths: list[int]) -> torch.Tensor:
     bits, ww = _words(x, widths)
     a = bits.numpy().astype(np.int64, copy=False)
-    rng = np.random.default_rng(_HASH_SEED)
-    mult = rng.integers(-(1 << 62), 1 << 62, max(ww + [1]), dtype=np.int64) | 1
+    mult = _host_multipliers(max(ww + [1]))
     if len(set(ww)) == 1 and ww[0] > 0:  # integer matmul wraps silently: that is the hash
         return torch.from_numpy(a.reshape(x.shape[0], len(ww), ww[0]) @ mult[:ww[0]])
     cols, start = [], 0
