@@ -489,6 +489,35 @@ def _dedup_and_qcomm(rank: int, ws: int) -> dict:
     return out
 
 
+REL_BACKWARD = {"name": "rel_bwd", "forward": {"codec": "none"},
+                "backward": {"codec": "lossy", "eb": 0.01, "mode": "rel"}}
+
+
+def _rare_ids_keep_their_gradients(rank: int, ws: int) -> dict:
+    # Skewed ids: id 0 fills ~20% of a 256-row batch, so its summed gradient is ~7x a sample's.
+    # A relative backward bound must follow the per-sample rows, or rare ids' gradients vanish.
+    w, size = full_weights(5), 256
+    stock, mine = build(stock_sharder(), "tw", ws, w), build(ours(REL_BACKWARD), "tw", ws, w)
+    seen_stock, seen_mine = capture_owner_grads(stock), capture_owner_grads(mine)
+    run_steps(stock, rank, [size] * ws, 1)
+    run_steps(mine, rank, [size] * ws, 1)
+    a, b = per_id_sums(seen_stock), per_id_sums(seen_mine)
+    assert a.keys() == b.keys() and a, "this rank owns tables"
+    worst = 0.0
+    for f in a:
+        grads = [grad_weights(r, 0, size)[:, COLUMNS[f]] for r in range(ws) if r != rank]
+        bound = sum(0.01 * float(g.max() - g.min()) for g in grads)  # one summed row per sender
+        worst = max(worst, float((a[f] - b[f]).abs().max()) / bound)
+        rare = a[f].abs().amax(1) > 2 * bound
+        assert bool((b[f][rare].abs().amax(1) > 0).all()), f"{f}: a rare id's gradient decoded as zero"
+    return {"worst_over_bound": worst}
+
+
+def test_relative_backward_bound_follows_per_sample_rows_so_rare_ids_keep_gradients():
+    for r in run_ranks(_rare_ids_keep_their_gradients, 2):
+        assert 0 < r["worst_over_bound"] <= 1.0, r
+
+
 def test_backward_dedup_keeps_per_id_sums_and_qcomm_fp16_is_torchrecs():
     results = run_ranks(_dedup_and_qcomm, 2)
     for r in results:

@@ -2,7 +2,8 @@
 
 The dist asks the policy once per feature, direction and call; adaptive policies (table-wise,
 iteration-wise, dual) plug in as another callable with the same signature. In ``rel`` mode the
-policy's value is a fraction of the block's value range in the chunk being sent.
+policy's value is a fraction of the block's value range in the chunk being sent (gradients: the rows
+as produced, before duplicate-id rows are summed).
 """
 
 from __future__ import annotations

@@ -207,12 +207,15 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
         if ids is None and id(chunk) in memo:
             payloads[peer] = memo[id(chunk)]
         else:
-            if ids is not None and d == "backward" and dc.dedup:
-                chunk = sum_duplicates(chunk, ids, blocks.widths)
             key = id(blocks)
             if key not in policy:
                 policy[key] = [v * info.bound_scale[d] for v in dc.policy(blocks.features, info.iteration)]
+            # Relative bounds come from the rows as produced, before duplicate-id gradients are
+            # summed: the summed rows of frequent ids would set a range under which the gradients
+            # of rare ids vanish (at a batch of 2,048, 35-85% of rows decoded as zero).
             bounds = dc.bounds(chunk, blocks.widths, policy[key])
+            if ids is not None and d == "backward" and dc.dedup:
+                chunk = sum_duplicates(chunk, ids, blocks.widths)
             payload = dc.encode(chunk, blocks.widths, bounds, ids)
             if sample:
                 ts = time.perf_counter()
