@@ -1,9 +1,10 @@
 """Error-bound policies: the bound each table gets, per direction and training iteration.
 
 The compressed all-to-all asks ``bound_fn(feature, direction, iteration) -> float`` for every
-table block it sends; a :class:`Policy` is such a callable, built from the ``policy`` config group
-by :func:`build_policy`. The value is read in the compression config's mode for that direction
-(``rel``: a fraction of the block's value range in the chunk; ``abs``: the bound itself).
+table block it sends; a :class:`Policy` is such a callable, composed of one :class:`DirectionRule`
+per direction (the trainer builds them from the ``policy`` config group in ``dlrm/policy.py``).
+The value is read in the compression config's mode for that direction (``rel``: a fraction of the
+block's value range in the chunk; ``abs``: the bound itself).
 
 Kinds (each direction has its own): ``fixed`` (one bound), ``table_wise`` (tight/base/loose
 classes of tables), ``iteration_wise`` (a multiplier schedule over the early stage), ``dual``
@@ -14,19 +15,17 @@ rules in ``PUBLISHED_*`` below, from the authors' artifact ``allenfengjr/dlrm_co
 :func:`published_classes`, :func:`automatic_classes`, :func:`control_update`) that the policy
 composes, so each is checked against the published formulas on its own.
 
-Pure Python: no torch, torchrec or dlrm import.
+Pure Python on plain values: no torch, torchrec, dlrm, omegaconf or config parsing; tables are
+named by whatever the caller calls them.
 """
 
 from __future__ import annotations
 
-import logging
 import math
-import re
 import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
-
-log = logging.getLogger(__name__)
+from typing import Any
 
 DIRECTIONS = ("forward", "backward")
 CLASSES = ("tight", "base", "loose")
@@ -49,13 +48,12 @@ PUBLISHED_SCHEDULE = "step"
 KAGGLE_TIGHT_FRACTION = 8 / 26
 KAGGLE_LOOSE_FRACTION = 6 / 26
 
-_FEATURE_INDEX = re.compile(r"^(?:t_)?cat_(\d+)$")  # trainer features cat_i / tables t_cat_i
-
 
 @dataclass(frozen=True)
 class TableStats:
     """What a policy may know about a table: its feature name and size, optionally measured values.
 
+    ``column``: its Criteo categorical column (C1 = 0), which the published class lists name;
     ``value_range``: max - min of its embedding values (e.g. of a sample of pooled rows);
     ``dedup_ratio``: rows / unique rows in a typical batch (>= 1; high for small, hot tables).
     """
@@ -63,6 +61,7 @@ class TableStats:
     feature: str
     num_embeddings: int
     dim: int
+    column: int | None = None
     value_range: float | None = None
     dedup_ratio: float | None = None
 
@@ -126,26 +125,21 @@ class Schedule:
 # Table-wise: tight / base / loose classes
 
 
-def feature_index(feature: str) -> int:
-    """Criteo column index of a trainer feature (``cat_i`` or table ``t_cat_i`` -> i)."""
-    m = _FEATURE_INDEX.match(feature)
-    if not m:
-        raise ValueError(f"feature {feature!r} is not named cat_<i> (Criteo column C<i+1>); the "
-                         "published table lists need the trainer's Criteo feature names")
-    return int(m.group(1))
-
-
-def published_classes(dataset: str, features: Sequence[str]) -> dict[str, str]:
-    """Class of each feature under the published hard-coded lists (``kaggle`` or ``terabyte``)."""
+def published_classes(dataset: str, tables: Sequence[TableStats]) -> dict[str, str]:
+    """Class of each table under the published hard-coded lists (``kaggle`` or ``terabyte``),
+    which name Criteo columns: every table needs its ``column``."""
     if dataset not in PUBLISHED_TABLES:
         raise ValueError(f"published table lists exist for {sorted(PUBLISHED_TABLES)}, got {dataset!r}")
     lists = PUBLISHED_TABLES[dataset]
     out = {}
-    for f in features:
-        i = feature_index(f)
+    for t in tables:
+        i = t.column
+        if i is None:
+            raise ValueError(f"table {t.feature!r} has no Criteo column; the published table lists name "
+                             "Criteo's categorical columns C1..C26")
         if not 0 <= i < PUBLISHED_NUM_TABLES:
-            raise ValueError(f"feature {f!r}: index {i} outside the {PUBLISHED_NUM_TABLES} Criteo tables")
-        out[f] = "tight" if i in lists["tight"] else "loose" if i in lists["loose"] else "base"
+            raise ValueError(f"table {t.feature!r}: column {i} outside the {PUBLISHED_NUM_TABLES} Criteo tables")
+        out[t.feature] = "tight" if i in lists["tight"] else "loose" if i in lists["loose"] else "base"
     return out
 
 
@@ -333,7 +327,6 @@ class Policy:
         self.name = name
         self.rules = dict(rules)
         self._window_start = 0  # iteration of the previous observe()
-        self._warned = False
 
     def bound(self, feature: str, direction: str, iteration: int) -> float:
         """The bound for ``feature``'s block in ``direction`` at training ``iteration``."""
@@ -349,28 +342,20 @@ class Policy:
         rule = self.rules[direction]
         return {f: rule.bound(f, iteration) for f in (features if features is not None else sorted(rule.tables))}
 
-    def observe(self, iteration: int, stats: Mapping[str, float]) -> None:
-        """Feed the comm statistics of the window ending at ``iteration`` (``comm_stats`` keys,
-        with or without the ``comm/`` prefix); only ``closed_loop`` rules react."""
+    def observe(self, iteration: int, errors: Mapping[str, Mapping[str, float]]) -> None:
+        """Feed the sampled max abs error of each table in the window ending at ``iteration``,
+        ``{direction: {feature: error}}``; only ``closed_loop`` rules react (a direction or table
+        without a sample keeps its bounds)."""
         start, self._window_start = self._window_start, int(iteration)
-        flat = {k[5:] if k.startswith("comm/") else k: float(v) for k, v in stats.items()}
         for d, rule in self.rules.items():
-            if rule.control is None:
-                continue
-            prefix = f"{d}/max_abs_error/"
-            errors = {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)}
-            if not errors:
-                if not self._warned:
-                    log.warning("closed-loop policy %r: no %s* keys in the statistics at iteration %d "
-                                "(is compression.stats.sample_every > 0 and the run multi-rank?); "
-                                "bounds unchanged", self.name, prefix, iteration)
-                    self._warned = True
+            measured = errors.get(d, {})
+            if rule.control is None or not measured:
                 continue
             # the schedule only decays: its largest value in the window is at one of its ends (+-1
             # for the pipeline's one-batch lead)
             sched = rule.schedule.max_over(start - 1, int(iteration) + 1) if rule.schedule else 1.0
             used, known = {}, {}
-            for f in errors:
+            for f in measured:
                 try:
                     s = rule.static(f)
                 except KeyError:
@@ -381,11 +366,16 @@ class Policy:
             if rule.scale != 1.0:  # `scale` is the one knob of every kind: here it scales the target
                 control = Control(control.target * rule.scale, control.min, control.max, control.gain,
                                   control.max_step)
-            new = control_update(used, errors, control)
+            new = control_update(used, measured, control)
             for f, s in known.items():
                 if new[f] != used[f]:
                     # divide the schedule back out: the gain corrects the table, the schedule stays
                     rule.gains[f] = rule.gains.get(f, 1.0) * (new[f] / sched) / s
+
+    @property
+    def closed_loop(self) -> list[str]:
+        """The directions whose rule reacts to :meth:`observe`."""
+        return [d for d, r in self.rules.items() if r.control is not None]
 
     def state_dict(self) -> dict[str, Any]:
         """Closed-loop state to checkpoint (gains per direction and table, last observed iteration)."""
@@ -412,162 +402,6 @@ class Policy:
         return f"Policy({self.name!r}, " + ", ".join(f"{d}={r.kind}" for d, r in self.rules.items()) + ")"
 
 
-# ---------------------------------------------------------------------------------------------
-# Config -> policy
-
-_RULE_KEYS = {"kind", "eb", "bounds", "classes", "schedule", "scale", "control"}
-_CLASS_KEYS = {"source", "dataset", "rank_by", "split", "tight", "loose"}
-_SCHEDULE_KEYS = {"kind", "early_stage", "c"}
-_CONTROL_KEYS = {"target", "min", "max", "gain", "max_step"}
-# which keys each kind requires / forbids (closed_loop takes any base)
-_NEEDS = {"fixed": {"eb"}, "table_wise": {"classes"}, "iteration_wise": {"eb", "schedule"},
-          "dual": {"classes", "schedule"}, "closed_loop": {"control"}}
-_FORBIDS = {"fixed": {"classes", "schedule", "control"}, "table_wise": {"eb", "schedule", "control"},
-            "iteration_wise": {"classes", "control"}, "dual": {"eb", "control"}, "closed_loop": set()}
-
-
-def plain_config(cfg: Any) -> Any:
-    """An OmegaConf container (or anything else) as plain Python, without importing omegaconf."""
-    to_container = getattr(type(cfg), "__module__", "").startswith("omegaconf")
-    if to_container:
-        from omegaconf import OmegaConf
-
-        return OmegaConf.to_container(cfg, resolve=True)
-    return cfg
-
-
-def check_keys(cfg: Mapping[str, Any], allowed: set[str], where: str) -> None:
-    unknown = sorted(set(cfg) - allowed)
-    if unknown:
-        raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
-
-
-def _number(cfg: Mapping[str, Any], key: str, where: str, default: float | None = None,
-            positive: bool = False) -> float:
-    if key not in cfg or cfg[key] is None:
-        if default is None:
-            raise ValueError(f"{where}.{key} is missing")
-        return default
-    v = cfg[key]
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ValueError(f"{where}.{key} must be a number, got {v!r}")
-    v = float(v)
-    if not math.isfinite(v) or v < 0 or (positive and v == 0):
-        raise ValueError(f"{where}.{key} must be finite and {'> 0' if positive else '>= 0'}, got {v}")
-    return v
-
-
-def _schedule(cfg: Any, where: str) -> Schedule:
-    if not isinstance(cfg, Mapping):
-        raise ValueError(f"{where} must be a mapping {{kind, early_stage, c}}, got {cfg!r}")
-    check_keys(cfg, _SCHEDULE_KEYS, where)
-    kind = cfg.get("kind", PUBLISHED_SCHEDULE)
-    if kind not in SCHEDULES:
-        raise ValueError(f"{where}.kind must be one of {SCHEDULES}, got {kind!r}")
-    es = cfg.get("early_stage", PUBLISHED_EARLY_STAGE)
-    if isinstance(es, bool) or not isinstance(es, int) or es <= 0:
-        raise ValueError(f"{where}.early_stage must be a positive integer (iterations), got {es!r}")
-    try:
-        return Schedule(kind, es, _number(cfg, "c", where, PUBLISHED_C, positive=True))
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
-
-
-def _classes(cfg: Any, tables: Sequence[TableStats], where: str) -> dict[str, str]:
-    if not isinstance(cfg, Mapping):
-        raise ValueError(f"{where} must be a mapping (source: published|auto, ...), got {cfg!r}")
-    check_keys(cfg, _CLASS_KEYS, where)
-    source = cfg.get("source", "auto")
-    if source == "published":
-        extra = sorted(set(cfg) - {"source", "dataset"})
-        if extra:
-            raise ValueError(f"{where}: {extra} only apply to source: auto")
-        if not tables:
-            raise ValueError(f"{where}: published classes need the table list (TableStats)")
-        return published_classes(str(cfg.get("dataset", "")), [t.feature for t in tables])
-    if source != "auto":
-        raise ValueError(f"{where}.source must be published or auto, got {source!r}")
-    if "dataset" in cfg:
-        raise ValueError(f"{where}.dataset only applies to source: published")
-    split = cfg.get("split", "proportion")
-    default_t, default_l = (KAGGLE_TIGHT_FRACTION, KAGGLE_LOOSE_FRACTION) if split != "threshold" else (None, None)
-    return automatic_classes(tables, str(cfg.get("rank_by", "num_embeddings")), split,
-                             _number(cfg, "tight", where, default_t), _number(cfg, "loose", where, default_l))
-
-
-def _rule(cfg: Any, tables: Sequence[TableStats], where: str) -> DirectionRule:
-    if not isinstance(cfg, Mapping):
-        raise ValueError(f"{where} must be a mapping with a `kind` ({', '.join(KINDS)}), got {cfg!r}")
-    check_keys(cfg, _RULE_KEYS, where)
-    kind = cfg.get("kind")
-    if kind not in KINDS:
-        raise ValueError(f"{where}.kind must be one of {KINDS}, got {kind!r}")
-    present = {k for k in cfg if cfg[k] is not None}
-    missing, forbidden = sorted(_NEEDS[kind] - present), sorted(_FORBIDS[kind] & present)
-    if missing:
-        raise ValueError(f"{where}: kind {kind} needs {missing}")
-    if forbidden:
-        raise ValueError(f"{where}: kind {kind} takes no {forbidden}")
-    if "eb" in present and "classes" in present:
-        raise ValueError(f"{where}: give either eb (one bound) or classes + bounds, not both")
-    if "bounds" in present and "classes" not in present:
-        raise ValueError(f"{where}.bounds only applies with classes")
-    scale = _number(cfg, "scale", where, 1.0, positive=True)
-    schedule = _schedule(cfg["schedule"], f"{where}.schedule") if "schedule" in present else None
-    control = None
-    if "control" in present:
-        c = cfg["control"]
-        if not isinstance(c, Mapping):
-            raise ValueError(f"{where}.control must be a mapping {{target, min, max, gain, max_step}}")
-        check_keys(c, _CONTROL_KEYS, f"{where}.control")
-        cw = f"{where}.control"
-        try:
-            control = Control(target=_number(c, "target", cw, positive=True), min=_number(c, "min", cw, positive=True),
-                              max=_number(c, "max", cw, positive=True), gain=_number(c, "gain", cw, 0.5),
-                              max_step=_number(c, "max_step", cw, 2.0))
-        except ValueError as e:
-            raise ValueError(f"{cw}: {e}") from None
-    if "classes" in present:
-        bounds_cfg = cfg.get("bounds") or PUBLISHED_BOUNDS
-        if not isinstance(bounds_cfg, Mapping):
-            raise ValueError(f"{where}.bounds must be a mapping {{tight, base, loose}}, got {bounds_cfg!r}")
-        check_keys(bounds_cfg, set(CLASSES), f"{where}.bounds")
-        values = {k: _number(bounds_cfg, k, f"{where}.bounds", PUBLISHED_BOUNDS[k]) for k in CLASSES}
-        classes = _classes(cfg["classes"], tables, f"{where}.classes")
-        return DirectionRule(kind, None, {f: values[c] for f, c in classes.items()}, classes, scale, schedule,
-                             control, nominal=values["base"])
-    if "eb" not in present:
-        raise ValueError(f"{where}: give eb (one bound) or classes (+ bounds)")
-    eb = _number(cfg, "eb", where)
-    return DirectionRule(kind, eb, {t.feature: eb for t in tables}, {}, scale, schedule, control, nominal=eb)
-
-
-def build_policy(cfg: Mapping[str, Any], tables: Sequence[TableStats],
-                 modes: Mapping[str, str] | None = None) -> Policy:
-    """The policy of a `policy` config (dict or DictConfig) for these tables; errors name the key.
-
-    ``cfg``: ``{name, forward: {...}, backward: {...}}``, each direction ``{kind, eb | classes
-    (+ bounds), schedule, scale, control}`` (see ``configs/policy/``). ``modes``: the compression
-    config's ``mode`` per direction, if known; a closed loop in ``abs`` mode is refused.
-    """
-    cfg = plain_config(cfg)
-    if not isinstance(cfg, Mapping):
-        raise ValueError(f"policy config must be a mapping, got {type(cfg).__name__}")
-    check_keys(cfg, {"name", *DIRECTIONS}, "policy")
-    names = [t.feature for t in tables]
-    if len(set(names)) != len(names):
-        raise ValueError(f"duplicate feature names in the table statistics: {names}")
-    rules = {}
-    for d in DIRECTIONS:
-        if d not in cfg:
-            raise ValueError(f"policy.{d} is missing: give {{kind: {'|'.join(KINDS)}, ...}}")
-        rules[d] = _rule(cfg[d], tables, f"policy.{d}")
-        if rules[d].control is not None and modes is not None and modes.get(d) == "abs":
-            raise ValueError(f"policy.{d}: the closed loop estimates value ranges from relative bounds; "
-                             f"compression.{d}.mode is abs (use mode: rel)")
-    return Policy(str(cfg.get("name", "policy")), rules)
-
-
-__all__ = ["plain_config", "check_keys", "TableStats", "Policy", "DirectionRule", "Schedule", "Control", "build_policy", "schedule_multiplier",
-           "published_classes", "automatic_classes", "control_update", "feature_index", "PUBLISHED_TABLES",
-           "PUBLISHED_BOUNDS", "PUBLISHED_C", "PUBLISHED_EARLY_STAGE", "DIRECTIONS", "KINDS", "SCHEDULES"]
+__all__ = ["CLASSES", "DIRECTIONS", "KINDS", "PUBLISHED_BOUNDS", "PUBLISHED_C", "PUBLISHED_EARLY_STAGE",
+           "PUBLISHED_TABLES", "SCHEDULES", "Control", "DirectionRule", "Policy", "Schedule", "TableStats",
+           "automatic_classes", "control_update", "published_classes", "schedule_multiplier"]

@@ -1,8 +1,9 @@
 """Crash-safe sharded checkpoints with torch.distributed.checkpoint (DCP).
 
 Layout under ``<dir>``: ``step-<N>/`` holds the DCP shards of the model and optimizer (each rank
-writes its own), ``train_state.json`` (iteration, data position, LR schedule, world size) and
-``rng-rank<r>.pt``; ``latest`` names the newest complete step. A save is written to
+writes its own), ``train_state.json`` (iteration, data position, LR schedule, policy state, world
+size) and ``rng-rank<r>.pt``; ``latest`` names the newest complete step. :class:`Checkpointer`
+is what the trainer uses: ``resume(...)`` at the start, ``save(state)`` at intervals and the end. A save is written to
 ``.tmp-step-<N>/`` and renamed into place only once every rank has finished, so a crash during a
 save leaves the previous checkpoint untouched and usable.
 """
@@ -10,17 +11,24 @@ save leaves the previous checkpoint untouched and usable.
 from __future__ import annotations
 
 import json
+import logging
 import random
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from dlrm.env import DistEnv
+from dlrm.loop import TrainState
+
 LATEST = "latest"
+RESUME_MODES = ("auto", True, False)
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(RuntimeError):
@@ -103,3 +111,45 @@ def load(step_dir: Path, model: torch.nn.Module, optimizer: Any, rank: int, worl
     rng_file = step_dir / f"rng-rank{rank}.pt"
     _set_rng_state(torch.load(rng_file, weights_only=False))
     return train_state
+
+
+class Stateful(Protocol):
+    """Training state beside the model and optimizer (LR schedule, policy): JSON-able state dicts."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+class Checkpointer:
+    """Saves and restores one run: model, optimizer, RNG, and the named :class:`Stateful` parts."""
+
+    def __init__(self, root: Path, env: DistEnv, model: torch.nn.Module, optimizer: Any,
+                 parts: Mapping[str, Stateful | None], keep: int = 2) -> None:
+        self.root, self.env, self.model, self.optimizer, self.keep = root, env, model, optimizer, keep
+        self.parts = {name: part for name, part in parts.items() if part is not None}
+
+    def resume(self, mode: Any) -> TrainState:
+        """The state to start from: a fresh one, or the newest checkpoint's (``resume`` = auto: if
+        there is one; true: there must be one; false: never)."""
+        if mode not in RESUME_MODES:
+            raise ValueError(f"config key 'resume' must be auto, true or false (got {mode!r})")
+        last = latest_step(self.root) if mode else None
+        if mode is True and last is None:
+            raise FileNotFoundError(f"resume=true but {self.root} holds no complete checkpoint")
+        if last is None:
+            return TrainState()
+        saved = load(last, self.model, self.optimizer, self.env.rank, self.env.world_size)
+        for name, part in self.parts.items():
+            part.load_state_dict(saved.get(name, {}))
+        state = TrainState(iteration=saved["iteration"], epoch=saved["epoch"], batch_in_epoch=saved["batch_in_epoch"])
+        if self.env.is_main:
+            log.info("resumed from %s at iteration %d (epoch %d, batch %d)", last, state.iteration, state.epoch,
+                     state.batch_in_epoch)
+        return state
+
+    def save(self, state: TrainState) -> Path:
+        """Checkpoint ``state`` (a collective: every rank calls it)."""
+        train_state = {**state.position(), "world_size": self.env.world_size,
+                       **{name: part.state_dict() for name, part in self.parts.items()}}
+        return save(self.root, self.model, self.optimizer, train_state, self.env.rank, keep=self.keep)

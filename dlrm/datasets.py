@@ -5,12 +5,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch.distributed as dist
 
-from data.loader import criteo_batches, dataset_info, parse_stem
+from data.loader import CriteoBatches, criteo_batches, dataset_info, parse_stem
 from data.preprocess import prepare_sample
 from dlrm.env import DistEnv
 
@@ -67,4 +69,40 @@ def split_stems(cfg: Mapping[str, Any], info: Mapping[str, Any], path: Path) -> 
     return splits
 
 
-__all__ = ["prepare_data", "split_stems", "criteo_batches", "dataset_info"]
+@dataclass(frozen=True)
+class RunData:
+    """One rank's view of the run's dataset: its tables and the batches of each split."""
+
+    path: Path
+    info: Mapping[str, Any]
+    splits: Mapping[str, list[str]]
+    rank: int
+    world_size: int
+    seed: int
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any], env: DistEnv, seed: int) -> RunData:
+        path = prepare_data(cfg, env)
+        info = dataset_info(path)
+        return cls(path, info, split_stems(cfg, info, path), env.rank, env.world_size, int(seed))
+
+    @property
+    def features(self) -> list[str]:
+        return list(self.info["sparse_features"])
+
+    @property
+    def num_embeddings(self) -> list[int]:
+        return [int(n) for n in self.info["num_embeddings"]]
+
+    @property
+    def num_dense(self) -> int:
+        return len(self.info["dense_features"])
+
+    def batches(self, split: str, batch_size: int, epoch: int = 0, start: int = 0,
+                shuffle: bool = False) -> CriteoBatches:
+        """This rank's batches of ``split`` in ``epoch``, from batch ``start`` on."""
+        return criteo_batches(self.path, self.splits[split], batch_size, self.rank, self.world_size,
+                              shuffle=shuffle, seed=self.seed, epoch=epoch, start_batch=start)
+
+
+__all__ = ["RunData", "criteo_batches", "dataset_info", "prepare_data", "split_stems"]

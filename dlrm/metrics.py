@@ -67,3 +67,12 @@ def write_metrics_json(path: Path, metrics: Mapping[str, Any]) -> None:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(clean, indent=2, sort_keys=True) + "\n")
     tmp.replace(path)
+
+
+def final_metrics(test: Mapping[str, Any], last_val: Mapping[str, Any], *, iterations: int,
+                  samples_per_s: float | None, comm: Mapping[str, Any], policy: Mapping[str, Any],
+                  **run: Any) -> dict[str, Any]:
+    """The keys of metrics.json: the test metrics, the last validation, counts and throughput, the
+    communication totals, the policy's summary, and ``run`` (config name, world size, plan, ...)."""
+    return {**test, "val_auc": last_val.get("auc"), "val_logloss": last_val.get("logloss"),
+            "iterations": iterations, "samples_per_s": samples_per_s, **comm, **run, **policy}

@@ -10,11 +10,16 @@ from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRMTrain
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 
-def embedding_configs(feature_names: Sequence[str], num_embeddings: Sequence[int], dim: int) -> list[EmbeddingBagConfig]:
+def table_names(feature_names: Sequence[str]) -> list[str]:
     """One table per categorical feature, named ``t_<feature>`` as in TorchRec's DLRM example."""
+    return [f"t_{name}" for name in feature_names]
+
+
+def embedding_configs(feature_names: Sequence[str], num_embeddings: Sequence[int], dim: int) -> list[EmbeddingBagConfig]:
+    """The table of each feature (see :func:`table_names`)."""
     return [
-        EmbeddingBagConfig(name=f"t_{name}", embedding_dim=dim, num_embeddings=int(n), feature_names=[name])
-        for name, n in zip(feature_names, num_embeddings)
+        EmbeddingBagConfig(name=table, embedding_dim=dim, num_embeddings=int(n), feature_names=[name])
+        for table, name, n in zip(table_names(feature_names), feature_names, num_embeddings, strict=True)
     ]
 
 

@@ -9,6 +9,9 @@ from torch.utils.tensorboard import SummaryWriter
 
 from dlrm.tb_layout import add_layout
 
+# The final metrics beside the config in the HPARAMS view (as hparam/<key>).
+HPARAM_METRICS = ("auc", "logloss", "forward_ratio", "backward_ratio")
+
 
 class TensorBoardLogger:
     def __init__(self, log_dir: Path | None) -> None:
@@ -32,6 +35,12 @@ class TensorBoardLogger:
             return
         clean = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in hparams.items()}
         self.writer.add_hparams(clean, dict(metrics), run_name=".")
+
+    def final(self, metrics: Mapping[str, Any], step: int, hparams: Mapping[str, Any]) -> None:
+        """The test metrics as scalars, the config beside the final metrics (HPARAMS), then close."""
+        self.scalars({f"test/{k}": metrics[k] for k in ("auc", "logloss", "accuracy")}, step)
+        self.hparams(hparams, {f"hparam/{k}": metrics[k] for k in HPARAM_METRICS})
+        self.close()
 
     def close(self) -> None:
         if self.writer is not None:

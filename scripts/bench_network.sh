@@ -44,4 +44,4 @@ trap cleanup EXIT
 trap 'cleanup; exit 130' INT TERM
 
 cd "$REPO"
-OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "$PY" -m dlrm.netbench --netns "$NETNS" "$@"
+OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "$PY" -m dlrm.bench.netbench --netns "$NETNS" "$@"

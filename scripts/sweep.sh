@@ -103,6 +103,6 @@ while IFS=$'\t' read -r -a FIELDS; do
 done <<<"$POINTS"
 [[ $DRY -eq 1 ]] && exit 0
 
-(cd "$ROOT" && "$PY" -m dlrm.summary "$OUT") || failed=$((failed + 1))
+(cd "$ROOT" && "$PY" -m dlrm.bench.summary "$OUT") || failed=$((failed + 1))
 echo "TensorBoard: tensorboard --logdir $OUT"
 [[ $failed -eq 0 ]] || { echo "sweep: $failed failure(s)" >&2; exit 1; }

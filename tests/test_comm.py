@@ -224,8 +224,15 @@ def stock_sharder() -> EmbeddingBagCollectionSharder:
 
 
 def ours(cfg: dict, **kw):
-    from dlrm.comm import make_sharders
+    """Our sharder for a compression dict; a direction's ``eb`` (a test shorthand for a fixed bound
+    policy, which the trainer builds from the policy group) becomes its ``bound_fn``."""
+    from dlrm.comm import fixed_bound, make_sharders
 
+    cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in cfg.items()}
+    for d in ("forward", "backward"):
+        eb = cfg.get(d, {}).pop("eb", None)
+        if eb is not None:
+            kw.setdefault(f"bound_fn_{d}", fixed_bound(eb))
     return make_sharders(cfg, **kw)[0]
 
 

@@ -20,14 +20,20 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "compression"
 def test_every_shipped_config_parses_and_builds_a_sharder():
     from omegaconf import OmegaConf
 
-    from dlrm.comm import make_sharders
+    from dlrm.comm import fixed_bound, make_sharders
 
     names = set()
     for path in sorted(CONFIGS.glob("*.yaml")):
         cfg = OmegaConf.load(path)
+        if "defaults" in cfg:  # a file built on another through Hydra's defaults list
+            from hydra import compose, initialize_config_dir
+
+            with initialize_config_dir(config_dir=str(CONFIGS.parent), version_base="1.3"):
+                cfg = compose("config", overrides=[f"compression={path.stem}"]).compression
         spec = parse_compression_cfg(cfg)
         assert spec.name == path.stem
-        (sharder,) = make_sharders(cfg)
+        bound = fixed_bound(0.01) if spec.kind == "compressed" else None
+        (sharder,) = make_sharders(cfg, bound_fn_forward=bound, bound_fn_backward=bound)
         assert "table_wise" in sharder.sharding_types("cpu")
         names.add(spec.name)
     assert {"none", "fp16", "bf16", "int8", "qcomm_fp16", "qcomm_bf16", "qcomm_int8", "lossy"} <= names
@@ -50,12 +56,20 @@ def test_codec_params_that_do_not_fit_the_codec_name_the_key():
     cfg = {"name": "x", "forward": {"codec": "lossy"}, "backward": {"codec": "none", "params": {"level": 1}}}
     with pytest.raises(ValueError, match=r"compression\.backward\.params \{'level': 1\} do not fit codec 'none'.*"
                                          r"~compression\.backward\.params"):
-        make_sharders(cfg)
+        make_sharders(cfg, bound_fn_forward=lambda f, d, i: 0.01)
+
+
+def test_a_bounded_codec_without_a_policy_says_what_it_needs():
+    from dlrm.comm import make_sharders
+
+    with pytest.raises(ValueError, match="compression.forward.codec 'lossy' is error-bounded: it needs a bound policy"):
+        make_sharders({"name": "x", "forward": {"codec": "lossy"}, "backward": {"codec": "none"}})
 
 
 @pytest.mark.parametrize("cfg, message", [
     ({"name": "x", "forward": {"codec": "lossy"}}, "compression.backward is missing"),
-    ({"name": "x", "forward": {"codec": "lossy", "eb": -1}, "backward": {"codec": "none"}}, "compression.forward.eb"),
+    ({"name": "x", "forward": {"codec": "lossy", "eb": 0.01}, "backward": {"codec": "none"}},
+     "compression.forward.eb: the policy group owns every bound: policy.forward.eb"),
     ({"name": "x", "forward": {"codec": "lossy", "mode": "relative"}, "backward": {"codec": "none"}},
      "compression.forward.mode"),
     ({"name": "x", "forward": {"codec": "lossy", "bound": 1}, "backward": {"codec": "none"}}, "unknown key(s) ['bound']"),

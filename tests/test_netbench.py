@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from compression import cost_model as cm
-from dlrm import netbench, netreport
+from dlrm.bench import netbench, netreport
 from multiprocess import free_port
 from trainer_runs import REPO
 
@@ -49,7 +49,7 @@ def test_user_overrides_replace_the_defaults_for_the_same_key():
 def test_trainer_command_runs_the_probe_on_loopback_only(tmp_path):
     o = netbench.parse_args(["--iterations", "5", "--", "batch_size=64"])
     cmd, env = netbench.trainer_command(o, netbench.Variant("lossy", "lossy"), tmp_path, 29511)
-    assert cmd[cmd.index("-m", 2) + 1] == "dlrm.netprobe"
+    assert cmd[cmd.index("-m", 2) + 1] == "dlrm.bench.netprobe"
     assert "--rdzv-endpoint=127.0.0.1:29511" in cmd and "--local-addr=127.0.0.1" in cmd
     assert "batch_size=64" in cmd and "batch_size=2048" not in cmd
     assert "compression=lossy" in cmd and "max_iterations=5" in cmd and f"hydra.run.dir={tmp_path}" in cmd
@@ -221,7 +221,7 @@ def test_probe_counts_the_pooled_all_to_all_bytes_of_a_real_run(tmp_path, cache)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), DLRM_NETPROBE_OUT=str(tmp_path))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=0",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--local-addr=127.0.0.1",
-           "-m", "dlrm.netprobe", *TINY, f"data.cache_dir={cache}", "sharding=table_wise", "max_iterations=4",
+           "-m", "dlrm.bench.netprobe", *TINY, f"data.cache_dir={cache}", "sharding=table_wise", "max_iterations=4",
            "progress_bar=false", f"hydra.run.dir={tmp_path}"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from compression.policies import (Control, TableStats, automatic_classes, build_policy, control_update,
-                                  published_classes, schedule_multiplier)
+from compression.policies import (Control, TableStats, automatic_classes, control_update, published_classes,
+                                  schedule_multiplier)
+from dlrm.policy import PolicyFeedback, build_policy, table_stats
 
 ROOT = Path(__file__).resolve().parents[1]
 ES = 65536
@@ -32,7 +33,7 @@ TB_LOOSE = {5, 8, 12, 15, 16, 17, 18, 24, 25}
 
 
 def tables(rows: list[int], dim: int = 32) -> list[TableStats]:
-    return [TableStats(f, n, dim) for f, n in zip(FEATURES, rows)]
+    return table_stats(FEATURES, rows, dim)  # the trainer's: Criteo features cat_i carry column i
 
 
 def indices(classes: dict[str, str], cls: str) -> set[int]:
@@ -75,15 +76,16 @@ def test_linear_log_and_constant_schedules_follow_the_published_formulas():
 
 
 def test_published_lists_map_criteo_columns_to_classes():
-    k = published_classes("kaggle", FEATURES)
+    k = published_classes("kaggle", tables(KAGGLE_ROWS))
     assert indices(k, "tight") == KAGGLE_TIGHT and indices(k, "loose") == KAGGLE_LOOSE
     assert len(indices(k, "base")) == 26 - 8 - 6
-    t = published_classes("terabyte", [f"t_{f}" for f in FEATURES])  # table names work too
-    assert {int(f.split("_")[2]) for f, c in t.items() if c == "tight"} == TB_TIGHT
-    with pytest.raises(ValueError, match="cat_<i>"):
-        published_classes("kaggle", ["f_user"])
+    # any names: the lists go by each table's Criteo column
+    t = published_classes("terabyte", [TableStats(f"user_{i}", 10, 8, column=i) for i in range(26)])
+    assert {int(f.split("_")[1]) for f, c in t.items() if c == "tight"} == TB_TIGHT
+    with pytest.raises(ValueError, match="f_user.*no Criteo column"):
+        published_classes("kaggle", [TableStats("f_user", 10, 8)])
     with pytest.raises(ValueError, match="avazu"):
-        published_classes("avazu", FEATURES)
+        published_classes("avazu", tables(KAGGLE_ROWS))
 
 
 def test_automatic_classes_rediscover_the_published_lists_from_cardinality():
@@ -194,14 +196,17 @@ def test_hydra_policy_group_composes_and_builds_every_file():
 
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         for name in ("fixed", "table_wise", "iteration_wise", "dual", "closed_loop"):
-            c = compose("config", overrides=[f"policy={name}", "compression=lossy",
-                                             "compression.forward.eb=0.02"])
+            c = compose("config", overrides=[f"policy={name}", "compression=lossy", "policy.backward.eb=0.004"])
             p = build_policy(c.policy, tables(KAGGLE_ROWS), modes={"forward": "rel", "backward": "rel"})
             assert p.name == name
-            assert p.bound("cat_0", "backward", 0) == c.compression.backward.eb  # follows the codec config
-        fixed = build_policy(compose("config", overrides=["policy=fixed", "compression=lossy",
-                                                          "compression.forward.eb=0.02"]).policy, [])
+            assert p.bound("cat_0", "backward", 0) == 0.004  # every policy shares fixed.yaml's backward
+        fixed = build_policy(compose("config", overrides=["policy=fixed", "policy.forward.eb=0.02"]).policy, [])
         assert fixed.bound("cat_3", "forward", 0) == 0.02
+        # one source for each value: a bound that a policy would ignore is an error naming its level
+        for name in ("table_wise", "dual"):
+            c = compose("config", overrides=[f"policy={name}", "policy.forward.eb=0.02"])
+            with pytest.raises(ValueError, match=r"takes no \['eb'\].*policy.forward.bounds.*policy.forward.scale"):
+                build_policy(c.policy, tables(KAGGLE_ROWS))
 
 
 @pytest.mark.parametrize("experiment, dim, bottom, top, batch, tight, loose", [
@@ -235,9 +240,9 @@ def test_paper_experiments_compose_the_published_recipes(experiment, dim, bottom
 CONTROL = {"target": 0.01, "min": 0.002, "max": 0.08, "gain": 0.5, "max_step": 2.0}
 
 
-def simulated_errors(policy, ranges: dict[str, float], iteration: int) -> dict[str, float]:
+def simulated_errors(policy, ranges: dict[str, float], iteration: int) -> dict[str, dict[str, float]]:
     """What rel-mode quantization reports: max error = bound used x the block's value range."""
-    return {f"comm/forward/max_abs_error/{f}": policy.bound(f, "forward", iteration) * r for f, r in ranges.items()}
+    return {"forward": {f: policy.bound(f, "forward", iteration) * r for f, r in ranges.items()}}
 
 
 def test_closed_loop_moves_each_bound_toward_equal_absolute_error_within_limits():
@@ -271,9 +276,9 @@ def test_closed_loop_is_deterministic_keeps_the_schedule_and_restores_its_state(
     forward = {"kind": "closed_loop", "eb": 0.01, "schedule": {"kind": "linear", "early_stage": 100},
                "control": {**CONTROL, "gain": 1.0, "max_step": 100.0}}
     a, b = build_policy(cfg(forward), t), build_policy(cfg(forward), t)
-    stats = simulated_errors(a, ranges, 0)
-    a.observe(20, stats)
-    b.observe(20, dict(reversed(list(stats.items()))))
+    errors = simulated_errors(a, ranges, 0)
+    a.observe(20, errors)
+    b.observe(20, {"forward": dict(reversed(list(errors["forward"].items())))})
     assert a.bounds("forward", 20) == b.bounds("forward", 20)
     # gain 1: one update lands on target x median / range, for the schedule's value at the window
     # start (2.0, the largest used); afterwards the schedule still decays it by 2 - t
@@ -289,14 +294,47 @@ def test_closed_loop_is_deterministic_keeps_the_schedule_and_restores_its_state(
 def test_closed_loop_without_samples_keeps_bounds_and_says_so(caplog):
     t = [TableStats("cat_0", 10, 8)]
     p = build_policy(cfg({"kind": "closed_loop", "eb": 0.01, "control": CONTROL}), t)
-    with caplog.at_level(logging.WARNING, logger="compression.policies"):
-        p.observe(10, {"comm/forward/ratio": 3.0})
-        p.observe(20, {"comm/forward/max_abs_error/cat_0": 0.0})  # constant block: no information
+    feedback = PolicyFeedback(p)  # reads the trainer's comm statistics keys
+    with caplog.at_level(logging.WARNING, logger="dlrm.policy"):
+        feedback.observe(10, {"comm/forward/ratio": 3.0})
+        feedback.observe(20, {"comm/forward/max_abs_error/cat_0": 0.0})  # constant block: no information
     assert p.bound("cat_0", "forward", 20) == 0.01
-    assert "sample_every" in caplog.text
+    assert "no sampled errors for ['forward']" in caplog.text
     # a single table is its own median: it settles on target x its range / its range = target
-    p.observe(30, {"comm/forward/max_abs_error/cat_0": 0.01 * 3.0})
+    feedback.observe(30, {"comm/forward/max_abs_error/cat_0": 0.01 * 3.0})
     assert p.bound("cat_0", "forward", 30) == pytest.approx(0.01)
+
+
+def test_feedback_reads_the_keys_the_comm_statistics_write():
+    from dlrm.comm.stats import CommStats, derive
+
+    stats = CommStats()  # what a compressed dist records on a sampled iteration
+    stats.maximum("forward/max_abs_error/cat_0", 0.05)
+    stats.add("forward/raw_bytes", 100.0)
+    p = build_policy(cfg({"kind": "closed_loop", "eb": 0.01, "control": {**CONTROL, "gain": 1.0}}),
+                     [TableStats("cat_0", 10, 8)])
+    PolicyFeedback(p).observe(10, derive(*stats.state()))
+    # one table: its range 0.05 / 0.01 = 5 is the median, so it lands on target x 5 / 5 = 0.01
+    assert p.bound("cat_0", "forward", 10) == pytest.approx(0.01)
+    p2 = build_policy(cfg({"kind": "closed_loop", "eb": 0.01, "control": {**CONTROL, "gain": 1.0, "max_step": 10.0}}),
+                      [TableStats("cat_0", 10, 8), TableStats("cat_1", 10, 8)])
+    s2 = CommStats()
+    s2.maximum("forward/max_abs_error/cat_0", 0.01)   # range 1
+    s2.maximum("forward/max_abs_error/cat_1", 0.04)   # range 4, median 2.5
+    PolicyFeedback(p2).observe(10, derive(*s2.state()))
+    assert p2.bound("cat_0", "forward", 10) == pytest.approx(0.025)
+    assert p2.bound("cat_1", "forward", 10) == pytest.approx(0.00625)
+
+
+def test_closed_loop_without_sampling_is_a_config_error():
+    from dlrm.comm import parse_compression_cfg
+    from dlrm.policy import policy_for_run
+
+    spec = parse_compression_cfg({"name": "lossy", "forward": {"codec": "lossy", "mode": "rel"},
+                                  "backward": {"codec": "lossy", "mode": "rel"}, "stats": {"sample_every": 0}})
+    closed = cfg({"kind": "closed_loop", "eb": 0.01, "control": CONTROL})
+    with pytest.raises(ValueError, match="sample_every is 0"):
+        policy_for_run(closed, spec, tables(KAGGLE_ROWS))
 
 
 def test_control_update_is_a_pure_function():
@@ -327,8 +365,8 @@ def _closed_loop_on_ranks(rank: int, ws: int) -> dict:
         "target": 0.01, "min": 1e-3, "max": 0.1, "gain": 1.0, "max_step": 4.0}},
         "backward": {"kind": "fixed", "eb": 1e-3}}, [TableStats(f, 64, 16) for f in features],
         modes={"forward": "rel", "backward": "abs"})
-    comp = {"name": "lossy", "forward": {"codec": "lossy", "eb": 0.01, "mode": "rel"},
-            "backward": {"codec": "lossy", "eb": 1e-3}, "stats": {"sample_every": 1}}
+    comp = {"name": "lossy", "forward": {"codec": "lossy", "mode": "rel"},
+            "backward": {"codec": "lossy"}, "stats": {"sample_every": 1}}
     sharders = make_sharders(comp, bound_fn_forward=policy, bound_fn_backward=policy)
 
     class Net(nn.Module):
@@ -353,7 +391,7 @@ def _closed_loop_on_ranks(rank: int, ws: int) -> dict:
             for shard in getattr(st, "local_shards", lambda: [])():
                 f = next(f for f in features if f"t_{f}." in k)
                 shard.tensor.copy_((torch.rand(shard.tensor.shape, generator=g) - 0.5) * WIDE[f])
-    history = []
+    history, feedback = [], PolicyFeedback(policy)
     for step in range(4):
         g = torch.Generator().manual_seed(100 * step + rank)
         kjt = KeyedJaggedTensor.from_lengths_sync(
@@ -361,7 +399,7 @@ def _closed_loop_on_ranks(rank: int, ws: int) -> dict:
             lengths=torch.ones(3 * 48, dtype=torch.int32))
         model(kjt).sum().backward()
         stats = comm_stats_all_ranks(model)
-        policy.observe(step + 1, stats)
+        feedback.observe(step + 1, stats)
         history.append(policy.bounds("forward", step + 1, features))
     return {"history": history, "stats": stats}
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dlrm import summary
+from dlrm.bench import summary
 
 
 def write_run(root: Path, name: str, *, auc: float, fwd: float, seed: int = 0, policy: str = "dual",
@@ -20,14 +20,14 @@ def write_run(root: Path, name: str, *, auc: float, fwd: float, seed: int = 0, p
     """A run directory as the trainer leaves it: metrics.json beside Hydra's .hydra/ files."""
     run = root / name
     (run / ".hydra").mkdir(parents=True)
-    forward = {"kind": "fixed", "eb": "${oc.select:compression.forward.eb,0.01}", "scale": scale} \
+    forward = {"kind": "fixed", "eb": 0.02, "scale": scale} \
         if policy == "fixed" else {"kind": "dual", "classes": {"source": "auto"},
                                    "bounds": {"tight": 0.01, "base": 0.03, "loose": 0.05},
                                    "schedule": {"kind": "step"}, "scale": scale}
     cfg = {"seed": seed, "run_name": "${data.name}-x", "checkpoint": {"dir": "${hydra:runtime.output_dir}/c"},
            "compression": {"name": codec, "kind": "compressed",
-                           "forward": {"codec": codec, "eb": 0.02, "mode": "rel"},
-                           "backward": {"codec": codec, "eb": 0.01, "mode": "rel"}},
+                           "forward": {"codec": codec, "mode": "rel"},
+                           "backward": {"codec": codec, "mode": "rel"}},
            "policy": {"name": policy, "forward": forward, "backward": {"kind": "fixed", "eb": 0.01}}}
     (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
     overrides = [f"policy={policy}", f"policy.forward.scale={scale}", f"compression={codec}", f"seed={seed}"]
@@ -60,7 +60,7 @@ def test_table_groups_seed_repeats_marks_the_pareto_front_and_draws_the_plot(tmp
     # bound: dual base 0.03 x scale 1; seed 1; AUC 0.73; ratios 9 and 4.5; samples/s 1001
     assert cells == ["1-dual-1", "dual", "0.03", "lossy", "1", "0.7300", "0.4270", "9.00", "4.50", "1001"]
     fixed4 = next(l for l in per_run if l.startswith("| 9-fixed-4 "))
-    assert "| 0.08 |" in fixed4  # fixed eb 0.02 (the compression config's, via oc.select) x 4
+    assert "| 0.08 |" in fixed4  # fixed eb 0.02 x scale 4
     none = [c.strip() for c in next(l for l in per_run if l.startswith("| 7-none ")).strip("|").split("|")]
     assert none[2:4] == ["-", "none"]  # a fixed-rate codec has no bound, whatever the policy says
     # per configuration: dual over seeds 0/1 -> AUC mean 0.725, std of (0.72, 0.73)
@@ -128,8 +128,9 @@ def test_custom_scalars_layout_reads_back_and_matches_the_comm_and_policy_tags(t
     from tensorboard.plugins.custom_scalar import layout_pb2
     from torch.utils.tensorboard import SummaryWriter
 
-    from compression.policies import TableStats, build_policy
+    from compression.policies import TableStats
     from dlrm.comm.stats import derive
+    from dlrm.policy import build_policy
     from dlrm.tb_layout import add_layout, eb_tag, policy_scalars, ratio_tag
 
     features = ["cat_0", "cat_1", "cat_2"]

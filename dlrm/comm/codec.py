@@ -8,11 +8,12 @@ bound from the policy (times the block's value range in ``rel`` mode). Decode fa
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
-from dlrm.comm.bounds import BoundFn, absolute_bounds, fixed_bound, policy_values
+import compression
+from dlrm.comm.bounds import BoundFn, absolute_bounds, policy_values
 from dlrm.comm.config import DirectionSpec
 
 
@@ -24,8 +25,6 @@ class DirectionCodec:
     """The codec, bound policy and dedup switch of one direction (``forward`` or ``backward``)."""
 
     def __init__(self, spec: DirectionSpec, direction: str, bound_fn: BoundFn | None = None) -> None:
-        import compression  # imported here: the compressor package is optional for qcomm configs
-
         self.spec = spec
         self.direction = direction
         try:
@@ -35,7 +34,11 @@ class DirectionCodec:
                              f"{spec.codec!r} ({e}); override them, or drop them with "
                              f"~compression.{direction}.params") from None
         self.bounded = bool(getattr(self.codec, "bounded", False))
-        self.bound_fn = bound_fn if bound_fn is not None else fixed_bound(spec.eb)
+        if self.bounded and bound_fn is None:
+            raise ValueError(f"compression.{direction}.codec {spec.codec!r} is error-bounded: it needs a bound "
+                             f"policy (bound_fn_{direction}=a compression.policies.Policy, or "
+                             "dlrm.comm.fixed_bound(eb))")
+        self.bound_fn = bound_fn
         self.dedup = spec.dedup
 
     def __repr__(self) -> str:
@@ -44,7 +47,7 @@ class DirectionCodec:
 
     def policy(self, features: Sequence[str], iteration: int) -> list[float]:
         """The policy's value per feature (absolute bound, or fraction of range in rel mode)."""
-        if not self.bounded:
+        if not self.bounded or self.bound_fn is None:
             return [math.inf] * len(features)
         return policy_values(self.bound_fn, features, self.direction, iteration)
 

@@ -28,6 +28,7 @@ from torchrec.distributed.comm_ops import Request, get_gradient_division
 
 from dlrm.comm.codec import CompressedCommError, DirectionCodec
 from dlrm.comm.ids import keep_first_duplicates, sum_duplicates
+from dlrm.comm.instrument import embedding_collective
 from dlrm.comm.stats import CommStats
 
 # Fault injection for tests: fn(payload, src=, dst=, direction=, iteration=) -> payload, applied
@@ -232,7 +233,8 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
     device = chunks[me].device
     send_sizes = [0 if p is None else int(p.numel()) for p in payloads]
     recv_t = torch.empty(ws, dtype=torch.int64, device=device)
-    dist.all_to_all_single(recv_t, torch.tensor(send_sizes, dtype=torch.int64, device=device), group=pg)
+    with embedding_collective(d):
+        dist.all_to_all_single(recv_t, torch.tensor(send_sizes, dtype=torch.int64, device=device), group=pg)
     recv_sizes = recv_t.tolist()
     sent = [p for p in payloads if p is not None]
     send_buf = torch.cat(sent) if sent else torch.empty(0, dtype=torch.uint8, device=device)
@@ -242,7 +244,8 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
         raise CompressedCommError(f"rank {info.global_ranks[me]} ({info.where}): size exchange of the {d} "
                                   f"all-to-all at iteration "
                                   f"{info.iteration} returned negative sizes (rank, size) {bad}")
-    work = dist.all_to_all_single(recv_buf, send_buf, recv_sizes, send_sizes, group=pg, async_op=True)
+    with embedding_collective(d):
+        work = dist.all_to_all_single(recv_buf, send_buf, recv_sizes, send_sizes, group=pg, async_op=True)
     t2 = time.perf_counter()
     stats.add(f"{d}/wire_bytes", sum(send_sizes) + 8 * (ws - 1))
     stats.add(f"{d}/codec_ms", 1e3 * (t1 - t0 - sample_s))
@@ -260,7 +263,8 @@ def _receive(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, tr: _Transf
     me, ws = pg.rank(), pg.size()
     t0 = time.perf_counter()
     if tr.work is not None:
-        tr.work.wait()
+        with embedding_collective(d):
+            tr.work.wait()
     t1 = time.perf_counter()
     target = layout.output(d, tr.self_part)
     out, windows = target if target is not None else (None, [None] * ws)

@@ -3,7 +3,7 @@
 Two kinds of config exist (see `configs/compression/`):
 
 * ``kind: compressed`` (default) - our variable-size compressed all-to-alls, with ``forward`` and
-  ``backward`` each ``{codec, eb, mode, dedup, params}``;
+  ``backward`` each ``{codec, mode, dedup, params}`` (the bounds come from the `policy` group);
 * ``kind: qcomm`` - TorchRec's stock QComms path (fixed-rate fp16/bf16/int8 casts inside the
   stock collectives), with ``qcomm: {forward_precision, backward_precision}``.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from compression.policies import check_keys, plain_config
+from dlrm.config_checks import MOVED, check_keys, plain_config
 
 KINDS = ("compressed", "qcomm")
 MODES = ("abs", "rel")
@@ -23,7 +23,7 @@ ALL_SHARDING_TYPES = ("data_parallel", "table_wise", "column_wise", "table_colum
                       "table_row_wise")
 
 _TOP_KEYS = {"name", "kind", "forward", "backward", "qcomm", "stats", "sharding_types"}
-_DIR_KEYS = {"codec", "eb", "mode", "dedup", "params"}
+_DIR_KEYS = {"codec", "mode", "dedup", "params"}
 _STATS_KEYS = {"sample_every"}
 _QCOMM_KEYS = {"forward_precision", "backward_precision"}
 
@@ -33,8 +33,7 @@ class DirectionSpec:
     """How one direction (forward embeddings or backward gradients) is compressed."""
 
     codec: str
-    eb: float = 0.0  # default bound of the fixed policy: absolute, or relative to the block's range
-    mode: str = "abs"
+    mode: str = "abs"  # how the policy's bound reads: absolute, or relative to each block's range
     dedup: bool = True  # forward: pass ids to the codec; backward: also sum duplicate-id gradients
     params: Mapping[str, Any] = field(default_factory=dict)
 
@@ -55,17 +54,13 @@ class CompressionSpec:
 
 def _direction(cfg: Any, where: str) -> DirectionSpec:
     if not isinstance(cfg, Mapping):
-        raise ValueError(f"{where} must be a mapping {{codec, eb, mode, dedup, params}}, got {cfg!r}")
+        raise ValueError(f"{where} must be a mapping {{codec, mode, dedup, params}}, got {cfg!r}")
+    if "eb" in cfg:
+        raise ValueError(f"{where}.eb: {MOVED[where + '.eb']}")
     check_keys(cfg, _DIR_KEYS, where)
     if "codec" not in cfg or not isinstance(cfg["codec"], str):
         raise ValueError(f"{where}.codec must name a codec (none, fp16, bf16, int8, lossy), got "
                          f"{cfg.get('codec')!r}")
-    try:
-        eb = float(cfg.get("eb", 0.0))
-    except (TypeError, ValueError):
-        raise ValueError(f"{where}.eb must be a number, got {cfg.get('eb')!r}") from None
-    if not eb >= 0.0 or eb == float("inf"):
-        raise ValueError(f"{where}.eb must be finite and >= 0, got {eb}")
     mode = cfg.get("mode", "abs")
     if mode not in MODES:
         raise ValueError(f"{where}.mode must be one of {MODES}, got {mode!r}")
@@ -75,7 +70,7 @@ def _direction(cfg: Any, where: str) -> DirectionSpec:
     params = cfg.get("params") or {}
     if not isinstance(params, Mapping):
         raise ValueError(f"{where}.params must be a mapping of codec keyword arguments, got {params!r}")
-    return DirectionSpec(codec=cfg["codec"], eb=eb, mode=mode, dedup=dedup, params=dict(params))
+    return DirectionSpec(codec=cfg["codec"], mode=mode, dedup=dedup, params=dict(params))
 
 
 def parse_compression_cfg(cfg: Mapping[str, Any]) -> CompressionSpec:
@@ -114,7 +109,7 @@ def parse_compression_cfg(cfg: Mapping[str, Any]) -> CompressionSpec:
         raise ValueError(f"{where}.qcomm is only read with kind: qcomm (kind is {kind!r})")
     for key in ("forward", "backward"):
         if key not in cfg:
-            raise ValueError(f"{where}.{key} is missing: give {{codec: ..., eb: ..., mode: abs|rel}}")
+            raise ValueError(f"{where}.{key} is missing: give {{codec: ..., mode: abs|rel, dedup: ...}}")
     return CompressionSpec(forward=_direction(cfg["forward"], f"{where}.forward"),
                            backward=_direction(cfg["backward"], f"{where}.backward"), **common)
 

@@ -55,7 +55,7 @@ class CompressionRuntime:
         return self.forward.dedup or self.backward.dedup
 
 
-class _CompressedDistMixin:
+class CompressedDist:
     """State shared by the compressed dists: runtime, stats, iteration count."""
 
     def _init_compressed(self, runtime: CompressionRuntime, where: str,
@@ -108,7 +108,7 @@ def _batch_sizes(ctx: EmbeddingShardingContext | None, rows: int, ws: int, where
     return [rows // ws] * ws
 
 
-class CompressedTwPooledEmbeddingDist(_CompressedDistMixin, TwPooledEmbeddingDist):
+class CompressedTwPooledEmbeddingDist(CompressedDist, TwPooledEmbeddingDist):
     """Table/column-wise output dist through the compressor, with ids for exact dedup."""
 
     def __init__(self, pg: dist.ProcessGroup, dim_sum_per_rank: list[int],
@@ -163,7 +163,7 @@ class CompressedTwPooledEmbeddingDist(_CompressedDistMixin, TwPooledEmbeddingDis
         return awaitable
 
 
-def _reduce_scatter(dist_: _CompressedDistMixin, pg: dist.ProcessGroup, local_embs: torch.Tensor,
+def _reduce_scatter(dist_: CompressedDist, pg: dist.ProcessGroup, local_embs: torch.Tensor,
                     rows_per_rank: list[int], blocks: Blocks, it: int, sample: bool,
                     forward_share: float = 1.0, backward_share: float = 1.0) -> Awaitable[torch.Tensor]:
     """Compressed replacement of a pooled reduce-scatter (no ids: rows are partial sums).
@@ -180,7 +180,7 @@ def _reduce_scatter(dist_: _CompressedDistMixin, pg: dist.ProcessGroup, local_em
     return compressed_all_to_all(pg, info, local_embs)
 
 
-class CompressedRwPooledEmbeddingDist(_CompressedDistMixin, RwPooledEmbeddingDist):
+class CompressedRwPooledEmbeddingDist(CompressedDist, RwPooledEmbeddingDist):
     """Row-wise output dist: compressed all-to-all + local sum (forward), compressed all-to-all (backward)."""
 
     def __init__(self, pg: dist.ProcessGroup, embedding_names: list[str], embedding_dims: list[int],
@@ -201,7 +201,7 @@ class CompressedRwPooledEmbeddingDist(_CompressedDistMixin, RwPooledEmbeddingDis
             tensor_awaitable=_reduce_scatter(self, self._pg, local_embs, bs, self._blocks, it, sample))
 
 
-class CompressedTwRwPooledEmbeddingDist(_CompressedDistMixin, TwRwPooledEmbeddingDist):
+class CompressedTwRwPooledEmbeddingDist(CompressedDist, TwRwPooledEmbeddingDist):
     """Table-row-wise: compressed reduce-scatter inside the node, then compressed all-to-all across nodes."""
 
     def __init__(self, rank: int, cross_pg: dist.ProcessGroup, intra_pg: dist.ProcessGroup,

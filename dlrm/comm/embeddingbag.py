@@ -23,7 +23,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from dlrm.comm.config import ALL_SHARDING_TYPES
-from dlrm.comm.dist import REGISTRY_KEY, CompressionRuntime, _CompressedDistMixin
+from dlrm.comm.dist import REGISTRY_KEY, CompressionRuntime, CompressedDist
 from dlrm.comm.sharding import COMPRESSED_SHARDINGS
 
 
@@ -84,9 +84,9 @@ class CompressedShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self._stash_post_a2a(ctx, input)
         return super().compute_and_output_dist(ctx, input)
 
-    def compressed_dists(self) -> list[_CompressedDistMixin]:
+    def compressed_dists(self) -> list[CompressedDist]:
         """The compressed output dists of this module (TorchRec keeps them in a plain list)."""
-        return [d for d in self._output_dists if isinstance(d, _CompressedDistMixin)]
+        return [d for d in self._output_dists if isinstance(d, CompressedDist)]
 
 
 class CompressedEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):

@@ -1,8 +1,8 @@
 """Per-feature, per-direction statistics of the compressed all-to-alls, as TensorBoard-ready keys.
 
 Each compressed dist owns a :class:`CommStats` of plain sums and maxima; nothing is communicated
-while training. :func:`comm_stats` merges the dists of one process; :func:`comm_stats_all_ranks`
-(called on every rank at log/eval time) merges across ranks with one ``all_gather_object``.
+while training. :mod:`dlrm.comm.collect` merges the dists of a model, on one rank or all of them;
+:func:`derive` turns merged sums into the flat ``comm/...`` keys, whose names :func:`key` builds.
 
 What is measured, per direction (``forward`` = pooled embeddings, ``backward`` = gradients):
 
@@ -25,10 +25,7 @@ What is measured, per direction (``forward`` = pooled embeddings, ``backward`` =
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Iterable, Mapping
-
-import torch
-import torch.distributed as dist
+from typing import Iterable, Mapping
 
 DIRECTIONS = ("forward", "backward")
 
@@ -98,58 +95,14 @@ def derive(sums: Mapping[str, float], maxes: Mapping[str, float]) -> dict[str, f
     return out
 
 
-def _dists(model: torch.nn.Module) -> list[Any]:
-    """Every compressed dist inside ``model`` (TorchRec keeps output dists in plain lists)."""
-    from dlrm.comm.embeddingbag import CompressedShardedEmbeddingBagCollection
-
-    found = []
-    for m in model.modules():
-        if isinstance(m, CompressedShardedEmbeddingBagCollection):
-            found.extend(d for d in m.compressed_dists())
-    return found
+def key(direction: str, name: str, feature: str | None = None) -> str:
+    """A flat statistics key as :func:`derive` writes it, e.g. ``comm/forward/max_abs_error/cat_0``."""
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+    return f"comm/{direction}/{name}" + (f"/{feature}" if feature is not None else "")
 
 
-def _collect(model: torch.nn.Module, reset: bool, run: bool = False) -> tuple[dict, dict]:
-    dists = _dists(model)
-    state = merge(d.stats.state(run) for d in dists)
-    if reset:
-        for d in dists:
-            d.stats.reset()
-    return state
-
-
-def _all_ranks(state: tuple[dict, dict], group: dist.ProcessGroup | None) -> tuple[dict, dict]:
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return state
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, state, group=group)
-    return merge(gathered)
-
-
-def comm_stats(model: torch.nn.Module, reset: bool = True) -> dict[str, float]:
-    """This rank's statistics since the last reset, as flat ``comm/...`` keys (no communication)."""
-    return derive(*_collect(model, reset))
-
-
-def comm_stats_all_ranks(model: torch.nn.Module, reset: bool = True,
-                         group: dist.ProcessGroup | None = None) -> dict[str, float]:
-    """All ranks' statistics since the last reset, merged (bytes and times summed, errors maxed).
-
-    A collective: call it on every rank (at log or eval time, never per iteration).
-    """
-    return derive(*_all_ranks(_collect(model, reset), group))
-
-
-def comm_summary(model: torch.nn.Module, group: dist.ProcessGroup | None = None) -> dict[str, float]:
-    """Whole-run totals of all ranks for metrics.json: ``forward_ratio``, ``backward_ratio``,
-    ``max_abs_error_seen`` (1.0 / 0.0 when nothing was compressed, e.g. one process). A collective."""
-    d = derive(*_all_ranks(_collect(model, reset=False, run=True), group))
-    return {"forward_ratio": d.get("comm/forward/ratio", 1.0),
-            "backward_ratio": d.get("comm/backward/ratio", 1.0),
-            "max_abs_error_seen": d.get("comm/max_abs_error_seen", 0.0)}
-
-
-def set_iteration(model: torch.nn.Module, iteration: int) -> None:
-    """Set the training iteration every compressed dist passes to the bound policies (e.g. on resume)."""
-    for d in _dists(model):
-        d.iteration = int(iteration)
+def per_feature(stats: Mapping[str, float], direction: str, name: str) -> dict[str, float]:
+    """``{feature: value}`` of one per-feature statistic (e.g. ``max_abs_error``) in :func:`derive` output."""
+    prefix = key(direction, name) + "/"
+    return {k[len(prefix):]: float(v) for k, v in stats.items() if k.startswith(prefix)}

@@ -1,6 +1,6 @@
 """Accuracy against compression ratio over a sweep: a markdown table and a PNG with the Pareto front.
 
-    python -m dlrm.summary SWEEP_DIR [--out PREFIX]
+    python -m dlrm.bench.summary SWEEP_DIR [--out PREFIX]
 
 Reads every ``metrics.json`` under SWEEP_DIR (recursively; each run's Hydra ``.hydra/`` beside it
 supplies the policy, bound, codec and seed when metrics.json lacks them), writes
@@ -124,8 +124,6 @@ def read_run(path: Path, sweep_dir: Path) -> Run:
     bound = _number(metrics, "policy_forward_bound", path)
     if bound is None:
         bound = _policy_bound(policy_cfg)
-    if bound is None and isinstance(compression_cfg.get("forward"), dict):
-        bound = compression_cfg["forward"].get("eb")  # no policy group: the codec config's fixed eb
     codec = metrics.get("compression") or compression_cfg.get("name") or "?"
     fwd_codec = (compression_cfg.get("forward") or {}).get("codec") if compression_cfg else None
     if fwd_codec and fwd_codec != codec:

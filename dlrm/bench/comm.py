@@ -1,6 +1,6 @@
 """Benchmark the compressed embedding all-to-alls against stock TorchRec on local gloo ranks.
 
-    python -m dlrm.comm.bench --ranks 2 --batch 1024 --configs none,fp16,lossy,qcomm_fp16
+    python -m dlrm.bench.comm --ranks 2 --batch 1024 --configs none,fp16,lossy,qcomm_fp16
 
 Per config (``configs/compression/<name>.yaml``, plus ``stock`` = TorchRec without QComms) it
 trains a DLRM-shaped EBC (single-valued skewed ids, fused SGD) for a few iterations and prints
@@ -61,15 +61,17 @@ def _batch(args: argparse.Namespace, rank: int, step: int):
                                                lengths=torch.ones(args.tables * args.batch, dtype=torch.int32))
 
 
-def _sharder(name: str):
+def _sharder(name: str, eb: float):
     from omegaconf import OmegaConf
 
-    from dlrm.comm import make_sharders
+    from dlrm.comm import fixed_bound, make_sharders, parse_compression_cfg
     from dlrm.comm.embeddingbag import StockEmbeddingBagCollectionSharder
 
     if name == "stock":
         return StockEmbeddingBagCollectionSharder()
-    return make_sharders(OmegaConf.load(CONFIGS / f"{name}.yaml"))[0]
+    cfg = OmegaConf.load(CONFIGS / f"{name}.yaml")
+    bound = fixed_bound(eb) if parse_compression_cfg(cfg).kind == "compressed" else None
+    return make_sharders(cfg, bound_fn_forward=bound, bound_fn_backward=bound)[0]
 
 
 def _rank(rank: int, ws: int, port: int, args: argparse.Namespace, queue) -> None:
@@ -80,7 +82,7 @@ def _rank(rank: int, ws: int, port: int, args: argparse.Namespace, queue) -> Non
 
     try:
         for name in args.configs.split(","):
-            model = _model(args, _sharder(name), ws)
+            model = _model(args, _sharder(name, args.eb), ws)
             grads = torch.randn(args.batch, args.tables * args.dim, generator=torch.Generator().manual_seed(rank))
             batches = [_batch(args, rank, s) for s in range(args.warmup + args.iters)]
             for s, kjt in enumerate(batches):
@@ -111,6 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--configs", default="stock,none,fp16,int8,lossy,qcomm_fp16")
+    p.add_argument("--eb", type=float, default=0.01,
+                   help="every table's bound, in each config's mode (lossy: 0.01 of each block's range)")
     args = p.parse_args(argv)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,6 +1,6 @@
-"""Run the trainer with its all-to-alls and codecs timed per training iteration (for dlrm.netbench).
+"""Run the trainer with its all-to-alls and codecs timed per training iteration (for dlrm.bench.netbench).
 
-    DLRM_NETPROBE_OUT=DIR torchrun --nproc_per_node N -m dlrm.netprobe [hydra overrides]
+    DLRM_NETPROBE_OUT=DIR torchrun --nproc_per_node N -m dlrm.bench.netprobe [hydra overrides]
 
 Trains exactly like ``python -m dlrm.train`` (same entry point, same overrides) and writes
 ``DIR/probe_rank<R>.json`` per rank: one record per training iteration with its wall time and,
@@ -8,14 +8,15 @@ split by pass (``forward``/``backward``), the time this rank was blocked in pool
 all-to-alls (the blocking call plus the wait on the async work, i.e. the exposed communication),
 the bytes it sent to other ranks in them, and the codec time. Evaluation is not counted.
 
-How, without touching the trainer: ``torch.distributed.all_to_all_single`` is wrapped (TorchRec
-and ``dlrm.comm`` call it through the module), calls made from a ``comm_ops.py`` are the pooled
-embeddings (TorchRec's and ours) and the rest (the sparse input dist) is counted apart;
-``torch.autograd.backward`` marks the backward pass; ``dlrm.loop.Stepper.run`` marks training and
-each ``on_step`` closes an iteration. Codec time comes from the run statistics of the compressed
-dists (``dlrm.comm``: encode + decode + dedup) and, for TorchRec's QComms, from timing fbgemm's
-``QuantizedCommCodec.encode/decode``. The dense all-reduce runs inside DDP's C++ reducer and is
-not visible here: it stays in the remainder of the iteration.
+How: ``torch.distributed.all_to_all_single`` is wrapped (TorchRec and ``dlrm.comm`` call it
+through the module); a call made inside :func:`dlrm.comm.instrument.embedding_collective` is a
+pooled-embedding all-to-all of that direction (the compressed all-to-all marks its own; the probe
+marks TorchRec's ``All2All_Pooled_Req``/``_Wait`` the same way for the stock QComms path) and
+the rest (the sparse input dist) is counted apart. The trainer's :class:`dlrm.loop.StepObserver`
+seam marks training segments and closes an iteration after each step. Codec time comes from the
+run statistics of the compressed dists (encode + decode + dedup) and, for TorchRec's QComms, from
+timing fbgemm's ``QuantizedCommCodec.encode/decode``. The dense all-reduce runs inside DDP's C++
+reducer and is not visible here: it stays in the remainder of the iteration.
 """
 
 from __future__ import annotations
@@ -23,18 +24,22 @@ from __future__ import annotations
 import functools
 import json
 import os
-import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from omegaconf import DictConfig
+from torchrec.distributed import comm_ops as torchrec_comm_ops
+
+from dlrm.comm import compressed_dists
+from dlrm.comm.instrument import current, embedding_collective
 
 OUT_ENV = "DLRM_NETPROBE_OUT"
 PASSES = ("forward", "backward")
-_EMB_CALLERS = ("comm_ops.py",)  # torchrec/distributed/comm_ops.py and dlrm/comm/comm_ops.py
 
 
 class _Probe:
@@ -42,7 +47,6 @@ class _Probe:
 
     def __init__(self) -> None:
         self.training = False
-        self.phase = "forward"
         self.open: dict[str, float] = defaultdict(float)
         self.steps: list[dict[str, float]] = []
         self.t_last = 0.0
@@ -109,8 +113,8 @@ def _wrap_all_to_all_single(real: Callable[..., Any]) -> Callable[..., Any]:
               input_split_sizes: Any = None, group: Any = None, async_op: bool = False) -> Any:
         if not PROBE.training:
             return real(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
-        caller = sys._getframe(1).f_code.co_filename
-        kind = f"a2a/{PROBE.phase}" if caller.endswith(_EMB_CALLERS) else "other_a2a"
+        direction = current()
+        kind = f"a2a/{direction}" if direction else "other_a2a"
         PROBE.add(f"{kind}/bytes", _sent_bytes(input, input_split_sizes, group))
         t0 = time.perf_counter()
         work = real(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
@@ -120,16 +124,14 @@ def _wrap_all_to_all_single(real: Callable[..., Any]) -> Callable[..., Any]:
     return timed
 
 
-def _wrap_backward(real: Callable[..., Any]) -> Callable[..., Any]:
+def _mark(real: Callable[..., Any], direction: str) -> Callable[..., Any]:
+    """``real`` run as an embedding collective of ``direction`` (TorchRec's own pooled all-to-all)."""
     @functools.wraps(real)
     def marked(*args: Any, **kwargs: Any) -> Any:
-        previous, PROBE.phase = PROBE.phase, "backward"
-        try:
+        with embedding_collective(direction):
             return real(*args, **kwargs)
-        finally:
-            PROBE.phase = previous
 
-    return marked
+    return staticmethod(marked)  # type: ignore[return-value]
 
 
 def _wrap_codec(real: Callable[..., Any]) -> Callable[..., Any]:
@@ -139,7 +141,7 @@ def _wrap_codec(real: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return real(*args, **kwargs)
         finally:
-            PROBE.add(f"codec/{PROBE.phase}/ms", 1e3 * (time.perf_counter() - t0))
+            PROBE.add(f"codec/{current() or 'forward'}/ms", 1e3 * (time.perf_counter() - t0))
 
     return timed
 
@@ -147,14 +149,10 @@ def _wrap_codec(real: Callable[..., Any]) -> Callable[..., Any]:
 def comm_run_sums(model: torch.nn.Module) -> dict[str, float]:
     """Run totals of the compressed dists in ``model`` (this rank; empty without dlrm.comm dists)."""
     sums: dict[str, float] = defaultdict(float)
-    for m in model.modules():
-        dists = getattr(m, "compressed_dists", None)
-        if not callable(dists):
-            continue
-        for d in dists():
-            for k, v in d.stats.state(run=True)[0].items():
-                if k.count("/") == 1:  # totals only, not per feature
-                    sums[k] += v
+    for d in compressed_dists(model):
+        for k, v in d.stats.state(run=True)[0].items():
+            if k.count("/") == 1:  # totals only, not per feature
+                sums[k] += v
     return dict(sums)
 
 
@@ -189,33 +187,32 @@ def _close_step(model: torch.nn.Module) -> None:
     PROBE.t_last = time.perf_counter()  # the statistics snapshot is the probe's, not the trainer's
 
 
-def _wrap_stepper_run(real: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(real)
-    def run(self: Any, batches: Any, on_step: Callable[[torch.Tensor], None]) -> None:
-        def step(loss: torch.Tensor) -> None:
-            on_step(loss)
-            _close_step(self.model)
+class TrainingObserver:
+    """The trainer's :class:`dlrm.loop.StepObserver`: counts only inside training segments and
+    closes an iteration after each optimizer step."""
 
+    def segment_start(self, model: torch.nn.Module) -> None:
         PROBE.segments += 1
-        PROBE.dense_params = dense_parameter_count(self.model)
-        PROBE.comm_last = comm_run_sums(self.model)
+        PROBE.dense_params = dense_parameter_count(model)
+        PROBE.comm_last = comm_run_sums(model)
         PROBE.open = defaultdict(float)
         PROBE.training, PROBE.t_last = True, time.perf_counter()
-        try:
-            return real(self, batches, step)
-        finally:
-            PROBE.training = False
 
-    return run
+    def step_end(self, model: torch.nn.Module) -> None:
+        _close_step(model)
+
+    def segment_end(self, model: torch.nn.Module) -> None:
+        PROBE.training = False
 
 
 def install() -> None:
-    """Patch the collectives, the backward entry point, the stepper and the QComms codec."""
-    from dlrm.loop import Stepper
-
+    """Wrap the all-to-all collective, mark TorchRec's pooled all-to-all, time the QComms codec."""
     dist.all_to_all_single = _wrap_all_to_all_single(dist.all_to_all_single)
-    torch.autograd.backward = _wrap_backward(torch.autograd.backward)
-    Stepper.run = _wrap_stepper_run(Stepper.run)
+    for cls, method, direction in ((torchrec_comm_ops.All2All_Pooled_Req, "forward", "forward"),
+                                   (torchrec_comm_ops.All2All_Pooled_Wait, "forward", "forward"),
+                                   (torchrec_comm_ops.All2All_Pooled_Wait, "backward", "backward"),
+                                   (torchrec_comm_ops.All2All_Pooled_Req, "backward", "backward")):
+        setattr(cls, method, _mark(getattr(cls, method), direction))
     try:
         from fbgemm_gpu.quantize_comm import QuantizedCommCodec
     except ImportError:  # no QComms without fbgemm: nothing to time
@@ -238,16 +235,19 @@ def write(out_dir: Path, error: str | None = None) -> Path:
 
 
 def main() -> None:
-    """Install the probe, run the trainer's Hydra entry point, write this rank's records."""
+    """Install the probe, run the trainer's Hydra entry point with it, write this rank's records."""
     out = os.environ.get(OUT_ENV)
     if not out:
-        raise SystemExit(f"dlrm.netprobe: set {OUT_ENV}=DIR (where each rank writes probe_rank<R>.json)")
+        raise SystemExit(f"dlrm.bench.netprobe: set {OUT_ENV}=DIR (where each rank writes probe_rank<R>.json)")
     install()
-    from dlrm.train import main as train_main
+    from dlrm.train import hydra_main, run
+
+    def probed(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+        return run(cfg, run_dir, observers=[TrainingObserver()])
 
     error = None
     try:
-        train_main()
+        hydra_main(probed)()
     except BaseException as e:  # record why, then let it propagate (Hydra exits non-zero)
         error = f"{type(e).__name__}: {e}"
         raise

@@ -1,7 +1,7 @@
 """Read the network benchmark's run directories and build its tables (no torch or network needed).
 
 A run directory is the trainer's Hydra run dir (``metrics.json``, ``.hydra/config.yaml``) plus
-the probe's ``probe_rank<R>.json`` (:mod:`dlrm.netprobe`). :func:`load_run` turns one into a
+the probe's ``probe_rank<R>.json`` (:mod:`dlrm.bench.netprobe`). :func:`load_run` turns one into a
 :class:`RunResult`; :func:`summarize` groups repeats per (rate, configuration) and compares each
 with the baseline of the same repeat; :func:`validate_model` checks the cost model of
 :mod:`compression.cost_model` against the measurements; :func:`format_table` prints it all.

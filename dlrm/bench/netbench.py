@@ -1,13 +1,13 @@
 """End-to-end speedup on an emulated network link: the trainer in a private, throttled network namespace.
 
     sudo scripts/bench_network.sh [--rate 100mbit] [--repeats 2] [--iterations N] [-- hydra overrides]
-    python -m dlrm.netbench --help
+    python -m dlrm.bench.netbench --help
 
 Creates a network namespace with only a loopback device, throttles it with ``tc`` (a token-bucket
 filter: ``tc qdisc replace dev lo root tbf rate R burst 1mb latency 100ms``), and trains there
 with ``torchrun`` (N ranks, gloo over 127.0.0.1) once per configuration and repeat, cycling the
 configurations (ABCDE ABCDE ...) so that drift from other work on the machine hits all of them.
-Every rank is timed in-process by :mod:`dlrm.netprobe`; :mod:`dlrm.netreport` prints per
+Every rank is timed in-process by :mod:`dlrm.bench.netprobe`; :mod:`dlrm.bench.netreport` prints per
 configuration the iteration time, throughput, speedup against ``none`` from the same repeat,
 the all-to-all share of the iteration, wire ratios per direction, codec time, test AUC, and the
 cost model's prediction (:mod:`compression.cost_model`), then projects the published 32-GPU setup.
@@ -35,10 +35,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from compression import cost_model as cm
-from dlrm import netreport
-from dlrm.netprobe import OUT_ENV
+from dlrm.bench import netreport
+from dlrm.bench.netprobe import OUT_ENV
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIGS = ("none", "fp16", "qcomm_fp16", "qcomm_int8", "lossy")
 # The published Terabyte model (notes/papers.md §1.5) on synthetic Criteo-like data, table-wise,
 # 2,048 samples per rank.
@@ -80,7 +80,7 @@ def preflight() -> None:
         if probe.returncode != 0:
             problems.append(f"`ip netns list` fails here ({probe.stderr.strip()}): network namespaces unavailable")
     if problems:
-        raise BenchError("dlrm.netbench cannot run:\n  - " + "\n  - ".join(problems))
+        raise BenchError("dlrm.bench.netbench cannot run:\n  - " + "\n  - ".join(problems))
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -200,7 +200,7 @@ def trainer_command(o: Options, v: Variant, run_dir: Path, port: int) -> tuple[l
     overrides = merge_overrides(given)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={o.nproc}", "--max-restarts=0",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--local-addr=127.0.0.1",
-           "-m", "dlrm.netprobe", *overrides]
+           "-m", "dlrm.bench.netprobe", *overrides]
     env = dict(os.environ, OMP_NUM_THREADS=str(o.threads), GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1",
                PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
     env[OUT_ENV] = str(run_dir)
@@ -300,7 +300,7 @@ def projection_lines(summaries: list[netreport.Summary], o: Options, label: str 
 
 
 def parse_args(argv: Sequence[str] | None) -> Options:
-    p = argparse.ArgumentParser(prog="python -m dlrm.netbench", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="python -m dlrm.bench.netbench", description=__doc__.split("\n")[0],
                                 epilog="Arguments after `--` are Hydra overrides for every run.")
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                    help="comma-separated `compression` configs; must include none (default %(default)s)")
@@ -439,7 +439,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     o.out.mkdir(parents=True, exist_ok=True)
     plan = [(rep, rate, v) for rep in range(o.repeats) for rate in o.rates for v in o.variants]
-    print(f"dlrm.netbench: {len(plan)} runs ({o.repeats} x {len(o.rates)} rate(s) x {len(o.variants)} configs), "
+    print(f"dlrm.bench.netbench: {len(plan)} runs ({o.repeats} x {len(o.rates)} rate(s) x {len(o.variants)} configs), "
           f"{o.nproc} ranks, namespace {o.netns}, output {o.out}", flush=True)
     print(f"load average at start {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs",
           flush=True)
@@ -460,7 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"{extra['load1_after']:.1f}, {extra['wall_s']:.0f} s", flush=True)
     except (BenchError, netreport.RunDirError, KeyboardInterrupt) as e:
         failure = f"{type(e).__name__}: {e}"
-        print(f"dlrm.netbench stopped: {failure}", file=sys.stderr)
+        print(f"dlrm.bench.netbench stopped: {failure}", file=sys.stderr)
     if not results:
         return 1
     return report(o, results, failure, argv)

@@ -1,0 +1,8 @@
+"""Benchmarks and reports around the trainer (not part of it; the trainer never imports this package).
+
+* :mod:`dlrm.bench.netbench` - end-to-end speedup on an emulated link (network namespace + ``tc``),
+  with :mod:`dlrm.bench.netprobe` (per-iteration timings inside each rank) and
+  :mod:`dlrm.bench.netreport` (tables, cost-model check, projection);
+* :mod:`dlrm.bench.comm` - micro-benchmark of the compressed embedding all-to-alls alone;
+* :mod:`dlrm.bench.summary` - accuracy against compression ratio over a sweep (table + Pareto plot).
+"""

@@ -1,0 +1,81 @@
+"""Statistics of every compressed dist inside a model: this rank's, all ranks', and run totals.
+
+Sits above the sharded module (it finds the dists through
+:meth:`CompressedShardedEmbeddingBagCollection.compressed_dists`); the counters themselves and
+their flat ``comm/...`` keys live in the leaf module :mod:`dlrm.comm.stats`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dlrm.comm.config import CompressionSpec, qcomm_ratios
+from dlrm.comm.dist import CompressedDist
+from dlrm.comm.embeddingbag import CompressedShardedEmbeddingBagCollection
+from dlrm.comm.stats import derive, merge
+
+
+def compressed_dists(model: torch.nn.Module) -> list[CompressedDist]:
+    """Every compressed dist inside ``model`` (TorchRec keeps output dists in plain lists)."""
+    found: list[CompressedDist] = []
+    for m in model.modules():
+        if isinstance(m, CompressedShardedEmbeddingBagCollection):
+            found.extend(d for d in m.compressed_dists())
+    return found
+
+
+def _collect(model: torch.nn.Module, reset: bool, run: bool = False) -> tuple[dict, dict]:
+    dists = compressed_dists(model)
+    state = merge(d.stats.state(run) for d in dists)
+    if reset:
+        for d in dists:
+            d.stats.reset()
+    return state
+
+
+def _all_ranks(state: tuple[dict, dict], group: dist.ProcessGroup | None) -> tuple[dict, dict]:
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return state
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, state, group=group)
+    return merge(gathered)
+
+
+def comm_stats(model: torch.nn.Module, reset: bool = True) -> dict[str, float]:
+    """This rank's statistics since the last reset, as flat ``comm/...`` keys (no communication)."""
+    return derive(*_collect(model, reset))
+
+
+def comm_stats_all_ranks(model: torch.nn.Module, reset: bool = True,
+                         group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """All ranks' statistics since the last reset, merged (bytes and times summed, errors maxed).
+
+    A collective: call it on every rank (at log or eval time, never per iteration).
+    """
+    return derive(*_all_ranks(_collect(model, reset), group))
+
+
+def comm_summary(model: torch.nn.Module, spec: CompressionSpec | None = None,
+                 group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """Whole-run totals of all ranks for metrics.json: ``forward_ratio``, ``backward_ratio``,
+    ``max_abs_error_seen`` (1.0 / 0.0 when nothing was compressed, e.g. one process). A collective.
+
+    TorchRec's QComms path counts no bytes; for a ``spec`` of that kind the ratios follow from its
+    fixed-rate precisions instead.
+    """
+    d = derive(*_all_ranks(_collect(model, reset=False, run=True), group))
+    out = {"forward_ratio": d.get("comm/forward/ratio", 1.0),
+           "backward_ratio": d.get("comm/backward/ratio", 1.0),
+           "max_abs_error_seen": d.get("comm/max_abs_error_seen", 0.0)}
+    if spec is not None and spec.kind == "qcomm":
+        out.update(qcomm_ratios(spec))
+    return out
+
+
+def set_iteration(model: torch.nn.Module, iteration: int) -> None:
+    """Set the training iteration every compressed dist passes to the bound policies (e.g. on resume)."""
+    for d in compressed_dists(model):
+        d.iteration = int(iteration)

@@ -1,0 +1,54 @@
+"""The EBC sharder for a `compression` config: ours (compressed dists) or TorchRec's own (QComms)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs_registry
+from torchrec.distributed.types import ModuleSharder
+
+from dlrm.comm.bounds import BoundFn
+from dlrm.comm.codec import DirectionCodec
+from dlrm.comm.config import CompressionSpec, parse_compression_cfg
+from dlrm.comm.dist import CompressionRuntime
+from dlrm.comm.embeddingbag import CompressedEmbeddingBagCollectionSharder, StockEmbeddingBagCollectionSharder
+
+
+def _qcomm_registry(spec: CompressionSpec) -> dict[str, Any] | None:
+    cfg = QCommsConfig(forward_precision=CommType(spec.qcomm_forward),
+                       backward_precision=CommType(spec.qcomm_backward))
+    # No device argument, as in TorchRec's examples: with device="cpu" TorchRec silently turns
+    # bf16 into fp16, although bf16 runs on gloo with torch 2.13.
+    return get_qcomm_codecs_registry(cfg)
+
+
+def build_sharders(spec: CompressionSpec, bound_fn_forward: BoundFn | None = None,
+                   bound_fn_backward: BoundFn | None = None,
+                   fused_params: dict[str, Any] | None = None) -> list[ModuleSharder]:
+    """The EBC sharder for a parsed :class:`CompressionSpec`; bounded codecs need their direction's
+    ``bound_fn`` (a policy, or :func:`dlrm.comm.fixed_bound`)."""
+    if spec.kind == "qcomm":
+        if bound_fn_forward is not None or bound_fn_backward is not None:
+            raise ValueError(f"compression {spec.name!r} is a QComms config: it has no error bounds")
+        return [StockEmbeddingBagCollectionSharder(fused_params=fused_params,
+                                                   qcomm_codecs_registry=_qcomm_registry(spec),
+                                                   sharding_types=spec.sharding_types)]
+    assert spec.forward is not None and spec.backward is not None
+    runtime = CompressionRuntime(forward=DirectionCodec(spec.forward, "forward", bound_fn_forward),
+                                 backward=DirectionCodec(spec.backward, "backward", bound_fn_backward),
+                                 sample_every=spec.sample_every, name=spec.name)
+    return [CompressedEmbeddingBagCollectionSharder(runtime, fused_params=fused_params,
+                                                    sharding_types=spec.sharding_types)]
+
+
+def make_sharders(compression_cfg: Mapping[str, Any], bound_fn_forward: BoundFn | None = None,
+                  bound_fn_backward: BoundFn | None = None, *,
+                  fused_params: dict[str, Any] | None = None) -> list[ModuleSharder]:
+    """Sharders for a `compression` config (dict or DictConfig); pass them to the planner and DMP.
+
+    ``bound_fn_*(feature, direction, iteration) -> float``: the bound of each table block (absolute,
+    or a fraction of each block's range with ``mode: rel``).
+    """
+    return build_sharders(parse_compression_cfg(compression_cfg), bound_fn_forward, bound_fn_backward,
+                          fused_params)

@@ -1,0 +1,58 @@
+"""What follows every optimizer step: the LR schedule, the progress bar, and every ``log_every``
+iterations the TensorBoard scalars (loss, LR, throughput, comm statistics, policy bounds) and the
+closed-loop policy's feedback; optionally every loss to ``losses.txt``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from compression.policies import Policy
+from dlrm.comm import comm_stats_all_ranks
+from dlrm.env import DistEnv
+from dlrm.loop import TrainState
+from dlrm.optim import WarmupDecayLR
+from dlrm.policy import PolicyFeedback
+from dlrm.tb_layout import policy_scalars
+from dlrm.tb_logger import TensorBoardLogger
+
+
+class Progress:
+    """Per-step bookkeeping of one run (every rank: the comm statistics are a collective)."""
+
+    def __init__(self, env: DistEnv, model: torch.nn.Module, schedule: WarmupDecayLR, tb: TensorBoardLogger,
+                 policy: Policy | None, features: Sequence[str], *, global_batch: int, log_every: int,
+                 total: int, start: int, progress_bar: bool, loss_log: Path | None) -> None:
+        self.env, self.model, self.schedule, self.tb = env, model, schedule, tb
+        self.policy, self.features = policy, list(features)
+        self.feedback = PolicyFeedback(policy) if policy is not None else None
+        self.global_batch, self.log_every = global_batch, log_every
+        self.loss_log = loss_log if env.is_main else None
+        self.bar = tqdm(total=total, initial=start, desc="train", disable=not (env.is_main and progress_bar))
+        self.window_start, self.window_samples = time.perf_counter(), 0
+
+    def step(self, state: TrainState, loss: torch.Tensor) -> None:
+        self.schedule.step()
+        self.window_samples += self.global_batch
+        self.bar.update(1)
+        it = state.iteration
+        if it % self.log_every == 0:
+            now = time.perf_counter()
+            self.tb.scalars({"train/loss": float(loss), "train/lr": self.schedule.lr,
+                             "train/samples_per_s": self.window_samples / max(now - self.window_start, 1e-9)}, it)
+            comm = comm_stats_all_ranks(self.model)  # a collective: every rank logs
+            self.tb.scalars(comm, it)
+            if self.policy is not None and self.feedback is not None:
+                self.feedback.observe(it, comm)  # the same merged stats on every rank: same bounds
+                self.tb.scalars(policy_scalars(self.policy, it, self.features), it)
+            self.window_start, self.window_samples = now, 0
+        if self.loss_log is not None:
+            with open(self.loss_log, "a") as f:
+                f.write(f"{it} {float(loss)!r}\n")
+
+    def close(self) -> None:
+        self.bar.close()
