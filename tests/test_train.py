@@ -152,6 +152,9 @@ def test_sigkilled_rank_restarts_from_the_last_checkpoint_and_finishes(tmp_path,
     ("sharding.type=diagonal", "sharding.type must be one of"),
     ("no_such_key=1", "no_such_key"),
     ("optimizer.dense.name=lion", "optimizer.dense.name must be one of"),
+    # a bound the default dual policy would ignore names the keys that set it
+    ("compression.forward.eb=0.02", "policy.forward.bounds.{tight,base,loose} and policy.forward.scale"),
+    ("policy.forward.eb=0.02", "kind dual takes no ['eb']"),
 ])
 def test_bad_override_fails_with_a_message_naming_it(tmp_path, cache, override, message):
     proc = train(tmp_path / "run", cache, [override, "max_iterations=1"], nproc=1, check=False)
