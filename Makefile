@@ -1,4 +1,5 @@
 # Two commands a new user needs: `make train` and `make test`. Each creates .venv on first use.
+# `make lint` runs the checks CI runs before the tests (ruff lint + format check, mypy).
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -7,7 +8,7 @@ ARGS   ?=
 
 NETARGS ?=
 
-.PHONY: venv train test bench bench-network clean
+.PHONY: venv train test lint bench bench-network clean
 
 venv:
 	@PYTHON=$(PYTHON) bash scripts/setup_env.sh $(VENV)
@@ -19,6 +20,14 @@ train: venv
 test: venv
 	@$(PY) -m pytest -q $(ARGS)
 
+# ruff (lint, then format check) and mypy, configured in pyproject.toml; all three run, any failure fails.
+lint: venv
+	@rc=0; \
+	 $(VENV)/bin/ruff check . || rc=1; \
+	 $(VENV)/bin/ruff format --check . || rc=1; \
+	 $(VENV)/bin/mypy || rc=1; \
+	 exit $$rc
+
 # Codec benchmark, then (as root, which the network namespace needs) the emulated-link benchmark.
 bench: venv
 	@$(PY) -m compression.bench $(ARGS)
@@ -29,4 +38,4 @@ bench-network: venv
 	@bash scripts/bench_network.sh $(NETARGS)
 
 clean:
-	rm -rf outputs multirun runs .pytest_cache
+	rm -rf outputs multirun runs .pytest_cache .mypy_cache .ruff_cache

@@ -11,7 +11,7 @@ set -euo pipefail
 VENV=${1:-.venv}
 PYTHON=${PYTHON:-python3}
 STAMP="$VENV/.dlrm-compress-stack"
-STACK_VERSION=3   # bump when the pinned stack below changes, so existing venvs are refreshed
+STACK_VERSION=4   # bump when the pinned stack below changes, so existing venvs are refreshed
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$STACK_VERSION" ]; then
   exit 0
@@ -40,6 +40,6 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install "torch==2.13.0"
 "${PIP[@]}" install "$FBGEMM" $TRITON
 "${PIP[@]}" install --no-deps "torchrec==1.8.0"
-"${PIP[@]}" install -e ".[test]"
+"${PIP[@]}" install -e ".[test,lint]"
 echo "$STACK_VERSION" > "$STAMP"
 echo "environment ready: $VENV ($flavour FBGEMM)"
