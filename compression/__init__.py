@@ -30,5 +30,13 @@ from .bounds import relative_to_absolute
 from .format import PayloadError
 from . import baselines as _baselines, cast as _cast, lossy as _lossy  # noqa: F401  (register codecs)
 
-__all__ = ["Codec", "PayloadError", "available_codecs", "codec_for", "decode", "get_codec",
-           "register", "relative_to_absolute"]
+__all__ = [
+    "Codec",
+    "PayloadError",
+    "available_codecs",
+    "codec_for",
+    "decode",
+    "get_codec",
+    "register",
+    "relative_to_absolute",
+]

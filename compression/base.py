@@ -49,8 +49,7 @@ def codec_for(payload: torch.Tensor) -> "Codec":
     return _BY_ID[header.codec_id]()
 
 
-def decode(payload: torch.Tensor, ids: torch.Tensor | None = None, *,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+def decode(payload: torch.Tensor, ids: torch.Tensor | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode any payload with the codec named in its header."""
     return codec_for(payload).decode(payload, ids, out=out)
 
@@ -67,13 +66,20 @@ class Codec(ABC):
     bounded: ClassVar[bool] = False
 
     @abstractmethod
-    def encode(self, x: torch.Tensor, eb: Bound | None = None, ids: torch.Tensor | None = None, *,
-               blocks: Sequence[int] | None = None) -> torch.Tensor:
+    def encode(
+        self,
+        x: torch.Tensor,
+        eb: Bound | None = None,
+        ids: torch.Tensor | None = None,
+        *,
+        blocks: Sequence[int] | None = None,
+    ) -> torch.Tensor:
         """Compress ``x`` into one payload (see the package docstring for ``eb``/``ids``/``blocks``)."""
 
     @abstractmethod
-    def decode(self, payload: torch.Tensor, ids: torch.Tensor | None = None, *,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+    def decode(
+        self, payload: torch.Tensor, ids: torch.Tensor | None = None, *, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Rebuild the tensor (shape, dtype, device of the payload) from a payload.
 
         ``out``: write into this tensor instead (the payload's shape, dtype and device; it may be
@@ -91,8 +97,9 @@ class Codec(ABC):
         header, sections = fmt.unpack(payload)
         if header.codec_id != self.codec_id:
             other = _BY_ID.get(header.codec_id)
-            raise PayloadError(f"payload was written by codec {other.name if other else header.codec_id!r}"
-                               f", not {self.name!r}")
+            raise PayloadError(
+                f"payload was written by codec {other.name if other else header.codec_id!r}, not {self.name!r}"
+            )
         return header, sections
 
 
@@ -105,8 +112,10 @@ def check_out(out: torch.Tensor | None, header: fmt.Header, device: torch.device
         raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
     want = (header.rows, header.cols)
     if tuple(out.shape) != want or out.dtype != header.dtype or out.device != device:
-        raise ValueError(f"out is {tuple(out.shape)} {out.dtype} on {out.device}; the payload holds "
-                         f"{list(want)} {header.dtype} on {device}")
+        raise ValueError(
+            f"out is {tuple(out.shape)} {out.dtype} on {out.device}; the payload holds "
+            f"{list(want)} {header.dtype} on {device}"
+        )
 
 
 def into(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -124,8 +133,7 @@ def check_input(x: torch.Tensor) -> None:
         raise ValueError(f"x dtype {x.dtype} not supported; use one of {list(fmt.DTYPES)}")
 
 
-def resolve_blocks(cols: int, eb: Bound | None, ids: torch.Tensor | None,
-                   blocks: Sequence[int] | None) -> list[int]:
+def resolve_blocks(cols: int, eb: Bound | None, ids: torch.Tensor | None, blocks: Sequence[int] | None) -> list[int]:
     """Column widths of the blocks (tables): ``blocks`` if given, else an equal split into as many
     blocks as ``eb`` has bounds or ``ids`` has columns, else one block."""
     if blocks is not None:
@@ -168,11 +176,12 @@ def check_ids(ids: torch.Tensor | None, rows: int, n_blocks: int, where: str) ->
     if ids is None:
         return None
     if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
-        raise TypeError(f"{where}: ids must be an integer tensor, got "
-                        f"{ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__}")
+        raise TypeError(
+            f"{where}: ids must be an integer tensor, got "
+            f"{ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__}"
+        )
     if ids.dim() == 1 and ids.shape[0] == rows:
         return ids.long()[:, None].expand(rows, n_blocks)
     if ids.dim() == 2 and tuple(ids.shape) == (rows, n_blocks):
         return ids.long()
     raise ValueError(f"{where}: ids shape {tuple(ids.shape)} must be [{rows}] or [{rows}, {n_blocks}]")
-

@@ -18,7 +18,7 @@ from .base import Bound, Codec, check_ids, check_input, check_out, into, registe
 
 # fbgemm_gpu.quantize_comm constants (TorchRec's defaults).
 HFP8_EBITS, HFP8_MBITS, HFP8_BIAS = 4, 3, 15
-HFP8_MAX = 2.0 ** ((1 << HFP8_EBITS) - 2 - HFP8_BIAS) * (2 - 2.0 ** -HFP8_MBITS)
+HFP8_MAX = 2.0 ** ((1 << HFP8_EBITS) - 2 - HFP8_BIAS) * (2 - 2.0**-HFP8_MBITS)
 
 
 def _fbgemm() -> None:
@@ -49,8 +49,14 @@ class FbgemmCodec(Codec):
     def _wire_bytes(self, n_padded: int, chunk: int) -> int:
         raise NotImplementedError
 
-    def encode(self, x: torch.Tensor, eb: Bound | None = None, ids: torch.Tensor | None = None, *,
-               blocks: Sequence[int] | None = None) -> torch.Tensor:
+    def encode(
+        self,
+        x: torch.Tensor,
+        eb: Bound | None = None,
+        ids: torch.Tensor | None = None,
+        *,
+        blocks: Sequence[int] | None = None,
+    ) -> torch.Tensor:
         """Quantise ``x`` as TorchRec's qcomms would; ``eb`` and ``ids`` are ignored."""
         check_input(x)
         widths = resolve_blocks(x.shape[1], eb, ids, blocks)
@@ -62,12 +68,20 @@ class FbgemmCodec(Codec):
         if pad:
             flat = torch.cat([flat, flat.new_zeros(pad)])
         wire = self._quantize(flat, self.chunk) if flat.numel() else flat.new_zeros(0, dtype=torch.uint8)
-        header = fmt.Header(self.codec_id, x.dtype, x.shape[0], x.shape[1], widths,
-                            [float("inf")] * len(widths), info=[self.chunk, 0, 0, 0])
+        header = fmt.Header(
+            self.codec_id,
+            x.dtype,
+            x.shape[0],
+            x.shape[1],
+            widths,
+            [float("inf")] * len(widths),
+            info=[self.chunk, 0, 0, 0],
+        )
         return fmt.pack(header, [wire], device=x.device)
 
-    def decode(self, payload: torch.Tensor, ids: torch.Tensor | None = None, *,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+    def decode(
+        self, payload: torch.Tensor, ids: torch.Tensor | None = None, *, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Dequantise back to the input's shape and dtype."""
         header, (section,) = self._header(payload)
         check_out(out, header, payload.device)
@@ -118,12 +132,19 @@ class Fp8Codec(FbgemmCodec):
         super().__init__(row_dim if rowwise else 1)
         self.rowwise = rowwise
 
-    def encode(self, x: torch.Tensor, eb: Bound | None = None, ids: torch.Tensor | None = None, *,
-               blocks: Sequence[int] | None = None) -> torch.Tensor:
+    def encode(
+        self,
+        x: torch.Tensor,
+        eb: Bound | None = None,
+        ids: torch.Tensor | None = None,
+        *,
+        blocks: Sequence[int] | None = None,
+    ) -> torch.Tensor:
         """As TorchRec; row-wise FP8 raises NotImplementedError off CUDA (fbgemm has no CPU kernel)."""
         if self.rowwise and x.device.type != "cuda":
-            raise NotImplementedError("fp8 rowwise=True needs CUDA: fbgemm 1.8 raises "
-                                      "'fp8 is not supported by CPU'; use rowwise=False (HFP8)")
+            raise NotImplementedError(
+                "fp8 rowwise=True needs CUDA: fbgemm 1.8 raises 'fp8 is not supported by CPU'; use rowwise=False (HFP8)"
+            )
         return super().encode(x, eb, ids, blocks=blocks)
 
     def _quantize(self, flat: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -157,10 +178,12 @@ class Mx4Codec(FbgemmCodec):
 
     def _quantize(self, flat: torch.Tensor, chunk: int) -> torch.Tensor:
         from fbgemm_gpu.quantize_utils import fp32_to_mx4
+
         return fp32_to_mx4(flat, chunk).view(torch.uint8).view(-1)
 
     def _dequantize(self, wire: torch.Tensor, n_padded: int, chunk: int) -> torch.Tensor:
         from fbgemm_gpu.quantize_utils import mx4_to_fp32
+
         return mx4_to_fp32(wire, chunk)
 
     def _wire_bytes(self, n_padded: int, chunk: int) -> int:

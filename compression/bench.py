@@ -74,8 +74,9 @@ class Row:
     max_error_over_bound: float | None = None
 
 
-def load_tables(path: str | None, rows: int, tables: int, dim: int, nodup: bool, seed: int
-                ) -> dict[str, dict[str, torch.Tensor]]:
+def load_tables(
+    path: str | None, rows: int, tables: int, dim: int, nodup: bool, seed: int
+) -> dict[str, dict[str, torch.Tensor]]:
     """The benchmark batch: ``path`` if given (checked), else a generated Criteo-like batch."""
     if path is None:
         return criteo_like_batch(rows=rows, tables=tables, dim=dim, seed=seed, nodup=nodup)
@@ -130,8 +131,9 @@ def run_variant(v: Variant, tables: dict, bounds: list[list[float]] | None, repe
     return t_enc, t_dec, t_into, sum(int(p.numel()) for p in payloads), errs
 
 
-def benchmark(tables: dict, repeats: int, variants: list[Variant] = VARIANTS,
-              bound_values: list[float] = BOUNDS, log=print) -> list[Row]:
+def benchmark(
+    tables: dict, repeats: int, variants: list[Variant] = VARIANTS, bound_values: list[float] = BOUNDS, log=print
+) -> list[Row]:
     """Every variant at every bound (absolute and relative); baselines once, checked per bound."""
     bytes_in = sum(t["values"].numel() * t["values"].element_size() for t in tables.values())
     have_ids = all(t.get("ids") is not None for t in tables.values())
@@ -151,34 +153,65 @@ def benchmark(tables: dict, repeats: int, variants: list[Variant] = VARIANTS,
             except NotImplementedError as e:
                 log(f"skip {v.label}: {e}")
                 continue
-            rows.append(Row(v.label, "-", None, bytes_in / out, max(errs), None,
-                            bytes_in / t_enc / 1e6, bytes_in / t_dec / 1e6, bytes_in / t_into / 1e6,
-                            bytes_in, out))
+            rows.append(
+                Row(
+                    v.label,
+                    "-",
+                    None,
+                    bytes_in / out,
+                    max(errs),
+                    None,
+                    bytes_in / t_enc / 1e6,
+                    bytes_in / t_dec / 1e6,
+                    bytes_in / t_into / 1e6,
+                    bytes_in,
+                    out,
+                )
+            )
             continue
         for mode in ("abs", "rel"):
             for e in bound_values:
-                per_table = [[e] if mode == "abs" else compression.relative_to_absolute(t["values"], e)
-                             for t in tables.values()]
+                per_table = [
+                    [e] if mode == "abs" else compression.relative_to_absolute(t["values"], e) for t in tables.values()
+                ]
                 t_enc, t_dec, t_into, out, errs = run_variant(v, tables, per_table, repeats)
                 held = all(err <= b[0] for err, b in zip(errs, per_table))
-                worst = max((err / b[0] if b[0] > 0 else (0.0 if err == 0 else math.inf))
-                            for err, b in zip(errs, per_table))
-                rows.append(Row(v.label, mode, e, bytes_in / out, max(errs), held,
-                                bytes_in / t_enc / 1e6, bytes_in / t_dec / 1e6, bytes_in / t_into / 1e6,
-                                bytes_in, out, worst))
+                worst = max(
+                    (err / b[0] if b[0] > 0 else (0.0 if err == 0 else math.inf)) for err, b in zip(errs, per_table)
+                )
+                rows.append(
+                    Row(
+                        v.label,
+                        mode,
+                        e,
+                        bytes_in / out,
+                        max(errs),
+                        held,
+                        bytes_in / t_enc / 1e6,
+                        bytes_in / t_dec / 1e6,
+                        bytes_in / t_into / 1e6,
+                        bytes_in,
+                        out,
+                        worst,
+                    )
+                )
     return rows
 
 
 def format_table(rows: list[Row]) -> str:
     """The results as a Markdown table."""
-    lines = ["| codec | mode | eb | ratio | max abs err | bound held | compress MB/s | decompress MB/s "
-             "| decompress into buffer MB/s |",
-             "|---|---|---:|---:|---:|---|---:|---:|---:|"]
+    lines = [
+        "| codec | mode | eb | ratio | max abs err | bound held | compress MB/s | decompress MB/s "
+        "| decompress into buffer MB/s |",
+        "|---|---|---:|---:|---:|---|---:|---:|---:|",
+    ]
     for r in rows:
         held = "n/a" if r.bound_held is None else ("yes" if r.bound_held else "**NO**")
         eb = "-" if r.eb is None else f"{r.eb:g}"
-        lines.append(f"| {r.codec} | {r.mode} | {eb} | {r.ratio:.2f} | {r.max_abs_error:.3g} | {held} "
-                     f"| {r.compress_MBps:,.0f} | {r.decompress_MBps:,.0f} | {r.decompress_into_MBps:,.0f} |")
+        lines.append(
+            f"| {r.codec} | {r.mode} | {eb} | {r.ratio:.2f} | {r.max_abs_error:.3g} | {held} "
+            f"| {r.compress_MBps:,.0f} | {r.decompress_MBps:,.0f} | {r.decompress_into_MBps:,.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -196,8 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="generated batch: random seed")
     p.add_argument("--codecs", help="comma-separated variant labels or codec names to run (default all)")
     p.add_argument("--bounds", help="comma-separated bounds (default 1e-2,1e-3,1e-4)")
-    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
-                   help="wall: elapsed time; cpu: this process's CPU time (steadier on a shared machine)")
+    p.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="wall: elapsed time; cpu: this process's CPU time (steadier on a shared machine)",
+    )
     args = p.parse_args(argv)
     if args.repeats < 1 or args.threads < 1:
         p.error("--repeats and --threads must be >= 1")
@@ -215,16 +252,25 @@ def main(argv: list[str] | None = None) -> int:
     rows = benchmark(tables, args.repeats, variants, bounds, log=lambda m: print(m, file=sys.stderr))
     n_rows = sum(t["values"].shape[0] for t in tables.values())
     unique = sum(torch.unique(t["ids"]).numel() for t in tables.values() if t.get("ids") is not None)
-    config = {"input": args.input or "generated", "tables": len(tables), "rows": n_rows,
-              "unique_row_fraction": unique / n_rows if unique else None, "nodup": args.nodup,
-              "threads": args.threads, "repeats": args.repeats, "bounds": bounds, "clock": args.clock,
-              "torch": torch.__version__}
-    print(f"# {len(tables)} tables, {n_rows} rows, unique fraction {config['unique_row_fraction']}, "
-          f"{args.threads} thread(s), median of {args.repeats} ({args.clock} clock)")
+    config = {
+        "input": args.input or "generated",
+        "tables": len(tables),
+        "rows": n_rows,
+        "unique_row_fraction": unique / n_rows if unique else None,
+        "nodup": args.nodup,
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "bounds": bounds,
+        "clock": args.clock,
+        "torch": torch.__version__,
+    }
+    print(
+        f"# {len(tables)} tables, {n_rows} rows, unique fraction {config['unique_row_fraction']}, "
+        f"{args.threads} thread(s), median of {args.repeats} ({args.clock} clock)"
+    )
     print(format_table(rows))
     if args.json:
-        Path(args.json).write_text(json.dumps({"config": config, "results": [asdict(r) for r in rows]},
-                                              indent=1))
+        Path(args.json).write_text(json.dumps({"config": config, "results": [asdict(r) for r in rows]}, indent=1))
     return 0
 
 

@@ -9,8 +9,9 @@ import torch
 from .base import check_input, resolve_blocks
 
 
-def relative_to_absolute(x: torch.Tensor, rel: Union[float, Sequence[float], torch.Tensor],
-                         blocks: Sequence[int] | None = None) -> list[float]:
+def relative_to_absolute(
+    x: torch.Tensor, rel: Union[float, Sequence[float], torch.Tensor], blocks: Sequence[int] | None = None
+) -> list[float]:
     """Absolute bound per column block: ``rel`` times the block's finite value range.
 
     Non-finite values are left out of the range; an empty or constant block gets bound 0 (its
@@ -34,7 +35,7 @@ def relative_to_absolute(x: torch.Tensor, rel: Union[float, Sequence[float], tor
     starts = torch.tensor([0] + widths[:-1]).cumsum(0).tolist()
     out = []
     for r, s, w in zip(rels, starts, widths):
-        top, bottom = (hi[s:s + w].max().item(), lo[s:s + w].min().item()) if w else (0.0, 0.0)
+        top, bottom = (hi[s : s + w].max().item(), lo[s : s + w].min().item()) if w else (0.0, 0.0)
         span = top - bottom if top >= bottom else 0.0  # no finite value: empty range
         out.append(r * span)
     return out

@@ -15,28 +15,33 @@ class CastCodec(Codec):
 
     wire_dtype: ClassVar[torch.dtype | None]  # None: keep the input dtype (lossless)
 
-    def encode(self, x: torch.Tensor, eb: Bound | None = None, ids: torch.Tensor | None = None, *,
-               blocks: Sequence[int] | None = None) -> torch.Tensor:
+    def encode(
+        self,
+        x: torch.Tensor,
+        eb: Bound | None = None,
+        ids: torch.Tensor | None = None,
+        *,
+        blocks: Sequence[int] | None = None,
+    ) -> torch.Tensor:
         """Cast and wrap ``x``; one section holding the cast values."""
         check_input(x)
         widths = resolve_blocks(x.shape[1], eb, ids, blocks)
         resolve_bounds(eb, widths, required=False)  # reject malformed bounds even though unused
         check_ids(ids, x.shape[0], len(widths), f"codec {self.name!r} encode")
         wire = x if self.wire_dtype is None else x.to(self.wire_dtype)
-        header = fmt.Header(self.codec_id, x.dtype, x.shape[0], x.shape[1], widths,
-                            [float("inf")] * len(widths))
+        header = fmt.Header(self.codec_id, x.dtype, x.shape[0], x.shape[1], widths, [float("inf")] * len(widths))
         return fmt.pack(header, [wire], device=x.device)
 
-    def decode(self, payload: torch.Tensor, ids: torch.Tensor | None = None, *,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+    def decode(
+        self, payload: torch.Tensor, ids: torch.Tensor | None = None, *, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Undo the cast; the result never aliases ``payload``."""
         header, (section,) = self._header(payload)
         check_out(out, header, payload.device)
         wire_dtype = header.dtype if self.wire_dtype is None else self.wire_dtype
         values = fmt.view_as(section, wire_dtype, "cast values")
         if values.numel() != header.rows * header.cols:
-            raise fmt.PayloadError(f"cast values: {values.numel()} values for shape "
-                                   f"[{header.rows}, {header.cols}]")
+            raise fmt.PayloadError(f"cast values: {values.numel()} values for shape [{header.rows}, {header.cols}]")
         values = values.reshape(header.rows, header.cols)
         if out is not None:
             return out.copy_(values)  # one pass: copy and cast together

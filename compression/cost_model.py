@@ -59,8 +59,9 @@ class Link:
     def __post_init__(self) -> None:
         _positive("Link.bytes_per_s", self.bytes_per_s, allow_inf=True)
         if not self.latency_s >= 0 or not self.burst_bytes >= 0:
-            raise ValueError(f"Link.latency_s and burst_bytes must be >= 0, got {self.latency_s!r}, "
-                             f"{self.burst_bytes!r}")
+            raise ValueError(
+                f"Link.latency_s and burst_bytes must be >= 0, got {self.latency_s!r}, {self.burst_bytes!r}"
+            )
 
     def per_rank_bytes_per_s(self, ranks: int) -> float:
         """The bandwidth one rank sees while all ``ranks`` send at once."""
@@ -88,8 +89,9 @@ class Workload:
 
     def __post_init__(self) -> None:
         if int(self.ranks) < 1 or int(self.batch_per_rank) < 1:
-            raise ValueError(f"Workload needs ranks >= 1 and batch_per_rank >= 1, got {self.ranks}, "
-                             f"{self.batch_per_rank}")
+            raise ValueError(
+                f"Workload needs ranks >= 1 and batch_per_rank >= 1, got {self.ranks}, {self.batch_per_rank}"
+            )
         if not self.dims or any(int(d) < 1 for d in self.dims):
             raise ValueError(f"Workload.dims must list positive table dims, got {self.dims!r}")
         if self.compute_s < 0 or self.dense_params < 0:
@@ -174,8 +176,7 @@ class Breakdown:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def iteration_time(w: Workload, link: Link, forward: CodecCost = NO_CODEC,
-                   backward: CodecCost = NO_CODEC) -> Breakdown:
+def iteration_time(w: Workload, link: Link, forward: CodecCost = NO_CODEC, backward: CodecCost = NO_CODEC) -> Breakdown:
     """The modelled iteration of workload ``w`` on ``link`` with these codecs, from first principles."""
     raw = w.a2a_bytes()
     return Breakdown(
@@ -189,21 +190,30 @@ def iteration_time(w: Workload, link: Link, forward: CodecCost = NO_CODEC,
     )
 
 
-def with_codecs(base: Breakdown, raw_bytes: float, forward: CodecCost = NO_CODEC,
-                backward: CodecCost = NO_CODEC, latency_s: float = 0.0) -> Breakdown:
+def with_codecs(
+    base: Breakdown,
+    raw_bytes: float,
+    forward: CodecCost = NO_CODEC,
+    backward: CodecCost = NO_CODEC,
+    latency_s: float = 0.0,
+) -> Breakdown:
     """An uncompressed breakdown (measured or published) with codecs applied to its all-to-alls.
 
     The bandwidth part of each all-to-all (beyond ``latency_s``) shrinks by the direction's ratio;
     encode and decode of ``raw_bytes`` (what one rank sends per direction) are added.
     """
+
     def shrink(t: float, c: CodecCost) -> float:
         fixed = min(latency_s, t)
         return fixed + (t - fixed) / c.ratio
 
-    return replace(base, a2a_forward=shrink(base.a2a_forward, forward),
-                   a2a_backward=shrink(base.a2a_backward, backward),
-                   codec_forward=base.codec_forward + forward.codec_seconds(raw_bytes),
-                   codec_backward=base.codec_backward + backward.codec_seconds(raw_bytes))
+    return replace(
+        base,
+        a2a_forward=shrink(base.a2a_forward, forward),
+        a2a_backward=shrink(base.a2a_backward, backward),
+        codec_forward=base.codec_forward + forward.codec_seconds(raw_bytes),
+        codec_backward=base.codec_backward + backward.codec_seconds(raw_bytes),
+    )
 
 
 def from_shares(shares: Mapping[str, float], a2a_forward_s: float) -> Breakdown:
@@ -216,19 +226,27 @@ def from_shares(shares: Mapping[str, float], a2a_forward_s: float) -> Breakdown:
     if not shares.get("a2a_forward", 0) > 0:
         raise ValueError("breakdown shares need a positive a2a_forward share to scale from")
     total = float(a2a_forward_s) / shares["a2a_forward"]
-    return Breakdown(**{**{k: 0.0 for k in ("compute", "a2a_forward", "a2a_backward")},
-                        **{k: v * total for k, v in shares.items()}})
+    return Breakdown(
+        **{**{k: 0.0 for k in ("compute", "a2a_forward", "a2a_backward")}, **{k: v * total for k, v in shares.items()}}
+    )
 
 
-def project_published(w: Workload, link_bytes_per_s: float, forward: CodecCost, backward: CodecCost,
-                      shares: Mapping[str, float] = PUBLISHED_BREAKDOWN) -> dict[str, Breakdown]:
+def project_published(
+    w: Workload,
+    link_bytes_per_s: float,
+    forward: CodecCost,
+    backward: CodecCost,
+    shares: Mapping[str, float] = PUBLISHED_BREAKDOWN,
+) -> dict[str, Breakdown]:
     """A published setup: its breakdown scaled to ``w``'s forward all-to-all at the link rate,
     then compressed forward only (what Feng et al. did) and in both directions (what we do)."""
     raw = w.a2a_bytes()
     base = from_shares(shares, raw / _positive("link_bytes_per_s", link_bytes_per_s))
-    return {"uncompressed": base,
-            "forward_only": with_codecs(base, raw, forward, NO_CODEC),
-            "forward_backward": with_codecs(base, raw, forward, backward)}
+    return {
+        "uncompressed": base,
+        "forward_only": with_codecs(base, raw, forward, NO_CODEC),
+        "forward_backward": with_codecs(base, raw, forward, backward),
+    }
 
 
 def calibrate_compute(measured_total_s: float, modelled: Breakdown) -> Breakdown:
@@ -237,8 +255,10 @@ def calibrate_compute(measured_total_s: float, modelled: Breakdown) -> Breakdown
     rest = modelled.total - modelled.compute
     compute = float(measured_total_s) - rest
     if compute < 0:
-        raise ValueError(f"measured {measured_total_s:.4g} s per iteration is less than the modelled "
-                         f"communication and codec time {rest:.4g} s: the link or byte counts are wrong")
+        raise ValueError(
+            f"measured {measured_total_s:.4g} s per iteration is less than the modelled "
+            f"communication and codec time {rest:.4g} s: the link or byte counts are wrong"
+        )
     return replace(modelled, compute=compute)
 
 
@@ -254,8 +274,7 @@ def amdahl_limit(share: float) -> float:
     return 1.0 / (1.0 - share)
 
 
-def table_speedup(ratio: float, link_bytes_per_s: float, encode_bytes_per_s: float,
-                  decode_bytes_per_s: float) -> float:
+def table_speedup(ratio: float, link_bytes_per_s: float, encode_bytes_per_s: float, decode_bytes_per_s: float) -> float:
     """Feng et al.'s per-table speedup of one transfer: ``1 / (1/CR + B (1/Tc + 1/Td))``."""
     c = CodecCost(ratio, encode_bytes_per_s, decode_bytes_per_s)
     return 1.0 / (c.seconds_per_byte(_positive("link_bytes_per_s", link_bytes_per_s)) * link_bytes_per_s)
@@ -276,9 +295,9 @@ class Stages(NamedTuple):
 K = TypeVar("K", bound=Hashable)
 
 
-def choose_stages(ratio_by_stage: Mapping[K, float],
-                  throughput_by_stage: Mapping[K, tuple[float, float]],
-                  link_bytes_per_s: float) -> K:
+def choose_stages(
+    ratio_by_stage: Mapping[K, float], throughput_by_stage: Mapping[K, tuple[float, float]], link_bytes_per_s: float
+) -> K:
     """The stage configuration that moves a raw byte fastest over this link.
 
     ``ratio_by_stage`` maps each candidate (e.g. :class:`Stages`) to its measured wire ratio,
@@ -305,9 +324,11 @@ def choose_stages(ratio_by_stage: Mapping[K, float],
     return min(enumerate(ratio_by_stage), key=cost)[1]
 
 
-def choose_stages_per_table(ratio_by_table: Mapping[str, Mapping[K, float]],
-                            throughput_by_stage: Mapping[K, tuple[float, float]],
-                            link_bytes_per_s: float) -> dict[str, K]:
+def choose_stages_per_table(
+    ratio_by_table: Mapping[str, Mapping[K, float]],
+    throughput_by_stage: Mapping[K, tuple[float, float]],
+    link_bytes_per_s: float,
+) -> dict[str, K]:
     """:func:`choose_stages` for every table (ratios differ by table, throughputs by stage)."""
     return {t: choose_stages(r, throughput_by_stage, link_bytes_per_s) for t, r in ratio_by_table.items()}
 
@@ -318,8 +339,12 @@ def crossover_bandwidth(a: CodecCost, b: CodecCost) -> float | None:
     Below it the codec with the higher ratio wins, above it the faster one.
     """
     wire = 1.0 / a.ratio - 1.0 / b.ratio  # coefficient of 1/B in cost(a) - cost(b)
-    codec = (1.0 / b.encode_bytes_per_s + 1.0 / b.decode_bytes_per_s
-             - 1.0 / a.encode_bytes_per_s - 1.0 / a.decode_bytes_per_s)
+    codec = (
+        1.0 / b.encode_bytes_per_s
+        + 1.0 / b.decode_bytes_per_s
+        - 1.0 / a.encode_bytes_per_s
+        - 1.0 / a.decode_bytes_per_s
+    )
     if wire == 0 or codec == 0 or (wire > 0) != (codec > 0):
         return None
     return wire / codec

@@ -27,8 +27,9 @@ class Plan:
     inverse: torch.Tensor | None  # int64 [n_blocks, rows]: index within the block; None = identity
 
 
-def unique_per_block(keys: torch.Tensor, want_first: bool = True
-                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+def unique_per_block(
+    keys: torch.Tensor, want_first: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Per column of ``keys`` [rows, n_blocks]: (counts, a source row of each unique key in
     block-major canonical order, inverse [n_blocks, rows] index within the block)."""
     rows, nb = keys.shape
@@ -50,7 +51,7 @@ def unique_per_block(keys: torch.Tensor, want_first: bool = True
 
 
 HOST_NUMPY = True  # CPU tensors take numpy's faster sorts and compares (tests switch it off to
-                  # run the device code on CPU)
+# run the device code on CPU)
 
 
 def _host(t: torch.Tensor) -> bool:
@@ -116,8 +117,9 @@ def _row_hashes(x: torch.Tensor, widths: list[int]) -> torch.Tensor:
         return _row_hashes_host(x, widths)
     bits = x.contiguous().view(torch.int32 if x.element_size() == 4 else torch.int16).int()
     gen = torch.Generator().manual_seed(_HASH_SEED)
-    mult = (torch.randint(-(1 << 30), 1 << 30, (2, max(widths + [1])), generator=gen, dtype=torch.int32)
-            * 2 + 1).to(x.device)
+    mult = (torch.randint(-(1 << 30), 1 << 30, (2, max(widths + [1])), generator=gen, dtype=torch.int32) * 2 + 1).to(
+        x.device
+    )
 
     def hash64(block: torch.Tensor, w: int) -> torch.Tensor:
         h1 = (block * mult[0, :w]).sum(-1, dtype=torch.int32).long()
@@ -129,7 +131,7 @@ def _row_hashes(x: torch.Tensor, widths: list[int]) -> torch.Tensor:
         return hash64(bits.view(x.shape[0], len(widths), d), d)
     cols, start = [], 0
     for w in widths:
-        cols.append(hash64(bits[:, start:start + w], w))
+        cols.append(hash64(bits[:, start : start + w], w))
         start += w
     return torch.stack(cols, 1)
 
@@ -145,10 +147,10 @@ def _row_hashes_host(x: torch.Tensor, widths: list[int]) -> torch.Tensor:
     a = bits.numpy().astype(np.int64, copy=False)
     mult = _host_multipliers(max(ww + [1]))
     if len(set(ww)) == 1 and ww[0] > 0:  # integer matmul wraps silently: that is the hash
-        return torch.from_numpy(a.reshape(x.shape[0], len(ww), ww[0]) @ mult[:ww[0]])
+        return torch.from_numpy(a.reshape(x.shape[0], len(ww), ww[0]) @ mult[: ww[0]])
     cols, start = [], 0
     for w in ww:
-        cols.append(a[:, start:start + w] @ mult[:w])
+        cols.append(a[:, start : start + w] @ mult[:w])
         start += w
     return torch.from_numpy(np.stack(cols, 1) if cols else np.zeros((x.shape[0], 0), np.int64))
 
@@ -172,8 +174,9 @@ def index_pays_off(plan: Plan, widths: list[int], rows: int) -> bool:
     return removed >= 4 * rows * len(widths)
 
 
-def mismatched_blocks(x: torch.Tensor, widths: list[int], counts: torch.Tensor, first: torch.Tensor,
-                inverse: torch.Tensor) -> torch.Tensor:
+def mismatched_blocks(
+    x: torch.Tensor, widths: list[int], counts: torch.Tensor, first: torch.Tensor, inverse: torch.Tensor
+) -> torch.Tensor:
     """bool [n_blocks]: blocks where some row differs (bitwise) from the unique row it maps to."""
     bits, ww = _words(x, widths)
     offsets = counts.cumsum(0) - counts
@@ -183,7 +186,7 @@ def mismatched_blocks(x: torch.Tensor, widths: list[int], counts: torch.Tensor, 
         bits, src = bits.numpy(), src.numpy()
     out, start = [], 0
     for b, w in enumerate(ww):
-        block = bits[:, start:start + w]
+        block = bits[:, start : start + w]
         if host:
             out.append(not np.array_equal(np.take(block, src[b], axis=0), block))
         else:
@@ -195,8 +198,9 @@ def mismatched_blocks(x: torch.Tensor, widths: list[int], counts: torch.Tensor, 
 def gather(x: torch.Tensor, widths: list[int], plan: Plan) -> torch.Tensor:
     """Flat values of the unique rows, block after block, each row's columns in order."""
     if not widths or x.numel() == 0:
-        return x.new_zeros(int((plan.counts * torch.tensor(widths, dtype=torch.int64,
-                                                           device=plan.counts.device)).sum()))
+        return x.new_zeros(
+            int((plan.counts * torch.tensor(widths, dtype=torch.int64, device=plan.counts.device)).sum())
+        )
     if len(set(widths)) == 1:
         d, nb = widths[0], len(widths)
         if nb == 1:
@@ -205,13 +209,19 @@ def gather(x: torch.Tensor, widths: list[int], plan: Plan) -> torch.Tensor:
         return torch.index_select(x.reshape(-1, d), 0, plan.first * nb + blk).view(-1)
     parts, start, row0 = [], 0, 0
     for w, u in zip(widths, plan.counts.tolist()):
-        parts.append(torch.index_select(x[:, start:start + w], 0, plan.first[row0:row0 + u]).reshape(-1))
+        parts.append(torch.index_select(x[:, start : start + w], 0, plan.first[row0 : row0 + u]).reshape(-1))
         start, row0 = start + w, row0 + u
     return torch.cat(parts)
 
 
-def scatter(values: torch.Tensor, widths: list[int], counts: torch.Tensor,
-            inverse: torch.Tensor | None, rows: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def scatter(
+    values: torch.Tensor,
+    widths: list[int],
+    counts: torch.Tensor,
+    inverse: torch.Tensor | None,
+    rows: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Inverse of :func:`gather`: the full [rows, cols] tensor from the unique rows' values,
     written into ``out`` (any strides) when given."""
     cols = sum(widths)
@@ -223,7 +233,7 @@ def scatter(values: torch.Tensor, widths: list[int], counts: torch.Tensor,
     if inverse is None:  # identity plan: blocks are stored [rows, w] one after another
         start, pos = 0, 0
         for w in widths:
-            out[:, start:start + w] = values[pos:pos + rows * w].view(rows, w)
+            out[:, start : start + w] = values[pos : pos + rows * w].view(rows, w)
             start, pos = start + w, pos + rows * w
         return out
     if nb == 1:  # gathers straight into out (index_select accepts a strided out)
@@ -237,6 +247,6 @@ def scatter(values: torch.Tensor, widths: list[int], counts: torch.Tensor,
     start, pos = 0, 0
     for b, w in enumerate(widths):
         u = int(counts[b])
-        torch.index_select(values[pos:pos + u * w].view(u, w), 0, inverse[b], out=out[:, start:start + w])
+        torch.index_select(values[pos : pos + u * w].view(u, w), 0, inverse[b], out=out[:, start : start + w])
         start, pos = start + w, pos + u * w
     return out

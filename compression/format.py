@@ -71,13 +71,15 @@ def pack(header: Header, sections: list[torch.Tensor], device: torch.device | No
     body_parts = [_as_bytes_tensor(s) for s in sections]
     lengths = [int(p.numel()) for p in body_parts]
     nb, ns = len(header.widths), len(body_parts)
-    rest = b"".join([
-        _FIXED.pack(header.rows, header.cols, nb, ns),
-        struct.pack(f"<{nb}I", *header.widths),
-        struct.pack(f"<{nb}d", *header.bounds),
-        struct.pack(f"<{N_INFO}I", *header.info),
-        struct.pack(f"<{ns}Q", *lengths),
-    ])
+    rest = b"".join(
+        [
+            _FIXED.pack(header.rows, header.cols, nb, ns),
+            struct.pack(f"<{nb}I", *header.widths),
+            struct.pack(f"<{nb}d", *header.bounds),
+            struct.pack(f"<{N_INFO}I", *header.info),
+            struct.pack(f"<{ns}Q", *lengths),
+        ]
+    )
     header_len = _PREFIX.size + len(rest)
     rest += bytes(_pad(header_len))
     header_len += _pad(header_len)
@@ -88,13 +90,14 @@ def pack(header: Header, sections: list[torch.Tensor], device: torch.device | No
     for p, n in zip(body_parts, lengths):
         pieces.append(_on(p, device))
         if _pad(n):
-            pieces.append(zeros[:_pad(n)])
+            pieces.append(zeros[: _pad(n)])
     out = torch.cat(pieces)  # one copy of every section into the payload
-    prefix = _PREFIX.pack(MAGIC, VERSION, header.codec_id, DTYPES[header.dtype], header.flags,
-                          header_len, out.numel(), 0)[:_CRC_AT]
-    crc = _crc32(out[_PREFIX.size:], zlib.crc32(prefix))
+    prefix = _PREFIX.pack(
+        MAGIC, VERSION, header.codec_id, DTYPES[header.dtype], header.flags, header_len, out.numel(), 0
+    )[:_CRC_AT]
+    crc = _crc32(out[_PREFIX.size :], zlib.crc32(prefix))
     prefix += struct.pack("<I", crc)
-    out[:_PREFIX.size] = _on(torch.frombuffer(bytearray(prefix), dtype=torch.uint8), device)
+    out[: _PREFIX.size] = _on(torch.frombuffer(bytearray(prefix), dtype=torch.uint8), device)
     return out
 
 
@@ -119,13 +122,16 @@ def unpack(payload: torch.Tensor) -> tuple[Header, list[torch.Tensor]]:
     if not isinstance(payload, torch.Tensor):
         raise PayloadError(f"payload must be a torch.uint8 tensor, got {type(payload).__name__}")
     if payload.dtype != torch.uint8 or payload.dim() != 1:
-        raise PayloadError(f"payload must be a 1-D torch.uint8 tensor, got {payload.dtype} "
-                           f"with shape {tuple(payload.shape)}")
+        raise PayloadError(
+            f"payload must be a 1-D torch.uint8 tensor, got {payload.dtype} with shape {tuple(payload.shape)}"
+        )
     payload = payload.contiguous()
     size = payload.numel()
     if size < _PREFIX.size:
-        raise PayloadError(f"payload of {size} bytes is shorter than the {_PREFIX.size}-byte prefix "
-                           "(truncated or not a dlrm-compress payload)")
+        raise PayloadError(
+            f"payload of {size} bytes is shorter than the {_PREFIX.size}-byte prefix "
+            "(truncated or not a dlrm-compress payload)"
+        )
     prefix = _host_bytes(payload, _PREFIX.size)
     magic, version, codec_id, dtype_code, flags, header_len, total, crc = _PREFIX.unpack(prefix)
     if magic != MAGIC:
@@ -133,11 +139,12 @@ def unpack(payload: torch.Tensor) -> tuple[Header, list[torch.Tensor]]:
     if version != VERSION:
         raise PayloadError(f"payload format version {version}, this decoder reads version {VERSION}")
     if total != size:
-        raise PayloadError(f"payload is {size} bytes but its header says {total} "
-                           f"({'truncated' if size < total else 'trailing bytes'})")
+        raise PayloadError(
+            f"payload is {size} bytes but its header says {total} ({'truncated' if size < total else 'trailing bytes'})"
+        )
     if not _PREFIX.size + _FIXED.size <= header_len <= size:
         raise PayloadError(f"header length {header_len} out of range for a {size}-byte payload")
-    if _crc32(payload[_PREFIX.size:], zlib.crc32(prefix[:_CRC_AT])) != crc:
+    if _crc32(payload[_PREFIX.size :], zlib.crc32(prefix[:_CRC_AT])) != crc:
         raise PayloadError("checksum mismatch: the payload is corrupted")
     # The crc covers everything below, so what follows only guards against encoder bugs.
     raw = _host_bytes(payload, header_len)
@@ -150,9 +157,12 @@ def unpack(payload: torch.Tensor) -> tuple[Header, list[torch.Tensor]]:
     need = pos + 12 * nb + 4 * N_INFO + 8 * ns
     if need > header_len:
         raise PayloadError(f"header of {header_len} bytes cannot hold {nb} blocks and {ns} sections")
-    widths = list(struct.unpack_from(f"<{nb}I", raw, pos)); pos += 4 * nb
-    bounds = list(struct.unpack_from(f"<{nb}d", raw, pos)); pos += 8 * nb
-    info = list(struct.unpack_from(f"<{N_INFO}I", raw, pos)); pos += 4 * N_INFO
+    widths = list(struct.unpack_from(f"<{nb}I", raw, pos))
+    pos += 4 * nb
+    bounds = list(struct.unpack_from(f"<{nb}d", raw, pos))
+    pos += 8 * nb
+    info = list(struct.unpack_from(f"<{N_INFO}I", raw, pos))
+    pos += 4 * N_INFO
     lengths = struct.unpack_from(f"<{ns}Q", raw, pos)
     if sum(widths) != cols:
         raise PayloadError(f"block widths {widths} sum to {sum(widths)}, header says {cols} columns")
@@ -160,12 +170,20 @@ def unpack(payload: torch.Tensor) -> tuple[Header, list[torch.Tensor]]:
     for i, n in enumerate(lengths):
         if start + n > size:
             raise PayloadError(f"section {i} ({n} bytes at offset {start}) runs past the payload end")
-        sections.append(payload[start:start + n])
+        sections.append(payload[start : start + n])
         start += n + _pad(n)
     if start != size:
         raise PayloadError(f"sections end at byte {start}, payload has {size}")
-    header = Header(codec_id=codec_id, dtype=_DTYPE_OF[dtype_code], rows=rows, cols=cols,
-                    widths=widths, bounds=bounds, flags=flags, info=info)
+    header = Header(
+        codec_id=codec_id,
+        dtype=_DTYPE_OF[dtype_code],
+        rows=rows,
+        cols=cols,
+        widths=widths,
+        bounds=bounds,
+        flags=flags,
+        info=info,
+    )
     return header, sections
 
 
@@ -177,4 +195,3 @@ def view_as(section: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tenso
     if section.data_ptr() % item:
         section = section.clone()
     return section.view(dtype)
-

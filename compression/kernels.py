@@ -35,8 +35,9 @@ def _round_half_even(t):
 
 
 @triton.jit
-def quantize_kernel(x_ptr, step_ptr, ed_ptr, codes_ptr, miss_ptr, n, PER_VALUE: tl.constexpr,
-                    OUT: tl.constexpr, BLOCK: tl.constexpr):
+def quantize_kernel(
+    x_ptr, step_ptr, ed_ptr, codes_ptr, miss_ptr, n, PER_VALUE: tl.constexpr, OUT: tl.constexpr, BLOCK: tl.constexpr
+):
     """codes = zigzag(round(x / step)) where |recon - x| < ed holds for recon in the output dtype."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -152,9 +153,13 @@ def _scalar_or_values(t: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, b
     return t.contiguous(), True
 
 
-def quantize(x: torch.Tensor, step: torch.Tensor, ed: torch.Tensor,
-             out_dtype: torch.dtype = torch.float32, block: int = QUANT_BLOCK
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(
+    x: torch.Tensor,
+    step: torch.Tensor,
+    ed: torch.Tensor,
+    out_dtype: torch.dtype = torch.float32,
+    block: int = QUANT_BLOCK,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Kernel version of :func:`reference.quantize`."""
     x = x.contiguous()
     n = x.numel()
@@ -163,8 +168,9 @@ def quantize(x: torch.Tensor, step: torch.Tensor, ed: torch.Tensor,
     if n:
         s, per = _scalar_or_values(step, x)
         e, _ = _scalar_or_values(ed, x)
-        quantize_kernel[(triton.cdiv(n, block),)](x, s, e, codes, miss, n, PER_VALUE=per,
-                                                  OUT=_OUT_CODE[out_dtype], BLOCK=block, **_LAUNCH)
+        quantize_kernel[(triton.cdiv(n, block),)](
+            x, s, e, codes, miss, n, PER_VALUE=per, OUT=_OUT_CODE[out_dtype], BLOCK=block, **_LAUNCH
+        )
     return codes, miss.bool()
 
 
@@ -174,8 +180,9 @@ def dequantize(codes: torch.Tensor, step: torch.Tensor, block: int = QUANT_BLOCK
     out = torch.empty(n, dtype=torch.float32, device=codes.device)
     if n:
         s, per = _scalar_or_values(step, codes)
-        dequantize_kernel[(triton.cdiv(n, block),)](codes.contiguous(), s, out, n, PER_VALUE=per,
-                                                    BLOCK=block, **_LAUNCH)
+        dequantize_kernel[(triton.cdiv(n, block),)](
+            codes.contiguous(), s, out, n, PER_VALUE=per, BLOCK=block, **_LAUNCH
+        )
     return out
 
 
@@ -204,8 +211,7 @@ def block_unpack(widths: torch.Tensor, words: torch.Tensor, n: int, groups: int 
         return codes
     offsets = widths.long().cumsum(0) - widths.long()
     grid = (triton.cdiv(n_groups, groups),)
-    unpack_kernel[grid](words.contiguous(), widths.contiguous(), offsets, codes, n, n_groups, G=groups,
-                        **_LAUNCH)
+    unpack_kernel[grid](words.contiguous(), widths.contiguous(), offsets, codes, n, n_groups, G=groups, **_LAUNCH)
     return codes
 
 

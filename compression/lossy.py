@@ -13,8 +13,7 @@ from typing import Sequence, Union
 import torch
 
 from . import coders, dedup, format as fmt, quantize, reference
-from .base import (Bound, Codec, check_ids, check_input, check_out, register, resolve_blocks,
-                   resolve_bounds)
+from .base import Bound, Codec, check_ids, check_input, check_out, register, resolve_blocks, resolve_bounds
 from .format import PayloadError
 
 Entropy = Union[bool, str]
@@ -51,9 +50,12 @@ def _backend(name: str, device: torch.device):
         return reference
     if name in ("triton", "auto"):
         if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise RuntimeError("backend='triton' on CPU tensors runs only in Triton's interpreter: "
-                               "set TRITON_INTERPRET=1 before triton is imported")
+            raise RuntimeError(
+                "backend='triton' on CPU tensors runs only in Triton's interpreter: "
+                "set TRITON_INTERPRET=1 before triton is imported"
+            )
         from . import kernels  # imports triton; only needed on this path
+
         return kernels
     raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {name!r}")
 
@@ -74,8 +76,14 @@ class LossyCodec(Codec):
     codec_id = 4
     bounded = True
 
-    def __init__(self, entropy: Entropy = "auto", level: int = 1, dedup: bool = True,
-                 backend: str = "auto", verify_ids: bool = False):
+    def __init__(
+        self,
+        entropy: Entropy = "auto",
+        level: int = 1,
+        dedup: bool = True,
+        backend: str = "auto",
+        verify_ids: bool = False,
+    ):
         if entropy not in (True, False, "auto"):
             raise ValueError(f"entropy must be True, False or 'auto', got {entropy!r}")
         if backend not in ("auto", "torch", "triton"):
@@ -87,8 +95,14 @@ class LossyCodec(Codec):
     def _coder(self, kind: int, backend) -> coders.Coder:
         return self._zstd if kind == coders.ZSTD else coders.BlockCoder(backend)
 
-    def encode(self, x: torch.Tensor, eb: Bound | None = None, ids: torch.Tensor | None = None, *,
-               blocks: Sequence[int] | None = None) -> torch.Tensor:
+    def encode(
+        self,
+        x: torch.Tensor,
+        eb: Bound | None = None,
+        ids: torch.Tensor | None = None,
+        *,
+        blocks: Sequence[int] | None = None,
+    ) -> torch.Tensor:
         """Compress ``x`` under absolute bound(s) ``eb``; see the package docstring."""
         check_input(x)
         rows, cols = x.shape
@@ -98,8 +112,11 @@ class LossyCodec(Codec):
         if keys is not None and keys.device != x.device:
             raise ValueError(f"lossy encode: ids on {keys.device}, x on {x.device}")
         backend = _backend(self.backend, x.device)
-        kind = coders.ZSTD if self.entropy is True or (self.entropy == "auto" and x.device.type != "cuda") \
+        kind = (
+            coders.ZSTD
+            if self.entropy is True or (self.entropy == "auto" and x.device.type != "cuda")
             else coders.FIXED
+        )
         coder = self._coder(kind, backend)
 
         if keys is not None:
@@ -107,8 +124,10 @@ class LossyCodec(Codec):
             if self.verify_ids:
                 bad = dedup.mismatched_blocks(x, widths, plan.counts, plan.first, plan.inverse)
                 if bad.any():
-                    raise ValueError(f"lossy encode: rows sharing an id differ in block(s) "
-                                     f"{bad.nonzero().view(-1).tolist()}: ids must identify rows")
+                    raise ValueError(
+                        f"lossy encode: rows sharing an id differ in block(s) "
+                        f"{bad.nonzero().view(-1).tolist()}: ids must identify rows"
+                    )
         elif self.dedup and rows > 1:
             plan = dedup.plan_by_value(x, widths)
             if not dedup.index_pays_off(plan, widths, rows):
@@ -120,14 +139,18 @@ class LossyCodec(Codec):
         step, ed = quantize.steps_and_margins(bounds, sizes, x.device)
         codes, exceptions = quantize.encode(values, step, ed, backend)
 
-        index = coder.encode(plan.inverse.reshape(-1).to(torch.int32)) if plan.mode == dedup.VALUE \
+        index = (
+            coder.encode(plan.inverse.reshape(-1).to(torch.int32))
+            if plan.mode == dedup.VALUE
             else torch.zeros(0, dtype=torch.uint8, device=x.device)
+        )
         info = [plan.mode | kind << 2, ids_fingerprint(keys) if keys is not None else 0, 0, 0]
         header = fmt.Header(self.codec_id, x.dtype, rows, cols, widths, bounds, info=info)
         return fmt.pack(header, [plan.counts, index, coder.encode(codes), exceptions], device=x.device)
 
-    def decode(self, payload: torch.Tensor, ids: torch.Tensor | None = None, *,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+    def decode(
+        self, payload: torch.Tensor, ids: torch.Tensor | None = None, *, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Rebuild the tensor (into ``out`` if given); payloads encoded with ids need the same ids."""
         header, sections = self._header(payload)
         check_out(out, header, payload.device)
@@ -147,8 +170,7 @@ class LossyCodec(Codec):
 
         if mode == dedup.IDS:
             if ids is None:
-                raise PayloadError("payload was encoded with ids and carries no row index: "
-                                   "pass the same ids to decode")
+                raise PayloadError("payload was encoded with ids and carries no row index: pass the same ids to decode")
             keys = check_ids(ids, rows, nb, "lossy decode").to(device)
             if ids_fingerprint(keys) != header.info[1]:
                 raise PayloadError("ids differ from the ids the payload was encoded with")

@@ -70,8 +70,9 @@ class TableStats:
 # Iteration-wise: multiplier schedules (stage_check of the artifact)
 
 
-def schedule_multiplier(kind: str, iteration: int, early_stage: int = PUBLISHED_EARLY_STAGE,
-                        c: float = PUBLISHED_C) -> float:
+def schedule_multiplier(
+    kind: str, iteration: int, early_stage: int = PUBLISHED_EARLY_STAGE, c: float = PUBLISHED_C
+) -> float:
     """The bound multiplier at ``iteration``: ``c`` at 0, reaching 1 at ``early_stage``, 1 after.
 
     step: ``c * max(1 - n * (1 - 1/c) / 10, 1/c)`` with ``n = floor(10 * it / ES)`` (2.0, 1.9, ..., 1.1);
@@ -135,8 +136,10 @@ def published_classes(dataset: str, tables: Sequence[TableStats]) -> dict[str, s
     for t in tables:
         i = t.column
         if i is None:
-            raise ValueError(f"table {t.feature!r} has no Criteo column; the published table lists name "
-                             "Criteo's categorical columns C1..C26")
+            raise ValueError(
+                f"table {t.feature!r} has no Criteo column; the published table lists name "
+                "Criteo's categorical columns C1..C26"
+            )
         if not 0 <= i < PUBLISHED_NUM_TABLES:
             raise ValueError(f"table {t.feature!r}: column {i} outside the {PUBLISHED_NUM_TABLES} Criteo tables")
         out[t.feature] = "tight" if i in lists["tight"] else "loose" if i in lists["loose"] else "base"
@@ -153,8 +156,9 @@ def _tightness(t: TableStats, rank_by: str) -> float:
         return float(t.num_embeddings)
     value = getattr(t, rank_by)
     if value is None:
-        raise ValueError(f"table {t.feature!r} has no measured {rank_by}; classes ranked by {rank_by} "
-                         "need it in every TableStats")
+        raise ValueError(
+            f"table {t.feature!r} has no measured {rank_by}; classes ranked by {rank_by} need it in every TableStats"
+        )
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"table {t.feature!r}: {rank_by} must be finite and > 0, got {value}")
     return float(value) if rank_by == "value_range" else 1.0 / float(value)
@@ -168,8 +172,13 @@ def _quantile(sorted_values: Sequence[float], q: float) -> float:
     return sorted_values[lo] + (pos - lo) * (sorted_values[hi] - sorted_values[lo])
 
 
-def automatic_classes(tables: Sequence[TableStats], rank_by: str = "num_embeddings", split: str = "proportion",
-                      tight: float = KAGGLE_TIGHT_FRACTION, loose: float = KAGGLE_LOOSE_FRACTION) -> dict[str, str]:
+def automatic_classes(
+    tables: Sequence[TableStats],
+    rank_by: str = "num_embeddings",
+    split: str = "proportion",
+    tight: float = KAGGLE_TIGHT_FRACTION,
+    loose: float = KAGGLE_LOOSE_FRACTION,
+) -> dict[str, str]:
     """Classes from measured statistics instead of hard-coded lists.
 
     Tables are ranked by ``rank_by`` (the published classes follow cardinality: biggest tables
@@ -202,8 +211,9 @@ def automatic_classes(tables: Sequence[TableStats], rank_by: str = "num_embeddin
             raise ValueError(f"classes thresholds overlap (tight {tight}, loose {loose}): a table would be both")
         return {f: "tight" if is_tight[f] else "loose" if is_loose[f] else "base" for f in names}
     if not (0 <= tight <= 1 and 0 <= loose <= 1 and tight + loose <= 1):
-        raise ValueError(f"classes.tight and classes.loose are fractions of the tables summing to <= 1, "
-                         f"got {tight} and {loose}")
+        raise ValueError(
+            f"classes.tight and classes.loose are fractions of the tables summing to <= 1, got {tight} and {loose}"
+        )
     if split == "proportion":
         order = sorted(range(n), key=lambda i: (-score[names[i]], i))  # biggest first, stable
         n_tight, n_loose = round(n * tight), round(n * loose)
@@ -211,13 +221,14 @@ def automatic_classes(tables: Sequence[TableStats], rank_by: str = "num_embeddin
         out = {f: "base" for f in names}
         for i in order[:n_tight]:
             out[names[i]] = "tight"
-        for i in order[n - n_loose:]:
+        for i in order[n - n_loose :]:
             out[names[i]] = "loose"
         return out
     values = sorted(score.values())
     hi, lo = _quantile(values, 1 - tight), _quantile(values, loose)
-    return {f: "tight" if tight > 0 and s >= hi else "loose" if loose > 0 and s <= lo else "base"
-            for f, s in score.items()}
+    return {
+        f: "tight" if tight > 0 and s >= hi else "loose" if loose > 0 and s <= lo else "base" for f, s in score.items()
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,8 +280,11 @@ def control_update(bounds: Mapping[str, float], errors: Mapping[str, float], con
     ``bounds[f]``: the largest relative bound handed out for ``f`` in the window; ``errors[f]``:
     the sampled max abs error of ``f``. Tables with no usable measurement keep their bound.
     """
-    ranges = {f: errors[f] / b for f, b in bounds.items()
-              if f in errors and b > 0 and math.isfinite(errors[f]) and errors[f] > 0}
+    ranges = {
+        f: errors[f] / b
+        for f, b in bounds.items()
+        if f in errors and b > 0 and math.isfinite(errors[f]) and errors[f] > 0
+    }
     if not ranges:
         return dict(bounds)
     reference = statistics.median(ranges.values())
@@ -306,8 +320,7 @@ class DirectionRule:
         """The table's bound before schedule and clamping: base x scale x closed-loop gain."""
         base = self.tables.get(feature, self.default)
         if base is None:
-            raise KeyError(f"no error bound for feature {feature!r}: the policy knows the tables "
-                           f"{sorted(self.tables)}")
+            raise KeyError(f"no error bound for feature {feature!r}: the policy knows the tables {sorted(self.tables)}")
         return base * self.scale * self.gains.get(feature, 1.0)
 
     def bound(self, feature: str, iteration: int) -> float:
@@ -364,8 +377,7 @@ class Policy:
                 used[f] = min(max(s * sched, rule.control.min), rule.control.max)
             control = rule.control
             if rule.scale != 1.0:  # `scale` is the one knob of every kind: here it scales the target
-                control = Control(control.target * rule.scale, control.min, control.max, control.gain,
-                                  control.max_step)
+                control = Control(control.target * rule.scale, control.min, control.max, control.gain, control.max_step)
             new = control_update(used, measured, control)
             for f, s in known.items():
                 if new[f] != used[f]:
@@ -402,6 +414,22 @@ class Policy:
         return f"Policy({self.name!r}, " + ", ".join(f"{d}={r.kind}" for d, r in self.rules.items()) + ")"
 
 
-__all__ = ["CLASSES", "DIRECTIONS", "KINDS", "PUBLISHED_BOUNDS", "PUBLISHED_C", "PUBLISHED_EARLY_STAGE",
-           "PUBLISHED_TABLES", "SCHEDULES", "Control", "DirectionRule", "Policy", "Schedule", "TableStats",
-           "automatic_classes", "control_update", "published_classes", "schedule_multiplier"]
+__all__ = [
+    "CLASSES",
+    "DIRECTIONS",
+    "KINDS",
+    "PUBLISHED_BOUNDS",
+    "PUBLISHED_C",
+    "PUBLISHED_EARLY_STAGE",
+    "PUBLISHED_TABLES",
+    "SCHEDULES",
+    "Control",
+    "DirectionRule",
+    "Policy",
+    "Schedule",
+    "TableStats",
+    "automatic_classes",
+    "control_update",
+    "published_classes",
+    "schedule_multiplier",
+]

@@ -13,21 +13,25 @@ from . import reference
 from .format import PayloadError, view_as
 
 
-def steps_and_margins(bounds: list[float], sizes: list[int], device: torch.device
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def steps_and_margins(bounds: list[float], sizes: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-value (or one shared) float32 bin width ``2 eb`` and strict margin ``ed`` (<= eb)."""
     steps = [reference.step_of(e) for e in bounds]
     eds = [reference.float32_at_most(e) for e in bounds]
     if len(set(zip(steps, eds))) <= 1:  # one bound for the whole payload: broadcast a scalar
-        return (torch.tensor(steps[0] if steps else 1.0, device=device),
-                torch.tensor(eds[0] if eds else 0.0, device=device))
+        return (
+            torch.tensor(steps[0] if steps else 1.0, device=device),
+            torch.tensor(eds[0] if eds else 0.0, device=device),
+        )
     counts = torch.tensor(sizes, device=device)
-    return (torch.repeat_interleave(torch.tensor(steps, device=device), counts),
-            torch.repeat_interleave(torch.tensor(eds, device=device), counts))
+    return (
+        torch.repeat_interleave(torch.tensor(steps, device=device), counts),
+        torch.repeat_interleave(torch.tensor(eds, device=device), counts),
+    )
 
 
-def encode(values: torch.Tensor, step: torch.Tensor, ed: torch.Tensor, backend=reference
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+def encode(
+    values: torch.Tensor, step: torch.Tensor, ed: torch.Tensor, backend=reference
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(zig-zag codes, exception section) of ``values`` (float32, float16 or bfloat16).
 
     The bound is verified on what the decoder returns: float32 ``q * step`` cast to the input
@@ -40,8 +44,9 @@ def encode(values: torch.Tensor, step: torch.Tensor, ed: torch.Tensor, backend=r
     return codes, section
 
 
-def decode(codes: torch.Tensor, step: torch.Tensor, section: torch.Tensor, dtype: torch.dtype, what: str,
-           backend=reference) -> torch.Tensor:
+def decode(
+    codes: torch.Tensor, step: torch.Tensor, section: torch.Tensor, dtype: torch.dtype, what: str, backend=reference
+) -> torch.Tensor:
     """Values in ``dtype`` from codes, with the exceptions restored bit for bit."""
     n = codes.numel()
     pos_dtype, pos_size = (torch.int32, 4) if n < 2**31 else (torch.int64, 8)
@@ -49,8 +54,8 @@ def decode(codes: torch.Tensor, step: torch.Tensor, section: torch.Tensor, dtype
     if section.numel() % item:
         raise PayloadError(f"{what}: {section.numel()} bytes is not a whole number of exceptions")
     k = section.numel() // item
-    pos = view_as(section[:k * pos_size], pos_dtype, what).long()
-    raw = view_as(section[k * pos_size:], dtype, what)
+    pos = view_as(section[: k * pos_size], pos_dtype, what).long()
+    raw = view_as(section[k * pos_size :], dtype, what)
     if k and (int(pos.min()) < 0 or int(pos.max()) >= n):
         raise PayloadError(f"{what}: exception position outside [0, {n})")
     out = backend.dequantize(codes, step)

@@ -34,8 +34,9 @@ def step_of(eb: float) -> float:
     return float(np.float32(2.0 * eb))
 
 
-def quantize(x: torch.Tensor, step: torch.Tensor, ed: torch.Tensor,
-             out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(
+    x: torch.Tensor, step: torch.Tensor, ed: torch.Tensor, out_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Zig-zag codes (int32) and the miss mask of float32 ``x``; ``step``/``ed`` broadcast to it."""
     r = torch.round(x / step).clamp_(-QMAX, QMAX)  # NaN stays NaN; it is a miss below
     recon = r * step
@@ -51,8 +52,9 @@ def dequantize(codes: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     if step.dim() == 0 and codes.numel() > _TABLE_MAX:
         top = int(codes.max())
         if top < _TABLE_MAX:  # one gather from the (same-arithmetic) table of every code's value
-            return torch.index_select(_dequantize(torch.arange(top + 1, dtype=torch.int32,
-                                                                device=codes.device), step), 0, codes)
+            return torch.index_select(
+                _dequantize(torch.arange(top + 1, dtype=torch.int32, device=codes.device), step), 0, codes
+            )
     return _dequantize(codes, step)
 
 

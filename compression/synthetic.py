@@ -14,8 +14,32 @@ import torch
 # Criteo Kaggle (Display Advertising Challenge) cardinalities of the 26 categorical features,
 # as used by facebookresearch/dlrm.
 KAGGLE_CARDINALITIES = [
-    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992,
-    5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+    1460,
+    583,
+    10131227,
+    2202608,
+    305,
+    24,
+    12517,
+    633,
+    3,
+    93145,
+    5683,
+    8351593,
+    3194,
+    27,
+    14992,
+    5461306,
+    10,
+    5652,
+    2173,
+    4,
+    7046547,
+    18,
+    15,
+    286181,
+    105,
+    142572,
 ]
 
 
@@ -31,9 +55,15 @@ def zipf_ids(rng: np.random.Generator, a: float, n: int, size: int) -> np.ndarra
     return out
 
 
-def criteo_like_batch(rows: int = 4096, tables: int = 26, dim: int = 64, seed: int = 0,
-                      nodup: bool = False, init: str = "normal", sigma: float = 0.01
-                      ) -> dict[str, dict[str, torch.Tensor]]:
+def criteo_like_batch(
+    rows: int = 4096,
+    tables: int = 26,
+    dim: int = 64,
+    seed: int = 0,
+    nodup: bool = False,
+    init: str = "normal",
+    sigma: float = 0.01,
+) -> dict[str, dict[str, torch.Tensor]]:
     """{table name: {"values": float32 [rows, dim], "ids": int64 [rows]}} for one batch."""
     if init not in ("normal", "uniform"):
         raise ValueError(f"init must be 'normal' or 'uniform', got {init!r}")

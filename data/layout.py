@@ -76,8 +76,9 @@ def is_complete(data_dir: str | os.PathLike) -> bool:
     return (Path(data_dir) / META).is_file()
 
 
-def base_meta(fmt: str, num_embeddings: list[int], files: list[dict[str, Any]],
-              options: dict[str, Any], reserved_rare: bool) -> dict[str, Any]:
+def base_meta(
+    fmt: str, num_embeddings: list[int], files: list[dict[str, Any]], options: dict[str, Any], reserved_rare: bool
+) -> dict[str, Any]:
     """The meta.json fields common to preprocessed and synthetic datasets."""
     if len(num_embeddings) != NUM_SPARSE:
         raise ValueError(f"expected {NUM_SPARSE} table sizes, got {len(num_embeddings)}")
@@ -89,8 +90,7 @@ def base_meta(fmt: str, num_embeddings: list[int], files: list[dict[str, Any]],
         "num_embeddings": [int(n) for n in num_embeddings],
         "reserved_ids": {"missing": MISSING_ID, "rare": RARE_ID if reserved_rare else None},
         "dense_transform": DENSE_TRANSFORM,
-        "dtypes": {"dense": DENSE_DTYPE.name, "sparse": sparse_dtype(num_embeddings).name,
-                   "labels": LABEL_DTYPE.name},
+        "dtypes": {"dense": DENSE_DTYPE.name, "sparse": sparse_dtype(num_embeddings).name, "labels": LABEL_DTYPE.name},
         "files": files,
         "rows": {f["stem"]: int(f["rows"]) for f in files},
         "options": options,
@@ -109,8 +109,11 @@ class NpyWriter:
         self.path, self.rows, self.row_shape, self.dtype = path, rows, tuple(row_shape), np.dtype(dtype)
         self.written = 0
         self._f: BinaryIO = open(path, "wb")
-        header = {"descr": np.lib.format.dtype_to_descr(self.dtype), "fortran_order": False,
-                  "shape": (rows, *self.row_shape)}
+        header = {
+            "descr": np.lib.format.dtype_to_descr(self.dtype),
+            "fortran_order": False,
+            "shape": (rows, *self.row_shape),
+        }
         np.lib.format.write_array_header_2_0(self._f, header)
 
     def write(self, block: np.ndarray) -> None:

@@ -57,8 +57,11 @@ def _open_stem(data_dir: str | os.PathLike, spec: str, meta: dict[str, Any]) -> 
     if stem not in meta["rows"]:
         raise DatasetError(f"{data_dir}: no stem {stem!r}; it has {sorted(meta['rows'])}")
     arrays = []
-    for kind, width in (("dense", len(meta["dense_features"])), ("sparse", len(meta["sparse_features"])),
-                        ("labels", None)):
+    for kind, width in (
+        ("dense", len(meta["dense_features"])),
+        ("sparse", len(meta["sparse_features"])),
+        ("labels", None),
+    ):
         path = array_path(data_dir, stem, kind)
         if not path.is_file():
             raise DatasetError(f"{path}: missing array of stem {stem!r}")
@@ -82,9 +85,19 @@ def _split(n: int, parts: int, r: int) -> tuple[int, int]:
 class CriteoBatches:
     """One rank's batches of one epoch; ``len()`` is the number of batches it yields."""
 
-    def __init__(self, data_dir: str | os.PathLike, stems: list[str], batch_size: int, rank: int,
-                 world_size: int, shuffle: bool, seed: int, epoch: int = 0, start_batch: int = 0,
-                 drop_last: bool = False) -> None:
+    def __init__(
+        self,
+        data_dir: str | os.PathLike,
+        stems: list[str],
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        shuffle: bool,
+        seed: int,
+        epoch: int = 0,
+        start_batch: int = 0,
+        drop_last: bool = False,
+    ) -> None:
         if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"bad batch_size={batch_size}, rank={rank}, world_size={world_size}")
         if not stems:
@@ -145,11 +158,19 @@ class CriteoBatches:
         b, k = len(rows), len(self.keys)
         values = torch.from_numpy(np.ascontiguousarray(sparse.T, dtype=np.int64).reshape(-1))
         # One id per feature per row: lengths and per-key sizes are known, no device sync needed.
-        kjt = KeyedJaggedTensor(keys=self.keys, values=values, lengths=torch.ones(b * k, dtype=torch.int32),
-                                stride=b, length_per_key=[b] * k, offset_per_key=list(range(0, b * k + 1, b)))
-        return Batch(dense_features=torch.from_numpy(np.asarray(dense, dtype=np.float32)),
-                     sparse_features=kjt,
-                     labels=torch.from_numpy(np.asarray(labels, dtype=np.float32)))
+        kjt = KeyedJaggedTensor(
+            keys=self.keys,
+            values=values,
+            lengths=torch.ones(b * k, dtype=torch.int32),
+            stride=b,
+            length_per_key=[b] * k,
+            offset_per_key=list(range(0, b * k + 1, b)),
+        )
+        return Batch(
+            dense_features=torch.from_numpy(np.asarray(dense, dtype=np.float32)),
+            sparse_features=kjt,
+            labels=torch.from_numpy(np.asarray(labels, dtype=np.float32)),
+        )
 
     def __iter__(self) -> Iterator[Batch]:
         order = self.order()
@@ -157,10 +178,18 @@ class CriteoBatches:
             yield self.make_batch(self.rows_of(b, order))
 
 
-def criteo_batches(data_dir: str | os.PathLike, stems: list[str], batch_size: int, rank: int,
-                   world_size: int, shuffle: bool, seed: int, epoch: int = 0, start_batch: int = 0,
-                   drop_last: bool = False) -> CriteoBatches:
+def criteo_batches(
+    data_dir: str | os.PathLike,
+    stems: list[str],
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    shuffle: bool,
+    seed: int,
+    epoch: int = 0,
+    start_batch: int = 0,
+    drop_last: bool = False,
+) -> CriteoBatches:
     """This rank's batches of ``stems`` for one epoch (see the module docstring for the order);
     ``start_batch`` skips that many batches without reading them (resume from a checkpoint)."""
-    return CriteoBatches(data_dir, stems, batch_size, rank, world_size, shuffle, seed, epoch,
-                         start_batch, drop_last)
+    return CriteoBatches(data_dir, stems, batch_size, rank, world_size, shuffle, seed, epoch, start_batch, drop_last)

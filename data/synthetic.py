@@ -25,17 +25,54 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from data.layout import (DENSE_DTYPE, LABEL_DTYPE, NUM_DENSE, NUM_SPARSE, NpyWriter, array_path,
-                         atomic_dataset_dir, base_meta, sparse_dtype, transform_dense, write_meta)
+from data.layout import (
+    DENSE_DTYPE,
+    LABEL_DTYPE,
+    NUM_DENSE,
+    NUM_SPARSE,
+    NpyWriter,
+    array_path,
+    atomic_dataset_dir,
+    base_meta,
+    sparse_dtype,
+    transform_dense,
+    write_meta,
+)
 
 STATS_PATH = Path(__file__).resolve().parent / "criteo_stats.json"
 CHUNK_ROWS = 1 << 16
 SMALL_TABLE = 1000  # tables with fewer values get steep Zipf exponents (a few ids dominate)
 SMALL_ZIPF = (1.5, 2.5)
 # Missing rates of the Kaggle head sample (notes/criteo.md §1d), C1..C26 and I1..I13.
-SPARSE_MISSING = [0, 0, .03, .03, 0, .13, 0, 0, 0, 0, 0, .03, 0,
-                  0, 0, .03, 0, 0, .45, .45, .03, .82, 0, .03, .45, .45]
-DENSE_MISSING = [.45, 0, .20, .20, .05, .25, .05, 0, .05, .45, .05, .78, .20]
+SPARSE_MISSING = [
+    0,
+    0,
+    0.03,
+    0.03,
+    0,
+    0.13,
+    0,
+    0,
+    0,
+    0,
+    0,
+    0.03,
+    0,
+    0,
+    0,
+    0.03,
+    0,
+    0,
+    0.45,
+    0.45,
+    0.03,
+    0.82,
+    0,
+    0.03,
+    0.45,
+    0.45,
+]
+DENSE_MISSING = [0.45, 0, 0.20, 0.20, 0.05, 0.25, 0.05, 0, 0.05, 0.45, 0.05, 0.78, 0.20]
 # Rough medians of the raw counts (sample medians are 0-41, except I5 ~2.8k) and log-spreads.
 DENSE_MEDIAN = [1, 3, 7, 5, 2800, 40, 3, 8, 40, 0, 1, 0, 5]
 DENSE_SIGMA = [1.2, 1.5, 1.5, 1.0, 1.8, 1.8, 1.5, 1.0, 1.3, 0.8, 1.0, 0.8, 1.3]
@@ -92,7 +129,7 @@ class ZipfSampler:
                 x = self.a * (self.b / self.a) ** v
             else:
                 e = 1 - self.s
-                x = (self.a ** e + v * (self.b ** e - self.a ** e)) ** (1 / e)
+                x = (self.a**e + v * (self.b**e - self.a**e)) ** (1 / e)
             ranks[~head] = np.clip(np.rint(x), self.k + 1, self.n).astype(np.int64)
         return ranks
 
@@ -115,8 +152,9 @@ class HiddenModel:
         self.samplers = [ZipfSampler(n - 1, s) for n, s in zip(self.num_embeddings, self.exponents)]
 
     @classmethod
-    def build(cls, seed: int, max_cardinality: int | None, zipf_range: tuple[float, float],
-              positive_rate: float) -> "HiddenModel":
+    def build(
+        cls, seed: int, max_cardinality: int | None, zipf_range: tuple[float, float], positive_rate: float
+    ) -> "HiddenModel":
         """Draw the model from ``seed`` and calibrate its intercept to ``positive_rate``."""
         if not 0 < positive_rate < 1:
             raise ValueError(f"positive_rate must be in (0, 1), got {positive_rate}")
@@ -137,8 +175,15 @@ class HiddenModel:
                 m += 2
             mults.append(m % (n - 1) or 1)
             offs.append(int(rng.integers(0, n - 1)))
-        model = cls(seed, sizes, exps, mults, offs, rng.normal(0, 0.3, NUM_DENSE),
-                    {f: float(rng.uniform(0.3, 0.6)) for f in EFFECT_FEATURES})
+        model = cls(
+            seed,
+            sizes,
+            exps,
+            mults,
+            offs,
+            rng.normal(0, 0.3, NUM_DENSE),
+            {f: float(rng.uniform(0.3, 0.6)) for f in EFFECT_FEATURES},
+        )
         calib = [model.draw_features(np.random.default_rng([seed, 0xCA1, i]), CHUNK_ROWS) for i in range(2)]
         logits = np.concatenate([model.logits(transform_dense(d), ids) for d, ids, _ in calib])
         model.intercept = _calibrate(logits, positive_rate)  # logits so far have intercept 0
@@ -222,9 +267,16 @@ class _AucAccumulator:
         return {"auc": round(auc, 5), "logloss": round(self.loss / self.n, 5)}
 
 
-def generate(out_dir: str | Path, rows: dict[str, int], seed: int = 0, max_cardinality: int | None = None,
-             zipf_range: tuple[float, float] = (1.05, 1.3), positive_rate: float = 0.25,
-             overwrite: bool = False, chunk_rows: int = CHUNK_ROWS) -> dict[str, Any]:
+def generate(
+    out_dir: str | Path,
+    rows: dict[str, int],
+    seed: int = 0,
+    max_cardinality: int | None = None,
+    zipf_range: tuple[float, float] = (1.05, 1.3),
+    positive_rate: float = 0.25,
+    overwrite: bool = False,
+    chunk_rows: int = CHUNK_ROWS,
+) -> dict[str, Any]:
     """Write a synthetic dataset (stems -> row counts) in the preprocessor's format; return meta."""
     if not rows or any(int(n) < 0 for n in rows.values()):
         raise ValueError(f"rows must map stems to non-negative counts, got {rows}")
@@ -233,9 +285,11 @@ def generate(out_dir: str | Path, rows: dict[str, int], seed: int = 0, max_cardi
     files, hidden = [], {}
     with atomic_dataset_dir(out_dir, overwrite=overwrite) as tmp:
         for stem, n in rows.items():
-            writers = [NpyWriter(array_path(tmp, stem, "dense"), n, (NUM_DENSE,), DENSE_DTYPE),
-                       NpyWriter(array_path(tmp, stem, "sparse"), n, (NUM_SPARSE,), ids_dtype),
-                       NpyWriter(array_path(tmp, stem, "labels"), n, (), LABEL_DTYPE)]
+            writers = [
+                NpyWriter(array_path(tmp, stem, "dense"), n, (NUM_DENSE,), DENSE_DTYPE),
+                NpyWriter(array_path(tmp, stem, "sparse"), n, (NUM_SPARSE,), ids_dtype),
+                NpyWriter(array_path(tmp, stem, "labels"), n, (), LABEL_DTYPE),
+            ]
             acc = _AucAccumulator()
             positives = 0
             for dense, ids, _, labels, logit in _stem_chunks(model, stem, n, chunk_rows):
@@ -248,13 +302,20 @@ def generate(out_dir: str | Path, rows: dict[str, int], seed: int = 0, max_cardi
                 w.close()
             files.append({"stem": stem, "source": "synthetic", "rows": n, "positives": positives})
             hidden[stem] = acc.result()
-        options = {"seed": seed, "max_cardinality": max_cardinality, "zipf_range": list(zipf_range),
-                   "positive_rate": positive_rate, "chunk_rows": chunk_rows}
+        options = {
+            "seed": seed,
+            "max_cardinality": max_cardinality,
+            "zipf_range": list(zipf_range),
+            "positive_rate": positive_rate,
+            "chunk_rows": chunk_rows,
+        }
         meta = base_meta("synthetic", model.num_embeddings, files, options, reserved_rare=False)
-        meta["synthetic"] = {"zipf_exponents": [round(s, 4) for s in model.exponents],
-                             "effect_features": sorted(model.effect_scales),
-                             "intercept": round(model.intercept, 5),
-                             "hidden_model": hidden}
+        meta["synthetic"] = {
+            "zipf_exponents": [round(s, 4) for s in model.exponents],
+            "effect_features": sorted(model.effect_scales),
+            "intercept": round(model.intercept, 5),
+            "hidden_model": hidden,
+        }
         write_meta(tmp, meta)
     return meta
 
@@ -265,7 +326,7 @@ def _dec_chars(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     a = np.abs(x)
     ndig = np.ones(x.shape, np.int64)
     for p in range(1, 19):
-        ndig += a >= 10 ** p
+        ndig += a >= 10**p
     length = ndig + neg
     out = np.zeros((*x.shape, 20), np.uint8)
     for j in range(20):
@@ -275,8 +336,9 @@ def _dec_chars(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return out, length
 
 
-def format_tsv(labels: np.ndarray, dense: np.ndarray, dense_missing: np.ndarray,
-               hashes: np.ndarray, sparse_missing: np.ndarray) -> bytes:
+def format_tsv(
+    labels: np.ndarray, dense: np.ndarray, dense_missing: np.ndarray, hashes: np.ndarray, sparse_missing: np.ndarray
+) -> bytes:
     """Raw Criteo TSV lines (label, 13 decimals, 26 8-digit hex hashes; empty = missing)."""
     n = len(labels)
     pieces, lens = [(labels.astype(np.uint8) + 48)[:, None, None]], [np.ones((n, 1), np.int64)]
@@ -296,9 +358,16 @@ def format_tsv(labels: np.ndarray, dense: np.ndarray, dense_missing: np.ndarray,
     return np.concatenate(cols, axis=1)[np.concatenate(masks, axis=1)].tobytes()
 
 
-def write_tsv(path: str | Path, stem: str, rows: int, seed: int = 0, max_cardinality: int | None = None,
-              zipf_range: tuple[float, float] = (1.05, 1.3), positive_rate: float = 0.25,
-              chunk_rows: int = CHUNK_ROWS) -> int:
+def write_tsv(
+    path: str | Path,
+    stem: str,
+    rows: int,
+    seed: int = 0,
+    max_cardinality: int | None = None,
+    zipf_range: tuple[float, float] = (1.05, 1.3),
+    positive_rate: float = 0.25,
+    chunk_rows: int = CHUNK_ROWS,
+) -> int:
     """Write the rows ``generate`` makes for ``stem`` as raw Criteo TSV; returns positives."""
     model = HiddenModel.build(seed, max_cardinality, zipf_range, positive_rate)
     positives = 0
@@ -332,8 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tsv", action="store_true", help="write raw Criteo TSV files instead of arrays")
     p.add_argument("--overwrite", action="store_true")
     a = p.parse_args(argv)
-    kw = dict(seed=a.seed, max_cardinality=a.max_cardinality, zipf_range=tuple(a.zipf_range),
-              positive_rate=a.positive_rate)
+    kw = dict(
+        seed=a.seed, max_cardinality=a.max_cardinality, zipf_range=tuple(a.zipf_range), positive_rate=a.positive_rate
+    )
     try:
         if a.tsv:
             out = Path(a.out)
@@ -346,8 +416,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"wrote {path}: {n} rows, {pos} positives")
         else:
             meta = generate(a.out, a.rows, overwrite=a.overwrite, **kw)
-            print(f"wrote {a.out}: rows {meta['rows']}; table sizes {meta['num_embeddings']}; "
-                  f"hidden model {meta['synthetic']['hidden_model']}")
+            print(
+                f"wrote {a.out}: rows {meta['rows']}; table sizes {meta['num_embeddings']}; "
+                f"hidden model {meta['synthetic']['hidden_model']}"
+            )
     except (ValueError, FileExistsError) as e:
         print(f"python -m data.synthetic: error: {e}", file=sys.stderr)
         return 1

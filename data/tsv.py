@@ -75,8 +75,9 @@ def _blocks(f: BinaryIO, block_bytes: int) -> Iterator[bytes]:
         yield rest + b"\n"
 
 
-def read_chunks(path: str | os.PathLike, skip_bad_rows: bool = False,
-                block_bytes: int = DEFAULT_BLOCK_BYTES, max_reported: int = 10) -> Iterator[Chunk]:
+def read_chunks(
+    path: str | os.PathLike, skip_bad_rows: bool = False, block_bytes: int = DEFAULT_BLOCK_BYTES, max_reported: int = 10
+) -> Iterator[Chunk]:
     """Parse a Criteo TSV file block by block.
 
     A malformed row raises CriteoFormatError naming ``path:line`` (1-based) and the field, unless
@@ -116,8 +117,8 @@ def _parse_block(block: bytes, path: str, first_line: int, skip: bool, report: i
     lines = first_line + np.flatnonzero(good_line)  # 1-based line number of each parsed row
 
     labels, bad_label = _parse_label(buf, start[:, 0], length[:, 0])
-    dense, dense_missing, bad_dense = _parse_decimal(buf, start[:, 1:1 + NUM_DENSE], length[:, 1:1 + NUM_DENSE])
-    sparse, sparse_missing, bad_sparse = _parse_hex(buf, start[:, 1 + NUM_DENSE:], length[:, 1 + NUM_DENSE:])
+    dense, dense_missing, bad_dense = _parse_decimal(buf, start[:, 1 : 1 + NUM_DENSE], length[:, 1 : 1 + NUM_DENSE])
+    sparse, sparse_missing, bad_sparse = _parse_hex(buf, start[:, 1 + NUM_DENSE :], length[:, 1 + NUM_DENSE :])
     bad_field = np.concatenate([bad_label[:, None], bad_dense, bad_sparse], axis=1)
     bad_row = bad_field.any(axis=1)
 
@@ -137,14 +138,20 @@ def _parse_block(block: bytes, path: str, first_line: int, skip: bool, report: i
         line, reason = problems[0]
         raise CriteoFormatError(f"{path}:{line}: {reason} (use --skip-bad-rows to skip such rows)")
     ok = ~bad_row
-    return Chunk(labels[ok], dense[ok], dense_missing[ok], sparse[ok], sparse_missing[ok],
-                 n_bad, [f"{path}:{line}: {reason}" for line, reason in problems[:max(report, 0)]])
+    return Chunk(
+        labels[ok],
+        dense[ok],
+        dense_missing[ok],
+        sparse[ok],
+        sparse_missing[ok],
+        n_bad,
+        [f"{path}:{line}: {reason}" for line, reason in problems[: max(report, 0)]],
+    )
 
 
 def _windows(buf: np.ndarray, start: np.ndarray, width: int) -> np.ndarray:
     """[len(start), width] bytes beginning at each start (one row gather over a strided view)."""
-    view = np.lib.stride_tricks.as_strided(buf, shape=(len(buf) - width + 1, width), strides=(1, 1),
-                                           writeable=False)
+    view = np.lib.stride_tricks.as_strided(buf, shape=(len(buf) - width + 1, width), strides=(1, 1), writeable=False)
     return view[start]
 
 
@@ -154,8 +161,7 @@ def _parse_label(buf: np.ndarray, start: np.ndarray, length: np.ndarray) -> tupl
     return np.where(ok, c - 48, 0).astype(np.uint8), ~ok
 
 
-def _parse_decimal(buf: np.ndarray, start: np.ndarray,
-                   length: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _parse_decimal(buf: np.ndarray, start: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Exact int64 values of decimal fields (optional leading '-'): right-aligned digit windows
     times fixed powers of ten."""
     shape, s, L = start.shape, start.ravel(), length.ravel()
@@ -170,13 +176,12 @@ def _parse_decimal(buf: np.ndarray, start: np.ndarray,
     neg_rows = np.flatnonzero(neg)
     not_digit[neg_rows, (width - L)[neg_rows]] = False  # a leading '-' is allowed
     bad |= not_digit.view(np.uint64).any(axis=1) | (neg & (L == 1))
-    value = np.where(in_field & digit_ok, digits, 0).astype(np.int64) @ _POW10[width - 1::-1]
+    value = np.where(in_field & digit_ok, digits, 0).astype(np.int64) @ _POW10[width - 1 :: -1]
     value = np.where(bad, 0, np.where(neg, -value, value))
     return value.reshape(shape), ((L == 0) & ~bad).reshape(shape), bad.reshape(shape)
 
 
-def _parse_hex(buf: np.ndarray, start: np.ndarray,
-               length: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _parse_hex(buf: np.ndarray, start: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Exact uint64 values of hexadecimal fields; the usual 8-digit ones are packed 2 nibbles a byte."""
     shape, s, L = start.shape, start.ravel(), length.ravel()
     bad = L > MAX_HEX_DIGITS

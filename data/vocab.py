@@ -80,7 +80,8 @@ class IdMap:
         found = pos < len(self.kept)
         found[found] = self.kept[pos[found]] == values[found]
         if self.threshold == 0 and not np.all(found | missing):
-            raise RuntimeError("a value was not seen by the counting pass: did an input file change "
-                               "while it was being preprocessed?")
+            raise RuntimeError(
+                "a value was not seen by the counting pass: did an input file change while it was being preprocessed?"
+            )
         ids = np.where(found, pos + self.base, RARE_ID)
         return np.where(missing, MISSING_ID, ids).astype(np.int64)

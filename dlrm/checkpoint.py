@@ -61,8 +61,9 @@ def latest_step(root: Path) -> Path | None:
     return max(complete, key=lambda p: int(p.name.split("-")[1]), default=None)
 
 
-def save(root: Path, model: torch.nn.Module, optimizer: Any, train_state: dict[str, Any], rank: int,
-         keep: int = 2) -> Path:
+def save(
+    root: Path, model: torch.nn.Module, optimizer: Any, train_state: dict[str, Any], rank: int, keep: int = 2
+) -> Path:
     """Write a checkpoint of ``train_state['iteration']`` on every rank (a collective call)."""
     step = int(train_state["iteration"])
     final, tmp = root / f"step-{step}", root / f".tmp-step-{step}"
@@ -124,8 +125,15 @@ class Stateful(Protocol):
 class Checkpointer:
     """Saves and restores one run: model, optimizer, RNG, and the named :class:`Stateful` parts."""
 
-    def __init__(self, root: Path, env: DistEnv, model: torch.nn.Module, optimizer: Any,
-                 parts: Mapping[str, Stateful | None], keep: int = 2) -> None:
+    def __init__(
+        self,
+        root: Path,
+        env: DistEnv,
+        model: torch.nn.Module,
+        optimizer: Any,
+        parts: Mapping[str, Stateful | None],
+        keep: int = 2,
+    ) -> None:
         self.root, self.env, self.model, self.optimizer, self.keep = root, env, model, optimizer, keep
         self.parts = {name: part for name, part in parts.items() if part is not None}
 
@@ -144,12 +152,20 @@ class Checkpointer:
             part.load_state_dict(saved.get(name, {}))
         state = TrainState(iteration=saved["iteration"], epoch=saved["epoch"], batch_in_epoch=saved["batch_in_epoch"])
         if self.env.is_main:
-            log.info("resumed from %s at iteration %d (epoch %d, batch %d)", last, state.iteration, state.epoch,
-                     state.batch_in_epoch)
+            log.info(
+                "resumed from %s at iteration %d (epoch %d, batch %d)",
+                last,
+                state.iteration,
+                state.epoch,
+                state.batch_in_epoch,
+            )
         return state
 
     def save(self, state: TrainState) -> Path:
         """Checkpoint ``state`` (a collective: every rank calls it)."""
-        train_state = {**state.position(), "world_size": self.env.world_size,
-                       **{name: part.state_dict() for name, part in self.parts.items()}}
+        train_state = {
+            **state.position(),
+            "world_size": self.env.world_size,
+            **{name: part.state_dict() for name, part in self.parts.items()},
+        }
         return save(self.root, self.model, self.optimizer, train_state, self.env.rank, keep=self.keep)

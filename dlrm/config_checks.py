@@ -14,8 +14,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 # checks the command line against this table first.
 MOVED = {
     "compression.forward.eb": "the policy group owns every bound: policy.forward.eb under policy=fixed, "
-                              "iteration_wise or closed_loop; policy.forward.bounds.{tight,base,loose} and "
-                              "policy.forward.scale under policy=table_wise or dual (the default)",
+    "iteration_wise or closed_loop; policy.forward.bounds.{tight,base,loose} and "
+    "policy.forward.scale under policy=table_wise or dual (the default)",
     "compression.backward.eb": "the policy group owns every bound: policy.backward.eb (and policy.backward.scale)",
 }
 
@@ -34,8 +34,7 @@ def check_keys(cfg: Mapping[str, Any], allowed: set[str], where: str) -> None:
         raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
 
 
-def number(cfg: Mapping[str, Any], key: str, where: str, default: float | None = None,
-           positive: bool = False) -> float:
+def number(cfg: Mapping[str, Any], key: str, where: str, default: float | None = None, positive: bool = False) -> float:
     """``cfg[key]`` as a finite float >= 0 (> 0 with ``positive``), or ``default`` when absent."""
     if key not in cfg or cfg[key] is None:
         if default is None:

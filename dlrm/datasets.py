@@ -42,9 +42,17 @@ def prepare_data(cfg: Mapping[str, Any], env: DistEnv) -> Path:
         path = _cache_dir(cfg, "synthetic", options)
         from data.synthetic import generate
 
-        build = lambda: path if (path / "meta.json").exists() else generate(  # noqa: E731
-            path, rows=options["rows"], seed=int(options["seed"]),
-            max_cardinality=options["max_cardinality"], positive_rate=float(options["positive_rate"]))
+        build = lambda: (
+            path
+            if (path / "meta.json").exists()
+            else generate(  # noqa: E731
+                path,
+                rows=options["rows"],
+                seed=int(options["seed"]),
+                max_cardinality=options["max_cardinality"],
+                positive_rate=float(options["positive_rate"]),
+            )
+        )
     else:
         raise ValueError(f"data.name must be criteo, criteo_sample or synthetic (got {name!r})")
     if env.is_main:
@@ -98,11 +106,21 @@ class RunData:
     def num_dense(self) -> int:
         return len(self.info["dense_features"])
 
-    def batches(self, split: str, batch_size: int, epoch: int = 0, start: int = 0,
-                shuffle: bool = False) -> CriteoBatches:
+    def batches(
+        self, split: str, batch_size: int, epoch: int = 0, start: int = 0, shuffle: bool = False
+    ) -> CriteoBatches:
         """This rank's batches of ``split`` in ``epoch``, from batch ``start`` on."""
-        return criteo_batches(self.path, self.splits[split], batch_size, self.rank, self.world_size,
-                              shuffle=shuffle, seed=self.seed, epoch=epoch, start_batch=start)
+        return criteo_batches(
+            self.path,
+            self.splits[split],
+            batch_size,
+            self.rank,
+            self.world_size,
+            shuffle=shuffle,
+            seed=self.seed,
+            epoch=epoch,
+            start_batch=start,
+        )
 
 
 __all__ = ["RunData", "criteo_batches", "dataset_info", "prepare_data", "split_stems"]

@@ -73,17 +73,23 @@ class LoopPlan:
 
     def checkpoint_due(self, state: TrainState) -> bool:
         """A periodic save (the final one is the caller's)."""
-        return bool(self.checkpoint_every) and state.iteration % self.checkpoint_every == 0 \
+        return (
+            bool(self.checkpoint_every)
+            and state.iteration % self.checkpoint_every == 0
             and state.iteration < self.total
+        )
 
 
 class Stepper:
     """Runs training steps over an iterator of batches, with or without TorchRec's pipeline."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
-                 pipelined: bool) -> None:
+    def __init__(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, pipelined: bool
+    ) -> None:
         self.model, self.optimizer, self.device = model, optimizer, device
-        self.pipeline = TrainPipelineSparseDist(model, optimizer, device, execute_all_batches=True) if pipelined else None
+        self.pipeline = (
+            TrainPipelineSparseDist(model, optimizer, device, execute_all_batches=True) if pipelined else None
+        )
 
     def run(self, batches: Iterator[Any], on_step: Callable[[torch.Tensor], None]) -> None:
         """Train on every batch of ``batches``; call ``on_step(loss)`` after each optimizer step."""
@@ -109,9 +115,16 @@ class Stepper:
             self.pipeline.detach()
 
 
-def train(state: TrainState, plan: LoopPlan, stepper: Stepper, batches: Callable[[int, int], Iterable[Any]],
-          global_batch: int, on_step: Callable[[TrainState, torch.Tensor], None],
-          on_drained: Callable[[TrainState], None], observers: Sequence[StepObserver] = ()) -> None:
+def train(
+    state: TrainState,
+    plan: LoopPlan,
+    stepper: Stepper,
+    batches: Callable[[int, int], Iterable[Any]],
+    global_batch: int,
+    on_step: Callable[[TrainState, torch.Tensor], None],
+    on_drained: Callable[[TrainState], None],
+    observers: Sequence[StepObserver] = (),
+) -> None:
     """Train from ``state`` to ``plan.total`` iterations, segment by segment.
 
     ``batches(epoch, start)`` gives an epoch's batches from batch ``start``; ``on_step(state, loss)``

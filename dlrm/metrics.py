@@ -23,8 +23,7 @@ class LogLoss(torchmetrics.Metric):
         self.add_state("count", default=torch.tensor(0, dtype=torch.int64), dist_reduce_fx="sum")
 
     def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(
-            logits.double(), labels.double(), reduction="sum")
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits.double(), labels.double(), reduction="sum")
         self.total += loss
         self.count += labels.numel()
 
@@ -69,10 +68,25 @@ def write_metrics_json(path: Path, metrics: Mapping[str, Any]) -> None:
     tmp.replace(path)
 
 
-def final_metrics(test: Mapping[str, Any], last_val: Mapping[str, Any], *, iterations: int,
-                  samples_per_s: float | None, comm: Mapping[str, Any], policy: Mapping[str, Any],
-                  **run: Any) -> dict[str, Any]:
+def final_metrics(
+    test: Mapping[str, Any],
+    last_val: Mapping[str, Any],
+    *,
+    iterations: int,
+    samples_per_s: float | None,
+    comm: Mapping[str, Any],
+    policy: Mapping[str, Any],
+    **run: Any,
+) -> dict[str, Any]:
     """The keys of metrics.json: the test metrics, the last validation, counts and throughput, the
     communication totals, the policy's summary, and ``run`` (config name, world size, plan, ...)."""
-    return {**test, "val_auc": last_val.get("auc"), "val_logloss": last_val.get("logloss"),
-            "iterations": iterations, "samples_per_s": samples_per_s, **comm, **run, **policy}
+    return {
+        **test,
+        "val_auc": last_val.get("auc"),
+        "val_logloss": last_val.get("logloss"),
+        "iterations": iterations,
+        "samples_per_s": samples_per_s,
+        **comm,
+        **run,
+        **policy,
+    }

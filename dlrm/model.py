@@ -15,7 +15,9 @@ def table_names(feature_names: Sequence[str]) -> list[str]:
     return [f"t_{name}" for name in feature_names]
 
 
-def embedding_configs(feature_names: Sequence[str], num_embeddings: Sequence[int], dim: int) -> list[EmbeddingBagConfig]:
+def embedding_configs(
+    feature_names: Sequence[str], num_embeddings: Sequence[int], dim: int
+) -> list[EmbeddingBagConfig]:
     """The table of each feature (see :func:`table_names`)."""
     return [
         EmbeddingBagConfig(name=table, embedding_dim=dim, num_embeddings=int(n), feature_names=[name])
@@ -23,15 +25,14 @@ def embedding_configs(feature_names: Sequence[str], num_embeddings: Sequence[int
     ]
 
 
-def build_model(cfg: Mapping[str, Any], feature_names: Sequence[str], num_embeddings: Sequence[int],
-                num_dense: int) -> DLRMTrain:
+def build_model(
+    cfg: Mapping[str, Any], feature_names: Sequence[str], num_embeddings: Sequence[int], num_dense: int
+) -> DLRMTrain:
     """The unsharded model with its embedding tables on the meta device (DMP materializes shards)."""
     dim = int(cfg["embedding_dim"])
     dense_sizes = list(cfg["dense_arch_layer_sizes"])
     if dense_sizes[-1] != dim:
-        raise ValueError(
-            f"model.dense_arch_layer_sizes must end with model.embedding_dim ({dim}), got {dense_sizes}"
-        )
+        raise ValueError(f"model.dense_arch_layer_sizes must end with model.embedding_dim ({dim}), got {dense_sizes}")
     ebc = EmbeddingBagCollection(
         tables=embedding_configs(feature_names, num_embeddings, dim), device=torch.device("meta")
     )
@@ -45,8 +46,9 @@ def build_model(cfg: Mapping[str, Any], feature_names: Sequence[str], num_embedd
     if arch == "dlrm":
         module = DLRM(**common)
     elif arch == "dcnv2":
-        module = DLRM_DCN(**common, dcn_num_layers=int(cfg["dcn_num_layers"]),
-                          dcn_low_rank_dim=int(cfg["dcn_low_rank_dim"]))
+        module = DLRM_DCN(
+            **common, dcn_num_layers=int(cfg["dcn_num_layers"]), dcn_low_rank_dim=int(cfg["dcn_low_rank_dim"])
+        )
     else:
         raise ValueError(f"model.arch must be 'dlrm' or 'dcnv2' (got {arch!r})")
     return DLRMTrain(module)

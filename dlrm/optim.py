@@ -50,8 +50,9 @@ class WarmupDecayLR:
     the step count alone, so it checkpoints as an int.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, warmup_steps: int = 0, decay_start: int = 0,
-                 decay_steps: int = 0) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, warmup_steps: int = 0, decay_start: int = 0, decay_steps: int = 0
+    ) -> None:
         self.optimizer = optimizer
         self.warmup_steps, self.decay_start, self.decay_steps = warmup_steps, decay_start, decay_steps
         self.base_lrs = [g["lr"] for g in optimizer.param_groups]

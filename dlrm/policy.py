@@ -11,9 +11,23 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from compression.policies import (CLASSES, DIRECTIONS, KINDS, PUBLISHED_BOUNDS, PUBLISHED_C, PUBLISHED_EARLY_STAGE,
-                                  PUBLISHED_SCHEDULE, SCHEDULES, Control, DirectionRule, Policy, Schedule,
-                                  TableStats, automatic_classes, published_classes)
+from compression.policies import (
+    CLASSES,
+    DIRECTIONS,
+    KINDS,
+    PUBLISHED_BOUNDS,
+    PUBLISHED_C,
+    PUBLISHED_EARLY_STAGE,
+    PUBLISHED_SCHEDULE,
+    SCHEDULES,
+    Control,
+    DirectionRule,
+    Policy,
+    Schedule,
+    TableStats,
+    automatic_classes,
+    published_classes,
+)
 from compression.policies import KAGGLE_LOOSE_FRACTION, KAGGLE_TIGHT_FRACTION
 from data.layout import SPARSE_NAMES
 from dlrm.comm.config import CompressionSpec
@@ -27,13 +41,28 @@ _CLASS_KEYS = {"source", "dataset", "rank_by", "split", "tight", "loose"}
 _SCHEDULE_KEYS = {"kind", "early_stage", "c"}
 _CONTROL_KEYS = {"target", "min", "max", "gain", "max_step"}
 # which keys each kind requires / forbids (closed_loop takes any base)
-_NEEDS = {"fixed": {"eb"}, "table_wise": {"classes"}, "iteration_wise": {"eb", "schedule"},
-          "dual": {"classes", "schedule"}, "closed_loop": {"control"}}
-_FORBIDS = {"fixed": {"classes", "schedule", "control"}, "table_wise": {"eb", "schedule", "control"},
-            "iteration_wise": {"classes", "control"}, "dual": {"eb", "control"}, "closed_loop": set()}
+_NEEDS = {
+    "fixed": {"eb"},
+    "table_wise": {"classes"},
+    "iteration_wise": {"eb", "schedule"},
+    "dual": {"classes", "schedule"},
+    "closed_loop": {"control"},
+}
+_FORBIDS = {
+    "fixed": {"classes", "schedule", "control"},
+    "table_wise": {"eb", "schedule", "control"},
+    "iteration_wise": {"classes", "control"},
+    "dual": {"eb", "control"},
+    "closed_loop": set(),
+}
 # What sets the level of each kind, for errors about keys that would have no effect.
-_LEVEL = {"fixed": "eb", "iteration_wise": "eb", "closed_loop": "eb (the start) and control.target",
-          "table_wise": "bounds.{tight,base,loose}", "dual": "bounds.{tight,base,loose}"}
+_LEVEL = {
+    "fixed": "eb",
+    "iteration_wise": "eb",
+    "closed_loop": "eb (the start) and control.target",
+    "table_wise": "bounds.{tight,base,loose}",
+    "dual": "bounds.{tight,base,loose}",
+}
 
 
 def table_stats(features: Sequence[str], num_embeddings: Sequence[int], dim: int) -> list[TableStats]:
@@ -79,8 +108,13 @@ def _classes(cfg: Any, tables: Sequence[TableStats], where: str) -> dict[str, st
         raise ValueError(f"{where}.dataset only applies to source: published")
     split = cfg.get("split", "proportion")
     default_t, default_l = (KAGGLE_TIGHT_FRACTION, KAGGLE_LOOSE_FRACTION) if split != "threshold" else (None, None)
-    return automatic_classes(tables, str(cfg.get("rank_by", "num_embeddings")), split,
-                             number(cfg, "tight", where, default_t), number(cfg, "loose", where, default_l))
+    return automatic_classes(
+        tables,
+        str(cfg.get("rank_by", "num_embeddings")),
+        split,
+        number(cfg, "tight", where, default_t),
+        number(cfg, "loose", where, default_l),
+    )
 
 
 def _control(cfg: Any, where: str) -> Control:
@@ -88,9 +122,13 @@ def _control(cfg: Any, where: str) -> Control:
         raise ValueError(f"{where} must be a mapping {{target, min, max, gain, max_step}}")
     check_keys(cfg, _CONTROL_KEYS, where)
     try:
-        return Control(target=number(cfg, "target", where, positive=True), min=number(cfg, "min", where, positive=True),
-                       max=number(cfg, "max", where, positive=True), gain=number(cfg, "gain", where, 0.5),
-                       max_step=number(cfg, "max_step", where, 2.0))
+        return Control(
+            target=number(cfg, "target", where, positive=True),
+            min=number(cfg, "min", where, positive=True),
+            max=number(cfg, "max", where, positive=True),
+            gain=number(cfg, "gain", where, 0.5),
+            max_step=number(cfg, "max_step", where, 2.0),
+        )
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
 
@@ -107,13 +145,17 @@ def _rule(cfg: Any, tables: Sequence[TableStats], where: str) -> DirectionRule:
     if missing:
         raise ValueError(f"{where}: kind {kind} needs {missing}")
     if forbidden:
-        raise ValueError(f"{where}: kind {kind} takes no {forbidden} (it would have no effect); its level is "
-                         f"{where}.{_LEVEL[kind]}, times {where}.scale")
+        raise ValueError(
+            f"{where}: kind {kind} takes no {forbidden} (it would have no effect); its level is "
+            f"{where}.{_LEVEL[kind]}, times {where}.scale"
+        )
     if "eb" in present and "classes" in present:
         raise ValueError(f"{where}: give either eb (one bound) or classes + bounds, not both")
     if "bounds" in present and "classes" not in present:
-        raise ValueError(f"{where}.bounds only applies with classes (kind table_wise or dual); the level of kind "
-                         f"{kind} is {where}.{_LEVEL[kind]}")
+        raise ValueError(
+            f"{where}.bounds only applies with classes (kind table_wise or dual); the level of kind "
+            f"{kind} is {where}.{_LEVEL[kind]}"
+        )
     scale = number(cfg, "scale", where, 1.0, positive=True)
     schedule = _schedule(cfg["schedule"], f"{where}.schedule") if "schedule" in present else None
     control = _control(cfg["control"], f"{where}.control") if "control" in present else None
@@ -124,16 +166,25 @@ def _rule(cfg: Any, tables: Sequence[TableStats], where: str) -> DirectionRule:
         check_keys(bounds_cfg, set(CLASSES), f"{where}.bounds")
         values = {k: number(bounds_cfg, k, f"{where}.bounds", PUBLISHED_BOUNDS[k]) for k in CLASSES}
         classes = _classes(cfg["classes"], tables, f"{where}.classes")
-        return DirectionRule(kind, None, {f: values[c] for f, c in classes.items()}, classes, scale, schedule,
-                             control, nominal=values["base"])
+        return DirectionRule(
+            kind,
+            None,
+            {f: values[c] for f, c in classes.items()},
+            classes,
+            scale,
+            schedule,
+            control,
+            nominal=values["base"],
+        )
     if "eb" not in present:
         raise ValueError(f"{where}: give eb (one bound) or classes (+ bounds)")
     eb = number(cfg, "eb", where)
     return DirectionRule(kind, eb, {t.feature: eb for t in tables}, {}, scale, schedule, control, nominal=eb)
 
 
-def build_policy(cfg: Mapping[str, Any], tables: Sequence[TableStats],
-                 modes: Mapping[str, str] | None = None) -> Policy:
+def build_policy(
+    cfg: Mapping[str, Any], tables: Sequence[TableStats], modes: Mapping[str, str] | None = None
+) -> Policy:
     """The policy of a `policy` config (dict or DictConfig) for these tables; errors name the key.
 
     ``cfg``: ``{name, forward: {...}, backward: {...}}``, each direction ``{kind, eb | classes
@@ -153,8 +204,10 @@ def build_policy(cfg: Mapping[str, Any], tables: Sequence[TableStats],
             raise ValueError(f"policy.{d} is missing: give {{kind: {'|'.join(KINDS)}, ...}}")
         rules[d] = _rule(cfg[d], tables, f"policy.{d}")
         if rules[d].control is not None and modes is not None and modes.get(d) == "abs":
-            raise ValueError(f"policy.{d}: the closed loop estimates value ranges from relative bounds; "
-                             f"compression.{d}.mode is abs (use mode: rel)")
+            raise ValueError(
+                f"policy.{d}: the closed loop estimates value ranges from relative bounds; "
+                f"compression.{d}.mode is abs (use mode: rel)"
+            )
     return Policy(str(cfg.get("name", "policy")), rules)
 
 
@@ -165,8 +218,10 @@ def policy_for_run(cfg: Mapping[str, Any], spec: CompressionSpec, tables: Sequen
     assert spec.forward is not None and spec.backward is not None
     policy = build_policy(cfg, tables, modes={"forward": spec.forward.mode, "backward": spec.backward.mode})
     if policy.closed_loop and spec.sample_every == 0:
-        raise ValueError(f"policy {policy.name!r}: the closed loop ({', '.join(policy.closed_loop)}) steers by "
-                         "sampled errors, but compression.stats.sample_every is 0; set it > 0")
+        raise ValueError(
+            f"policy {policy.name!r}: the closed loop ({', '.join(policy.closed_loop)}) steers by "
+            "sampled errors, but compression.stats.sample_every is 0; set it > 0"
+        )
     return policy
 
 
@@ -182,7 +237,12 @@ class PolicyFeedback:
         errors = {d: per_feature(stats, d, "max_abs_error") for d in DIRECTIONS}
         silent = [d for d in self.policy.closed_loop if not errors[d]]
         if silent and not self._warned:
-            log.warning("closed-loop policy %r: no sampled errors for %s at iteration %d (a single process "
-                        "sends nothing); bounds unchanged", self.policy.name, silent, iteration)
+            log.warning(
+                "closed-loop policy %r: no sampled errors for %s at iteration %d (a single process "
+                "sends nothing); bounds unchanged",
+                self.policy.name,
+                silent,
+                iteration,
+            )
             self._warned = True
         self.policy.observe(iteration, errors)

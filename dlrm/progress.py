@@ -24,9 +24,22 @@ from dlrm.tb_logger import TensorBoardLogger
 class Progress:
     """Per-step bookkeeping of one run (every rank: the comm statistics are a collective)."""
 
-    def __init__(self, env: DistEnv, model: torch.nn.Module, schedule: WarmupDecayLR, tb: TensorBoardLogger,
-                 policy: Policy | None, features: Sequence[str], *, global_batch: int, log_every: int,
-                 total: int, start: int, progress_bar: bool, loss_log: Path | None) -> None:
+    def __init__(
+        self,
+        env: DistEnv,
+        model: torch.nn.Module,
+        schedule: WarmupDecayLR,
+        tb: TensorBoardLogger,
+        policy: Policy | None,
+        features: Sequence[str],
+        *,
+        global_batch: int,
+        log_every: int,
+        total: int,
+        start: int,
+        progress_bar: bool,
+        loss_log: Path | None,
+    ) -> None:
         self.env, self.model, self.schedule, self.tb = env, model, schedule, tb
         self.policy, self.features = policy, list(features)
         self.feedback = PolicyFeedback(policy) if policy is not None else None
@@ -42,8 +55,14 @@ class Progress:
         it = state.iteration
         if it % self.log_every == 0:
             now = time.perf_counter()
-            self.tb.scalars({"train/loss": float(loss), "train/lr": self.schedule.lr,
-                             "train/samples_per_s": self.window_samples / max(now - self.window_start, 1e-9)}, it)
+            self.tb.scalars(
+                {
+                    "train/loss": float(loss),
+                    "train/lr": self.schedule.lr,
+                    "train/samples_per_s": self.window_samples / max(now - self.window_start, 1e-9),
+                },
+                it,
+            )
             comm = comm_stats_all_ranks(self.model)  # a collective: every rank logs
             self.tb.scalars(comm, it)
             if self.policy is not None and self.feedback is not None:

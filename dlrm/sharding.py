@@ -23,7 +23,9 @@ SHARDING_TYPES = {
 }
 
 
-def constraints_for(cfg: Mapping[str, Any], table_names: Sequence[str], dim: int) -> dict[str, ParameterConstraints] | None:
+def constraints_for(
+    cfg: Mapping[str, Any], table_names: Sequence[str], dim: int
+) -> dict[str, ParameterConstraints] | None:
     """Per-table constraints that pin the sharding type (and fused kernel) a config asks for."""
     kind = cfg["type"]
     if kind not in SHARDING_TYPES:
@@ -33,18 +35,27 @@ def constraints_for(cfg: Mapping[str, Any], table_names: Sequence[str], dim: int
         return None
     min_partition = cfg.get("min_partition") or max(4, dim // 2)
     return {
-        name: ParameterConstraints(sharding_types=[sharding_type], compute_kernels=["fused"],
-                                   min_partition=min_partition)
+        name: ParameterConstraints(
+            sharding_types=[sharding_type], compute_kernels=["fused"], min_partition=min_partition
+        )
         for name in table_names
     }
 
 
-def shard_model(model: torch.nn.Module, cfg: Mapping[str, Any], env: DistEnv, sharders: list[ModuleSharder],
-                batch_size: int, table_names: Sequence[str], dim: int) -> DistributedModelParallel:
+def shard_model(
+    model: torch.nn.Module,
+    cfg: Mapping[str, Any],
+    env: DistEnv,
+    sharders: list[ModuleSharder],
+    batch_size: int,
+    table_names: Sequence[str],
+    dim: int,
+) -> DistributedModelParallel:
     """Plan collectively (every rank gets rank 0's plan) and wrap the model in DMP."""
     planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=env.world_size, compute_device=env.device.type,
-                          local_world_size=env.local_world_size),
+        topology=Topology(
+            world_size=env.world_size, compute_device=env.device.type, local_world_size=env.local_world_size
+        ),
         batch_size=batch_size,
         constraints=constraints_for(cfg, table_names, dim),
         storage_reservation=FixedPercentageStorageReservation(percentage=0.05),

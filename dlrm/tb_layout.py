@@ -24,8 +24,9 @@ def ratio_tag(direction: str, feature: str) -> str:
     return f"comm/{direction}/ratio/{feature}"
 
 
-def policy_scalars(policy: Policy, iteration: int, features: Sequence[str],
-                   directions: Sequence[str] = DIRECTIONS) -> dict[str, float]:
+def policy_scalars(
+    policy: Policy, iteration: int, features: Sequence[str], directions: Sequence[str] = DIRECTIONS
+) -> dict[str, float]:
     """Each table's current bound per direction, as ``comm/<direction>/eb/<feature>`` scalars."""
     return {eb_tag(d, f): policy.bound(f, d, iteration) for d in directions for f in features}
 

@@ -61,17 +61,38 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
         log.info("sharding plan: %s", plan)
         tb.text("config", f"```\n{OmegaConf.to_yaml(cfg)}\n```")
 
-    ckpt = Checkpointer(Path(cfg.checkpoint.dir), env, model, optimizer,
-                        {"lr_schedule": schedule, "policy": policy}, keep=cfg.checkpoint.keep)
+    ckpt = Checkpointer(
+        Path(cfg.checkpoint.dir),
+        env,
+        model,
+        optimizer,
+        {"lr_schedule": schedule, "policy": policy},
+        keep=cfg.checkpoint.keep,
+    )
     state = ckpt.resume(cfg.resume)
     set_iteration(model, state.iteration)  # the policies' iteration continues where it was
     steps_per_epoch = len(data.batches("train", cfg.batch_size))
-    loop = LoopPlan(total=min(cfg.max_iterations or sys.maxsize, steps_per_epoch * cfg.epochs),
-                    steps_per_epoch=steps_per_epoch, eval_every=cfg.eval_every, checkpoint_every=cfg.checkpoint.every)
+    loop = LoopPlan(
+        total=min(cfg.max_iterations or sys.maxsize, steps_per_epoch * cfg.epochs),
+        steps_per_epoch=steps_per_epoch,
+        eval_every=cfg.eval_every,
+        checkpoint_every=cfg.checkpoint.every,
+    )
     global_batch = cfg.batch_size * env.world_size
-    progress = Progress(env, model, schedule, tb, policy, data.features, global_batch=global_batch,
-                        log_every=cfg.log_every, total=loop.total, start=state.iteration,
-                        progress_bar=cfg.progress_bar, loss_log=run_dir / "losses.txt" if cfg.loss_log else None)
+    progress = Progress(
+        env,
+        model,
+        schedule,
+        tb,
+        policy,
+        data.features,
+        global_batch=global_batch,
+        log_every=cfg.log_every,
+        total=loop.total,
+        start=state.iteration,
+        progress_bar=cfg.progress_bar,
+        loss_log=run_dir / "losses.txt" if cfg.loss_log else None,
+    )
     last_val: dict[str, Any] = {}
 
     def on_drained(s: TrainState) -> None:
@@ -84,17 +105,32 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
         if loop.checkpoint_due(s):
             ckpt.save(s)
 
-    train(state, loop, Stepper(model, optimizer, env.device, pipelined=cfg.pipeline),
-          lambda epoch, start: data.batches("train", cfg.batch_size, epoch, start, cfg.data.shuffle),
-          global_batch, progress.step, on_drained, observers)
+    train(
+        state,
+        loop,
+        Stepper(model, optimizer, env.device, pipelined=cfg.pipeline),
+        lambda epoch, start: data.batches("train", cfg.batch_size, epoch, start, cfg.data.shuffle),
+        global_batch,
+        progress.step,
+        on_drained,
+        observers,
+    )
     progress.close()
     ckpt.save(state)
 
     test = evaluate(model, data.batches("test", cfg.eval_batch_size), env.device)
-    metrics = final_metrics(test, last_val, iterations=state.iteration, samples_per_s=state.samples_per_s,
-                            comm=comm_summary(model, spec), policy=policy.summary() if policy else {"policy": None},
-                            config_name=cfg.run_name, world_size=env.world_size, compression=cfg.compression.name,
-                            sharding_plan=plan)
+    metrics = final_metrics(
+        test,
+        last_val,
+        iterations=state.iteration,
+        samples_per_s=state.samples_per_s,
+        comm=comm_summary(model, spec),
+        policy=policy.summary() if policy else {"policy": None},
+        config_name=cfg.run_name,
+        world_size=env.world_size,
+        compression=cfg.compression.name,
+        sharding_plan=plan,
+    )
     tb.final(metrics, state.iteration, flat_config(cfg))
     if env.is_main:
         write_metrics_json(run_dir / "metrics.json", metrics)
@@ -118,10 +154,14 @@ def flat_config(cfg: DictConfig) -> dict[str, Any]:
 
 
 def print_summary(metrics: dict[str, Any], run_dir: Path) -> None:
-    print(f"\ntest AUC {metrics['auc']:.4f}  logloss {metrics['logloss']:.4f}  "
-          f"accuracy {metrics['accuracy']:.4f}  (val AUC {metrics['val_auc'] or float('nan'):.4f})")
-    print(f"forward ratio {metrics['forward_ratio']:.2f}x  backward ratio {metrics['backward_ratio']:.2f}x  "
-          f"max abs error {metrics['max_abs_error_seen']:.3g}  {metrics['samples_per_s'] or 0:.0f} samples/s")
+    print(
+        f"\ntest AUC {metrics['auc']:.4f}  logloss {metrics['logloss']:.4f}  "
+        f"accuracy {metrics['accuracy']:.4f}  (val AUC {metrics['val_auc'] or float('nan'):.4f})"
+    )
+    print(
+        f"forward ratio {metrics['forward_ratio']:.2f}x  backward ratio {metrics['backward_ratio']:.2f}x  "
+        f"max abs error {metrics['max_abs_error_seen']:.3g}  {metrics['samples_per_s'] or 0:.0f} samples/s"
+    )
     print(f"run directory: {run_dir}")
     print(f"TensorBoard:   tensorboard --logdir {run_dir / 'tensorboard'}")
 

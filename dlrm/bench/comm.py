@@ -35,9 +35,15 @@ def _model(args: argparse.Namespace, sharder: Any, ws: int):
     class Net(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.ebc = EmbeddingBagCollection(tables=[
-                EmbeddingBagConfig(name=f"t{i}", embedding_dim=args.dim, num_embeddings=args.rows,
-                                   feature_names=[f"f{i}"]) for i in range(args.tables)], device=torch.device("meta"))
+            self.ebc = EmbeddingBagCollection(
+                tables=[
+                    EmbeddingBagConfig(
+                        name=f"t{i}", embedding_dim=args.dim, num_embeddings=args.rows, feature_names=[f"f{i}"]
+                    )
+                    for i in range(args.tables)
+                ],
+                device=torch.device("meta"),
+            )
             self.scale = nn.Parameter(torch.ones(1))
 
         def forward(self, kjt):
@@ -46,10 +52,17 @@ def _model(args: argparse.Namespace, sharder: Any, ws: int):
     net = Net()
     apply_optimizer_in_backward(torch.optim.SGD, net.ebc.parameters(), {"lr": 0.01})
     gen = {"table_wise": lambda i: table_wise(rank=i % ws), "row_wise": lambda i: row_wise()}[args.sharding]
-    plan = construct_module_sharding_plan(net.ebc, {f"t{i}": gen(i) for i in range(args.tables)}, sharder=sharder,
-                                          local_size=ws, world_size=ws, device_type="cpu")
-    return DistributedModelParallel(net, device=torch.device("cpu"), plan=ShardingPlan({"ebc": plan}),
-                                    sharders=[sharder])
+    plan = construct_module_sharding_plan(
+        net.ebc,
+        {f"t{i}": gen(i) for i in range(args.tables)},
+        sharder=sharder,
+        local_size=ws,
+        world_size=ws,
+        device_type="cpu",
+    )
+    return DistributedModelParallel(
+        net, device=torch.device("cpu"), plan=ShardingPlan({"ebc": plan}), sharders=[sharder]
+    )
 
 
 def _batch(args: argparse.Namespace, rank: int, step: int):
@@ -57,8 +70,11 @@ def _batch(args: argparse.Namespace, rank: int, step: int):
 
     g = torch.Generator().manual_seed(step * 1009 + rank)
     values = (torch.rand(args.tables * args.batch, generator=g) ** args.skew * args.rows).long()
-    return KeyedJaggedTensor.from_lengths_sync(keys=[f"f{i}" for i in range(args.tables)], values=values,
-                                               lengths=torch.ones(args.tables * args.batch, dtype=torch.int32))
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=[f"f{i}" for i in range(args.tables)],
+        values=values,
+        lengths=torch.ones(args.tables * args.batch, dtype=torch.int32),
+    )
 
 
 def _sharder(name: str, eb: float):
@@ -113,8 +129,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--configs", default="stock,none,fp16,int8,lossy,qcomm_fp16")
-    p.add_argument("--eb", type=float, default=0.01,
-                   help="every table's bound, in each config's mode (lossy: 0.01 of each block's range)")
+    p.add_argument(
+        "--eb",
+        type=float,
+        default=0.01,
+        help="every table's bound, in each config's mode (lossy: 0.01 of each block's range)",
+    )
     args = p.parse_args(argv)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -128,19 +148,25 @@ def main(argv: list[str] | None = None) -> None:
         proc.join()
     if any(proc.exitcode for proc in procs):
         raise SystemExit(f"a rank failed (exit codes {[proc.exitcode for proc in procs]})")
-    print(f"{args.ranks} ranks, batch {args.batch}/rank, {args.tables} tables x dim {args.dim}, {args.sharding}, "
-          f"{args.iters} iterations (CPU/gloo: relative figures only)")
-    print(f"{'config':12} {'ms/iter':>8} {'fwd ratio':>9} {'bwd ratio':>9} {'codec ms/it':>11} {'comm ms/it':>10} "
-          f"{'max err fwd':>11} {'err/bound':>9}")
+    print(
+        f"{args.ranks} ranks, batch {args.batch}/rank, {args.tables} tables x dim {args.dim}, {args.sharding}, "
+        f"{args.iters} iterations (CPU/gloo: relative figures only)"
+    )
+    print(
+        f"{'config':12} {'ms/iter':>8} {'fwd ratio':>9} {'bwd ratio':>9} {'codec ms/it':>11} {'comm ms/it':>10} "
+        f"{'max err fwd':>11} {'err/bound':>9}"
+    )
     while not queue.empty():
         name, ms, s = queue.get()
         it = args.iters
-        print(f"{name:12} {ms:8.1f} {s.get('comm/forward/ratio', float('nan')):9.2f} "
-              f"{s.get('comm/backward/ratio', float('nan')):9.2f} "
-              f"{(s.get('comm/forward/codec_ms', 0) + s.get('comm/backward/codec_ms', 0)) / it / args.ranks:11.1f} "
-              f"{(s.get('comm/forward/comm_ms', 0) + s.get('comm/backward/comm_ms', 0)) / it / args.ranks:10.1f} "
-              f"{s.get('comm/forward/max_abs_error', float('nan')):11.2e} "
-              f"{s.get('comm/forward/max_error_over_bound', float('nan')):9.3f}")
+        print(
+            f"{name:12} {ms:8.1f} {s.get('comm/forward/ratio', float('nan')):9.2f} "
+            f"{s.get('comm/backward/ratio', float('nan')):9.2f} "
+            f"{(s.get('comm/forward/codec_ms', 0) + s.get('comm/backward/codec_ms', 0)) / it / args.ranks:11.1f} "
+            f"{(s.get('comm/forward/comm_ms', 0) + s.get('comm/backward/comm_ms', 0)) / it / args.ranks:10.1f} "
+            f"{s.get('comm/forward/max_abs_error', float('nan')):11.2e} "
+            f"{s.get('comm/forward/max_error_over_bound', float('nan')):9.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -42,9 +42,16 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIGS = ("none", "fp16", "qcomm_fp16", "qcomm_int8", "lossy")
 # The published Terabyte model (notes/papers.md §1.5) on synthetic Criteo-like data, table-wise,
 # 2,048 samples per rank.
-TRAINER_DEFAULTS = ("data=synthetic", "model.embedding_dim=64", "model.dense_arch_layer_sizes=[512,256,64]",
-                    "model.over_arch_layer_sizes=[512,512,256,1]", "batch_size=2048", "sharding=table_wise",
-                    "progress_bar=false", "checkpoint.keep=1")
+TRAINER_DEFAULTS = (
+    "data=synthetic",
+    "model.embedding_dim=64",
+    "model.dense_arch_layer_sizes=[512,256,64]",
+    "model.over_arch_layer_sizes=[512,512,256,1]",
+    "batch_size=2048",
+    "sharding=table_wise",
+    "progress_bar=false",
+    "checkpoint.keep=1",
+)
 # A100-class throughput of a fixed-length GPU codec (cuSZp2, notes/peers.md §6) and the link rate
 # the authors' own model script uses (notes/papers.md §1.2, cr_log.py: B = 4 GB/s).
 PUBLISHED_CODEC_GBPS = (332.0, 513.0)
@@ -70,8 +77,10 @@ def preflight() -> None:
     """Refuse early, with the reason, where the namespace cannot be made."""
     problems = []
     if os.geteuid() != 0:
-        problems.append("needs root: it creates a network namespace (`ip netns add`) and throttles its "
-                        "loopback with `tc`; run it as root, e.g. `sudo scripts/bench_network.sh`")
+        problems.append(
+            "needs root: it creates a network namespace (`ip netns add`) and throttles its "
+            "loopback with `tc`; run it as root, e.g. `sudo scripts/bench_network.sh`"
+        )
     missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
     if missing:
         problems.append(f"{' and '.join(missing)} not found: install iproute2 (`apt-get install iproute2`)")
@@ -100,8 +109,10 @@ class Namespace:
 
     def __enter__(self) -> "Namespace":
         if self.name in _ip("netns", "list").stdout.split():
-            raise BenchError(f"network namespace {self.name!r} exists already (another benchmark, or a "
-                             f"leftover: `ip netns del {self.name}`)")
+            raise BenchError(
+                f"network namespace {self.name!r} exists already (another benchmark, or a "
+                f"leftover: `ip netns del {self.name}`)"
+            )
         _ip("netns", "add", self.name)
         try:
             self.run("ip", "link", "set", "lo", "up")
@@ -148,8 +159,7 @@ class Namespace:
         if rate.strip().lower() == netreport.UNLIMITED:
             subprocess.run(self.argv("tc", "qdisc", "del", "dev", "lo", "root"), capture_output=True, timeout=60)
             return
-        self.run("tc", "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", rate, "burst", burst,
-                 "latency", latency)
+        self.run("tc", "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", rate, "burst", burst, "latency", latency)
 
     def sent_bytes(self) -> int | None:
         """Bytes the loopback's qdisc has sent so far (None without a throttle)."""
@@ -194,15 +204,36 @@ def merge_overrides(overrides: Sequence[str]) -> list[str]:
 
 def trainer_command(o: Options, v: Variant, run_dir: Path, port: int) -> tuple[list[str], dict[str, str]]:
     """torchrun argv (to run inside the namespace) and environment for one training run."""
-    given = [*TRAINER_DEFAULTS, f"compression={v.compression}", f"epochs={o.epochs}",
-             *([f"max_iterations={o.iterations}"] if o.iterations is not None else []),
-             *o.overrides, *v.overrides, f"hydra.run.dir={run_dir}"]
+    given = [
+        *TRAINER_DEFAULTS,
+        f"compression={v.compression}",
+        f"epochs={o.epochs}",
+        *([f"max_iterations={o.iterations}"] if o.iterations is not None else []),
+        *o.overrides,
+        *v.overrides,
+        f"hydra.run.dir={run_dir}",
+    ]
     overrides = merge_overrides(given)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={o.nproc}", "--max-restarts=0",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--local-addr=127.0.0.1",
-           "-m", "dlrm.bench.netprobe", *overrides]
-    env = dict(os.environ, OMP_NUM_THREADS=str(o.threads), GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={o.nproc}",
+        "--max-restarts=0",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--local-addr=127.0.0.1",
+        "-m",
+        "dlrm.bench.netprobe",
+        *overrides,
+    ]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=str(o.threads),
+        GLOO_SOCKET_IFNAME="lo",
+        MASTER_ADDR="127.0.0.1",
+        PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+    )
     env[OUT_ENV] = str(run_dir)
     return cmd, env
 
@@ -223,8 +254,9 @@ def run_one(ns: Namespace, o: Options, v: Variant, rate: str, run_dir: Path, por
     (run_dir / "command.txt").write_text(shlex.join(ns.argv(*cmd)) + "\n")
     load0, sent0, t0 = os.getloadavg()[0], ns.sent_bytes(), time.monotonic()
     with open(log, "w") as f:
-        proc = subprocess.Popen(ns.argv(*cmd), stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            ns.argv(*cmd), stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True
+        )
         try:
             rc = proc.wait(timeout=o.timeout)
         except BaseException as e:  # timeout or interrupt: stop torchrun and its ranks
@@ -240,8 +272,10 @@ def run_one(ns: Namespace, o: Options, v: Variant, rate: str, run_dir: Path, por
                     continue
             ns.kill_all()
             if isinstance(e, subprocess.TimeoutExpired):
-                raise BenchError(f"{v.label} at {rate} ran past --timeout {o.timeout:g} s and was stopped; "
-                                 f"last lines of {log}:\n{_tail(log)}") from None
+                raise BenchError(
+                    f"{v.label} at {rate} ran past --timeout {o.timeout:g} s and was stopped; "
+                    f"last lines of {log}:\n{_tail(log)}"
+                ) from None
             raise
     wall, sent1 = time.monotonic() - t0, ns.sent_bytes()
     ns.kill_all()  # nothing of this run may outlive it
@@ -249,8 +283,13 @@ def run_one(ns: Namespace, o: Options, v: Variant, rate: str, run_dir: Path, por
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     if rc != 0:
         raise BenchError(f"{v.label} at {rate} failed (exit {rc}); last lines of {log}:\n{_tail(log)}")
-    return {"wall_s": wall, "load1_before": load0, "load1_after": os.getloadavg()[0],
-            "link_bytes": None if sent0 is None or sent1 is None else sent1 - sent0, "burst": o.burst}
+    return {
+        "wall_s": wall,
+        "load1_before": load0,
+        "load1_after": os.getloadavg()[0],
+        "link_bytes": None if sent0 is None or sent1 is None else sent1 - sent0,
+        "burst": o.burst,
+    }
 
 
 RUN_RECORD = "netbench_run.json"
@@ -264,8 +303,9 @@ def load_runs(out: Path, warmup: int) -> list[netreport.RunResult]:
     results = []
     for path in records:
         rec = json.loads(path.read_text())
-        results.append(netreport.load_run(path.parent, warmup, rec["label"], rec["rate"], rec["repeat"],
-                                          rec.get("extra")))
+        results.append(
+            netreport.load_run(path.parent, warmup, rec["label"], rec["rate"], rec["repeat"], rec.get("extra"))
+        )
     return sorted(results, key=lambda r: (r.repeat, r.extra.get("order", 0)))
 
 
@@ -300,19 +340,39 @@ def projection_lines(summaries: list[netreport.Summary], o: Options, label: str 
 
 
 def parse_args(argv: Sequence[str] | None) -> Options:
-    p = argparse.ArgumentParser(prog="python -m dlrm.bench.netbench", description=__doc__.split("\n")[0],
-                                epilog="Arguments after `--` are Hydra overrides for every run.")
-    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
-                   help="comma-separated `compression` configs; must include none (default %(default)s)")
-    p.add_argument("--variant", nargs="+", action="append", default=[], metavar=("LABEL CONFIG", "OVERRIDE"),
-                   help="an extra configuration: label, compression config, then Hydra overrides")
-    p.add_argument("--rate", action="append", dest="rates",
-                   help="tc rate of the loopback, e.g. 200mbit, or 'unlimited'; repeat for several "
-                        "(default 100mbit, where the all-to-alls take over 60%% of an uncompressed iteration)")
+    p = argparse.ArgumentParser(
+        prog="python -m dlrm.bench.netbench",
+        description=__doc__.split("\n")[0],
+        epilog="Arguments after `--` are Hydra overrides for every run.",
+    )
+    p.add_argument(
+        "--configs",
+        default=",".join(DEFAULT_CONFIGS),
+        help="comma-separated `compression` configs; must include none (default %(default)s)",
+    )
+    p.add_argument(
+        "--variant",
+        nargs="+",
+        action="append",
+        default=[],
+        metavar=("LABEL CONFIG", "OVERRIDE"),
+        help="an extra configuration: label, compression config, then Hydra overrides",
+    )
+    p.add_argument(
+        "--rate",
+        action="append",
+        dest="rates",
+        help="tc rate of the loopback, e.g. 200mbit, or 'unlimited'; repeat for several "
+        "(default 100mbit, where the all-to-alls take over 60%% of an uncompressed iteration)",
+    )
     p.add_argument("--repeats", type=int, default=2, help="cycles over the configurations (default 2)")
-    p.add_argument("--iterations", type=int, default=None,
-                   help="training iterations per run, at most --epochs epochs (default: all of them; AUC "
-                        "comparisons need full-length runs)")
+    p.add_argument(
+        "--iterations",
+        type=int,
+        default=None,
+        help="training iterations per run, at most --epochs epochs (default: all of them; AUC "
+        "comparisons need full-length runs)",
+    )
     p.add_argument("--epochs", type=int, default=1, help="epochs per run (default 1)")
     p.add_argument("--warmup", type=int, default=3, help="first iterations left out of the timings")
     p.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
@@ -323,12 +383,20 @@ def parse_args(argv: Sequence[str] | None) -> Options:
     p.add_argument("--latency", default="100ms", help="tbf latency (queue bound; default 100ms)")
     p.add_argument("--netns", default=f"dlrm-netbench-{os.getpid()}", help="namespace name")
     p.add_argument("--keep-checkpoints", action="store_true", help="keep each run's final checkpoint")
-    p.add_argument("--report", action="store_true",
-                   help="run nothing: rebuild the tables from the runs in --out (no root needed)")
-    p.add_argument("--codec-gbps", default=",".join(f"{g:g}" for g in PUBLISHED_CODEC_GBPS),
-                   help="GPU codec encode,decode GB/s for the published-setup projection (default %(default)s)")
-    p.add_argument("--cluster-gbps", type=float, default=PUBLISHED_LINK_GBPS,
-                   help="per-GPU link GB/s of the published cluster for the projection (default %(default)s)")
+    p.add_argument(
+        "--report", action="store_true", help="run nothing: rebuild the tables from the runs in --out (no root needed)"
+    )
+    p.add_argument(
+        "--codec-gbps",
+        default=",".join(f"{g:g}" for g in PUBLISHED_CODEC_GBPS),
+        help="GPU codec encode,decode GB/s for the published-setup projection (default %(default)s)",
+    )
+    p.add_argument(
+        "--cluster-gbps",
+        type=float,
+        default=PUBLISHED_LINK_GBPS,
+        help="per-GPU link GB/s of the published cluster for the projection (default %(default)s)",
+    )
     args, rest = p.parse_known_args(argv)
     if rest and rest[0] == "--":
         rest = rest[1:]
@@ -368,11 +436,26 @@ def parse_args(argv: Sequence[str] | None) -> Options:
     except ValueError as e:
         p.error(f"--burst: {e}")
     out = args.out or REPO / "outputs" / "netbench" / time.strftime("%Y-%m-%d_%H-%M-%S")
-    return Options(variants=variants, rates=rates, repeats=args.repeats, iterations=args.iterations,
-                   epochs=args.epochs, warmup=args.warmup, nproc=args.nproc, threads=args.threads, out=out,
-                   timeout=args.timeout, burst=args.burst, latency=args.latency, netns=args.netns,
-                   keep_checkpoints=args.keep_checkpoints, overrides=list(rest), codec_gbps=(enc, dec),
-                   cluster_gbps=args.cluster_gbps, report=args.report)
+    return Options(
+        variants=variants,
+        rates=rates,
+        repeats=args.repeats,
+        iterations=args.iterations,
+        epochs=args.epochs,
+        warmup=args.warmup,
+        nproc=args.nproc,
+        threads=args.threads,
+        out=out,
+        timeout=args.timeout,
+        burst=args.burst,
+        latency=args.latency,
+        netns=args.netns,
+        keep_checkpoints=args.keep_checkpoints,
+        overrides=list(rest),
+        codec_gbps=(enc, dec),
+        cluster_gbps=args.cluster_gbps,
+        report=args.report,
+    )
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
@@ -383,36 +466,48 @@ def report(o: Options, results: list[netreport.RunResult], failure: str | None, 
     """Summaries, cost-model check and projection: printed, and written to table.md/results.json."""
     loads = [x for r in results for x in (r.extra.get("load1_before"), r.extra.get("load1_after")) if x is not None]
     cpus = os.cpu_count() or 1
-    context = {"argv": list(argv), "rates": sorted({r.rate for r in results}), "nproc": o.nproc, "cpus": cpus,
-               "load1_mean": sum(loads) / len(loads) if loads else None,
-               "load1_max": max(loads) if loads else None, "failure": failure, "warmup": o.warmup}
+    context = {
+        "argv": list(argv),
+        "rates": sorted({r.rate for r in results}),
+        "nproc": o.nproc,
+        "cpus": cpus,
+        "load1_mean": sum(loads) / len(loads) if loads else None,
+        "load1_max": max(loads) if loads else None,
+        "failure": failure,
+        "warmup": o.warmup,
+    }
     bursts = {r.extra.get("burst", o.burst) for r in results}
     if len(bursts) != 1:
         print(f"runs used different tbf bursts {sorted(bursts)}: the cost model assumes one", file=sys.stderr)
     try:
         summaries = netreport.summarize(results)
-        validation = netreport.validate_model(results, summaries,
-                                              burst_bytes=netreport.size_bytes(sorted(bursts)[0]))
+        validation = netreport.validate_model(results, summaries, burst_bytes=netreport.size_bytes(sorted(bursts)[0]))
     except ValueError as e:
         print(f"cannot summarize: {e}", file=sys.stderr)
         (o.out / "results.json").write_text(netreport.to_json(results, [], {}, context))
         return 1
     load_line = "Load average (1 min) during the runs: not recorded"
     if loads:
-        load_line = (f"Load average (1 min) during the runs: mean {context['load1_mean']:.2f}, max "
-                     f"{context['load1_max']:.2f} on {cpus} CPUs"
-                     + ("  <- busy machine: timings are noisy" if context["load1_max"] > 1.5 * cpus else ""))
-    lines = [netreport.format_table(summaries), "",
-             f"Timed iterations per run: {min(r.iterations_timed for r in results)}+ after {o.warmup} warm-up; "
-             f"{max(r.repeat for r in results) + 1} repeat(s), configurations cycled; speedups paired within a "
-             f"repeat (median, min-max). AUC is only comparable after full-length runs (--iterations).",
-             load_line,
-             f"Cost model: compute {validation['compute_ms']:.0f} ms calibrated on {validation['calibration']} "
-             f"(tbf burst {validation['burst_bytes'] / 2 ** 20:g} MiB per collective); "
-             f"{validation['predictions']} predictions, mean |error| "
-             f"{100 * (validation['mean_abs_error'] or math.nan):.1f}%, max "
-             f"{100 * (validation['max_abs_error'] or math.nan):.1f}%.",
-             "", *projection_lines(summaries, o)]
+        load_line = (
+            f"Load average (1 min) during the runs: mean {context['load1_mean']:.2f}, max "
+            f"{context['load1_max']:.2f} on {cpus} CPUs"
+            + ("  <- busy machine: timings are noisy" if context["load1_max"] > 1.5 * cpus else "")
+        )
+    lines = [
+        netreport.format_table(summaries),
+        "",
+        f"Timed iterations per run: {min(r.iterations_timed for r in results)}+ after {o.warmup} warm-up; "
+        f"{max(r.repeat for r in results) + 1} repeat(s), configurations cycled; speedups paired within a "
+        f"repeat (median, min-max). AUC is only comparable after full-length runs (--iterations).",
+        load_line,
+        f"Cost model: compute {validation['compute_ms']:.0f} ms calibrated on {validation['calibration']} "
+        f"(tbf burst {validation['burst_bytes'] / 2**20:g} MiB per collective); "
+        f"{validation['predictions']} predictions, mean |error| "
+        f"{100 * (validation['mean_abs_error'] or math.nan):.1f}%, max "
+        f"{100 * (validation['max_abs_error'] or math.nan):.1f}%.",
+        "",
+        *projection_lines(summaries, o),
+    ]
     text = "\n".join(lines)
     print("\n" + text)
     (o.out / "table.md").write_text(text + "\n")
@@ -439,10 +534,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     o.out.mkdir(parents=True, exist_ok=True)
     plan = [(rep, rate, v) for rep in range(o.repeats) for rate in o.rates for v in o.variants]
-    print(f"dlrm.bench.netbench: {len(plan)} runs ({o.repeats} x {len(o.rates)} rate(s) x {len(o.variants)} configs), "
-          f"{o.nproc} ranks, namespace {o.netns}, output {o.out}", flush=True)
-    print(f"load average at start {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs",
-          flush=True)
+    print(
+        f"dlrm.bench.netbench: {len(plan)} runs ({o.repeats} x {len(o.rates)} rate(s) x {len(o.variants)} configs), "
+        f"{o.nproc} ranks, namespace {o.netns}, output {o.out}",
+        flush=True,
+    )
+    print(f"load average at start {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs", flush=True)
     results: list[netreport.RunResult] = []
     failure = None
     try:
@@ -450,14 +547,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             for i, (rep, rate, v) in enumerate(plan):
                 run_dir = o.out / "runs" / f"r{rep}_{rate}_{v.label}"
                 extra = {**run_one(ns, o, v, rate, run_dir, port=29500 + i % 1000), "order": i}
-                (run_dir / RUN_RECORD).write_text(json.dumps(
-                    {"label": v.label, "compression": v.compression, "overrides": list(v.overrides),
-                     "rate": rate, "repeat": rep, "extra": extra}, indent=1) + "\n")
+                (run_dir / RUN_RECORD).write_text(
+                    json.dumps(
+                        {
+                            "label": v.label,
+                            "compression": v.compression,
+                            "overrides": list(v.overrides),
+                            "rate": rate,
+                            "repeat": rep,
+                            "extra": extra,
+                        },
+                        indent=1,
+                    )
+                    + "\n"
+                )
                 r = netreport.load_run(run_dir, o.warmup, v.label, rate, rep, extra)
                 results.append(r)
-                print(f"[{i + 1}/{len(plan)}] repeat {rep} {rate} {v.label}: {r.iteration_ms:.0f} ms/iter, "
-                      f"a2a {100 * r.a2a_share:.0f}%, AUC {r.auc:.4f}, load {extra['load1_before']:.1f}->"
-                      f"{extra['load1_after']:.1f}, {extra['wall_s']:.0f} s", flush=True)
+                print(
+                    f"[{i + 1}/{len(plan)}] repeat {rep} {rate} {v.label}: {r.iteration_ms:.0f} ms/iter, "
+                    f"a2a {100 * r.a2a_share:.0f}%, AUC {r.auc:.4f}, load {extra['load1_before']:.1f}->"
+                    f"{extra['load1_after']:.1f}, {extra['wall_s']:.0f} s",
+                    flush=True,
+                )
     except (BenchError, netreport.RunDirError, KeyboardInterrupt) as e:
         failure = f"{type(e).__name__}: {e}"
         print(f"dlrm.bench.netbench stopped: {failure}", file=sys.stderr)

@@ -109,8 +109,14 @@ def _sent_bytes(input_: torch.Tensor, input_split_sizes: list[int] | None, group
 
 def _wrap_all_to_all_single(real: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(real)
-    def timed(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Any = None,
-              input_split_sizes: Any = None, group: Any = None, async_op: bool = False) -> Any:
+    def timed(
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Any = None,
+        input_split_sizes: Any = None,
+        group: Any = None,
+        async_op: bool = False,
+    ) -> Any:
         if not PROBE.training:
             return real(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
         direction = current()
@@ -126,6 +132,7 @@ def _wrap_all_to_all_single(real: Callable[..., Any]) -> Callable[..., Any]:
 
 def _mark(real: Callable[..., Any], direction: str) -> Callable[..., Any]:
     """``real`` run as an embedding collective of ``direction`` (TorchRec's own pooled all-to-all)."""
+
     @functools.wraps(real)
     def marked(*args: Any, **kwargs: Any) -> Any:
         with embedding_collective(direction):
@@ -208,10 +215,12 @@ class TrainingObserver:
 def install() -> None:
     """Wrap the all-to-all collective, mark TorchRec's pooled all-to-all, time the QComms codec."""
     dist.all_to_all_single = _wrap_all_to_all_single(dist.all_to_all_single)
-    for cls, method, direction in ((torchrec_comm_ops.All2All_Pooled_Req, "forward", "forward"),
-                                   (torchrec_comm_ops.All2All_Pooled_Wait, "forward", "forward"),
-                                   (torchrec_comm_ops.All2All_Pooled_Wait, "backward", "backward"),
-                                   (torchrec_comm_ops.All2All_Pooled_Req, "backward", "backward")):
+    for cls, method, direction in (
+        (torchrec_comm_ops.All2All_Pooled_Req, "forward", "forward"),
+        (torchrec_comm_ops.All2All_Pooled_Wait, "forward", "forward"),
+        (torchrec_comm_ops.All2All_Pooled_Wait, "backward", "backward"),
+        (torchrec_comm_ops.All2All_Pooled_Req, "backward", "backward"),
+    ):
         setattr(cls, method, _mark(getattr(cls, method), direction))
     try:
         from fbgemm_gpu.quantize_comm import QuantizedCommCodec
@@ -224,8 +233,15 @@ def install() -> None:
 def write(out_dir: Path, error: str | None = None) -> Path:
     """This rank's records as ``probe_rank<R>.json`` (atomically)."""
     rank = int(os.environ.get("RANK", 0))
-    record = {"rank": rank, "world_size": int(os.environ.get("WORLD_SIZE", 1)), "segments": PROBE.segments,
-              "dense_params": PROBE.dense_params, "steps": PROBE.steps, "error": error, "omp_threads": torch.get_num_threads()}
+    record = {
+        "rank": rank,
+        "world_size": int(os.environ.get("WORLD_SIZE", 1)),
+        "segments": PROBE.segments,
+        "dense_params": PROBE.dense_params,
+        "steps": PROBE.steps,
+        "error": error,
+        "omp_threads": torch.get_num_threads(),
+    }
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"probe_rank{rank}.json"
     tmp = path.with_suffix(".json.tmp")

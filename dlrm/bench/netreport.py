@@ -31,8 +31,18 @@ class RunDirError(ValueError):
 
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(b|k|kb|m|mb|g|gb|kbit|mbit|gbit)?\s*$", re.IGNORECASE)
-_SIZE_SCALE = {"b": 1, "k": 1024, "kb": 1024, "m": 1024 ** 2, "mb": 1024 ** 2, "g": 1024 ** 3, "gb": 1024 ** 3,
-               "kbit": 1024 / 8, "mbit": 1024 ** 2 / 8, "gbit": 1024 ** 3 / 8}
+_SIZE_SCALE = {
+    "b": 1,
+    "k": 1024,
+    "kb": 1024,
+    "m": 1024**2,
+    "mb": 1024**2,
+    "g": 1024**3,
+    "gb": 1024**3,
+    "kbit": 1024 / 8,
+    "mbit": 1024**2 / 8,
+    "gbit": 1024**3 / 8,
+}
 
 
 def size_bytes(size: str) -> float:
@@ -49,8 +59,9 @@ def rate_bytes_per_s(rate: str) -> float:
         return math.inf
     m = _RATE.match(rate)
     if not m:
-        raise ValueError(f"rate {rate!r}: expected a number with bit, kbit, mbit, gbit or tbit "
-                         f"(e.g. 200mbit), or {UNLIMITED!r}")
+        raise ValueError(
+            f"rate {rate!r}: expected a number with bit, kbit, mbit, gbit or tbit (e.g. 200mbit), or {UNLIMITED!r}"
+        )
     return float(m.group(1)) * _RATE_SCALE[m.group(2).lower()] / 8
 
 
@@ -118,13 +129,16 @@ def _run_config(run_dir: Path) -> dict[str, Any]:
 
 def _steady(steps: list[dict[str, float]], warmup: int, path: Path) -> list[dict[str, float]]:
     if len(steps) <= warmup:
-        raise RunDirError(f"{path}: {len(steps)} training iterations recorded, need more than the "
-                          f"{warmup} warm-up iterations (raise --iterations)")
+        raise RunDirError(
+            f"{path}: {len(steps)} training iterations recorded, need more than the "
+            f"{warmup} warm-up iterations (raise --iterations)"
+        )
     return steps[warmup:]
 
 
-def load_run(run_dir: Path, warmup: int, label: str, rate: str, repeat: int,
-             extra: Mapping[str, Any] | None = None) -> RunResult:
+def load_run(
+    run_dir: Path, warmup: int, label: str, rate: str, repeat: int, extra: Mapping[str, Any] | None = None
+) -> RunResult:
     """Parse one run directory; the first ``warmup`` iterations are left out of the timings."""
     run_dir = Path(run_dir)
     mpath = run_dir / "metrics.json"
@@ -152,8 +166,12 @@ def load_run(run_dir: Path, warmup: int, label: str, rate: str, repeat: int,
 
     n_tables = len(_need(metrics, "sharding_plan", mpath))
     return RunResult(
-        label=label, rate=rate, repeat=repeat, world_size=ws,
-        samples_per_iteration=cfg["batch_size"] * ws, iterations_timed=n_timed,
+        label=label,
+        rate=rate,
+        repeat=repeat,
+        world_size=ws,
+        samples_per_iteration=cfg["batch_size"] * ws,
+        iterations_timed=n_timed,
         iteration_ms=mean("ms"),
         a2a_ms={d: mean(f"a2a/{d}/ms") for d in PASSES},
         a2a_bytes={d: mean(f"a2a/{d}/bytes") for d in PASSES},
@@ -161,8 +179,10 @@ def load_run(run_dir: Path, warmup: int, label: str, rate: str, repeat: int,
         other_a2a_ms=mean("other_a2a/ms"),
         dense_params=int(per_rank[0][0].get("dense_params") or 0),
         embedding_dims=[cfg["embedding_dim"]] * n_tables,
-        auc=float(metrics["auc"]), logloss=float(metrics["logloss"]),
-        forward_ratio=float(metrics["forward_ratio"]), backward_ratio=float(metrics["backward_ratio"]),
+        auc=float(metrics["auc"]),
+        logloss=float(metrics["logloss"]),
+        forward_ratio=float(metrics["forward_ratio"]),
+        backward_ratio=float(metrics["backward_ratio"]),
         max_abs_error_seen=metrics.get("max_abs_error_seen"),
         trainer_samples_per_s=metrics.get("samples_per_s"),
         extra=dict(extra or {}),
@@ -209,28 +229,49 @@ def summarize(results: Iterable[RunResult], baseline: str = "none") -> list[Summ
         base_bytes = {d: med(b.a2a_bytes[d] for b in base.values()) for d in PASSES}
         it_ms = med(r.iteration_ms for r in runs)
         auc = statistics.fmean(r.auc for r in runs)
-        out.append(Summary(
-            rate=rate, label=label, repeats=len(runs), iteration_ms=it_ms,
-            samples_per_s=med(r.samples_per_s for r in runs), speedup=med(paired),
-            speedup_range=(min(paired), max(paired)), a2a_share=med(r.a2a_share for r in runs),
-            a2a_ms={d: med(r.a2a_ms[d] for r in runs) for d in PASSES},
-            wire_ratio={d: (base_bytes[d] / med(r.a2a_bytes[d] for r in runs)
-                            if med(r.a2a_bytes[d] for r in runs) > 0 else math.nan) for d in PASSES},
-            trainer_ratio={"forward": med(r.forward_ratio for r in runs),
-                           "backward": med(r.backward_ratio for r in runs)},
-            codec_ms={d: med(r.codec_ms[d] for r in runs) for d in PASSES},
-            auc=auc, auc_delta=auc - statistics.fmean(b.auc for b in base.values()),
-        ))
+        out.append(
+            Summary(
+                rate=rate,
+                label=label,
+                repeats=len(runs),
+                iteration_ms=it_ms,
+                samples_per_s=med(r.samples_per_s for r in runs),
+                speedup=med(paired),
+                speedup_range=(min(paired), max(paired)),
+                a2a_share=med(r.a2a_share for r in runs),
+                a2a_ms={d: med(r.a2a_ms[d] for r in runs) for d in PASSES},
+                wire_ratio={
+                    d: (
+                        base_bytes[d] / med(r.a2a_bytes[d] for r in runs)
+                        if med(r.a2a_bytes[d] for r in runs) > 0
+                        else math.nan
+                    )
+                    for d in PASSES
+                },
+                trainer_ratio={
+                    "forward": med(r.forward_ratio for r in runs),
+                    "backward": med(r.backward_ratio for r in runs),
+                },
+                codec_ms={d: med(r.codec_ms[d] for r in runs) for d in PASSES},
+                auc=auc,
+                auc_delta=auc - statistics.fmean(b.auc for b in base.values()),
+            )
+        )
     return out
 
 
 def _workload(r: RunResult) -> cm.Workload:
-    return cm.Workload(ranks=r.world_size, batch_per_rank=r.samples_per_iteration // r.world_size,
-                       dims=tuple(r.embedding_dims), dense_params=r.dense_params)
+    return cm.Workload(
+        ranks=r.world_size,
+        batch_per_rank=r.samples_per_iteration // r.world_size,
+        dims=tuple(r.embedding_dims),
+        dense_params=r.dense_params,
+    )
 
 
-def model_breakdown(r: RunResult, rate: str, wire_ratio: Mapping[str, float], compute_s: float,
-                    burst_bytes: float = 0.0) -> cm.Breakdown:
+def model_breakdown(
+    r: RunResult, rate: str, wire_ratio: Mapping[str, float], compute_s: float, burst_bytes: float = 0.0
+) -> cm.Breakdown:
     """The cost model's iteration for a run: link model at ``rate`` (every rank's bytes on the one
     throttled loopback, a tbf burst free per collective), its measured wire ratios and codec
     time, and ``compute_s``."""
@@ -246,8 +287,9 @@ def model_breakdown(r: RunResult, rate: str, wire_ratio: Mapping[str, float], co
     return cm.Breakdown(**{**b.as_dict(), "compute": compute_s})
 
 
-def validate_model(results: Iterable[RunResult], summaries: list[Summary], baseline: str = "none",
-                   burst_bytes: float = 0.0) -> dict[str, Any]:
+def validate_model(
+    results: Iterable[RunResult], summaries: list[Summary], baseline: str = "none", burst_bytes: float = 0.0
+) -> dict[str, Any]:
     """Calibrate the model's compute on the baseline at the fastest rate, predict every other
     (rate, configuration) and set ``model_ms``/``model_error`` on the summaries."""
     results = list(results)
@@ -258,8 +300,10 @@ def validate_model(results: Iterable[RunResult], summaries: list[Summary], basel
     cal = [r for r in base_runs if r.rate == cal_rate]
     ones = {d: 1.0 for d in PASSES}
     # compute = measured iteration - modelled communication and codec, median over repeats
-    computes = [cm.calibrate_compute(r.iteration_ms / 1e3,
-                                      model_breakdown(r, cal_rate, ones, 0.0, burst_bytes)).compute for r in cal]
+    computes = [
+        cm.calibrate_compute(r.iteration_ms / 1e3, model_breakdown(r, cal_rate, ones, 0.0, burst_bytes)).compute
+        for r in cal
+    ]
     compute_s = statistics.median(computes)
     by_key = {(r.rate, r.label): r for r in results}
     errors = []
@@ -270,10 +314,14 @@ def validate_model(results: Iterable[RunResult], summaries: list[Summary], basel
         s.model_error = s.model_ms / s.iteration_ms - 1
         if not (s.rate == cal_rate and s.label == baseline):
             errors.append(abs(s.model_error))
-    return {"calibration": f"{baseline} at {cal_rate}", "compute_ms": 1e3 * compute_s, "burst_bytes": burst_bytes,
-            "predictions": len(errors),
-            "mean_abs_error": statistics.fmean(errors) if errors else None,
-            "max_abs_error": max(errors) if errors else None}
+    return {
+        "calibration": f"{baseline} at {cal_rate}",
+        "compute_ms": 1e3 * compute_s,
+        "burst_bytes": burst_bytes,
+        "predictions": len(errors),
+        "mean_abs_error": statistics.fmean(errors) if errors else None,
+        "max_abs_error": max(errors) if errors else None,
+    }
 
 
 def _f(x: float | None, fmt: str) -> str:
@@ -282,9 +330,11 @@ def _f(x: float | None, fmt: str) -> str:
 
 def format_table(summaries: list[Summary]) -> str:
     """The results as a Markdown table, one row per (rate, configuration)."""
-    lines = ["| rate | config | ms/iter | samples/s | speedup vs none (min-max) | a2a share | fwd a2a ms | "
-             "bwd a2a ms | wire ratio fwd/bwd | codec ms/iter | test AUC | dAUC | model ms (err) |",
-             "|---|---|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---|"]
+    lines = [
+        "| rate | config | ms/iter | samples/s | speedup vs none (min-max) | a2a share | fwd a2a ms | "
+        "bwd a2a ms | wire ratio fwd/bwd | codec ms/iter | test AUC | dAUC | model ms (err) |",
+        "|---|---|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---|",
+    ]
     for s in sorted(summaries, key=lambda s: (-rate_bytes_per_s(s.rate), s.rate)):
         lines.append(
             f"| {s.rate} | {s.label} | {s.iteration_ms:.0f} | {s.samples_per_s:,.0f} | "
@@ -292,13 +342,22 @@ def format_table(summaries: list[Summary]) -> str:
             f"{s.a2a_ms['forward']:.0f} | {s.a2a_ms['backward']:.0f} | "
             f"{_f(s.wire_ratio['forward'], '.1f')}/{_f(s.wire_ratio['backward'], '.1f')} | "
             f"{s.codec_ms['forward'] + s.codec_ms['backward']:.0f} | {s.auc:.4f} | {s.auc_delta:+.4f} | "
-            f"{_f(s.model_ms, '.0f')} ({_f(None if s.model_error is None else 100 * s.model_error, '+.0f')}%) |")
+            f"{_f(s.model_ms, '.0f')} ({_f(None if s.model_error is None else 100 * s.model_error, '+.0f')}%) |"
+        )
     return "\n".join(lines)
 
 
-def to_json(results: list[RunResult], summaries: list[Summary], validation: Mapping[str, Any],
-            context: Mapping[str, Any]) -> str:
+def to_json(
+    results: list[RunResult], summaries: list[Summary], validation: Mapping[str, Any], context: Mapping[str, Any]
+) -> str:
     """Everything measured, as one JSON document."""
-    return json.dumps({"context": dict(context), "validation": dict(validation),
-                       "summaries": [asdict(s) for s in summaries],
-                       "runs": [asdict(r) for r in results]}, indent=1, default=str)
+    return json.dumps(
+        {
+            "context": dict(context),
+            "validation": dict(validation),
+            "summaries": [asdict(s) for s in summaries],
+            "runs": [asdict(r) for r in results],
+        },
+        indent=1,
+        default=str,
+    )

@@ -134,12 +134,20 @@ def read_run(path: Path, sweep_dir: Path) -> Run:
     rel = str(run_dir.relative_to(sweep_dir)) if run_dir != sweep_dir else "."
     kept = [o for o in overrides if not o.split("=", 1)[0].lstrip("+~").startswith(("seed", "hydra."))]
     group = ",".join(sorted(kept)) if overrides else f"{policy}|{bound}|{codec}"
-    return Run(config=rel, group=group or "(defaults)", overrides=tuple(sorted(kept)), policy=policy or "-",
-               bound=None if bound is None else float(bound), codec=str(codec),
-               seed=None if seed is None else int(seed), auc=_number(metrics, "auc", path),
-               logloss=_number(metrics, "logloss", path), forward_ratio=_number(metrics, "forward_ratio", path),
-               backward_ratio=_number(metrics, "backward_ratio", path),
-               samples_per_s=_number(metrics, "samples_per_s", path))
+    return Run(
+        config=rel,
+        group=group or "(defaults)",
+        overrides=tuple(sorted(kept)),
+        policy=policy or "-",
+        bound=None if bound is None else float(bound),
+        codec=str(codec),
+        seed=None if seed is None else int(seed),
+        auc=_number(metrics, "auc", path),
+        logloss=_number(metrics, "logloss", path),
+        forward_ratio=_number(metrics, "forward_ratio", path),
+        backward_ratio=_number(metrics, "backward_ratio", path),
+        samples_per_s=_number(metrics, "samples_per_s", path),
+    )
 
 
 def collect(sweep_dir: Path) -> tuple[list[Run], list[str]]:
@@ -186,29 +194,41 @@ def _pm(mean: float | None, std: float | None, spec: str) -> str:
     return _fmt(mean, spec) + ("" if std is None else f" ± {format(std, spec)}")
 
 
-def markdown(runs: Sequence[Run], points: Sequence[Point], front: set[int], problems: Sequence[str],
-             title: str) -> str:
+def markdown(runs: Sequence[Run], points: Sequence[Point], front: set[int], problems: Sequence[str], title: str) -> str:
     """The summary as markdown: one row per run, then per configuration over seeds (Pareto marked)."""
-    lines = [f"# {title}", "", f"{len(runs)} runs, {len(points)} configurations. Pareto front "
-             "(highest AUC for its forward ratio, over configuration means) marked ★.", "",
-             "| config | policy | bound | codec | seed | AUC | logloss | fwd ratio | bwd ratio | samples/s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"# {title}",
+        "",
+        f"{len(runs)} runs, {len(points)} configurations. Pareto front "
+        "(highest AUC for its forward ratio, over configuration means) marked ★.",
+        "",
+        "| config | policy | bound | codec | seed | AUC | logloss | fwd ratio | bwd ratio | samples/s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in sorted(runs, key=lambda r: (r.group, r.seed if r.seed is not None else -1)):
-        lines.append(f"| {r.config} | {r.policy} | {_fmt(r.bound, '.4g')} | {r.codec} | {_fmt(r.seed, 'd')} | "
-                     f"{r.auc:.4f} | {_fmt(r.logloss, '.4f')} | {r.forward_ratio:.2f} | "
-                     f"{_fmt(r.backward_ratio, '.2f')} | {_fmt(r.samples_per_s, '.0f')} |")
-    lines += ["", "## Per configuration (mean ± standard deviation over seeds)", "",
-              "| | configuration | policy | bound | codec | n | AUC | logloss | fwd ratio | bwd ratio | samples/s |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines.append(
+            f"| {r.config} | {r.policy} | {_fmt(r.bound, '.4g')} | {r.codec} | {_fmt(r.seed, 'd')} | "
+            f"{r.auc:.4f} | {_fmt(r.logloss, '.4f')} | {r.forward_ratio:.2f} | "
+            f"{_fmt(r.backward_ratio, '.2f')} | {_fmt(r.samples_per_s, '.0f')} |"
+        )
+    lines += [
+        "",
+        "## Per configuration (mean ± standard deviation over seeds)",
+        "",
+        "| | configuration | policy | bound | codec | n | AUC | logloss | fwd ratio | bwd ratio | samples/s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     order = sorted(range(len(points)), key=lambda i: -(points[i].mean("forward_ratio") or 0))
     for i in order:
         p, r0 = points[i], points[i].runs[0]
-        lines.append(f"| {'★' if i in front else ''} | {p.group} | {r0.policy} | {_fmt(r0.bound, '.4g')} | "
-                     f"{r0.codec} | {len(p.runs)} | {_pm(p.mean('auc'), p.std('auc'), '.4f')} | "
-                     f"{_pm(p.mean('logloss'), p.std('logloss'), '.4f')} | "
-                     f"{_pm(p.mean('forward_ratio'), p.std('forward_ratio'), '.2f')} | "
-                     f"{_pm(p.mean('backward_ratio'), p.std('backward_ratio'), '.2f')} | "
-                     f"{_fmt(p.mean('samples_per_s'), '.0f')} |")
+        lines.append(
+            f"| {'★' if i in front else ''} | {p.group} | {r0.policy} | {_fmt(r0.bound, '.4g')} | "
+            f"{r0.codec} | {len(p.runs)} | {_pm(p.mean('auc'), p.std('auc'), '.4f')} | "
+            f"{_pm(p.mean('logloss'), p.std('logloss'), '.4f')} | "
+            f"{_pm(p.mean('forward_ratio'), p.std('forward_ratio'), '.2f')} | "
+            f"{_pm(p.mean('backward_ratio'), p.std('backward_ratio'), '.2f')} | "
+            f"{_fmt(p.mean('samples_per_s'), '.0f')} |"
+        )
     if problems:
         lines += ["", "## Runs not included", ""] + [f"- {p}" for p in problems]
     return "\n".join(lines) + "\n"
@@ -226,14 +246,22 @@ def plot(points: Sequence[Point], front: Sequence[int], path: Path, title: str) 
     colours = {pol: plt.get_cmap("tab10")(k % 10) for k, pol in enumerate(policies)}
     for pol in policies:
         mine = [p for p in points if p.runs[0].policy == pol]
-        ax.errorbar([p.mean("forward_ratio") for p in mine], [p.mean("auc") for p in mine],
-                    xerr=[p.std("forward_ratio") or 0 for p in mine], yerr=[p.std("auc") or 0 for p in mine],
-                    fmt="o", color=colours[pol], label=pol if pol != "-" else "fixed-rate codec",
-                    capsize=3, alpha=0.85)
+        ax.errorbar(
+            [p.mean("forward_ratio") for p in mine],
+            [p.mean("auc") for p in mine],
+            xerr=[p.std("forward_ratio") or 0 for p in mine],
+            yerr=[p.std("auc") or 0 for p in mine],
+            fmt="o",
+            color=colours[pol],
+            label=pol if pol != "-" else "fixed-rate codec",
+            capsize=3,
+            alpha=0.85,
+        )
     for p in points:
         label = p.runs[0].codec if p.runs[0].bound is None else f"{p.runs[0].bound:.3g}"
-        ax.annotate(label, (p.mean("forward_ratio"), p.mean("auc")), textcoords="offset points", xytext=(4, 4),
-                    fontsize=7)
+        ax.annotate(
+            label, (p.mean("forward_ratio"), p.mean("auc")), textcoords="offset points", xytext=(4, 4), fontsize=7
+        )
     best = sorted((points[i].mean("forward_ratio"), points[i].mean("auc")) for i in front)
     if best:
         ax.plot([x for x, _ in best], [y for _, y in best], "k--", lw=1, label="Pareto front")

@@ -27,6 +27,18 @@ from dlrm.comm.collect import comm_stats, comm_stats_all_ranks, comm_summary, co
 from dlrm.comm.config import CompressionSpec, parse_compression_cfg, qcomm_ratios
 from dlrm.comm.sharders import build_sharders, make_sharders
 
-__all__ = ["BoundFn", "CompressedCommError", "CompressionSpec", "build_sharders", "comm_stats", "comm_stats_all_ranks",
-           "comm_summary", "compressed_dists", "fixed_bound", "make_sharders", "parse_compression_cfg",
-           "qcomm_ratios", "set_iteration"]
+__all__ = [
+    "BoundFn",
+    "CompressedCommError",
+    "CompressionSpec",
+    "build_sharders",
+    "comm_stats",
+    "comm_stats_all_ranks",
+    "comm_summary",
+    "compressed_dists",
+    "fixed_bound",
+    "make_sharders",
+    "parse_compression_cfg",
+    "qcomm_ratios",
+    "set_iteration",
+]

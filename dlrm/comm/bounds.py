@@ -33,8 +33,10 @@ def policy_values(bound_fn: BoundFn, features: Sequence[str], direction: str, it
     for f in features:
         v = float(bound_fn(f, direction, iteration))
         if not (v >= 0.0 and math.isfinite(v)):
-            raise ValueError(f"bound policy returned {v} for feature {f!r} ({direction}, iteration "
-                             f"{iteration}); a bound must be finite and >= 0")
+            raise ValueError(
+                f"bound policy returned {v} for feature {f!r} ({direction}, iteration "
+                f"{iteration}); a bound must be finite and >= 0"
+            )
         out.append(v)
     return out
 

@@ -30,20 +30,23 @@ class DirectionCodec:
         try:
             self.codec = compression.get_codec(spec.codec, **dict(spec.params))
         except TypeError as e:  # e.g. `compression.backward.codec=none` keeping lossy's params
-            raise ValueError(f"compression.{direction}.params {dict(spec.params)} do not fit codec "
-                             f"{spec.codec!r} ({e}); override them, or drop them with "
-                             f"~compression.{direction}.params") from None
+            raise ValueError(
+                f"compression.{direction}.params {dict(spec.params)} do not fit codec "
+                f"{spec.codec!r} ({e}); override them, or drop them with "
+                f"~compression.{direction}.params"
+            ) from None
         self.bounded = bool(getattr(self.codec, "bounded", False))
         if self.bounded and bound_fn is None:
-            raise ValueError(f"compression.{direction}.codec {spec.codec!r} is error-bounded: it needs a bound "
-                             f"policy (bound_fn_{direction}=a compression.policies.Policy, or "
-                             "dlrm.comm.fixed_bound(eb))")
+            raise ValueError(
+                f"compression.{direction}.codec {spec.codec!r} is error-bounded: it needs a bound "
+                f"policy (bound_fn_{direction}=a compression.policies.Policy, or "
+                "dlrm.comm.fixed_bound(eb))"
+            )
         self.bound_fn = bound_fn
         self.dedup = spec.dedup
 
     def __repr__(self) -> str:
-        return (f"DirectionCodec({self.direction}, codec={self.spec.codec!r}, mode={self.spec.mode}, "
-                f"dedup={self.dedup})")
+        return f"DirectionCodec({self.direction}, codec={self.spec.codec!r}, mode={self.spec.mode}, dedup={self.dedup})"
 
     def policy(self, features: Sequence[str], iteration: int) -> list[float]:
         """The policy's value per feature (absolute bound, or fraction of range in rel mode)."""
@@ -57,20 +60,38 @@ class DirectionCodec:
             return None
         return absolute_bounds(chunk, widths, values, self.spec.mode)
 
-    def encode(self, chunk: torch.Tensor, widths: Sequence[int], bounds: Sequence[float] | None,
-               ids: torch.Tensor | None) -> torch.Tensor:
+    def encode(
+        self, chunk: torch.Tensor, widths: Sequence[int], bounds: Sequence[float] | None, ids: torch.Tensor | None
+    ) -> torch.Tensor:
         """Payload (uint8, 1-D) of one chunk; ``ids`` ``[rows, n_blocks]`` or None (value dedup)."""
-        return self.codec.encode(chunk.contiguous(), None if bounds is None else list(bounds),
-                                 ids if self.dedup else None, blocks=list(widths))
+        return self.codec.encode(
+            chunk.contiguous(),
+            None if bounds is None else list(bounds),
+            ids if self.dedup else None,
+            blocks=list(widths),
+        )
 
-    def decode(self, payload: torch.Tensor, shape: tuple[int, int], ids: torch.Tensor | None, *,
-               src: int, dst: int, features: Sequence[str], tables: Sequence[str], iteration: int,
-               where: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    def decode(
+        self,
+        payload: torch.Tensor,
+        shape: tuple[int, int],
+        ids: torch.Tensor | None,
+        *,
+        src: int,
+        dst: int,
+        features: Sequence[str],
+        tables: Sequence[str],
+        iteration: int,
+        where: str,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Decode one peer's payload (into ``out``, its window of the merged output, if given),
         checking its shape; any failure names source, tables, iteration."""
-        what = (f"rank {dst} ({where}): cannot decode the {self.direction} payload ({payload.numel()} "
-                f"bytes) from rank {src} carrying tables {list(tables)} (features {list(features)}) at "
-                f"iteration {iteration}")
+        what = (
+            f"rank {dst} ({where}): cannot decode the {self.direction} payload ({payload.numel()} "
+            f"bytes) from rank {src} carrying tables {list(tables)} (features {list(features)}) at "
+            f"iteration {iteration}"
+        )
         try:
             out = self.codec.decode(payload, ids if self.dedup else None, out=out)
         except Exception as e:  # any codec failure: name the transfer, keep the cause chained

@@ -49,8 +49,9 @@ def comm_stats(model: torch.nn.Module, reset: bool = True) -> dict[str, float]:
     return derive(*_collect(model, reset))
 
 
-def comm_stats_all_ranks(model: torch.nn.Module, reset: bool = True,
-                         group: dist.ProcessGroup | None = None) -> dict[str, float]:
+def comm_stats_all_ranks(
+    model: torch.nn.Module, reset: bool = True, group: dist.ProcessGroup | None = None
+) -> dict[str, float]:
     """All ranks' statistics since the last reset, merged (bytes and times summed, errors maxed).
 
     A collective: call it on every rank (at log or eval time, never per iteration).
@@ -58,8 +59,9 @@ def comm_stats_all_ranks(model: torch.nn.Module, reset: bool = True,
     return derive(*_all_ranks(_collect(model, reset), group))
 
 
-def comm_summary(model: torch.nn.Module, spec: CompressionSpec | None = None,
-                 group: dist.ProcessGroup | None = None) -> dict[str, float]:
+def comm_summary(
+    model: torch.nn.Module, spec: CompressionSpec | None = None, group: dist.ProcessGroup | None = None
+) -> dict[str, float]:
     """Whole-run totals of all ranks for metrics.json: ``forward_ratio``, ``backward_ratio``,
     ``max_abs_error_seen`` (1.0 / 0.0 when nothing was compressed, e.g. one process). A collective.
 
@@ -67,9 +69,11 @@ def comm_summary(model: torch.nn.Module, spec: CompressionSpec | None = None,
     fixed-rate precisions instead.
     """
     d = derive(*_all_ranks(_collect(model, reset=False, run=True), group))
-    out = {"forward_ratio": d.get("comm/forward/ratio", 1.0),
-           "backward_ratio": d.get("comm/backward/ratio", 1.0),
-           "max_abs_error_seen": d.get("comm/max_abs_error_seen", 0.0)}
+    out = {
+        "forward_ratio": d.get("comm/forward/ratio", 1.0),
+        "backward_ratio": d.get("comm/backward/ratio", 1.0),
+        "max_abs_error_seen": d.get("comm/max_abs_error_seen", 0.0),
+    }
     if spec is not None and spec.kind == "qcomm":
         out.update(qcomm_ratios(spec))
     return out

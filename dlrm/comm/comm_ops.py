@@ -164,22 +164,34 @@ def _nan_aware_abs_error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.where(same, torch.zeros_like(err), torch.nan_to_num(err, nan=torch.inf))
 
 
-def _sample(dc: DirectionCodec, chunk: torch.Tensor, payload: torch.Tensor, blocks: Blocks,
-            bounds: list[float] | None, ids: torch.Tensor | None, stats: CommStats, d: str) -> None:
+def _sample(
+    dc: DirectionCodec,
+    chunk: torch.Tensor,
+    payload: torch.Tensor,
+    blocks: Blocks,
+    bounds: list[float] | None,
+    ids: torch.Tensor | None,
+    stats: CommStats,
+    d: str,
+) -> None:
     """Sender-side sampling: decode our own payload for errors, encode each block alone for sizes."""
     decoded = dc.codec.decode(payload, ids if dc.dedup else None)
     col_err = _nan_aware_abs_error(decoded.float(), chunk.float()).amax(dim=0) if chunk.shape[0] else None
     elt, c = chunk.element_size(), 0
     for k, (f, w) in enumerate(zip(blocks.features, blocks.widths)):
         if w and col_err is not None:
-            e = float(col_err[c:c + w].max())
+            e = float(col_err[c : c + w].max())
             stats.maximum(f"{d}/max_abs_error/{f}", e)
             stats.maximum(f"{d}/max_abs_error", e)
             if bounds is not None:
                 b = bounds[k]
                 stats.maximum(f"{d}/max_error_over_bound", e / b if b > 0 else (0.0 if e == 0 else torch.inf))
-            solo = dc.encode(chunk[:, c:c + w], [w], None if bounds is None else [bounds[k]],
-                             None if ids is None else ids[:, k:k + 1])
+            solo = dc.encode(
+                chunk[:, c : c + w],
+                [w],
+                None if bounds is None else [bounds[k]],
+                None if ids is None else ids[:, k : k + 1],
+            )
             stats.add(f"{d}/sampled_raw_bytes/{f}", chunk.shape[0] * w * elt)
             stats.add(f"{d}/sampled_wire_bytes/{f}", solo.numel())
         c += w
@@ -227,8 +239,13 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
                 memo[id(chunks[peer])] = payload
             payloads[peer] = payload
         if _payload_hook is not None:
-            payloads[peer] = _payload_hook(payloads[peer], src=info.global_ranks[me],
-                                           dst=info.global_ranks[peer], direction=d, iteration=info.iteration)
+            payloads[peer] = _payload_hook(
+                payloads[peer],
+                src=info.global_ranks[me],
+                dst=info.global_ranks[peer],
+                direction=d,
+                iteration=info.iteration,
+            )
     t1 = time.perf_counter()
     device = chunks[me].device
     send_sizes = [0 if p is None else int(p.numel()) for p in payloads]
@@ -241,9 +258,11 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
     recv_buf = torch.empty(sum(max(n, 0) for n in recv_sizes), dtype=torch.uint8, device=device)
     bad = [(info.global_ranks[p], n) for p, n in enumerate(recv_sizes) if n < 0]
     if bad:
-        raise CompressedCommError(f"rank {info.global_ranks[me]} ({info.where}): size exchange of the {d} "
-                                  f"all-to-all at iteration "
-                                  f"{info.iteration} returned negative sizes (rank, size) {bad}")
+        raise CompressedCommError(
+            f"rank {info.global_ranks[me]} ({info.where}): size exchange of the {d} "
+            f"all-to-all at iteration "
+            f"{info.iteration} returned negative sizes (rank, size) {bad}"
+        )
     with embedding_collective(d):
         work = dist.all_to_all_single(recv_buf, send_buf, recv_sizes, send_sizes, group=pg, async_op=True)
     t2 = time.perf_counter()
@@ -272,7 +291,7 @@ def _receive(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, tr: _Transf
     parts, offset = [], 0
     for peer in range(ws):
         n, shape, window = tr.recv_sizes[peer], layout.recv_shape(d, peer), windows[peer]
-        payload = tr.recv_buf[offset:offset + n]
+        payload = tr.recv_buf[offset : offset + n]
         offset += n
         if peer == me:
             parts.append(tr.self_part if window is None else window.copy_(tr.self_part))
@@ -283,19 +302,30 @@ def _receive(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, tr: _Transf
                 raise CompressedCommError(
                     f"rank {info.global_ranks[me]} ({info.where}): rank {info.global_ranks[peer]} sent {n} {d} "
                     "bytes where none were "
-                    f"expected (features {blocks.features}, iteration {info.iteration})")
+                    f"expected (features {blocks.features}, iteration {info.iteration})"
+                )
             parts.append(tr.self_part.new_zeros(shape) if window is None else window)
             continue
         if n == 0:
             raise CompressedCommError(
                 f"rank {info.global_ranks[me]} ({info.where}): rank {info.global_ranks[peer]} sent no {d} payload "
                 "for features "
-                f"{blocks.features} at iteration {info.iteration} (expected shape {shape})")
+                f"{blocks.features} at iteration {info.iteration} (expected shape {shape})"
+            )
         ids = ids_per_peer[peer]
         tables = sorted({info.feature_tables.get(f, f) for f in blocks.features})
-        part = dc.decode(payload, shape, ids, src=info.global_ranks[peer], dst=info.global_ranks[me],
-                         features=blocks.features, tables=tables, iteration=info.iteration, where=info.where,
-                         out=window)
+        part = dc.decode(
+            payload,
+            shape,
+            ids,
+            src=info.global_ranks[peer],
+            dst=info.global_ranks[me],
+            features=blocks.features,
+            tables=tables,
+            iteration=info.iteration,
+            where=info.where,
+            out=window,
+        )
         if ids is not None and d == "backward" and dc.dedup:
             keep_first_duplicates(part, ids, blocks.widths)
         parts.append(part)
@@ -308,8 +338,9 @@ class CompressedAll2All_Req(Function):
     """Forward: encode + launch; backward: wait + decode the gradient (cf. All2All_Pooled_Req)."""
 
     @staticmethod
-    def forward(ctx, pg: dist.ProcessGroup, myreq: Request, info: CompressedA2AInfo,
-                input: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx, pg: dist.ProcessGroup, myreq: Request, info: CompressedA2AInfo, input: torch.Tensor
+    ) -> torch.Tensor:
         transfer = _send(pg, info, "forward", info.layout.split("forward", input))
         myreq.req = transfer.work
         myreq.tensor = transfer

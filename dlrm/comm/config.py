@@ -19,8 +19,7 @@ KINDS = ("compressed", "qcomm")
 MODES = ("abs", "rel")
 QCOMM_PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 # Sharding types our sharder may let the planner choose; RW/TWRW are allowed on CPU too.
-ALL_SHARDING_TYPES = ("data_parallel", "table_wise", "column_wise", "table_column_wise", "row_wise",
-                      "table_row_wise")
+ALL_SHARDING_TYPES = ("data_parallel", "table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise")
 
 _TOP_KEYS = {"name", "kind", "forward", "backward", "qcomm", "stats", "sharding_types"}
 _DIR_KEYS = {"codec", "mode", "dedup", "params"}
@@ -59,8 +58,7 @@ def _direction(cfg: Any, where: str) -> DirectionSpec:
         raise ValueError(f"{where}.eb: {MOVED[where + '.eb']}")
     check_keys(cfg, _DIR_KEYS, where)
     if "codec" not in cfg or not isinstance(cfg["codec"], str):
-        raise ValueError(f"{where}.codec must name a codec (none, fp16, bf16, int8, lossy), got "
-                         f"{cfg.get('codec')!r}")
+        raise ValueError(f"{where}.codec must name a codec (none, fp16, bf16, int8, lossy), got {cfg.get('codec')!r}")
     mode = cfg.get("mode", "abs")
     if mode not in MODES:
         raise ValueError(f"{where}.mode must be one of {MODES}, got {mode!r}")
@@ -96,8 +94,10 @@ def parse_compression_cfg(cfg: Mapping[str, Any]) -> CompressionSpec:
     common = dict(name=name, kind=kind, sample_every=sample_every, sharding_types=tuple(types))
     if kind == "qcomm":
         if "forward" in cfg or "backward" in cfg:
-            raise ValueError(f"{where}: kind qcomm takes `qcomm: {{forward_precision, backward_precision}}`"
-                             ", not forward/backward codec entries")
+            raise ValueError(
+                f"{where}: kind qcomm takes `qcomm: {{forward_precision, backward_precision}}`"
+                ", not forward/backward codec entries"
+            )
         q = cfg.get("qcomm") or {}
         check_keys(q, _QCOMM_KEYS, f"{where}.qcomm")
         fwd, bwd = q.get("forward_precision", "fp32"), q.get("backward_precision", "fp32")
@@ -110,8 +110,11 @@ def parse_compression_cfg(cfg: Mapping[str, Any]) -> CompressionSpec:
     for key in ("forward", "backward"):
         if key not in cfg:
             raise ValueError(f"{where}.{key} is missing: give {{codec: ..., mode: abs|rel, dedup: ...}}")
-    return CompressionSpec(forward=_direction(cfg["forward"], f"{where}.forward"),
-                           backward=_direction(cfg["backward"], f"{where}.backward"), **common)
+    return CompressionSpec(
+        forward=_direction(cfg["forward"], f"{where}.forward"),
+        backward=_direction(cfg["backward"], f"{where}.backward"),
+        **common,
+    )
 
 
 # Wire bytes per fp32 value of TorchRec's QComms codecs; INT8 row-wise adds an fp32 scale and bias
@@ -122,5 +125,7 @@ _QCOMM_BYTES_PER_VALUE = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.25}
 def qcomm_ratios(spec: CompressionSpec) -> dict[str, float]:
     """Nominal ``forward_ratio``/``backward_ratio`` of a QComms config: the stock path has no byte
     counters, but its codecs are fixed-rate, so the ratio follows from the precision alone."""
-    return {"forward_ratio": 4.0 / _QCOMM_BYTES_PER_VALUE[spec.qcomm_forward],
-            "backward_ratio": 4.0 / _QCOMM_BYTES_PER_VALUE[spec.qcomm_backward]}
+    return {
+        "forward_ratio": 4.0 / _QCOMM_BYTES_PER_VALUE[spec.qcomm_forward],
+        "backward_ratio": 4.0 / _QCOMM_BYTES_PER_VALUE[spec.qcomm_backward],
+    }

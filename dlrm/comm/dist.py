@@ -58,8 +58,7 @@ class CompressionRuntime:
 class CompressedDist:
     """State shared by the compressed dists: runtime, stats, iteration count."""
 
-    def _init_compressed(self, runtime: CompressionRuntime, where: str,
-                         feature_tables: dict[str, str] | None) -> None:
+    def _init_compressed(self, runtime: CompressionRuntime, where: str, feature_tables: dict[str, str] | None) -> None:
         self.runtime = runtime
         self.stats = CommStats()
         self.iteration = 0  # training forwards so far; set_iteration() overrides it on resume
@@ -84,46 +83,77 @@ class CompressedDist:
             self._global_ranks[id(pg)] = [dist.get_global_rank(pg, r) for r in range(pg.size())]
         return self._global_ranks[id(pg)]
 
-    def _info(self, pg: dist.ProcessGroup, layout, fwd_send_ids, fwd_recv_ids, it: int, sample: bool,
-              forward_scale: float = 1.0, backward_scale: float = 1.0) -> CompressedA2AInfo:
+    def _info(
+        self,
+        pg: dist.ProcessGroup,
+        layout,
+        fwd_send_ids,
+        fwd_recv_ids,
+        it: int,
+        sample: bool,
+        forward_scale: float = 1.0,
+        backward_scale: float = 1.0,
+    ) -> CompressedA2AInfo:
         return CompressedA2AInfo(
-            layout=layout, codecs=self.runtime.codecs, fwd_send_ids=fwd_send_ids,
-            fwd_recv_ids=fwd_recv_ids, stats=self.stats, iteration=it, sample=sample, where=self.where,
-            global_ranks=self._ranks_of(pg), feature_tables=self.feature_tables,
-            bound_scale={"forward": forward_scale, "backward": backward_scale})
+            layout=layout,
+            codecs=self.runtime.codecs,
+            fwd_send_ids=fwd_send_ids,
+            fwd_recv_ids=fwd_recv_ids,
+            stats=self.stats,
+            iteration=it,
+            sample=sample,
+            where=self.where,
+            global_ranks=self._ranks_of(pg),
+            feature_tables=self.feature_tables,
+            bound_scale={"forward": forward_scale, "backward": backward_scale},
+        )
 
 
 def _check_ctx(ctx: EmbeddingShardingContext | None, where: str) -> None:
     if ctx is not None and ctx.variable_batch_per_feature:
-        raise NotImplementedError(f"{where}: variable batch per feature (VBE) is not supported by the "
-                                  "compressed dists; feed fixed-stride KJTs")
+        raise NotImplementedError(
+            f"{where}: variable batch per feature (VBE) is not supported by the "
+            "compressed dists; feed fixed-stride KJTs"
+        )
 
 
 def _batch_sizes(ctx: EmbeddingShardingContext | None, rows: int, ws: int, where: str) -> list[int]:
     if ctx is not None and ctx.batch_size_per_rank:
         return list(ctx.batch_size_per_rank)
     if rows % ws:
-        raise ValueError(f"{where}: {rows} rows do not split evenly over {ws} ranks and no "
-                         "batch_size_per_rank was given")
+        raise ValueError(
+            f"{where}: {rows} rows do not split evenly over {ws} ranks and no batch_size_per_rank was given"
+        )
     return [rows // ws] * ws
 
 
 class CompressedTwPooledEmbeddingDist(CompressedDist, TwPooledEmbeddingDist):
     """Table/column-wise output dist through the compressor, with ids for exact dedup."""
 
-    def __init__(self, pg: dist.ProcessGroup, dim_sum_per_rank: list[int],
-                 emb_dim_per_rank_per_feature: list[list[int]], embedding_names_per_rank: list[list[str]],
-                 runtime: CompressionRuntime, keys_per_rank: list[int] | None = None,
-                 device: torch.device | None = None,
-                 callbacks: list[Callable[[torch.Tensor], torch.Tensor]] | None = None,
-                 where: str = "table_wise", feature_tables: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        pg: dist.ProcessGroup,
+        dim_sum_per_rank: list[int],
+        emb_dim_per_rank_per_feature: list[list[int]],
+        embedding_names_per_rank: list[list[str]],
+        runtime: CompressionRuntime,
+        keys_per_rank: list[int] | None = None,
+        device: torch.device | None = None,
+        callbacks: list[Callable[[torch.Tensor], torch.Tensor]] | None = None,
+        where: str = "table_wise",
+        feature_tables: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(pg, dim_sum_per_rank, emb_dim_per_rank_per_feature, device=device, callbacks=callbacks)
         self._init_compressed(runtime, where, feature_tables)
-        self._blocks = [Blocks(list(n), list(d)) for n, d in zip(embedding_names_per_rank, emb_dim_per_rank_per_feature)]
+        self._blocks = [
+            Blocks(list(n), list(d)) for n, d in zip(embedding_names_per_rank, emb_dim_per_rank_per_feature)
+        ]
         for r, b in enumerate(self._blocks):
             if b.dim != dim_sum_per_rank[r] or len(b.features) != len(b.widths):
-                raise ValueError(f"{where}: rank {r} has features {b.features} of widths {b.widths} "
-                                 f"but a dim sum of {dim_sum_per_rank[r]}")
+                raise ValueError(
+                    f"{where}: rank {r} has features {b.features} of widths {b.widths} "
+                    f"but a dim sum of {dim_sum_per_rank[r]}"
+                )
         # Ids need KJT key k on rank r to be column block k of rank r's lookup output.
         self._ids_ok = keys_per_rank is not None and keys_per_rank == [len(b.features) for b in self._blocks]
         self._key_starts = list(itertools.accumulate([len(b.features) for b in self._blocks], initial=0))
@@ -138,14 +168,17 @@ class CompressedTwPooledEmbeddingDist(CompressedDist, TwPooledEmbeddingDist):
         # Sender: the post-all-to-all KJT (our tables' bags, source rank then sample).
         send = chunk_ids(getattr(ctx, "post_a2a_kjt", None), [Region(0, n_mine, starts[r], bs[r]) for r in peers])
         # Receiver: the KJT we sent in the input dist (all features, our samples).
-        recv = chunk_ids(getattr(ctx, "pre_a2a_kjt", None),
-                         [Region(self._key_starts[s], len(self._blocks[s].features), 0, bs[me]) for s in peers])
+        recv = chunk_ids(
+            getattr(ctx, "pre_a2a_kjt", None),
+            [Region(self._key_starts[s], len(self._blocks[s].features), 0, bs[me]) for s in peers],
+        )
         send.insert(me, None)
         recv.insert(me, None)
         return send, recv
 
-    def forward(self, local_embs: torch.Tensor,
-                sharding_ctx: EmbeddingShardingContext | None = None) -> Awaitable[torch.Tensor]:
+    def forward(
+        self, local_embs: torch.Tensor, sharding_ctx: EmbeddingShardingContext | None = None
+    ) -> Awaitable[torch.Tensor]:
         """Compressed all-to-all of pooled embeddings ``[B_global, D_local]`` -> ``[B_local, D_global]``."""
         _check_ctx(sharding_ctx, self.where)
         pg = self._pg
@@ -163,9 +196,17 @@ class CompressedTwPooledEmbeddingDist(CompressedDist, TwPooledEmbeddingDist):
         return awaitable
 
 
-def _reduce_scatter(dist_: CompressedDist, pg: dist.ProcessGroup, local_embs: torch.Tensor,
-                    rows_per_rank: list[int], blocks: Blocks, it: int, sample: bool,
-                    forward_share: float = 1.0, backward_share: float = 1.0) -> Awaitable[torch.Tensor]:
+def _reduce_scatter(
+    dist_: CompressedDist,
+    pg: dist.ProcessGroup,
+    local_embs: torch.Tensor,
+    rows_per_rank: list[int],
+    blocks: Blocks,
+    it: int,
+    sample: bool,
+    forward_share: float = 1.0,
+    backward_share: float = 1.0,
+) -> Awaitable[torch.Tensor]:
     """Compressed replacement of a pooled reduce-scatter (no ids: rows are partial sums).
 
     A summed row adds the errors of ``ws - 1`` decoded partial sums, so each is sent with
@@ -175,54 +216,81 @@ def _reduce_scatter(dist_: CompressedDist, pg: dist.ProcessGroup, local_embs: to
     if ws == 1:
         return NoWait(local_embs)
     layout = ReduceScatterLayout(pg.rank(), rows_per_rank, blocks, ws)
-    info = dist_._info(pg, layout, [None] * ws, [None] * ws, it, sample,
-                       forward_scale=forward_share / (ws - 1), backward_scale=backward_share)
+    info = dist_._info(
+        pg,
+        layout,
+        [None] * ws,
+        [None] * ws,
+        it,
+        sample,
+        forward_scale=forward_share / (ws - 1),
+        backward_scale=backward_share,
+    )
     return compressed_all_to_all(pg, info, local_embs)
 
 
 class CompressedRwPooledEmbeddingDist(CompressedDist, RwPooledEmbeddingDist):
     """Row-wise output dist: compressed all-to-all + local sum (forward), compressed all-to-all (backward)."""
 
-    def __init__(self, pg: dist.ProcessGroup, embedding_names: list[str], embedding_dims: list[int],
-                 runtime: CompressionRuntime, where: str = "row_wise",
-                 feature_tables: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        pg: dist.ProcessGroup,
+        embedding_names: list[str],
+        embedding_dims: list[int],
+        runtime: CompressionRuntime,
+        where: str = "row_wise",
+        feature_tables: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(pg, embedding_dims=embedding_dims)
         self._init_compressed(runtime, where, feature_tables)
         self._blocks = Blocks(list(embedding_names), list(embedding_dims))
 
-    def forward(self, local_embs: torch.Tensor,
-                sharding_ctx: EmbeddingShardingContext | None = None) -> Awaitable[torch.Tensor]:
+    def forward(
+        self, local_embs: torch.Tensor, sharding_ctx: EmbeddingShardingContext | None = None
+    ) -> Awaitable[torch.Tensor]:
         """Partial sums ``[B_global, D]`` -> this rank's summed rows ``[B_local, D]``."""
         _check_ctx(sharding_ctx, self.where)
         ws = self._pg.size()
         bs = _batch_sizes(sharding_ctx, local_embs.size(0), ws, self.where)
         it, sample = self._tick() if ws > 1 else (self.iteration, False)
         return PooledEmbeddingsAwaitable(
-            tensor_awaitable=_reduce_scatter(self, self._pg, local_embs, bs, self._blocks, it, sample))
+            tensor_awaitable=_reduce_scatter(self, self._pg, local_embs, bs, self._blocks, it, sample)
+        )
 
 
 class CompressedTwRwPooledEmbeddingDist(CompressedDist, TwRwPooledEmbeddingDist):
     """Table-row-wise: compressed reduce-scatter inside the node, then compressed all-to-all across nodes."""
 
-    def __init__(self, rank: int, cross_pg: dist.ProcessGroup, intra_pg: dist.ProcessGroup,
-                 dim_sum_per_node: list[int], emb_dim_per_node_per_feature: list[list[int]],
-                 embedding_names_per_node: list[list[str]], runtime: CompressionRuntime,
-                 device: torch.device | None = None, where: str = "table_row_wise",
-                 feature_tables: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        cross_pg: dist.ProcessGroup,
+        intra_pg: dist.ProcessGroup,
+        dim_sum_per_node: list[int],
+        emb_dim_per_node_per_feature: list[list[int]],
+        embedding_names_per_node: list[list[str]],
+        runtime: CompressionRuntime,
+        device: torch.device | None = None,
+        where: str = "table_row_wise",
+        feature_tables: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(rank, cross_pg, intra_pg, dim_sum_per_node, emb_dim_per_node_per_feature, device=device)
         self._init_compressed(runtime, where, feature_tables)
-        self._node_blocks = [Blocks(list(n), list(d))
-                             for n, d in zip(embedding_names_per_node, emb_dim_per_node_per_feature)]
+        self._node_blocks = [
+            Blocks(list(n), list(d)) for n, d in zip(embedding_names_per_node, emb_dim_per_node_per_feature)
+        ]
 
-    def forward(self, local_embs: torch.Tensor,
-                sharding_ctx: EmbeddingShardingContext | None = None) -> Awaitable[torch.Tensor]:
+    def forward(
+        self, local_embs: torch.Tensor, sharding_ctx: EmbeddingShardingContext | None = None
+    ) -> Awaitable[torch.Tensor]:
         """Reduce over the node's row shards, then send each sample's rows to its node's rank."""
         _check_ctx(sharding_ctx, self.where)
         local_size, nodes = self._intra_pg.size(), self._cross_pg.size()
         local_rank, node = self._rank % local_size, self._rank // local_size
         if sharding_ctx is not None and sharding_ctx.batch_size_per_rank:
             by_cross, sum_by_cross = self._preprocess_batch_size_per_rank(
-                local_size, nodes, sharding_ctx.batch_size_per_rank)
+                local_size, nodes, sharding_ctx.batch_size_per_rank
+            )
         else:
             b = _batch_sizes(None, local_embs.size(0), local_size * nodes, self.where)[0]
             by_cross, sum_by_cross = [[b] * nodes for _ in range(local_size)], [b * nodes] * local_size
@@ -232,8 +300,17 @@ class CompressedTwRwPooledEmbeddingDist(CompressedDist, TwRwPooledEmbeddingDist)
         # its bound shrinks by that factor to stay within half the bound on the original gradient.
         share = 0.5 if local_size > 1 and nodes > 1 else 1.0
         # Stock TorchRec waits for the intra-node reduce-scatter here too.
-        reduced = _reduce_scatter(self, self._intra_pg, local_embs, sum_by_cross, self._node_blocks[node],
-                                  it, sample, share, share / nodes if get_gradient_division() else share).wait()
+        reduced = _reduce_scatter(
+            self,
+            self._intra_pg,
+            local_embs,
+            sum_by_cross,
+            self._node_blocks[node],
+            it,
+            sample,
+            share,
+            share / nodes if get_gradient_division() else share,
+        ).wait()
         if nodes == 1:
             out: Awaitable[torch.Tensor] = NoWait(reduced)
         else:

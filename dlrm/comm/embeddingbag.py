@@ -15,10 +15,13 @@ import torch
 from torch import nn
 from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingInfo
 from torchrec.distributed.embedding_types import KJTList
-from torchrec.distributed.embeddingbag import (EmbeddingBagCollectionContext, EmbeddingBagCollectionSharder,
-                                               ShardedEmbeddingBagCollection, replace_placement_with_meta_device)
-from torchrec.distributed.types import (Awaitable, LazyAwaitable, ParameterSharding, QuantizedCommCodecs,
-                                        ShardingEnv)
+from torchrec.distributed.embeddingbag import (
+    EmbeddingBagCollectionContext,
+    EmbeddingBagCollectionSharder,
+    ShardedEmbeddingBagCollection,
+    replace_placement_with_meta_device,
+)
+from torchrec.distributed.types import Awaitable, LazyAwaitable, ParameterSharding, QuantizedCommCodecs, ShardingEnv
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
@@ -32,18 +35,25 @@ class CompressedShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
 
     @classmethod
     def create_embedding_bag_sharding(
-        cls, sharding_infos: list[EmbeddingShardingInfo], env: ShardingEnv, device: torch.device | None = None,
-        permute_embeddings: bool = False, qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
+        cls,
+        sharding_infos: list[EmbeddingShardingInfo],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        permute_embeddings: bool = False,
+        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
     ) -> EmbeddingSharding:
         sharding_type = sharding_infos[0].param_sharding.sharding_type
         runtime = (qcomm_codecs_registry or {}).get(REGISTRY_KEY)
         if runtime is None or sharding_type == "data_parallel":  # DP has no output all-to-all
-            return super().create_embedding_bag_sharding(sharding_infos, env, device, permute_embeddings,
-                                                         qcomm_codecs_registry)
+            return super().create_embedding_bag_sharding(
+                sharding_infos, env, device, permute_embeddings, qcomm_codecs_registry
+            )
         if sharding_type not in COMPRESSED_SHARDINGS:
             tables = [i.embedding_config.name for i in sharding_infos]
-            raise ValueError(f"tables {tables}: sharding type {sharding_type!r} has no compressed dist; "
-                             f"use one of {sorted(COMPRESSED_SHARDINGS)} or data_parallel")
+            raise ValueError(
+                f"tables {tables}: sharding type {sharding_type!r} has no compressed dist; "
+                f"use one of {sorted(COMPRESSED_SHARDINGS)} or data_parallel"
+            )
         if device is not None and device.type == "meta":
             replace_placement_with_meta_device(sharding_infos)
         kwargs: dict[str, Any] = {"qcomm_codecs_registry": qcomm_codecs_registry}
@@ -62,9 +72,12 @@ class CompressedShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def _stash_hook(self, i: int):
         def hook(module: nn.Module, args: tuple) -> None:
             self._pre_a2a_kjts[i] = args[0]  # the KJT this rank sends: its own samples
+
         return hook
 
-    def input_dist(self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor) -> Awaitable[Awaitable[KJTList]]:
+    def input_dist(
+        self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor
+    ) -> Awaitable[Awaitable[KJTList]]:
         first = len(ctx.sharding_contexts)
         out = super().input_dist(ctx, features)
         for i, sharding_ctx in enumerate(ctx.sharding_contexts[first:]):
@@ -92,9 +105,13 @@ class CompressedShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
 class CompressedEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     """EBC sharder that builds :class:`CompressedShardedEmbeddingBagCollection`; allows RW/TWRW on CPU."""
 
-    def __init__(self, runtime: CompressionRuntime, fused_params: dict[str, Any] | None = None,
-                 qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
-                 sharding_types: Sequence[str] = ALL_SHARDING_TYPES) -> None:
+    def __init__(
+        self,
+        runtime: CompressionRuntime,
+        fused_params: dict[str, Any] | None = None,
+        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
+        sharding_types: Sequence[str] = ALL_SHARDING_TYPES,
+    ) -> None:
         registry: dict[str, Any] = dict(qcomm_codecs_registry or {})
         registry[REGISTRY_KEY] = runtime
         super().__init__(fused_params=fused_params, qcomm_codecs_registry=registry)
@@ -105,13 +122,24 @@ class CompressedEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         """Every type with a compressed dist (RW/TWRW included on CPU: gloo runs them), plus DP."""
         return list(self._allowed)
 
-    def shard(self, module: EmbeddingBagCollection, params: dict[str, ParameterSharding], env: ShardingEnv,
-              device: torch.device | None = None, module_fqn: str | None = None,
-              ) -> CompressedShardedEmbeddingBagCollection:
+    def shard(
+        self,
+        module: EmbeddingBagCollection,
+        params: dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        module_fqn: str | None = None,
+    ) -> CompressedShardedEmbeddingBagCollection:
         return CompressedShardedEmbeddingBagCollection(
-            module=module, table_name_to_parameter_sharding=params, env=env, fused_params=self.fused_params,
-            device=device, qcomm_codecs_registry=self.qcomm_codecs_registry, module_fqn=module_fqn,
-            sharded_module_order_overwrite=self._sharded_module_order_overwrite)
+            module=module,
+            table_name_to_parameter_sharding=params,
+            env=env,
+            fused_params=self.fused_params,
+            device=device,
+            qcomm_codecs_registry=self.qcomm_codecs_registry,
+            module_fqn=module_fqn,
+            sharded_module_order_overwrite=self._sharded_module_order_overwrite,
+        )
 
     @property
     def sharded_module_type(self) -> type[CompressedShardedEmbeddingBagCollection]:
@@ -121,9 +149,12 @@ class CompressedEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
 class StockEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     """TorchRec's own sharder (QComms or plain), only with the same sharding-type choice as ours."""
 
-    def __init__(self, fused_params: dict[str, Any] | None = None,
-                 qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
-                 sharding_types: Sequence[str] = ALL_SHARDING_TYPES) -> None:
+    def __init__(
+        self,
+        fused_params: dict[str, Any] | None = None,
+        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
+        sharding_types: Sequence[str] = ALL_SHARDING_TYPES,
+    ) -> None:
         super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry)
         self._allowed = list(sharding_types)
 

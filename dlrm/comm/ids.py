@@ -30,13 +30,13 @@ def chunk_ids(kjt: KeyedJaggedTensor | None, regions: Sequence[Region]) -> list[
 
     ``kjt`` is feature-major with a fixed stride (TorchRec's layout for non-VBE batches).
     """
-    if (kjt is None or kjt.weights_or_none() is not None or kjt.variable_stride_per_key()
-            or not regions):
+    if kjt is None or kjt.weights_or_none() is not None or kjt.variable_stride_per_key() or not regions:
         return [None] * len(regions)
     stride = kjt.stride()
     lengths = kjt.lengths().view(-1, stride)
-    checks = [(lengths[r.key_start:r.key_start + r.n_keys, r.bag_start:r.bag_start + r.count] == 1).all()
-              for r in regions]
+    checks = [
+        (lengths[r.key_start : r.key_start + r.n_keys, r.bag_start : r.bag_start + r.count] == 1).all() for r in regions
+    ]
     single = torch.stack(checks).tolist()
     offsets, values, dev = kjt.offsets(), kjt.values(), lengths.device
     out: list[torch.Tensor | None] = []
@@ -59,8 +59,8 @@ def sum_duplicates(g: torch.Tensor, ids: torch.Tensor, widths: Sequence[int]) ->
     for k, w in enumerate(widths):
         if w:
             uniq, inverse = torch.unique(ids[:, k], return_inverse=True)
-            sums = g.new_zeros(uniq.numel(), w).index_add_(0, inverse, g[:, c:c + w])
-            out[:, c:c + w] = sums[inverse]
+            sums = g.new_zeros(uniq.numel(), w).index_add_(0, inverse, g[:, c : c + w])
+            out[:, c : c + w] = sums[inverse]
         c += w
     return out
 
@@ -84,6 +84,6 @@ def keep_first_duplicates(g: torch.Tensor, ids: torch.Tensor, widths: Sequence[i
     for k, w in enumerate(widths):
         if w:
             keep = first_occurrence(ids[:, k]).unsqueeze(1)
-            g[:, c:c + w] = torch.where(keep, g[:, c:c + w], 0.0)  # not `*= mask`: inf * 0 is nan
+            g[:, c : c + w] = torch.where(keep, g[:, c : c + w], 0.0)  # not `*= mask`: inf * 0 is nan
         c += w
     return g

@@ -16,39 +16,52 @@ from dlrm.comm.embeddingbag import CompressedEmbeddingBagCollectionSharder, Stoc
 
 
 def _qcomm_registry(spec: CompressionSpec) -> dict[str, Any] | None:
-    cfg = QCommsConfig(forward_precision=CommType(spec.qcomm_forward),
-                       backward_precision=CommType(spec.qcomm_backward))
+    cfg = QCommsConfig(forward_precision=CommType(spec.qcomm_forward), backward_precision=CommType(spec.qcomm_backward))
     # No device argument, as in TorchRec's examples: with device="cpu" TorchRec silently turns
     # bf16 into fp16, although bf16 runs on gloo with torch 2.13.
     return get_qcomm_codecs_registry(cfg)
 
 
-def build_sharders(spec: CompressionSpec, bound_fn_forward: BoundFn | None = None,
-                   bound_fn_backward: BoundFn | None = None,
-                   fused_params: dict[str, Any] | None = None) -> list[ModuleSharder]:
+def build_sharders(
+    spec: CompressionSpec,
+    bound_fn_forward: BoundFn | None = None,
+    bound_fn_backward: BoundFn | None = None,
+    fused_params: dict[str, Any] | None = None,
+) -> list[ModuleSharder]:
     """The EBC sharder for a parsed :class:`CompressionSpec`; bounded codecs need their direction's
     ``bound_fn`` (a policy, or :func:`dlrm.comm.fixed_bound`)."""
     if spec.kind == "qcomm":
         if bound_fn_forward is not None or bound_fn_backward is not None:
             raise ValueError(f"compression {spec.name!r} is a QComms config: it has no error bounds")
-        return [StockEmbeddingBagCollectionSharder(fused_params=fused_params,
-                                                   qcomm_codecs_registry=_qcomm_registry(spec),
-                                                   sharding_types=spec.sharding_types)]
+        return [
+            StockEmbeddingBagCollectionSharder(
+                fused_params=fused_params,
+                qcomm_codecs_registry=_qcomm_registry(spec),
+                sharding_types=spec.sharding_types,
+            )
+        ]
     assert spec.forward is not None and spec.backward is not None
-    runtime = CompressionRuntime(forward=DirectionCodec(spec.forward, "forward", bound_fn_forward),
-                                 backward=DirectionCodec(spec.backward, "backward", bound_fn_backward),
-                                 sample_every=spec.sample_every, name=spec.name)
-    return [CompressedEmbeddingBagCollectionSharder(runtime, fused_params=fused_params,
-                                                    sharding_types=spec.sharding_types)]
+    runtime = CompressionRuntime(
+        forward=DirectionCodec(spec.forward, "forward", bound_fn_forward),
+        backward=DirectionCodec(spec.backward, "backward", bound_fn_backward),
+        sample_every=spec.sample_every,
+        name=spec.name,
+    )
+    return [
+        CompressedEmbeddingBagCollectionSharder(runtime, fused_params=fused_params, sharding_types=spec.sharding_types)
+    ]
 
 
-def make_sharders(compression_cfg: Mapping[str, Any], bound_fn_forward: BoundFn | None = None,
-                  bound_fn_backward: BoundFn | None = None, *,
-                  fused_params: dict[str, Any] | None = None) -> list[ModuleSharder]:
+def make_sharders(
+    compression_cfg: Mapping[str, Any],
+    bound_fn_forward: BoundFn | None = None,
+    bound_fn_backward: BoundFn | None = None,
+    *,
+    fused_params: dict[str, Any] | None = None,
+) -> list[ModuleSharder]:
     """Sharders for a `compression` config (dict or DictConfig); pass them to the planner and DMP.
 
     ``bound_fn_*(feature, direction, iteration) -> float``: the bound of each table block (absolute,
     or a fraction of each block's range with ``mode: rel``).
     """
-    return build_sharders(parse_compression_cfg(compression_cfg), bound_fn_forward, bound_fn_backward,
-                          fused_params)
+    return build_sharders(parse_compression_cfg(compression_cfg), bound_fn_forward, bound_fn_backward, fused_params)

@@ -15,8 +15,13 @@ from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
 from torchrec.distributed.sharding.twcw_sharding import TwCwPooledEmbeddingSharding
 from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingSharding
 
-from dlrm.comm.dist import (REGISTRY_KEY, CompressedRwPooledEmbeddingDist, CompressedTwPooledEmbeddingDist,
-                            CompressedTwRwPooledEmbeddingDist, CompressionRuntime)
+from dlrm.comm.dist import (
+    REGISTRY_KEY,
+    CompressedRwPooledEmbeddingDist,
+    CompressedTwPooledEmbeddingDist,
+    CompressedTwRwPooledEmbeddingDist,
+    CompressionRuntime,
+)
 
 
 def runtime_of(sharding: Any) -> CompressionRuntime:
@@ -24,20 +29,26 @@ def runtime_of(sharding: Any) -> CompressionRuntime:
     registry = sharding.qcomm_codecs_registry or {}
     runtime = registry.get(REGISTRY_KEY)
     if not isinstance(runtime, CompressionRuntime):
-        raise ValueError(f"{type(sharding).__name__}: qcomm_codecs_registry has no {REGISTRY_KEY!r} "
-                         "entry; build the sharder with dlrm.comm.make_sharders")
+        raise ValueError(
+            f"{type(sharding).__name__}: qcomm_codecs_registry has no {REGISTRY_KEY!r} "
+            "entry; build the sharder with dlrm.comm.make_sharders"
+        )
     return runtime
 
 
 def feature_tables(groups_per_rank: Any) -> dict[str, str]:
     """embedding (feature) name -> table name, for error messages."""
-    return {name: table.name for groups in groups_per_rank for g in groups for table in g.embedding_tables
-            for name in table.embedding_names}
+    return {
+        name: table.name
+        for groups in groups_per_rank
+        for g in groups
+        for table in g.embedding_tables
+        for name in table.embedding_names
+    }
 
 
 def _names_per_rank(sharding: Any) -> list[list[str]]:
-    return [[n for g in groups for n in g.embedding_names()]
-            for groups in sharding._grouped_embedding_configs_per_rank]
+    return [[n for g in groups for n in g.embedding_names()] for groups in sharding._grouped_embedding_configs_per_rank]
 
 
 class CompressedTwPooledEmbeddingSharding(TwPooledEmbeddingSharding):
@@ -46,11 +57,16 @@ class CompressedTwPooledEmbeddingSharding(TwPooledEmbeddingSharding):
     def create_output_dist(self, device: torch.device | None = None) -> CompressedTwPooledEmbeddingDist:
         assert self._pg is not None
         return CompressedTwPooledEmbeddingDist(
-            pg=self._pg, dim_sum_per_rank=self._dim_sum_per_rank(),
+            pg=self._pg,
+            dim_sum_per_rank=self._dim_sum_per_rank(),
             emb_dim_per_rank_per_feature=self._emb_dim_per_rank_per_feature(),
-            embedding_names_per_rank=_names_per_rank(self), runtime=runtime_of(self),
-            keys_per_rank=self.features_per_rank(), device=device if device is not None else self._device,
-            where="table_wise", feature_tables=feature_tables(self._grouped_embedding_configs_per_rank))
+            embedding_names_per_rank=_names_per_rank(self),
+            runtime=runtime_of(self),
+            keys_per_rank=self.features_per_rank(),
+            device=device if device is not None else self._device,
+            where="table_wise",
+            feature_tables=feature_tables(self._grouped_embedding_configs_per_rank),
+        )
 
 
 class CompressedCwPooledEmbeddingSharding(CwPooledEmbeddingSharding):
@@ -61,12 +77,17 @@ class CompressedCwPooledEmbeddingSharding(CwPooledEmbeddingSharding):
     def create_output_dist(self, device: torch.device | None = None) -> CompressedTwPooledEmbeddingDist:
         stock = super().create_output_dist(device)  # only to reuse its permute callback; sends nothing
         return CompressedTwPooledEmbeddingDist(
-            pg=self._pg, dim_sum_per_rank=self._dim_sum_per_rank(),
+            pg=self._pg,
+            dim_sum_per_rank=self._dim_sum_per_rank(),
             emb_dim_per_rank_per_feature=self._emb_dim_per_rank_per_feature(),
-            embedding_names_per_rank=_names_per_rank(self), runtime=runtime_of(self),
-            keys_per_rank=self.features_per_rank(), device=device if device is not None else self._device,
-            callbacks=list(stock._callbacks or []), where=self._where,
-            feature_tables=feature_tables(self._grouped_embedding_configs_per_rank))
+            embedding_names_per_rank=_names_per_rank(self),
+            runtime=runtime_of(self),
+            keys_per_rank=self.features_per_rank(),
+            device=device if device is not None else self._device,
+            callbacks=list(stock._callbacks or []),
+            where=self._where,
+            feature_tables=feature_tables(self._grouped_embedding_configs_per_rank),
+        )
 
 
 class CompressedTwCwPooledEmbeddingSharding(CompressedCwPooledEmbeddingSharding, TwCwPooledEmbeddingSharding):
@@ -81,23 +102,32 @@ class CompressedRwPooledEmbeddingSharding(RwPooledEmbeddingSharding):
     def create_output_dist(self, device: torch.device | None = None) -> CompressedRwPooledEmbeddingDist:
         assert self._pg is not None
         return CompressedRwPooledEmbeddingDist(
-            self._pg, embedding_names=self.embedding_names(), embedding_dims=self.embedding_dims(),
-            runtime=runtime_of(self), feature_tables=feature_tables([self._grouped_embedding_configs]))
+            self._pg,
+            embedding_names=self.embedding_names(),
+            embedding_dims=self.embedding_dims(),
+            runtime=runtime_of(self),
+            feature_tables=feature_tables([self._grouped_embedding_configs]),
+        )
 
 
 class CompressedTwRwPooledEmbeddingSharding(TwRwPooledEmbeddingSharding):
     """Table-row-wise sharding: compressed intra-node reduce-scatter and cross-node all-to-all."""
 
     def create_output_dist(self, device: torch.device | None = None) -> CompressedTwRwPooledEmbeddingDist:
-        names_per_node = [[n for g in groups for n in g.embedding_names()]
-                          for groups in self._grouped_embedding_configs_per_node]
+        names_per_node = [
+            [n for g in groups for n in g.embedding_names()] for groups in self._grouped_embedding_configs_per_node
+        ]
         return CompressedTwRwPooledEmbeddingDist(
-            rank=self._rank, cross_pg=self._cross_pg, intra_pg=self._intra_pg,  # type: ignore[arg-type]
+            rank=self._rank,
+            cross_pg=self._cross_pg,
+            intra_pg=self._intra_pg,  # type: ignore[arg-type]
             dim_sum_per_node=self._dim_sum_per_node(),
             emb_dim_per_node_per_feature=self._emb_dim_per_node_per_feature(),
-            embedding_names_per_node=names_per_node, runtime=runtime_of(self),
+            embedding_names_per_node=names_per_node,
+            runtime=runtime_of(self),
             device=device if device is not None else self._device,
-            feature_tables=feature_tables(self._grouped_embedding_configs_per_node))
+            feature_tables=feature_tables(self._grouped_embedding_configs_per_node),
+        )
 
 
 COMPRESSED_SHARDINGS = {

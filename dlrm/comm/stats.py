@@ -85,7 +85,7 @@ def derive(sums: Mapping[str, float], maxes: Mapping[str, float]) -> dict[str, f
         prefix = f"{d}/sampled_raw_bytes/"
         for k, sraw in sums.items():
             if k.startswith(prefix):
-                feature = k[len(prefix):]
+                feature = k[len(prefix) :]
                 swire = sums.get(f"{d}/sampled_wire_bytes/{feature}", 0.0)
                 if swire > 0:
                     out[f"comm/{d}/ratio/{feature}"] = sraw / swire
@@ -105,4 +105,4 @@ def key(direction: str, name: str, feature: str | None = None) -> str:
 def per_feature(stats: Mapping[str, float], direction: str, name: str) -> dict[str, float]:
     """``{feature: value}`` of one per-feature statistic (e.g. ``max_abs_error``) in :func:`derive` output."""
     prefix = key(direction, name) + "/"
-    return {k[len(prefix):]: float(v) for k, v in stats.items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: float(v) for k, v in stats.items() if k.startswith(prefix)}
