@@ -25,10 +25,13 @@ API (the contract in DESIGN.md "Public contracts")::
   (``group_size``). Benchmark: ``python -m compression.bench --help``.
 """
 
+from . import baselines as _baselines  # noqa: F401  (register codecs)
+from . import cast as _cast  # noqa: F401  (register codecs)
+from . import lossy as _lossy  # noqa: F401  (register codecs)
+from . import sparse as _sparse  # noqa: F401  (register codecs)
 from .base import Codec, available_codecs, codec_for, decode, get_codec, register
 from .bounds import relative_to_absolute
 from .format import PayloadError
-from . import baselines as _baselines, cast as _cast, lossy as _lossy  # noqa: F401  (register codecs)
 
 __all__ = [
     "Codec",

@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 import math
-from typing import ClassVar, Sequence, Union
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import ClassVar
 
 import torch
 
 from . import format as fmt
 from .format import PayloadError
 
-Bound = Union[float, Sequence[float], torch.Tensor]
+Bound = float | Sequence[float] | torch.Tensor
 
-_REGISTRY: dict[str, type["Codec"]] = {}
-_BY_ID: dict[int, type["Codec"]] = {}
+_REGISTRY: dict[str, type[Codec]] = {}
+_BY_ID: dict[int, type[Codec]] = {}
 
 
-def register(cls: type["Codec"]) -> type["Codec"]:
+def register(cls: type[Codec]) -> type[Codec]:
     """Class decorator: make a codec reachable by ``get_codec(cls.name)`` and by its payload id."""
     if cls.name in _REGISTRY or cls.codec_id in _BY_ID:
         raise ValueError(f"codec name {cls.name!r} or id {cls.codec_id} registered twice")
@@ -26,7 +27,7 @@ def register(cls: type["Codec"]) -> type["Codec"]:
     return cls
 
 
-def get_codec(name: str, **params) -> "Codec":
+def get_codec(name: str, **params) -> Codec:
     """Build the codec registered as ``name`` with its keyword parameters."""
     if name not in _REGISTRY:
         raise ValueError(f"unknown codec {name!r}; available: {', '.join(sorted(_REGISTRY))}")
@@ -41,7 +42,7 @@ def available_codecs() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def codec_for(payload: torch.Tensor) -> "Codec":
+def codec_for(payload: torch.Tensor) -> Codec:
     """The (default-parameter) codec that wrote ``payload``; decoding needs no parameters."""
     header, _ = fmt.unpack(payload)
     if header.codec_id not in _BY_ID:

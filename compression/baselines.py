@@ -9,7 +9,8 @@ zero-padded to a whole number of chunks. fbgemm is imported on first use only.
 
 from __future__ import annotations
 
-from typing import ClassVar, Sequence
+from collections.abc import Sequence
+from typing import ClassVar
 
 import torch
 
@@ -24,7 +25,7 @@ HFP8_MAX = 2.0 ** ((1 << HFP8_EBITS) - 2 - HFP8_BIAS) * (2 - 2.0**-HFP8_MBITS)
 def _fbgemm() -> None:
     """Load fbgemm's operators (slow import, and absent on some installs)."""
     try:
-        import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
+        import fbgemm_gpu  # registers torch.ops.fbgemm
         import fbgemm_gpu.quantize.quantize_ops  # noqa: F401
     except ImportError as e:  # pragma: no cover - depends on the install
         raise NotImplementedError(f"fbgemm_gpu is not importable ({e}); the fbgemm baselines need it") from e

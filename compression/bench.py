@@ -118,14 +118,19 @@ def run_variant(v: Variant, tables: dict, bounds: list[list[float]] | None, repe
     vals = [tables[n]["values"] for n in names]
     ids = [tables[n].get("ids") if v.use_ids else None for n in names]
     ebs = bounds if bounds is not None else [None] * len(names)
-    t_enc, payloads = _timed(lambda: [codec.encode(x, e, i) for x, e, i in zip(vals, ebs, ids)], repeats)
-    t_dec, outs = _timed(lambda: [codec.decode(p, i) for p, i in zip(payloads, ids)], repeats)
+    t_enc, payloads = _timed(lambda: [codec.encode(x, e, i) for x, e, i in zip(vals, ebs, ids, strict=True)], repeats)
+    t_dec, outs = _timed(lambda: [codec.decode(p, i) for p, i in zip(payloads, ids, strict=True)], repeats)
     bufs = [torch.empty_like(x) for x in vals]
-    t_into, _ = _timed(lambda: [codec.decode(p, i, out=b) for p, i, b in zip(payloads, ids, bufs)], repeats)
-    if any(not torch.equal(b.view(-1).view(torch.uint8), y.view(-1).view(torch.uint8)) for b, y in zip(bufs, outs)):
+    t_into, _ = _timed(
+        lambda: [codec.decode(p, i, out=b) for p, i, b in zip(payloads, ids, bufs, strict=True)], repeats
+    )
+    if any(
+        not torch.equal(b.view(-1).view(torch.uint8), y.view(-1).view(torch.uint8))
+        for b, y in zip(bufs, outs, strict=True)
+    ):
         raise AssertionError(f"{v.label}: decoding into a buffer differs from decoding into a fresh tensor")
     errs = []
-    for x, y in zip(vals, outs):
+    for x, y in zip(vals, outs, strict=True):
         fin = torch.isfinite(x)
         errs.append((y.double()[fin] - x.double()[fin]).abs().max().item() if fin.any() else 0.0)
     return t_enc, t_dec, t_into, sum(int(p.numel()) for p in payloads), errs
@@ -175,9 +180,10 @@ def benchmark(
                     [e] if mode == "abs" else compression.relative_to_absolute(t["values"], e) for t in tables.values()
                 ]
                 t_enc, t_dec, t_into, out, errs = run_variant(v, tables, per_table, repeats)
-                held = all(err <= b[0] for err, b in zip(errs, per_table))
+                held = all(err <= b[0] for err, b in zip(errs, per_table, strict=True))
                 worst = max(
-                    (err / b[0] if b[0] > 0 else (0.0 if err == 0 else math.inf)) for err, b in zip(errs, per_table)
+                    (err / b[0] if b[0] > 0 else (0.0 if err == 0 else math.inf))
+                    for err, b in zip(errs, per_table, strict=True)
                 )
                 rows.append(
                     Row(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from collections.abc import Sequence
 
 import torch
 
@@ -10,7 +10,7 @@ from .base import check_input, resolve_blocks
 
 
 def relative_to_absolute(
-    x: torch.Tensor, rel: Union[float, Sequence[float], torch.Tensor], blocks: Sequence[int] | None = None
+    x: torch.Tensor, rel: float | Sequence[float] | torch.Tensor, blocks: Sequence[int] | None = None
 ) -> list[float]:
     """Absolute bound per column block: ``rel`` times the block's finite value range.
 
@@ -32,9 +32,9 @@ def relative_to_absolute(
     finite = torch.isfinite(xf)
     hi = torch.where(finite, xf, float("-inf")).amax(dim=0)  # per column
     lo = torch.where(finite, xf, float("inf")).amin(dim=0)
-    starts = torch.tensor([0] + widths[:-1]).cumsum(0).tolist()
+    starts = torch.tensor([0, *widths[:-1]]).cumsum(0).tolist()
     out = []
-    for r, s, w in zip(rels, starts, widths):
+    for r, s, w in zip(rels, starts, widths, strict=True):
         top, bottom = (hi[s : s + w].max().item(), lo[s : s + w].min().item()) if w else (0.0, 0.0)
         span = top - bottom if top >= bottom else 0.0  # no finite value: empty range
         out.append(r * span)

@@ -93,10 +93,7 @@ class ZstdCoder:
         planes = (top.bit_length() + 7) // 8
         if planes == 0:
             return torch.zeros(1, dtype=torch.uint8, device=device)
-        if planes == 1:
-            raw = codes.to(torch.uint8)
-        else:
-            raw = codes.view(torch.uint8).view(-1, 4)[:, :planes].t().contiguous()
+        raw = codes.to(torch.uint8) if planes == 1 else codes.view(torch.uint8).view(-1, 4)[:, :planes].t().contiguous()
         frame = self._cctx.compress(raw.numpy())
         out = torch.empty(1 + len(frame), dtype=torch.uint8)
         out[0] = planes

@@ -26,8 +26,9 @@ raw byte costs.
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Hashable, Mapping, NamedTuple, Sequence, TypeVar
+from typing import NamedTuple, TypeVar
 
 INF = math.inf
 
@@ -354,4 +355,4 @@ def harmonic_ratio(raw_bytes: Sequence[float], ratios: Sequence[float]) -> float
     """Aggregate ratio of several tables: total raw bytes over total wire bytes."""
     if len(raw_bytes) != len(ratios) or not raw_bytes:
         raise ValueError("harmonic_ratio needs one ratio per raw byte count")
-    return sum(raw_bytes) / sum(r / _positive("ratio", c) for r, c in zip(raw_bytes, ratios))
+    return sum(raw_bytes) / sum(r / _positive("ratio", c) for r, c in zip(raw_bytes, ratios, strict=True))

@@ -117,7 +117,7 @@ def _row_hashes(x: torch.Tensor, widths: list[int]) -> torch.Tensor:
         return _row_hashes_host(x, widths)
     bits = x.contiguous().view(torch.int32 if x.element_size() == 4 else torch.int16).int()
     gen = torch.Generator().manual_seed(_HASH_SEED)
-    mult = (torch.randint(-(1 << 30), 1 << 30, (2, max(widths + [1])), generator=gen, dtype=torch.int32) * 2 + 1).to(
+    mult = (torch.randint(-(1 << 30), 1 << 30, (2, max([*widths, 1])), generator=gen, dtype=torch.int32) * 2 + 1).to(
         x.device
     )
 
@@ -145,7 +145,7 @@ def _host_multipliers(n: int) -> np.ndarray:
 def _row_hashes_host(x: torch.Tensor, widths: list[int]) -> torch.Tensor:
     bits, ww = _words(x, widths)
     a = bits.numpy().astype(np.int64, copy=False)
-    mult = _host_multipliers(max(ww + [1]))
+    mult = _host_multipliers(max([*ww, 1]))
     if len(set(ww)) == 1 and ww[0] > 0:  # integer matmul wraps silently: that is the hash
         return torch.from_numpy(a.reshape(x.shape[0], len(ww), ww[0]) @ mult[: ww[0]])
     cols, start = [], 0
@@ -157,7 +157,7 @@ def _row_hashes_host(x: torch.Tensor, widths: list[int]) -> torch.Tensor:
 
 def plan_by_value(x: torch.Tensor, widths: list[int]) -> Plan:
     """Dedup bit-identical rows per block; a block whose hash collides is left undeduplicated."""
-    rows, nb = x.shape[0], len(widths)
+    rows = x.shape[0]
     keys = _row_hashes(x, widths)
     counts, first, inverse = unique_per_block(keys)
     bad = mismatched_blocks(x, widths, counts, first, inverse)
@@ -208,7 +208,7 @@ def gather(x: torch.Tensor, widths: list[int], plan: Plan) -> torch.Tensor:
         blk = torch.repeat_interleave(torch.arange(nb, device=x.device), plan.counts)
         return torch.index_select(x.reshape(-1, d), 0, plan.first * nb + blk).view(-1)
     parts, start, row0 = [], 0, 0
-    for w, u in zip(widths, plan.counts.tolist()):
+    for w, u in zip(widths, plan.counts.tolist(), strict=True):
         parts.append(torch.index_select(x[:, start : start + w], 0, plan.first[row0 : row0 + u]).reshape(-1))
         start, row0 = start + w, row0 + u
     return torch.cat(parts)

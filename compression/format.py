@@ -87,7 +87,7 @@ def pack(header: Header, sections: list[torch.Tensor], device: torch.device | No
         device = body_parts[0].device if body_parts else torch.device("cpu")
     pieces = [_on(torch.frombuffer(bytearray(bytes(_PREFIX.size) + rest), dtype=torch.uint8), device)]
     zeros = _on(_ZEROS, device)
-    for p, n in zip(body_parts, lengths):
+    for p, n in zip(body_parts, lengths, strict=True):
         pieces.append(_on(p, device))
         if _pad(n):
             pieces.append(zeros[: _pad(n)])

@@ -70,7 +70,7 @@ def dequantize_kernel(codes_ptr, step_ptr, out_ptr, n, PER_VALUE: tl.constexpr, 
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     z = tl.load(codes_ptr + offs, mask=mask, other=0)
-    if PER_VALUE:
+    if PER_VALUE:  # noqa: SIM108  (Triton JIT code: the branch on the constexpr stays a statement)
         step = tl.load(step_ptr + offs, mask=mask, other=1.0)
     else:
         step = tl.load(step_ptr)

@@ -8,15 +8,16 @@ word 0 = dedup mode | coder << 2, word 1 = fingerprint of the ids in id mode.
 from __future__ import annotations
 
 import os
-from typing import Sequence, Union
+from collections.abc import Sequence
 
 import torch
 
-from . import coders, dedup, format as fmt, quantize, reference
+from . import coders, dedup, quantize, reference
+from . import format as fmt
 from .base import Bound, Codec, check_ids, check_input, check_out, register, resolve_blocks, resolve_bounds
 from .format import PayloadError
 
-Entropy = Union[bool, str]
+Entropy = bool | str
 
 
 _WEIGHTS: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -135,7 +136,7 @@ class LossyCodec(Codec):
         else:
             plan = dedup.identity_plan(rows, len(widths), x.device)
         values = dedup.gather(x, widths, plan)
-        sizes = [u * w for u, w in zip(plan.counts.tolist(), widths)]
+        sizes = [u * w for u, w in zip(plan.counts.tolist(), widths, strict=True)]
         step, ed = quantize.steps_and_margins(bounds, sizes, x.device)
         codes, exceptions = quantize.encode(values, step, ed, backend)
 
@@ -185,7 +186,7 @@ class LossyCodec(Codec):
             if bool((counts != rows).any()):
                 raise PayloadError(f"undeduplicated payload with counts {counts.tolist()[:8]} != {rows}")
             inverse = None
-        sizes = [u * w for u, w in zip(counts.tolist(), widths)]
+        sizes = [u * w for u, w in zip(counts.tolist(), widths, strict=True)]
         n = sum(sizes)
         codes = coder.decode(codes_s, n, "codes")
         step, _ = quantize.steps_and_margins(header.bounds, sizes, device)

@@ -17,7 +17,7 @@ def steps_and_margins(bounds: list[float], sizes: list[int], device: torch.devic
     """Per-value (or one shared) float32 bin width ``2 eb`` and strict margin ``ed`` (<= eb)."""
     steps = [reference.step_of(e) for e in bounds]
     eds = [reference.float32_at_most(e) for e in bounds]
-    if len(set(zip(steps, eds))) <= 1:  # one bound for the whole payload: broadcast a scalar
+    if len(set(zip(steps, eds, strict=True))) <= 1:  # one bound for the whole payload: broadcast a scalar
         return (
             torch.tensor(steps[0] if steps else 1.0, device=device),
             torch.tensor(eds[0] if eds else 0.0, device=device),

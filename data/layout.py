@@ -15,8 +15,9 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -108,7 +109,7 @@ class NpyWriter:
     def __init__(self, path: Path, rows: int, row_shape: tuple[int, ...], dtype: np.dtype) -> None:
         self.path, self.rows, self.row_shape, self.dtype = path, rows, tuple(row_shape), np.dtype(dtype)
         self.written = 0
-        self._f: BinaryIO = open(path, "wb")
+        self._f: BinaryIO = open(path, "wb")  # noqa: SIM115  (owned by the writer, closed by close())
         header = {
             "descr": np.lib.format.dtype_to_descr(self.dtype),
             "fortran_order": False,

@@ -2,7 +2,8 @@
 
 Row order: the rows of the given stems are concatenated in the given order; with ``shuffle`` the
 epoch's order is a permutation drawn from ``(seed, epoch)`` only (``data.shuffle``: held in
-memory up to 134M rows, computed per position above), so it does not depend on the world size. Global batch ``g`` is the ``batch_size * world_size`` consecutive rows
+memory up to 134M rows, computed per position above), so it does not depend on the world size.
+Global batch ``g`` is the ``batch_size * world_size`` consecutive rows
 ``g*B*W .. (g+1)*B*W`` of that order and rank ``r`` takes its ``r``-th slice of ``batch_size``
 rows; hence for a fixed global batch size, every global batch holds the same rows whatever the
 world size. The final partial global batch is split as evenly as possible over the ranks (sizes
@@ -15,7 +16,8 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch

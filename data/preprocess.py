@@ -15,8 +15,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -111,7 +112,7 @@ def preprocess(
     counters = [ValueCounter() for _ in range(NUM_SPARSE)]
     infos: list[dict[str, Any]] = []
     bad_count, bad_first = 0, []
-    for path, stem in zip(paths, stems):
+    for path, stem in zip(paths, stems, strict=True):
         rows = positives = 0
         for chunk in chunks(path):
             rows += len(chunk.labels)
@@ -147,7 +148,7 @@ def preprocess(
 
     # Pass 2: parse again and write the arrays of each file.
     with atomic_dataset_dir(out, overwrite=overwrite) as tmp:
-        for path, info in zip(paths, infos):
+        for path, info in zip(paths, infos, strict=True):
             stem, rows = info["stem"], info["rows"]
             writers = [
                 NpyWriter(array_path(tmp, stem, "dense"), rows, (NUM_DENSE,), DENSE_DTYPE),

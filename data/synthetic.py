@@ -19,9 +19,10 @@ import json
 import math
 import sys
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -149,12 +150,12 @@ class HiddenModel:
     samplers: list[ZipfSampler] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
-        self.samplers = [ZipfSampler(n - 1, s) for n, s in zip(self.num_embeddings, self.exponents)]
+        self.samplers = [ZipfSampler(n - 1, s) for n, s in zip(self.num_embeddings, self.exponents, strict=True)]
 
     @classmethod
     def build(
         cls, seed: int, max_cardinality: int | None, zipf_range: tuple[float, float], positive_rate: float
-    ) -> "HiddenModel":
+    ) -> HiddenModel:
         """Draw the model from ``seed`` and calibrate its intercept to ``positive_rate``."""
         if not 0 < positive_rate < 1:
             raise ValueError(f"positive_rate must be in (0, 1), got {positive_rate}")
@@ -350,7 +351,7 @@ def format_tsv(
     pieces.append(np.frombuffer(b"0123456789abcdef", np.uint8)[nib])
     lens.append(np.where(sparse_missing, 0, 8))
     cols, masks = [], []
-    for chars, length in zip(pieces, lens):
+    for chars, length in zip(pieces, lens, strict=True):
         for f in range(chars.shape[1]):
             cols += [chars[:, f, :], np.full((n, 1), 9, np.uint8)]
             masks += [np.arange(chars.shape[2]) < length[:, f, None], np.ones((n, 1), bool)]

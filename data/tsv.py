@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import gzip
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 import numpy as np
 from iopath.common.file_io import PathManager

@@ -35,24 +35,26 @@ def prepare_data(cfg: Mapping[str, Any], env: DistEnv) -> Path:
         return path
     if name == "criteo_sample":
         path = _cache_dir(cfg, "criteo_sample", {"v": 1})
-        build = lambda: prepare_sample(path)  # noqa: E731
+
+        def build() -> None:
+            prepare_sample(path)
+
     elif name == "synthetic":
         options = {k: cfg[k] for k in ("rows", "max_cardinality", "seed", "positive_rate")}
         options["rows"] = dict(options["rows"])
         path = _cache_dir(cfg, "synthetic", options)
         from data.synthetic import generate
 
-        build = lambda: (
-            path
-            if (path / "meta.json").exists()
-            else generate(  # noqa: E731
-                path,
-                rows=options["rows"],
-                seed=int(options["seed"]),
-                max_cardinality=options["max_cardinality"],
-                positive_rate=float(options["positive_rate"]),
-            )
-        )
+        def build() -> None:
+            if not (path / "meta.json").exists():
+                generate(
+                    path,
+                    rows=options["rows"],
+                    seed=int(options["seed"]),
+                    max_cardinality=options["max_cardinality"],
+                    positive_rate=float(options["positive_rate"]),
+                )
+
     else:
         raise ValueError(f"data.name must be criteo, criteo_sample or synthetic (got {name!r})")
     if env.is_main:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -69,7 +70,7 @@ class WarmupDecayLR:
 
     def _apply(self) -> None:
         f = self.factor(self.step_count)
-        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
             group["lr"] = base * f
 
     def step(self) -> None:

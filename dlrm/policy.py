@@ -14,6 +14,8 @@ from typing import Any
 from compression.policies import (
     CLASSES,
     DIRECTIONS,
+    KAGGLE_LOOSE_FRACTION,
+    KAGGLE_TIGHT_FRACTION,
     KINDS,
     PUBLISHED_BOUNDS,
     PUBLISHED_C,
@@ -28,7 +30,6 @@ from compression.policies import (
     automatic_classes,
     published_classes,
 )
-from compression.policies import KAGGLE_LOOSE_FRACTION, KAGGLE_TIGHT_FRACTION
 from data.layout import SPARSE_NAMES
 from dlrm.comm.config import CompressionSpec
 from dlrm.comm.stats import per_feature

@@ -9,7 +9,8 @@ Tag naming (the same as ``dlrm.comm.stats`` writes, direction first): ``comm/<di
 from __future__ import annotations
 
 import re
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from compression.policies import DIRECTIONS, Policy
 
@@ -67,4 +68,4 @@ def add_layout(writer: Any, directions: Sequence[str] = DIRECTIONS) -> None:
     writer.add_custom_scalars(custom_scalars_layout(directions))
 
 
-__all__ = ["eb_tag", "ratio_tag", "policy_scalars", "custom_scalars_layout", "add_layout"]
+__all__ = ["add_layout", "custom_scalars_layout", "eb_tag", "policy_scalars", "ratio_tag"]

@@ -24,7 +24,7 @@ from dlrm.comm import comm_summary, make_sharders, parse_compression_cfg, set_it
 from dlrm.config_checks import check_moved_keys
 from dlrm.datasets import RunData
 from dlrm.env import init_distributed, shutdown
-from dlrm.loop import LoopPlan, Stepper, StepObserver, TrainState, evaluate, take, train
+from dlrm.loop import LoopPlan, StepObserver, Stepper, TrainState, evaluate, take, train
 from dlrm.metrics import final_metrics, write_metrics_json
 from dlrm.model import build_model, table_names
 from dlrm.optim import WarmupDecayLR, apply_sparse_optimizer, build_optimizer

@@ -20,6 +20,7 @@ loopback is one medium for all ranks: each rank gets rate/N while all send at on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -30,9 +31,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from compression import cost_model as cm
 from dlrm.bench import netreport
@@ -107,7 +109,7 @@ class Namespace:
             raise BenchError(f"namespace name {name!r}: use letters, digits, '_', '-', '.' only")
         self.name = name
 
-    def __enter__(self) -> "Namespace":
+    def __enter__(self) -> Namespace:
         if self.name in _ip("netns", "list").stdout.split():
             raise BenchError(
                 f"network namespace {self.name!r} exists already (another benchmark, or a "
@@ -139,10 +141,8 @@ class Namespace:
 
     def kill_all(self) -> None:
         for pid in self.pids():
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
     def argv(self, *cmd: str) -> list[str]:
         return ["ip", "netns", "exec", self.name, *cmd]
@@ -335,7 +335,8 @@ def projection_lines(summaries: list[netreport.Summary], o: Options, label: str 
         f"  forward + backward: {cm.speedup(base, p['forward_backward']):.3f}x "
         f"(Amdahl cap {cm.amdahl_limit(base.a2a_share):.3f}x)",
         f"  with the published Huffman ratio ({PUBLISHED_RATIO:g}x, both directions): forward only "
-        f"{cm.speedup(base, q['forward_only']):.3f}x, forward + backward {cm.speedup(base, q['forward_backward']):.3f}x",
+        f"{cm.speedup(base, q['forward_only']):.3f}x, "
+        f"forward + backward {cm.speedup(base, q['forward_backward']):.3f}x",
     ]
 
 

@@ -13,9 +13,10 @@ import json
 import math
 import re
 import statistics
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from compression import cost_model as cm
 

@@ -16,9 +16,10 @@ import json
 import math
 import statistics
 import sys
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 REQUIRED = ("auc", "forward_ratio")
 UNBOUNDED = ("none", "fp16", "bf16", "int8", "fp8", "mx4")  # codecs without an error bound
@@ -72,7 +73,7 @@ def _load_hydra(run_dir: Path) -> tuple[dict[str, Any], list[str]]:
                 try:  # ${hydra:...} elsewhere cannot resolve outside Hydra; these keys do
                     node = OmegaConf.select(raw, key)
                     cfg[key] = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
-                except Exception:  # noqa: BLE001  an unresolvable value only loses that column
+                except Exception:  # an unresolvable value only loses that column
                     cfg[key] = None
         if ovr_path.exists():
             overrides = [str(o) for o in OmegaConf.load(ovr_path)]

@@ -9,7 +9,7 @@ as produced, before duplicate-id rows are summed).
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 

@@ -18,8 +18,9 @@ and is never compressed.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -178,7 +179,7 @@ def _sample(
     decoded = dc.codec.decode(payload, ids if dc.dedup else None)
     col_err = _nan_aware_abs_error(decoded.float(), chunk.float()).amax(dim=0) if chunk.shape[0] else None
     elt, c = chunk.element_size(), 0
-    for k, (f, w) in enumerate(zip(blocks.features, blocks.widths)):
+    for k, (f, w) in enumerate(zip(blocks.features, blocks.widths, strict=True)):
         if w and col_err is not None:
             e = float(col_err[c : c + w].max())
             stats.maximum(f"{d}/max_abs_error/{f}", e)
@@ -214,7 +215,7 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
             continue  # both sides know the shape: nothing to send
         blocks = layout.send_blocks(d, peer)
         elt = chunk.element_size()
-        for f, w in zip(blocks.features, blocks.widths):
+        for f, w in zip(blocks.features, blocks.widths, strict=True):
             stats.add(f"{d}/raw_bytes/{f}", chunk.shape[0] * w * elt)
         stats.add(f"{d}/raw_bytes", chunk.numel() * elt)
         if ids is None and id(chunk) in memo:

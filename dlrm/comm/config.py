@@ -10,8 +10,9 @@ Two kinds of config exist (see `configs/compression/`):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from dlrm.config_checks import MOVED, check_keys, plain_config
 

@@ -13,8 +13,8 @@ the training-iteration count it hands to the bound policies. On one rank they by
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -146,7 +146,8 @@ class CompressedTwPooledEmbeddingDist(CompressedDist, TwPooledEmbeddingDist):
         super().__init__(pg, dim_sum_per_rank, emb_dim_per_rank_per_feature, device=device, callbacks=callbacks)
         self._init_compressed(runtime, where, feature_tables)
         self._blocks = [
-            Blocks(list(n), list(d)) for n, d in zip(embedding_names_per_rank, emb_dim_per_rank_per_feature)
+            Blocks(list(n), list(d))
+            for n, d in zip(embedding_names_per_rank, emb_dim_per_rank_per_feature, strict=True)
         ]
         for r, b in enumerate(self._blocks):
             if b.dim != dim_sum_per_rank[r] or len(b.features) != len(b.widths):
@@ -277,7 +278,8 @@ class CompressedTwRwPooledEmbeddingDist(CompressedDist, TwRwPooledEmbeddingDist)
         super().__init__(rank, cross_pg, intra_pg, dim_sum_per_node, emb_dim_per_node_per_feature, device=device)
         self._init_compressed(runtime, where, feature_tables)
         self._node_blocks = [
-            Blocks(list(n), list(d)) for n, d in zip(embedding_names_per_node, emb_dim_per_node_per_feature)
+            Blocks(list(n), list(d))
+            for n, d in zip(embedding_names_per_node, emb_dim_per_node_per_feature, strict=True)
         ]
 
     def forward(

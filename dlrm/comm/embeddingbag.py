@@ -9,7 +9,8 @@ sharding context, which TorchRec carries from ``input_dist`` to ``compute_and_ou
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,7 +27,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from dlrm.comm.config import ALL_SHARDING_TYPES
-from dlrm.comm.dist import REGISTRY_KEY, CompressionRuntime, CompressedDist
+from dlrm.comm.dist import REGISTRY_KEY, CompressedDist, CompressionRuntime
 from dlrm.comm.sharding import COMPRESSED_SHARDINGS
 
 
@@ -86,7 +87,7 @@ class CompressedShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         return out
 
     def _stash_post_a2a(self, ctx: EmbeddingBagCollectionContext, dist_input: Sequence[KeyedJaggedTensor]) -> None:
-        for sharding_ctx, kjt in zip(ctx.sharding_contexts, dist_input):
+        for sharding_ctx, kjt in zip(ctx.sharding_contexts, dist_input, strict=True):
             sharding_ctx.post_a2a_kjt = kjt  # the bags of our tables, by source rank then sample
 
     def compute(self, ctx: EmbeddingBagCollectionContext, dist_input: KJTList) -> list[torch.Tensor]:

@@ -9,7 +9,8 @@ when all its blocks qualify (one payload per peer); otherwise the codec dedups b
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -40,7 +41,7 @@ def chunk_ids(kjt: KeyedJaggedTensor | None, regions: Sequence[Region]) -> list[
     single = torch.stack(checks).tolist()
     offsets, values, dev = kjt.offsets(), kjt.values(), lengths.device
     out: list[torch.Tensor | None] = []
-    for r, ok in zip(regions, single):
+    for r, ok in zip(regions, single, strict=True):
         if not ok or r.n_keys == 0:
             out.append(None)
             continue

@@ -25,7 +25,7 @@ What is measured, per direction (``forward`` = pooled embeddings, ``backward`` =
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 DIRECTIONS = ("forward", "backward")
 
