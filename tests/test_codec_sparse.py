@@ -1,0 +1,104 @@
+"""The threshold codec (DCT's hard thresholding) on bare tensors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import compression
+from compression.sparse import kth_largest_abs
+
+
+def gradients(n: int = 4000, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, 1, generator=g) * torch.rand(n, 1, generator=g) ** 3).contiguous()
+
+
+@pytest.mark.parametrize("keep", [0.001, 0.01, 0.1, 0.5, 1.0])
+def test_the_threshold_keeps_the_largest_fraction_and_nothing_else(keep):
+    x = gradients()
+    tau = kth_largest_abs(x, keep)
+    # independent: the ceil(keep * n) largest magnitudes by a full sort
+    k = math.ceil(keep * x.numel())
+    largest = x.abs().view(-1).sort(descending=True).values
+    assert tau == (0.0 if keep == 1.0 else float(largest[k - 1]))
+    codec = compression.get_codec("threshold", threshold=tau)
+    y = codec.decode(codec.encode(x))
+    kept = y != 0
+    assert int(kept.sum()) == k  # no ties in continuous data
+    assert torch.equal(y[kept], x[kept])  # values exact (fp32)
+    assert torch.equal(kept, x.abs() >= tau)
+
+
+def test_positions_travel_as_deltas_when_sparse_and_as_a_bitmap_when_dense():
+    n = 80000
+    x = gradients(n)
+    headers = compression.get_codec("threshold", threshold=1e9).encode(x).numel()  # nothing kept
+    positions = {}
+    for keep in (0.005, 0.5):
+        codec = compression.get_codec("threshold", threshold=kth_largest_abs(x, keep))
+        positions[keep] = codec.encode(x).numel() - headers - math.ceil(keep * n) * 4  # minus fp32 values
+    assert positions[0.005] < 400 * 2  # sparse: under two bytes per index (a u32 index list: 4)
+    assert n // 8 - 8 <= positions[0.5] <= n // 8 + 8  # dense: the bitmap, n/8 bytes (+ alignment)
+
+
+@pytest.mark.parametrize("values, tolerance", [("fp16", 2.0**-11), ("bf16", 2.0**-8)])
+def test_cast_values_round_to_their_precision(values, tolerance):
+    x = gradients()
+    codec = compression.get_codec("threshold", threshold=kth_largest_abs(x, 0.05), values=values)
+    y = codec.decode(codec.encode(x))
+    kept = x.abs() >= codec.thresholds[0]
+    torch.testing.assert_close(y[kept], x[kept], rtol=tolerance, atol=0)
+    assert bool((y[~kept] == 0).all())
+
+
+def test_lossy_values_hold_their_bound_and_shrink_the_payload():
+    x = gradients(20000)
+    tau = kth_largest_abs(x, 0.05)
+    exact = compression.get_codec("threshold", threshold=tau)
+    lossy = compression.get_codec("threshold", threshold=tau, values="lossy")
+    eb = 0.01 * float(x.abs().max())
+    y = lossy.decode(p := lossy.encode(x, eb))
+    kept = x.abs() >= tau
+    assert float((y[kept] - x[kept]).abs().max()) <= eb
+    assert p.numel() < exact.encode(x).numel() / 2
+    with pytest.raises(ValueError, match="needs one absolute bound"):
+        lossy.encode(x)
+
+
+def test_per_block_thresholds_non_finite_values_and_strided_output():
+    x = torch.tensor([[0.5, -3.0, 0.1], [2.0, float("nan"), -0.2], [float("-inf"), 0.0, 0.3]])
+    codec = compression.get_codec("threshold", threshold=[1.0, 0.25])
+    y = codec.decode(codec.encode(x, blocks=[2, 1]))
+    # block 0 (columns 0-1) keeps |x| >= 1 and the non-finite values; block 1 keeps |x| >= 0.25
+    want = torch.tensor([[0.0, -3.0, 0.0], [2.0, float("nan"), 0.0], [float("-inf"), 0.0, 0.3]])
+    assert torch.equal(y.nan_to_num(7.0), want.nan_to_num(7.0))
+    wide = torch.full((3, 5), 9.0)
+    codec.decode(codec.encode(x, blocks=[2, 1]), out=wide[:, 1:4])
+    assert torch.equal(wide[:, 1:4].nan_to_num(7.0), want.nan_to_num(7.0)) and bool((wide[:, [0, 4]] == 9).all())
+    assert codec.positions(codec.encode(x, blocks=[2, 1])).tolist() == [1, 3, 4, 6, 8]
+
+
+def test_a_damaged_payload_raises_instead_of_decoding_wrong_values():
+    x = gradients()
+    codec = compression.get_codec("threshold", threshold=kth_largest_abs(x, 0.01))
+    payload = codec.encode(x)
+    for cut in (payload.numel() // 2, payload.numel() - 1):
+        with pytest.raises(compression.PayloadError):
+            codec.decode(payload[:cut])
+    for at in range(0, payload.numel(), max(1, payload.numel() // 50)):
+        bad = payload.clone()
+        bad[at] ^= 0x10
+        with pytest.raises(compression.PayloadError):
+            codec.decode(bad)
+
+
+def test_bad_parameters_are_named():
+    with pytest.raises(ValueError, match="values must be one of"):
+        compression.get_codec("threshold", values="zip")
+    with pytest.raises(ValueError, match="threshold must be finite"):
+        compression.get_codec("threshold", threshold=-1.0)
+    with pytest.raises(ValueError, match="keep must be > 0"):
+        kth_largest_abs(gradients(), 0.0)
