@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import ClassVar, overload
 
 import torch
 
@@ -172,6 +172,12 @@ def resolve_bounds(eb: Bound | None, widths: list[int], required: bool) -> list[
     return bounds
 
 
+@overload
+def check_ids(ids: torch.Tensor, rows: int, n_blocks: int, where: str) -> torch.Tensor: ...
+@overload
+def check_ids(ids: None, rows: int, n_blocks: int, where: str) -> None: ...
+@overload
+def check_ids(ids: torch.Tensor | None, rows: int, n_blocks: int, where: str) -> torch.Tensor | None: ...
 def check_ids(ids: torch.Tensor | None, rows: int, n_blocks: int, where: str) -> torch.Tensor | None:
     """Validate ``ids`` ([rows] or [rows, n_blocks] integers) and return them as int64 [rows, n_blocks]."""
     if ids is None:

@@ -21,8 +21,10 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -99,7 +101,10 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 _clock = time.perf_counter
 
 
-def _timed(fn, repeats: int) -> tuple[float, object]:
+_T = TypeVar("_T")
+
+
+def _timed(fn: Callable[[], _T], repeats: int) -> tuple[float, _T]:
     """Median seconds of ``fn()`` over ``repeats`` runs after a warm-up, and its last result."""
     out = fn()
     times = []
@@ -175,9 +180,10 @@ def benchmark(
             )
             continue
         for mode in ("abs", "rel"):
-            for e in bound_values:
+            for eb in bound_values:
                 per_table = [
-                    [e] if mode == "abs" else compression.relative_to_absolute(t["values"], e) for t in tables.values()
+                    [eb] if mode == "abs" else compression.relative_to_absolute(t["values"], eb)
+                    for t in tables.values()
                 ]
                 t_enc, t_dec, t_into, out, errs = run_variant(v, tables, per_table, repeats)
                 held = all(err <= b[0] for err, b in zip(errs, per_table, strict=True))
@@ -189,7 +195,7 @@ def benchmark(
                     Row(
                         v.label,
                         mode,
-                        e,
+                        eb,
                         bytes_in / out,
                         max(errs),
                         held,

@@ -94,7 +94,7 @@ class ZstdCoder:
         if planes == 0:
             return torch.zeros(1, dtype=torch.uint8, device=device)
         raw = codes.to(torch.uint8) if planes == 1 else codes.view(torch.uint8).view(-1, 4)[:, :planes].t().contiguous()
-        frame = self._cctx.compress(raw.numpy())
+        frame = self._cctx.compress(raw.numpy())  # type: ignore[arg-type]  # any buffer; stubs: bytes
         out = torch.empty(1 + len(frame), dtype=torch.uint8)
         out[0] = planes
         out[1:] = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
@@ -113,7 +113,7 @@ class ZstdCoder:
                 raise PayloadError(f"{what}: all-zero codes with {section.numel() - 1} trailing bytes")
             return torch.zeros(n, dtype=torch.int32, device=section.device)
         try:
-            raw = self._dctx.decompress(host[1:].numpy(), max_output_size=planes * n)
+            raw = self._dctx.decompress(host[1:].numpy(), max_output_size=planes * n)  # type: ignore[arg-type]  # as above
         except zstandard.ZstdError as e:
             raise PayloadError(f"{what}: zstd frame does not decode ({e})") from None
         if len(raw) != planes * n:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any, Literal, overload
 
 import numpy as np
 import torch
@@ -27,6 +28,14 @@ class Plan:
     inverse: torch.Tensor | None  # int64 [n_blocks, rows]: index within the block; None = identity
 
 
+@overload
+def unique_per_block(
+    keys: torch.Tensor, want_first: Literal[True] = ...
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+@overload
+def unique_per_block(
+    keys: torch.Tensor, want_first: bool = ...
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]: ...
 def unique_per_block(
     keys: torch.Tensor, want_first: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -178,6 +187,8 @@ def mismatched_blocks(
     x: torch.Tensor, widths: list[int], counts: torch.Tensor, first: torch.Tensor, inverse: torch.Tensor
 ) -> torch.Tensor:
     """bool [n_blocks]: blocks where some row differs (bitwise) from the unique row it maps to."""
+    bits: Any  # tensors, or their numpy views on the host path (indexed alike below)
+    src: Any
     bits, ww = _words(x, widths)
     offsets = counts.cumsum(0) - counts
     src = first[inverse + offsets[:, None]]  # [nb, rows]: the representative row

@@ -110,7 +110,8 @@ def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def _crc32(t: torch.Tensor, start: int) -> int:
     """zlib crc32 of a uint8 tensor, continuing from ``start`` (device tensors are copied to host)."""
-    return zlib.crc32(t.cpu().numpy() if t.device.type != "cpu" else t.numpy(), start)
+    # numpy's stubs give ndarray its buffer protocol (__buffer__) on Python >= 3.12 only
+    return zlib.crc32(t.cpu().numpy() if t.device.type != "cpu" else t.numpy(), start)  # type: ignore[arg-type]
 
 
 def _host_bytes(t: torch.Tensor, n: int) -> bytes:

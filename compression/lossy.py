@@ -122,6 +122,7 @@ class LossyCodec(Codec):
 
         if keys is not None:
             plan = dedup.plan_by_ids(keys)
+            assert plan.inverse is not None  # an id plan always has its inverse
             if self.verify_ids:
                 bad = dedup.mismatched_blocks(x, widths, plan.counts, plan.first, plan.inverse)
                 if bad.any():
@@ -140,11 +141,11 @@ class LossyCodec(Codec):
         step, ed = quantize.steps_and_margins(bounds, sizes, x.device)
         codes, exceptions = quantize.encode(values, step, ed, backend)
 
-        index = (
-            coder.encode(plan.inverse.reshape(-1).to(torch.int32))
-            if plan.mode == dedup.VALUE
-            else torch.zeros(0, dtype=torch.uint8, device=x.device)
-        )
+        if plan.mode == dedup.VALUE:
+            assert plan.inverse is not None  # a value plan always has its inverse
+            index = coder.encode(plan.inverse.reshape(-1).to(torch.int32))
+        else:
+            index = torch.zeros(0, dtype=torch.uint8, device=x.device)
         info = [plan.mode | kind << 2, ids_fingerprint(keys) if keys is not None else 0, 0, 0]
         header = fmt.Header(self.codec_id, x.dtype, rows, cols, widths, bounds, info=info)
         return fmt.pack(header, [plan.counts, index, coder.encode(codes), exceptions], device=x.device)

@@ -25,7 +25,7 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 DIRECTIONS = ("forward", "backward")
 CLASSES = ("tight", "base", "loose")
@@ -202,8 +202,9 @@ def automatic_classes(
     n = len(tables)
     if split == "threshold":
         if rank_by == "dedup_ratio":  # thresholds in the statistic's own units: few duplicates = tight
-            is_tight = {t.feature: t.dedup_ratio <= tight for t in tables}
-            is_loose = {t.feature: t.dedup_ratio >= loose for t in tables}
+            # _tightness (above) rejected a missing dedup_ratio
+            is_tight = {t.feature: cast(float, t.dedup_ratio) <= tight for t in tables}
+            is_loose = {t.feature: cast(float, t.dedup_ratio) >= loose for t in tables}
         else:
             is_tight = {f: s >= tight for f, s in score.items()}
             is_loose = {f: s <= loose for f, s in score.items()}

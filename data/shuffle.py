@@ -23,8 +23,8 @@ class EpochOrder:
             raise ValueError(f"row count must be >= 0, got {n}")
         self.n, self.shuffle = n, shuffle
         self._dtype = np.int32 if n < 2**31 else np.int64
-        self._explicit = None
-        self._keys = None
+        self._explicit: np.ndarray | None = None
+        self._keys: np.ndarray | None = None
         if shuffle and n <= EXPLICIT_MAX:
             self._explicit = np.random.default_rng([seed, epoch]).permutation(n).astype(self._dtype, copy=False)
         elif shuffle:
@@ -56,6 +56,7 @@ class EpochOrder:
         h = np.uint64(self._half)
         mask = np.uint64((1 << self._half) - 1)
         left, right = x >> h, x & mask
+        assert self._keys is not None  # drawn in __init__ together with _half
         with np.errstate(over="ignore"):  # uint64 multiplies wrap on purpose
             for k in self._keys:
                 f = (right ^ k) * np.uint64(0x9E3779B97F4A7C15)  # splitmix64-style mixing

@@ -17,6 +17,8 @@ class LogLoss(torchmetrics.Metric):
     """Mean binary cross-entropy of sigmoid(logits); sums and counts reduce across ranks."""
 
     full_state_update = False
+    total: torch.Tensor  # states registered by add_state
+    count: torch.Tensor
 
     def __init__(self) -> None:
         super().__init__()

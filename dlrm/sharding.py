@@ -69,6 +69,6 @@ def describe_plan(model: DistributedModelParallel) -> dict[str, str]:
     """table -> 'sharding_type on ranks [...]', for logs and metrics.json."""
     out = {}
     for module_plan in model.plan.plan.values():
-        for table, ps in module_plan.items():  # type: ignore[union-attr]
+        for table, ps in module_plan.items():
             out[table] = f"{ps.sharding_type} ranks={ps.ranks}"
     return out

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import hydra
+import hydra.core.hydra_config
 import torch
 from omegaconf import DictConfig, OmegaConf
 

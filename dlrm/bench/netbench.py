@@ -467,7 +467,7 @@ def report(o: Options, results: list[netreport.RunResult], failure: str | None, 
     """Summaries, cost-model check and projection: printed, and written to table.md/results.json."""
     loads = [x for r in results for x in (r.extra.get("load1_before"), r.extra.get("load1_after")) if x is not None]
     cpus = os.cpu_count() or 1
-    context = {
+    context: dict[str, Any] = {
         "argv": list(argv),
         "rates": sorted({r.rate for r in results}),
         "nproc": o.nproc,

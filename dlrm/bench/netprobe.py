@@ -138,7 +138,7 @@ def _mark(real: Callable[..., Any], direction: str) -> Callable[..., Any]:
         with embedding_collective(direction):
             return real(*args, **kwargs)
 
-    return staticmethod(marked)  # type: ignore[return-value]
+    return staticmethod(marked)
 
 
 def _wrap_codec(real: Callable[..., Any]) -> Callable[..., Any]:

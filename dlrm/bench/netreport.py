@@ -16,7 +16,7 @@ import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from compression import cost_model as cm
 
@@ -122,7 +122,7 @@ def _run_config(run_dir: Path) -> dict[str, Any]:
     path = run_dir / ".hydra" / "config.yaml"
     if not path.exists():
         raise RunDirError(f"{path}: missing (not a Hydra run directory)")
-    cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    cfg = cast(dict[str, Any], OmegaConf.to_container(OmegaConf.load(path), resolve=False))  # Hydra saves a mapping
     batch = _need(cfg, "batch_size", path)
     dim = _need(_need(cfg, "model", path), "embedding_dim", path)
     return {"batch_size": int(batch), "embedding_dim": int(dim)}

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 REQUIRED = ("auc", "forward_ratio")
 UNBOUNDED = ("none", "fp16", "bf16", "int8", "fp8", "mx4")  # codecs without an error bound
@@ -50,6 +50,10 @@ class Point:
     group: str
     runs: list[Run] = field(default_factory=list)
 
+    @overload
+    def mean(self, key: Literal["auc", "forward_ratio"]) -> float: ...  # REQUIRED: every run has them
+    @overload
+    def mean(self, key: str) -> float | None: ...
     def mean(self, key: str) -> float | None:
         vals = [getattr(r, key) for r in self.runs if getattr(r, key) is not None]
         return statistics.fmean(vals) if vals else None
@@ -120,7 +124,7 @@ def read_run(path: Path, sweep_dir: Path) -> Run:
     run_dir = path.parent
     cfg, overrides = _load_hydra(run_dir)
     policy_cfg = cfg.get("policy")
-    compression_cfg = cfg.get("compression") if isinstance(cfg.get("compression"), dict) else {}
+    compression_cfg: dict[str, Any] = c if isinstance(c := cfg.get("compression"), dict) else {}
     policy = metrics.get("policy") or (policy_cfg.get("name") if isinstance(policy_cfg, dict) else None)
     bound = _number(metrics, "policy_forward_bound", path)
     if bound is None:
@@ -135,6 +139,8 @@ def read_run(path: Path, sweep_dir: Path) -> Run:
     rel = str(run_dir.relative_to(sweep_dir)) if run_dir != sweep_dir else "."
     kept = [o for o in overrides if not o.split("=", 1)[0].lstrip("+~").startswith(("seed", "hydra."))]
     group = ",".join(sorted(kept)) if overrides else f"{policy}|{bound}|{codec}"
+    auc, forward_ratio = _number(metrics, "auc", path), _number(metrics, "forward_ratio", path)
+    assert auc is not None and forward_ratio is not None  # REQUIRED, checked above
     return Run(
         config=rel,
         group=group or "(defaults)",
@@ -143,9 +149,9 @@ def read_run(path: Path, sweep_dir: Path) -> Run:
         bound=None if bound is None else float(bound),
         codec=str(codec),
         seed=None if seed is None else int(seed),
-        auc=_number(metrics, "auc", path),
+        auc=auc,
         logloss=_number(metrics, "logloss", path),
-        forward_ratio=_number(metrics, "forward_ratio", path),
+        forward_ratio=forward_ratio,
         backward_ratio=_number(metrics, "backward_ratio", path),
         samples_per_s=_number(metrics, "samples_per_s", path),
     )

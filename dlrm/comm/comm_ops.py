@@ -332,7 +332,10 @@ def _receive(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, tr: _Transf
         parts.append(part)
     stats.add(f"{d}/comm_ms", 1e3 * (t1 - t0))
     stats.add(f"{d}/codec_ms", 1e3 * (time.perf_counter() - t1))
-    return out if out is not None else layout.merge(d, parts)
+    if out is not None:
+        return out
+    assert isinstance(layout, ReduceScatterLayout)  # the one layout whose output() can be None
+    return layout.merge(d, parts)
 
 
 class CompressedAll2All_Req(Function):

@@ -22,7 +22,7 @@ class Region(NamedTuple):
     key_start: int
     n_keys: int
     bag_start: int
-    count: int
+    count: int  # type: ignore[assignment]  # shadows tuple.count (a public field name, kept)
 
 
 def chunk_ids(kjt: KeyedJaggedTensor | None, regions: Sequence[Region]) -> list[torch.Tensor | None]:

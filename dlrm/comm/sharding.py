@@ -120,7 +120,7 @@ class CompressedTwRwPooledEmbeddingSharding(TwRwPooledEmbeddingSharding):
         return CompressedTwRwPooledEmbeddingDist(
             rank=self._rank,
             cross_pg=self._cross_pg,
-            intra_pg=self._intra_pg,  # type: ignore[arg-type]
+            intra_pg=self._intra_pg,
             dim_sum_per_node=self._dim_sum_per_node(),
             emb_dim_per_node_per_feature=self._emb_dim_per_node_per_feature(),
             embedding_names_per_node=names_per_node,
