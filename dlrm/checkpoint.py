@@ -62,9 +62,16 @@ def latest_step(root: Path) -> Path | None:
 
 
 def save(
-    root: Path, model: torch.nn.Module, optimizer: Any, train_state: dict[str, Any], rank: int, keep: int = 2
+    root: Path,
+    model: torch.nn.Module,
+    optimizer: Any,
+    train_state: dict[str, Any],
+    rank: int,
+    keep: int = 2,
+    rank_state: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write a checkpoint of ``train_state['iteration']`` on every rank (a collective call)."""
+    """Write a checkpoint of ``train_state['iteration']`` on every rank (a collective call);
+    ``rank_state`` is this rank's own state (tensors allowed), kept in ``state-rank<r>.pt``."""
     step = int(train_state["iteration"])
     final, tmp = root / f"step-{step}", root / f".tmp-step-{step}"
     if rank == 0:
@@ -73,7 +80,9 @@ def save(
     _barrier()
     dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint_id=str(tmp))
     torch.save(_rng_state(), tmp / f"rng-rank{rank}.pt")
-    _barrier()  # every rank's shard and RNG file is on disk
+    if rank_state:
+        torch.save(dict(rank_state), tmp / f"state-rank{rank}.pt")
+    _barrier()  # every rank's shard, RNG and state files are on disk
     if rank == 0:
         (tmp / "train_state.json").write_text(json.dumps(train_state, indent=2, sort_keys=True))
         shutil.rmtree(final, ignore_errors=True)
@@ -91,8 +100,11 @@ def save(
     return final
 
 
-def load(step_dir: Path, model: torch.nn.Module, optimizer: Any, rank: int, world_size: int) -> dict[str, Any]:
-    """Restore model, optimizer and this rank's RNG from ``step_dir``; return its train_state."""
+def load(
+    step_dir: Path, model: torch.nn.Module, optimizer: Any, rank: int, world_size: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Restore model, optimizer and this rank's RNG from ``step_dir``; return its train_state and
+    this rank's own state (empty if it saved none)."""
     state_file = step_dir / "train_state.json"
     if not state_file.exists():
         raise CheckpointError(f"{step_dir} is not a complete checkpoint (no train_state.json)")
@@ -111,11 +123,15 @@ def load(step_dir: Path, model: torch.nn.Module, optimizer: Any, rank: int, worl
     optimizer.load_state_dict(state["optimizer"])
     rng_file = step_dir / f"rng-rank{rank}.pt"
     _set_rng_state(torch.load(rng_file, weights_only=False))
-    return train_state
+    rank_file = step_dir / f"state-rank{rank}.pt"
+    # our own file, written by save() above (it holds numpy RNG states, hence not weights_only)
+    rank_state = torch.load(rank_file, weights_only=False) if rank_file.exists() else {}
+    return train_state, rank_state
 
 
 class Stateful(Protocol):
-    """Training state beside the model and optimizer (LR schedule, policy): JSON-able state dicts."""
+    """Training state beside the model and optimizer: the LR schedule and policy (JSON-able, one
+    copy for all ranks), the dense-gradient hook (tensors, one per rank)."""
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -123,7 +139,9 @@ class Stateful(Protocol):
 
 
 class Checkpointer:
-    """Saves and restores one run: model, optimizer, RNG, and the named :class:`Stateful` parts."""
+    """Saves and restores one run: model, optimizer, RNG, and the named :class:`Stateful` parts:
+    ``parts`` are the same on every rank (saved once, in train_state.json), ``rank_parts`` each
+    rank's own (saved per rank)."""
 
     def __init__(
         self,
@@ -133,9 +151,11 @@ class Checkpointer:
         optimizer: Any,
         parts: Mapping[str, Stateful | None],
         keep: int = 2,
+        rank_parts: Mapping[str, Stateful] | None = None,
     ) -> None:
         self.root, self.env, self.model, self.optimizer, self.keep = root, env, model, optimizer, keep
         self.parts = {name: part for name, part in parts.items() if part is not None}
+        self.rank_parts = dict(rank_parts or {})
 
     def resume(self, mode: Any) -> TrainState:
         """The state to start from: a fresh one, or the newest checkpoint's (``resume`` = auto: if
@@ -147,9 +167,11 @@ class Checkpointer:
             raise FileNotFoundError(f"resume=true but {self.root} holds no complete checkpoint")
         if last is None:
             return TrainState()
-        saved = load(last, self.model, self.optimizer, self.env.rank, self.env.world_size)
+        saved, mine = load(last, self.model, self.optimizer, self.env.rank, self.env.world_size)
         for name, part in self.parts.items():
             part.load_state_dict(saved.get(name, {}))
+        for name, part in self.rank_parts.items():
+            part.load_state_dict(mine.get(name, {}))
         state = TrainState(iteration=saved["iteration"], epoch=saved["epoch"], batch_in_epoch=saved["batch_in_epoch"])
         if self.env.is_main:
             log.info(
@@ -168,4 +190,5 @@ class Checkpointer:
             "world_size": self.env.world_size,
             **{name: part.state_dict() for name, part in self.parts.items()},
         }
-        return save(self.root, self.model, self.optimizer, train_state, self.env.rank, keep=self.keep)
+        rank_state = {name: part.state_dict() for name, part in self.rank_parts.items()}
+        return save(self.root, self.model, self.optimizer, train_state, self.env.rank, self.keep, rank_state)

@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from compression.policies import Policy
 from dlrm.comm import comm_stats_all_ranks
+from dlrm.comm.dense import DenseComm
 from dlrm.env import DistEnv
 from dlrm.loop import TrainState
 from dlrm.optim import WarmupDecayLR
@@ -33,6 +34,7 @@ class Progress:
         policy: Policy | None,
         features: Sequence[str],
         *,
+        dense: DenseComm | None = None,
         global_batch: int,
         log_every: int,
         total: int,
@@ -41,7 +43,7 @@ class Progress:
         loss_log: Path | None,
     ) -> None:
         self.env, self.model, self.schedule, self.tb = env, model, schedule, tb
-        self.policy, self.features = policy, list(features)
+        self.policy, self.features, self.dense = policy, list(features), dense
         self.feedback = PolicyFeedback(policy) if policy is not None else None
         self.global_batch, self.log_every = global_batch, log_every
         self.loss_log = loss_log if env.is_main else None
@@ -63,7 +65,7 @@ class Progress:
                 },
                 it,
             )
-            comm = comm_stats_all_ranks(self.model)  # a collective: every rank logs
+            comm = comm_stats_all_ranks(self.model, dense=self.dense)  # a collective: every rank logs
             self.tb.scalars(comm, it)
             if self.policy is not None and self.feedback is not None:
                 self.feedback.observe(it, comm)  # the same merged stats on every rank: same bounds

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.model_parallel import DataParallelWrapper
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
 from torchrec.distributed.types import ModuleSharder, ShardingType
@@ -51,8 +52,10 @@ def shard_model(
     batch_size: int,
     table_names: Sequence[str],
     dim: int,
+    data_parallel_wrapper: DataParallelWrapper | None = None,
 ) -> DistributedModelParallel:
-    """Plan collectively (every rank gets rank 0's plan) and wrap the model in DMP."""
+    """Plan collectively (every rank gets rank 0's plan) and wrap the model in DMP; the dense part
+    goes through ``data_parallel_wrapper`` (TorchRec's default DDP wrapping when None)."""
     planner = EmbeddingShardingPlanner(
         topology=Topology(
             world_size=env.world_size, compute_device=env.device.type, local_world_size=env.local_world_size
@@ -62,7 +65,9 @@ def shard_model(
         storage_reservation=FixedPercentageStorageReservation(percentage=0.05),
     )
     plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
-    return DistributedModelParallel(module=model, device=env.device, plan=plan, sharders=sharders)
+    return DistributedModelParallel(
+        module=model, device=env.device, plan=plan, sharders=sharders, data_parallel_wrapper=data_parallel_wrapper
+    )
 
 
 def describe_plan(model: DistributedModelParallel) -> dict[str, str]:

@@ -49,10 +49,22 @@ def custom_scalars_layout(directions: Sequence[str] = DIRECTIONS) -> dict[str, d
     layout: dict[str, dict[str, list[Any]]] = {
         "accuracy vs compression": {
             "AUC": ["Multiline", [_exact("eval/auc"), _exact("test/auc")]],
-            "compression ratio (raw / wire bytes)": ["Multiline", [_exact(f"comm/{d}/ratio") for d in directions]],
+            "compression ratio (raw / wire bytes)": [
+                "Multiline",
+                [_exact(f"comm/{d}/ratio") for d in directions] + [_exact("comm/dense/ratio")],
+            ],
             "log loss": ["Multiline", [_exact("train/loss"), _exact("eval/logloss")]],
             "max error / bound (<= 1)": ["Multiline", [_exact(f"comm/{d}/max_error_over_bound") for d in directions]],
         },
+    }
+    layout["dense gradients"] = {
+        "kept fraction (DCT)": ["Multiline", [_exact("comm/dense/keep")]],
+        "threshold (DCT, largest)": ["Multiline", [_exact("comm/dense/threshold")]],
+        "residual norm (DCT, largest rank)": ["Multiline", [_exact("comm/dense/residual_norm")]],
+        "milliseconds (codec, launch to arrival)": [
+            "Multiline",
+            [_exact("comm/dense/codec_ms"), _exact("comm/dense/comm_ms")],
+        ],
     }
     for d in directions:
         layout[f"{d} per table"] = {

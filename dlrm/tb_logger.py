@@ -11,7 +11,7 @@ from torch.utils.tensorboard import SummaryWriter
 from dlrm.tb_layout import add_layout
 
 # The final metrics beside the config in the HPARAMS view (as hparam/<key>).
-HPARAM_METRICS = ("auc", "logloss", "forward_ratio", "backward_ratio")
+HPARAM_METRICS = ("auc", "logloss", "forward_ratio", "backward_ratio", "dense_ratio")
 
 
 class TensorBoardLogger:

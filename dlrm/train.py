@@ -22,6 +22,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from dlrm.checkpoint import Checkpointer
 from dlrm.comm import comm_summary, make_sharders, parse_compression_cfg, set_iteration
+from dlrm.comm.dense import CompressedDataParallelWrapper, DenseComm
+from dlrm.comm.dense_config import parse_dense_comm_cfg
 from dlrm.config_checks import check_moved_keys
 from dlrm.datasets import RunData
 from dlrm.env import init_distributed, shutdown
@@ -53,7 +55,17 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
     model = build_model(cfg.model, data.features, data.num_embeddings, data.num_dense)
     apply_sparse_optimizer(model, cfg.optimizer)
     sharders = make_sharders(cfg.compression, bound_fn_forward=policy, bound_fn_backward=policy)
-    model = shard_model(model, cfg.sharding, env, sharders, cfg.batch_size, table_names(data.features), dim)
+    dense = DenseComm(parse_dense_comm_cfg(cfg.dense_comm))  # the hook on DMP's DDP of the MLPs
+    model = shard_model(
+        model,
+        cfg.sharding,
+        env,
+        sharders,
+        cfg.batch_size,
+        table_names(data.features),
+        dim,
+        data_parallel_wrapper=CompressedDataParallelWrapper(dense),
+    )
     optimizer = build_optimizer(model, cfg.optimizer)
     schedule = WarmupDecayLR(optimizer, **cfg.lr_schedule)
     tb = TensorBoardLogger(run_dir / "tensorboard" if env.is_main else None)
@@ -69,6 +81,7 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
         optimizer,
         {"lr_schedule": schedule, "policy": policy},
         keep=cfg.checkpoint.keep,
+        rank_parts={"dense_comm": dense},
     )
     state = ckpt.resume(cfg.resume)
     set_iteration(model, state.iteration)  # the policies' iteration continues where it was
@@ -87,6 +100,7 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
         tb,
         policy,
         data.features,
+        dense=dense,
         global_batch=global_batch,
         log_every=cfg.log_every,
         total=loop.total,
@@ -125,7 +139,7 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
         last_val,
         iterations=state.iteration,
         samples_per_s=state.samples_per_s,
-        comm=comm_summary(model, spec),
+        comm=comm_summary(model, spec, dense),
         policy=policy.summary() if policy else {"policy": None},
         config_name=cfg.run_name,
         world_size=env.world_size,

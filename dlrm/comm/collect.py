@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from dlrm.comm.config import CompressionSpec, qcomm_ratios
+from dlrm.comm.dense import DenseComm
 from dlrm.comm.dist import CompressedDist
 from dlrm.comm.embeddingbag import CompressedShardedEmbeddingBagCollection
 from dlrm.comm.stats import derive, merge
@@ -27,12 +28,14 @@ def compressed_dists(model: torch.nn.Module) -> list[CompressedDist]:
     return found
 
 
-def _collect(model: torch.nn.Module, reset: bool, run: bool = False) -> tuple[dict, dict]:
-    dists = compressed_dists(model)
-    state = merge(d.stats.state(run) for d in dists)
+def _collect(
+    model: torch.nn.Module, reset: bool, run: bool = False, dense: DenseComm | None = None
+) -> tuple[dict, dict]:
+    sources = [d.stats for d in compressed_dists(model)] + ([dense.stats] if dense is not None else [])
+    state = merge(s.state(run) for s in sources)
     if reset:
-        for d in dists:
-            d.stats.reset()
+        for s in sources:
+            s.reset()
     return state
 
 
@@ -44,38 +47,49 @@ def _all_ranks(state: tuple[dict, dict], group: dist.ProcessGroup | None) -> tup
     return merge(gathered)
 
 
-def comm_stats(model: torch.nn.Module, reset: bool = True) -> dict[str, float]:
-    """This rank's statistics since the last reset, as flat ``comm/...`` keys (no communication)."""
-    return derive(*_collect(model, reset))
+def comm_stats(model: torch.nn.Module, reset: bool = True, dense: DenseComm | None = None) -> dict[str, float]:
+    """This rank's statistics since the last reset, as flat ``comm/...`` keys (no communication):
+    the model's compressed all-to-alls, and the ``dense`` gradient hook if given."""
+    return derive(*_collect(model, reset, dense=dense))
 
 
 def comm_stats_all_ranks(
-    model: torch.nn.Module, reset: bool = True, group: dist.ProcessGroup | None = None
+    model: torch.nn.Module,
+    reset: bool = True,
+    group: dist.ProcessGroup | None = None,
+    dense: DenseComm | None = None,
 ) -> dict[str, float]:
     """All ranks' statistics since the last reset, merged (bytes and times summed, errors maxed).
 
     A collective: call it on every rank (at log or eval time, never per iteration).
     """
-    return derive(*_all_ranks(_collect(model, reset), group))
+    return derive(*_all_ranks(_collect(model, reset, dense=dense), group))
 
 
 def comm_summary(
-    model: torch.nn.Module, spec: CompressionSpec | None = None, group: dist.ProcessGroup | None = None
-) -> dict[str, float]:
+    model: torch.nn.Module,
+    spec: CompressionSpec | None = None,
+    dense: DenseComm | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> dict[str, Any]:
     """Whole-run totals of all ranks for metrics.json: ``forward_ratio``, ``backward_ratio``,
-    ``max_abs_error_seen`` (1.0 / 0.0 when nothing was compressed, e.g. one process). A collective.
+    ``max_abs_error_seen`` (1.0 / 0.0 when nothing was compressed, e.g. one process), and with
+    ``dense`` the option's name ``dense_comm`` and its ``dense_ratio`` (1.0 for stock DDP). A
+    collective.
 
     TorchRec's QComms path counts no bytes; for a ``spec`` of that kind the ratios follow from its
     fixed-rate precisions instead.
     """
-    d = derive(*_all_ranks(_collect(model, reset=False, run=True), group))
-    out = {
+    d = derive(*_all_ranks(_collect(model, reset=False, run=True, dense=dense), group))
+    out: dict[str, Any] = {
         "forward_ratio": d.get("comm/forward/ratio", 1.0),
         "backward_ratio": d.get("comm/backward/ratio", 1.0),
         "max_abs_error_seen": d.get("comm/max_abs_error_seen", 0.0),
     }
     if spec is not None and spec.kind == "qcomm":
         out.update(qcomm_ratios(spec))
+    if dense is not None:
+        out.update(dense_comm=dense.spec.name, dense_ratio=d.get("comm/dense/ratio", 1.0))
     return out
 
 

@@ -20,6 +20,10 @@ What is measured, per direction (``forward`` = pooled embeddings, ``backward`` =
   the data), summed over the window, with ``calls`` the number of collectives; ``sample_ms`` is the
   cost of the sampling above, kept out of ``codec_ms``. Host clocks: on CUDA they include the
   host syncs the size exchange forces and miss kernel time still in flight.
+
+The dense gradient all-reduce (``dense``, :mod:`dlrm.comm.dense`) records the same ``raw_bytes``,
+``wire_bytes``, ``codec_ms``, ``comm_ms`` and ``calls``, and under DCT ``kept``/``numel`` (whose
+quotient :func:`derive` writes as ``comm/dense/keep``), ``threshold`` and ``residual_norm``.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 
 DIRECTIONS = ("forward", "backward")
+CHANNELS = (*DIRECTIONS, "dense")  # the all-to-alls' two directions, and the dense all-reduce
 
 
 class CommStats:
@@ -78,7 +83,7 @@ def derive(sums: Mapping[str, float], maxes: Mapping[str, float]) -> dict[str, f
             out[f"comm/{k}"] = float(v)
     for k, v in maxes.items():
         out[f"comm/{k}"] = float(v)
-    for d in DIRECTIONS:
+    for d in CHANNELS:
         raw, wire = sums.get(f"{d}/raw_bytes", 0.0), sums.get(f"{d}/wire_bytes", 0.0)
         if wire > 0:
             out[f"comm/{d}/ratio"] = raw / wire
@@ -89,6 +94,8 @@ def derive(sums: Mapping[str, float], maxes: Mapping[str, float]) -> dict[str, f
                 swire = sums.get(f"{d}/sampled_wire_bytes/{feature}", 0.0)
                 if swire > 0:
                     out[f"comm/{d}/ratio/{feature}"] = sraw / swire
+    if sums.get("dense/numel", 0.0) > 0:
+        out["comm/dense/keep"] = sums.get("dense/kept", 0.0) / sums["dense/numel"]
     errs = [maxes[f"{d}/max_abs_error"] for d in DIRECTIONS if f"{d}/max_abs_error" in maxes]
     if errs:
         out["comm/max_abs_error_seen"] = max(errs)
@@ -97,8 +104,8 @@ def derive(sums: Mapping[str, float], maxes: Mapping[str, float]) -> dict[str, f
 
 def key(direction: str, name: str, feature: str | None = None) -> str:
     """A flat statistics key as :func:`derive` writes it, e.g. ``comm/forward/max_abs_error/cat_0``."""
-    if direction not in DIRECTIONS:
-        raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+    if direction not in CHANNELS:
+        raise ValueError(f"direction must be one of {CHANNELS}, got {direction!r}")
     return f"comm/{direction}/{name}" + (f"/{feature}" if feature is not None else "")
 
 

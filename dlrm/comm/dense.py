@@ -1,0 +1,339 @@
+"""The dense (data-parallel) gradient all-reduce through a DDP communication hook.
+
+:class:`DenseComm` is one `dense_comm` choice with its per-rank state and statistics;
+:class:`CompressedDataParallelWrapper` is TorchRec's data-parallel wrapper seam of
+``DistributedModelParallel``, which registers the hook on the DDP module it builds. The training
+loop does not change.
+
+DCT-DP, per DDP bucket (Gupta et al., KDD'21): ``f = g + residual``; every ``refresh_every``
+iterations the threshold of each parameter in it becomes the k-th largest of its ``|f|`` (k = keep
+x numel; parameters under ``min_numel`` travel whole, as do buckets under it); every iteration the
+entries with ``|f| >= threshold`` travel (:class:`compression.sparse.ThresholdCodec`: positions as
+delta-coded indices or a bitmap, whichever is smaller; values exact, fp16/bf16 or lossy) in a
+variable-size all-gather (sizes first), every rank adds what all ranks sent and divides by the
+world size like DDP's average; ``residual = f - what was sent, as decoded``. Residuals are kept
+per parameter (so a rebuilt bucket layout, e.g. after DDP's first iteration or a resume, keeps
+them) and checkpointed with the thresholds.
+
+Statistics (``dense/*`` keys of :mod:`dlrm.comm.stats`): ``raw_bytes`` is what stock DDP's ring
+all-reduce of fp32 gradients sends per rank (2 (W-1)/W x 4 bytes per element), ``wire_bytes``
+what the chosen hook sends (a ring all-reduce of the cast or low-rank factors; for DCT the
+all-gather of the padded payloads, (W-1) x the largest, plus the size words); ``codec_ms`` the
+host time of encoding and decoding, ``comm_ms`` the time from launch to arrival (it overlaps the
+rest of the backward). DCT adds ``kept``/``numel`` (-> ``keep``), the largest ``threshold`` and
+``residual_norm`` (the L2 norm of this rank's residuals after the iteration, largest over ranks).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
+from torchrec.distributed.model_parallel import DefaultDataParallelWrapper
+from torchrec.distributed.types import ShardingEnv
+
+import compression
+from compression.sparse import ThresholdCodec, kth_largest_abs
+from dlrm.comm.dense_config import DenseCommSpec
+from dlrm.comm.stats import CommStats
+
+Future = torch.futures.Future
+
+
+class DenseCommError(RuntimeError):
+    """A dense-gradient payload could not be decoded; the message names the ranks and the bucket."""
+
+
+class DenseComm:
+    """One `dense_comm` choice: its hook, per-rank state (DCT residuals and thresholds, PowerSGD
+    matrices), and statistics. Built before the model is wrapped; :meth:`install` hooks it in."""
+
+    def __init__(self, spec: DenseCommSpec) -> None:
+        self.spec = spec
+        self.stats = CommStats()
+        self.iteration = 0  # DDP backward passes seen (DCT's refresh schedule)
+        self.thresholds: dict[str, float] = {}  # parameter name -> threshold
+        self.refreshes: list[tuple[int, str]] = []  # (iteration, parameter name) of every refresh
+        self._residuals: dict[str, torch.Tensor] = {}  # bucket key -> flat residual
+        self._loose: dict[str, torch.Tensor] = {}  # parameter name -> residual, until its bucket is seen
+        self._layouts: dict[str, list[tuple[str, int]]] = {}  # bucket key -> (parameter, numel) in order
+        self._names: dict[int, str] = {}
+        self._lock = threading.Lock()  # future callbacks run on the collective's threads
+        self._pending: dict[str, Any] = {}
+        self.pg: dist.ProcessGroup | None = None
+        self.powersgd: PowerSGDState | None = None
+
+    # -- installation ---------------------------------------------------------------------------
+
+    def install(self, ddp: DistributedDataParallel, pg: dist.ProcessGroup) -> None:
+        """Register the hook on ``ddp`` (nothing for ``none``: stock DDP)."""
+        self.pg = pg
+        self._names = {id(p): n for n, p in ddp.module.named_parameters()}
+        if not self.spec.hooked:
+            return
+        if self.spec.name == "powersgd":
+            self.powersgd = PowerSGDState(
+                process_group=pg,
+                matrix_approximation_rank=self.spec.rank,
+                start_powerSGD_iter=self.spec.start_iter,
+                min_compression_rate=self.spec.min_compression_rate,
+                use_error_feedback=True,
+                warm_start=self.spec.warm_start,
+                random_seed=0,
+            )
+        ddp.register_comm_hook(self, dense_comm_hook)
+
+    # -- the hooks ------------------------------------------------------------------------------
+
+    def hook(self, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+        assert self.pg is not None, "DenseComm.install() was not called"
+        buf = bucket.buffer()
+        ws = self.pg.size()
+        raw = 2 * (ws - 1) / ws * 4 * buf.numel()
+        t0 = time.perf_counter()
+        if self.spec.name == "dct" and buf.numel() >= self.spec.min_numel:
+            fut = self._dct(bucket, t0)
+        else:
+            if self.spec.name == "powersgd":
+                assert self.powersgd is not None
+                before = (self.powersgd.total_numel_before_compression, self.powersgd.total_numel_after_compression)
+                fut = powerSGD_hook(self.powersgd, bucket)
+                after = (self.powersgd.total_numel_before_compression, self.powersgd.total_numel_after_compression)
+                sent = after[1] - before[1] if after[0] > before[0] else buf.numel()  # vanilla before start
+                wire = 2 * (ws - 1) / ws * 4 * sent
+            elif self.spec.name in ("fp16", "bf16"):  # torch's hooks; called, not registered: bf16 runs on gloo
+                hook = (
+                    default_hooks.fp16_compress_hook if self.spec.name == "fp16" else default_hooks.bf16_compress_hook
+                )
+                fut = hook(self.pg, bucket)
+                wire = raw / 2
+            else:  # a DCT bucket under min_numel: stock average
+                fut = default_hooks.allreduce_hook(self.pg, bucket)
+                wire = raw
+            launched = time.perf_counter()
+            self._record(raw=raw, wire=wire, codec_ms=1e3 * (launched - t0))
+            fut = fut.then(self._arrived(launched))
+        if bucket.is_last():
+            self.iteration += 1
+        return fut
+
+    def _arrived(self, launched: float) -> Callable[[Future[torch.Tensor]], torch.Tensor]:
+        def done(f: Future[torch.Tensor]) -> torch.Tensor:
+            self._record(comm_ms=1e3 * (time.perf_counter() - launched))
+            value = f.value()
+            return value[0] if isinstance(value, list) else value
+
+        return done
+
+    def _dct(self, bucket: dist.GradBucket, t0: float) -> Future[torch.Tensor]:
+        assert self.pg is not None
+        pg, spec = self.pg, self.spec
+        ws, me = pg.size(), pg.rank()
+        buf = bucket.buffer()
+        key = self._key(bucket)
+        f = buf + self._residual(key)
+        layout = self._layouts[key]
+        thresholds = [
+            self._threshold(name, piece)
+            for (name, _), piece in zip(layout, f.split([n for _, n in layout]), strict=True)
+        ]
+        tau = max(thresholds)
+        codec = ThresholdCodec(thresholds, values=spec.values)
+        eb = spec.values_eb * float(f.abs().max()) if spec.values == "lossy" else None
+        payload = codec.encode(f.view(1, -1), eb, blocks=[n for _, n in layout])
+        sent = codec.decode(payload).view(-1)  # exactly what every rank adds for us
+        self._residuals[key] = f - sent
+        kept = int(codec.mask(f.view(1, -1), [n for _, n in layout]).sum())
+        t1 = time.perf_counter()
+        size = torch.tensor([payload.numel()], dtype=torch.int64, device=buf.device)
+        sizes = [torch.empty_like(size) for _ in range(ws)]
+        dist.all_gather(sizes, size, group=pg)
+        lengths = [int(s) for s in sizes]
+        padded = torch.zeros(max(lengths), dtype=torch.uint8, device=buf.device)
+        padded[: payload.numel()] = payload
+        outs = [torch.empty_like(padded) for _ in range(ws)]
+        fut = dist.all_gather(outs, padded, group=pg, async_op=True).get_future()
+        launched = time.perf_counter()
+        residual_norm = self.residual_norm() if bucket.is_last() else None
+        self._record(
+            raw=2 * (ws - 1) / ws * 4 * buf.numel(),
+            wire=(ws - 1) * (8 + max(lengths)),
+            codec_ms=1e3 * (t1 - t0),
+            comm_ms=1e3 * (launched - t1),
+            kept=kept,
+            numel=buf.numel(),
+            threshold=tau,
+            residual_norm=residual_norm,
+        )
+        index = bucket.index()
+
+        def finish(done: Future[list[torch.Tensor]]) -> torch.Tensor:
+            t2 = time.perf_counter()
+            parts = done.value()
+            torch.div(sent, ws, out=buf)  # our own contribution needs no decoding
+            for r in range(ws):
+                if r == me:
+                    continue
+                try:
+                    other = compression.decode(parts[r][: lengths[r]]).view(-1)
+                except Exception as e:
+                    raise DenseCommError(
+                        f"rank {dist.get_global_rank(pg, me)}: cannot decode the dense gradient "
+                        f"payload of bucket {index} ({lengths[r]} bytes) from rank "
+                        f"{dist.get_global_rank(pg, r)} at iteration {self.iteration}: "
+                        f"{type(e).__name__}: {e}"
+                    ) from e
+                if other.numel() != buf.numel():
+                    raise DenseCommError(
+                        f"bucket {index}: rank {r} sent {other.numel()} gradients, expected {buf.numel()}"
+                    )
+                buf.add_(other.div_(ws))
+            t3 = time.perf_counter()
+            self._record(comm_ms=1e3 * (t2 - launched), codec_ms=1e3 * (t3 - t2))
+            return buf
+
+        return fut.then(finish)
+
+    # -- DCT state ------------------------------------------------------------------------------
+
+    def _threshold(self, name: str, f: torch.Tensor) -> float:
+        """A parameter's threshold: refreshed on schedule (and when first seen); 0 (send all) for
+        parameters under ``min_numel``. Kept per parameter, not per bucket, so that DDP's bucket
+        rebuild after its first iterations (and a resume) does not move the schedule."""
+        if f.numel() < self.spec.min_numel:
+            return 0.0
+        if name not in self.thresholds or self.iteration % self.spec.refresh_every == 0:
+            self.thresholds[name] = kth_largest_abs(f, self.spec.keep)
+            self.refreshes.append((self.iteration, name))
+        return self.thresholds[name]
+
+    def _key(self, bucket: dist.GradBucket) -> str:
+        """A bucket's identity: its parameters in order (stable across runs of the same model)."""
+        layout = [(self._names.get(id(p), f"param{i}"), p.numel()) for i, p in enumerate(bucket.parameters())]
+        key = "|".join(n for n, _ in layout)
+        if key not in self._layouts:
+            self._layouts[key] = layout
+        return key
+
+    def _residual(self, key: str) -> torch.Tensor:
+        """The bucket's flat residual; a new layout takes its parameters' residuals from the old."""
+        if key not in self._residuals:
+            self._split_residuals()
+            pieces = [self._loose.pop(n, None) for n, _ in self._layouts[key]]
+            self._residuals[key] = torch.cat(
+                [
+                    p.reshape(-1) if p is not None else torch.zeros(numel)
+                    for p, (_, numel) in zip(pieces, self._layouts[key], strict=True)
+                ]
+            )
+        return self._residuals[key]
+
+    def _split_residuals(self) -> None:
+        """Move every bucket's residual to per-parameter pieces (before a layout change or a save)."""
+        for key, flat in self._residuals.items():
+            numels = [n for _, n in self._layouts[key]]
+            for (name, _), piece in zip(self._layouts[key], flat.split(numels), strict=True):
+                self._loose[name] = piece.clone()
+        self._residuals.clear()
+
+    def residuals(self) -> dict[str, torch.Tensor]:
+        """This rank's error-feedback residual of every parameter seen so far."""
+        out = dict(self._loose)
+        for key, flat in self._residuals.items():
+            numels = [n for _, n in self._layouts[key]]
+            out.update({name: piece for (name, _), piece in zip(self._layouts[key], flat.split(numels), strict=True)})
+        return out
+
+    def residual_norm(self) -> float:
+        return math.sqrt(sum(float(r.double().square().sum()) for r in self.residuals().values()))
+
+    # -- statistics and checkpoints -------------------------------------------------------------
+
+    def _record(
+        self,
+        *,
+        raw: float | None = None,
+        wire: float | None = None,
+        codec_ms: float | None = None,
+        comm_ms: float | None = None,
+        kept: int | None = None,
+        numel: int | None = None,
+        threshold: float | None = None,
+        residual_norm: float | None = None,
+    ) -> None:
+        with self._lock:
+            for name, value in (
+                ("raw_bytes", raw),
+                ("wire_bytes", wire),
+                ("codec_ms", codec_ms),
+                ("comm_ms", comm_ms),
+                ("kept", kept),
+                ("numel", numel),
+            ):
+                if value is not None:
+                    self.stats.add(f"dense/{name}", float(value))
+            if raw is not None:
+                self.stats.add("dense/calls", 1.0)
+            for name, value in (("threshold", threshold), ("residual_norm", residual_norm)):
+                if value is not None:
+                    self.stats.maximum(f"dense/{name}", float(value))
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state (tensors; saved per rank): iteration, thresholds, residuals, PowerSGD's."""
+        state: dict[str, Any] = {
+            "name": self.spec.name,
+            "iteration": self.iteration,
+            "thresholds": dict(self.thresholds),
+            "residuals": self.residuals(),
+        }
+        if self.powersgd is not None:
+            state["powersgd"] = {
+                slot: getattr(self.powersgd, slot) for slot in PowerSGDState.__slots__ if slot != "process_group"
+            }
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("name", self.spec.name) != self.spec.name:
+            raise ValueError(
+                f"the checkpoint holds dense_comm={state.get('name')!r} state; this run uses "
+                f"dense_comm={self.spec.name!r} (resume with the same dense_comm, or start anew)"
+            )
+        self.iteration = int(state.get("iteration", 0))
+        self.thresholds = {str(k): float(v) for k, v in state.get("thresholds", {}).items()}
+        self._residuals.clear()
+        self._loose = {str(k): v.clone() for k, v in state.get("residuals", {}).items()}
+        if self.powersgd is not None and "powersgd" in state:
+            for slot, value in state["powersgd"].items():
+                setattr(self.powersgd, slot, value)
+
+
+def dense_comm_hook(state, bucket):
+    """The DDP communication hook of every `dense_comm` choice (DDP calls it per bucket).
+
+    Unannotated on purpose: DDP compares the annotations with the real types, and with
+    ``from __future__ import annotations`` they would be strings.
+    """
+    return state.hook(bucket)
+
+
+class CompressedDataParallelWrapper(DefaultDataParallelWrapper):
+    """TorchRec's default DDP wrapping of the dense part, with our hook registered on it."""
+
+    def __init__(self, dense: DenseComm) -> None:
+        super().__init__(bucket_cap_mb=dense.spec.bucket_cap_mb)
+        self.dense = dense
+
+    def _ddp_wrap(self, dmp: Any, env: ShardingEnv, device: torch.device, ddp_ignore_param_names: set[str]) -> None:
+        super()._ddp_wrap(dmp, env, device, ddp_ignore_param_names)
+        ddp = dmp._dmp_wrapped_module
+        if isinstance(ddp, DistributedDataParallel):
+            assert env.process_group is not None
+            self.dense.install(ddp, env.process_group)

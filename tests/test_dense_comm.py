@@ -1,0 +1,215 @@
+"""The dense gradient all-reduce through our DDP hook (`dense_comm`), on 2 real gloo ranks.
+
+The reference for each option is what people use today, built independently of our code:
+stock DMP (TorchRec's DefaultDataParallelWrapper), TorchRec's own fp16 all-reduce precision,
+torch's PowerSGD hook registered by hand; DCT is checked against uncompressed training.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+FEATURES = ["cat_0", "cat_1", "cat_2"]
+ROWS = [40, 30, 20]
+NUM_DENSE = 4
+BATCH = 16
+# two weight matrices big enough to compress (32 x 4 and 16 x 24 ...) and small bias vectors
+MODEL = {"arch": "dlrm", "embedding_dim": 8, "dense_arch_layer_sizes": [32, 8], "over_arch_layer_sizes": [16, 1]}
+NONE = {
+    "name": "none",
+    "kind": "compressed",
+    "forward": {"codec": "none", "dedup": False},
+    "backward": {"codec": "none", "dedup": False},
+}
+
+
+def _batch(rank: int, step: int) -> Batch:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    ids = torch.cat([torch.randint(0, n, (BATCH,), generator=g) for n in ROWS])
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=FEATURES, values=ids, lengths=torch.ones(BATCH * len(FEATURES), dtype=torch.int32)
+    )
+    return Batch(
+        dense_features=torch.randn(BATCH, NUM_DENSE, generator=g),
+        sparse_features=kjt,
+        labels=(torch.rand(BATCH, generator=g) < 0.3).float(),
+    )
+
+
+def _train(
+    rank: int, ws: int, dense_cfg: dict | None, steps: int, *, lr: float = 0.5, wrapper=None, torch_hook=None
+) -> dict:
+    """A small DLRM through the trainer's own model and sharding code; the dense parameters and
+    their (all-reduced) gradients after every step."""
+    from dlrm.comm import make_sharders
+    from dlrm.comm.dense import CompressedDataParallelWrapper, DenseComm
+    from dlrm.comm.dense_config import parse_dense_comm_cfg
+    from dlrm.comm.stats import derive
+    from dlrm.env import DistEnv
+    from dlrm.model import build_model, table_names
+    from dlrm.optim import apply_sparse_optimizer, build_optimizer
+    from dlrm.sharding import shard_model
+
+    torch.manual_seed(0)
+    model = build_model(MODEL, FEATURES, ROWS, NUM_DENSE)
+    apply_sparse_optimizer(model, {"sparse": {"name": "sgd", "lr": lr}})
+    env = DistEnv(rank, ws, rank, ws, torch.device("cpu"), "gloo")
+    dense = DenseComm(parse_dense_comm_cfg(dense_cfg)) if dense_cfg is not None else None
+    if wrapper is None and dense is not None:
+        wrapper = CompressedDataParallelWrapper(dense)
+    model = shard_model(
+        model,
+        {"type": "table_wise"},
+        env,
+        make_sharders(NONE),
+        BATCH,
+        table_names(FEATURES),
+        MODEL["embedding_dim"],
+        data_parallel_wrapper=wrapper,
+    )
+    if torch_hook is not None:  # e.g. torch's own PowerSGD hook, registered by hand on DMP's DDP
+        model._dmp_wrapped_module.register_comm_hook(*torch_hook(torch.distributed.group.WORLD))
+    optimizer = build_optimizer(model, {"dense": {"name": "sgd", "lr": lr}})
+    names = [n for n, p in model.named_parameters() if "embedding_bags" not in n]
+    params = dict(model.named_parameters())
+    grads = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        loss, _ = model(_batch(rank, step))
+        loss.backward()
+        grads.append({n: params[n].grad.detach().clone() for n in names})
+        optimizer.step()
+    out = {"params": {n: params[n].detach().clone() for n in names}, "grads": grads}
+    if dense is not None:
+        out.update(
+            stats=derive(*dense.stats.state(run=True)),
+            refreshes=list(dense.refreshes),
+            residuals=dense.residuals(),
+            state=dense.state_dict(),
+        )
+    return out
+
+
+DCT = {"name": "dct", "keep": 0.1, "refresh_every": 3, "min_numel": 100, "bucket_cap_mb": 0.0005}
+
+
+def _variants(rank: int, ws: int) -> dict:
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+    from torchrec.distributed.model_parallel import DefaultDataParallelWrapper
+
+    def powersgd(pg):
+        return PowerSGDState(
+            process_group=pg,
+            matrix_approximation_rank=1,
+            start_powerSGD_iter=2,
+            min_compression_rate=2,
+            use_error_feedback=True,
+            warm_start=True,
+            random_seed=0,
+        ), powerSGD_hook
+
+    small = {"bucket_cap_mb": 0.0005}  # several buckets: the small bias buckets and the matrices
+    return {
+        "stock": _train(rank, ws, None, 4, wrapper=DefaultDataParallelWrapper()),
+        "none": _train(rank, ws, {"name": "none"}, 4),
+        "torchrec_fp16": _train(rank, ws, None, 4, wrapper=DefaultDataParallelWrapper(allreduce_comm_precision="fp16")),
+        "fp16": _train(rank, ws, {"name": "fp16"}, 4),
+        "bf16": _train(rank, ws, {"name": "bf16"}, 4),
+        "torch_powersgd": _train(rank, ws, None, 4, wrapper=DefaultDataParallelWrapper(), torch_hook=powersgd),
+        "powersgd": _train(rank, ws, {"name": "powersgd", "rank": 1, "start_iter": 2}, 4),
+        "dct_keep_all": _train(rank, ws, {"name": "dct", "keep": 1.0, "min_numel": 0}, 4),
+        "none_small": _train(rank, ws, {"name": "none", **small}, 7),
+        "dct": _train(rank, ws, DCT, 7),
+        # learning rate 0: every iteration sees the same weights, so the true gradients are known
+        "none_frozen": _train(rank, ws, {"name": "none", **small}, 6, lr=0.0),
+        "dct_frozen": _train(rank, ws, {**DCT, "keep": 0.05}, 6, lr=0.0),
+    }
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict]:
+    from multiprocess import run_ranks
+
+    return run_ranks(_variants, 2, timeout=600)
+
+
+def equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_none_is_stock_ddp_bit_for_bit(runs):
+    for r in runs:
+        assert equal(r["none"]["params"], r["stock"]["params"])
+        assert "stats" in r["none"] and r["none"]["stats"] == {}  # no hook: nothing to count
+
+
+def test_fp16_and_powersgd_are_torchrecs_and_torchs_own_hooks(runs):
+    for r in runs:
+        assert equal(r["fp16"]["params"], r["torchrec_fp16"]["params"])
+        assert not equal(r["fp16"]["params"], r["stock"]["params"])  # the cast did happen
+        assert equal(r["powersgd"]["params"], r["torch_powersgd"]["params"])
+        assert not equal(r["powersgd"]["params"], r["stock"]["params"])
+    assert runs[0]["fp16"]["stats"]["comm/dense/ratio"] == 2.0
+    assert runs[0]["powersgd"]["stats"]["comm/dense/ratio"] > 1.5  # rank-1 factors after 2 plain steps
+
+
+def test_bf16_rounds_to_bfloat16_precision(runs):
+    for r in runs:
+        got, ref = r["bf16"]["grads"][0], r["stock"]["grads"][0]  # the first step: same weights
+        for name in ref:
+            # a bf16 rounding (2^-8 relative) of each rank's g/2 and of their sum: errors up to a
+            # few 2^-8 of the largest gradient of the tensor (the sum may cancel, so not relative)
+            scale = float(ref[name].abs().max())
+            torch.testing.assert_close(got[name], ref[name], rtol=0, atol=3 * 2.0**-8 * scale)
+        assert not equal(got, ref)
+    assert runs[0]["bf16"]["stats"]["comm/dense/ratio"] == 2.0
+
+
+def test_dct_keeping_everything_is_uncompressed_training(runs):
+    for r in runs:
+        assert equal(r["dct_keep_all"]["params"], r["stock"]["params"])
+        assert all(float(t.abs().max()) == 0.0 for t in r["dct_keep_all"]["residuals"].values())
+
+
+def test_dct_conserves_gradient_mass_across_ranks_and_iterations(runs):
+    # With frozen weights every iteration's true gradients are the uncompressed run's; whatever
+    # DCT did not send yet must sit in the residuals: sum of applied + residuals = sum of true.
+    ws = len(runs)
+    names = runs[0]["none_frozen"]["grads"][0].keys()
+    for name in names:
+        truth = sum(ws * g[name] for g in runs[0]["none_frozen"]["grads"])
+        applied = sum(ws * g[name] for g in runs[0]["dct_frozen"]["grads"])
+        left = sum(r["dct_frozen"]["residuals"][name].view_as(truth) for r in runs)
+        torch.testing.assert_close(applied + left, truth, rtol=1e-5, atol=1e-6)
+    # and it really held gradients back: the residuals of the compressed buckets are not zero
+    assert sum(float(t.abs().sum()) for t in runs[0]["dct_frozen"]["residuals"].values()) > 0
+
+
+def test_dct_refreshes_thresholds_on_schedule_only(runs):
+    for r in runs:
+        refreshes = r["dct"]["refreshes"]
+        names = {name for _, name in refreshes}
+        assert len(names) >= 2  # the weight matrices; DDP rebuilds its buckets meanwhile
+        for name in names:
+            assert [it for it, n in refreshes if n == name] == [0, 3, 6]  # 7 iterations, every 3
+        assert set(r["dct"]["state"]["thresholds"]) == names
+
+
+def test_dct_leaves_parameters_under_min_numel_exact(runs):
+    r = runs[0]
+    params = r["none_small"]["params"]
+    small = {n for n, p in params.items() if p.numel() < DCT["min_numel"]}
+    large = set(params) - small
+    assert small and large and set(r["dct"]["state"]["thresholds"]) == large
+    got, ref = r["dct"]["grads"][0], r["none_small"]["grads"][0]  # the first step: same weights
+    assert all(torch.equal(got[n], ref[n]) for n in small)
+    assert all(not torch.equal(got[n], ref[n]) for n in large)
+    assert all(float(r["dct"]["residuals"][n].abs().max()) == 0.0 for n in small)
+    stats = r["dct"]["stats"]
+    # keep 0.1 of each large parameter's entries (at the refresh; the residuals then grow), all
+    # of the small ones that share a bucket with them
+    assert 0.1 <= stats["comm/dense/keep"] < 0.3
+    assert stats["comm/dense/ratio"] > 1.0 and stats["comm/dense/residual_norm"] > 0
