@@ -153,6 +153,7 @@ class Breakdown:
     input_dist: float = 0.0
     codec_forward: float = 0.0
     codec_backward: float = 0.0
+    codec_dense: float = 0.0  # encode + decode of the dense gradients (dense_comm hooks)
 
     @property
     def total(self) -> float:
@@ -177,17 +178,28 @@ class Breakdown:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def iteration_time(w: Workload, link: Link, forward: CodecCost = NO_CODEC, backward: CodecCost = NO_CODEC) -> Breakdown:
-    """The modelled iteration of workload ``w`` on ``link`` with these codecs, from first principles."""
+def iteration_time(
+    w: Workload,
+    link: Link,
+    forward: CodecCost = NO_CODEC,
+    backward: CodecCost = NO_CODEC,
+    dense: CodecCost = NO_CODEC,
+) -> Breakdown:
+    """The modelled iteration of workload ``w`` on ``link`` with these codecs, from first principles.
+
+    ``dense`` compresses the all-reduce of the dense gradients: its ratio divides the ring
+    all-reduce's bytes, its throughput applies to the fp32 gradients (``4 * dense_params`` bytes).
+    """
     raw = w.a2a_bytes()
     return Breakdown(
         compute=w.compute_s,
         a2a_forward=link.seconds(raw / forward.ratio, w.ranks),
         a2a_backward=link.seconds(raw / backward.ratio, w.ranks),
-        allreduce=link.seconds(w.allreduce_bytes(), w.ranks),
+        allreduce=link.seconds(w.allreduce_bytes() / dense.ratio, w.ranks),
         input_dist=link.seconds(w.input_dist_bytes(), w.ranks),
         codec_forward=forward.codec_seconds(raw),
         codec_backward=backward.codec_seconds(raw),
+        codec_dense=dense.codec_seconds(w.dense_params * w.value_bytes),
     )
 
 
@@ -197,11 +209,15 @@ def with_codecs(
     forward: CodecCost = NO_CODEC,
     backward: CodecCost = NO_CODEC,
     latency_s: float = 0.0,
+    dense: CodecCost = NO_CODEC,
+    dense_bytes: float = 0.0,
 ) -> Breakdown:
-    """An uncompressed breakdown (measured or published) with codecs applied to its all-to-alls.
+    """An uncompressed breakdown (measured or published) with codecs applied to its all-to-alls
+    and, with ``dense``, to its all-reduce.
 
-    The bandwidth part of each all-to-all (beyond ``latency_s``) shrinks by the direction's ratio;
-    encode and decode of ``raw_bytes`` (what one rank sends per direction) are added.
+    The bandwidth part of each collective (beyond ``latency_s``) shrinks by its ratio; encode and
+    decode of ``raw_bytes`` (what one rank sends per direction) and of ``dense_bytes`` (the fp32
+    dense gradients) are added.
     """
 
     def shrink(t: float, c: CodecCost) -> float:
@@ -212,8 +228,10 @@ def with_codecs(
         base,
         a2a_forward=shrink(base.a2a_forward, forward),
         a2a_backward=shrink(base.a2a_backward, backward),
+        allreduce=shrink(base.allreduce, dense),
         codec_forward=base.codec_forward + forward.codec_seconds(raw_bytes),
         codec_backward=base.codec_backward + backward.codec_seconds(raw_bytes),
+        codec_dense=base.codec_dense + dense.codec_seconds(dense_bytes),
     )
 
 
@@ -238,16 +256,21 @@ def project_published(
     forward: CodecCost,
     backward: CodecCost,
     shares: Mapping[str, float] = PUBLISHED_BREAKDOWN,
+    dense: CodecCost | None = None,
 ) -> dict[str, Breakdown]:
     """A published setup: its breakdown scaled to ``w``'s forward all-to-all at the link rate,
-    then compressed forward only (what Feng et al. did) and in both directions (what we do)."""
+    then compressed forward only (what Feng et al. did), in both directions (what we do), and
+    with ``dense`` also the dense all-reduce (``all``; its codec time on ``4 * w.dense_params``)."""
     raw = w.a2a_bytes()
     base = from_shares(shares, raw / _positive("link_bytes_per_s", link_bytes_per_s))
-    return {
+    out = {
         "uncompressed": base,
         "forward_only": with_codecs(base, raw, forward, NO_CODEC),
         "forward_backward": with_codecs(base, raw, forward, backward),
     }
+    if dense is not None:
+        out["all"] = with_codecs(base, raw, forward, backward, dense=dense, dense_bytes=w.dense_params * w.value_bytes)
+    return out
 
 
 def calibrate_compute(measured_total_s: float, modelled: Breakdown) -> Breakdown:

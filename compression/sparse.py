@@ -88,12 +88,15 @@ class ThresholdCodec(Codec):
         ids: torch.Tensor | None = None,
         *,
         blocks: Sequence[int] | None = None,
+        thresholds: Sequence[float] | None = None,
     ) -> torch.Tensor:
-        """Positions and values of the kept entries; ``ids`` are not used (no dedup)."""
+        """Positions and values of the kept entries; ``ids`` are not used (no dedup);
+        ``thresholds`` (one per block) replace the codec's own for this call."""
         check_input(x)
         rows, cols = x.shape
         widths = resolve_blocks(cols, None, None, blocks)
-        keep = self.mask(x, widths).reshape(-1)
+        codec = self if thresholds is None else ThresholdCodec(thresholds, self.values, self.level)
+        keep = codec.mask(x, widths).reshape(-1)
         flat = x.reshape(-1)
         idx = keep.nonzero().view(-1)
         kept = flat[idx].float().view(-1, 1)
@@ -114,12 +117,12 @@ class ThresholdCodec(Codec):
         n = keep.numel()
         if idx.numel() == 0:
             return torch.zeros(0, dtype=torch.uint8, device=keep.device), DELTAS
-        bitmap = torch.from_numpy(np.packbits(keep.cpu().numpy())).to(keep.device)
-        if n > np.iinfo(np.int32).max:
-            return bitmap, BITMAP
-        deltas = torch.diff(idx, prepend=idx.new_zeros(1)).to(torch.int32)
-        coded = self._zstd.encode(deltas)
-        return (coded, DELTAS) if coded.numel() < bitmap.numel() else (bitmap, BITMAP)
+        if n <= np.iinfo(np.int32).max:
+            deltas = torch.diff(idx, prepend=idx.new_zeros(1)).to(torch.int32)
+            coded = self._zstd.encode(deltas)
+            if coded.numel() < (n + 7) // 8:
+                return coded, DELTAS
+        return torch.from_numpy(np.packbits(keep.cpu().numpy())).to(keep.device), BITMAP
 
     def positions(self, payload: torch.Tensor) -> torch.Tensor:
         """The flat indices a payload carries values for (what a receiver may send back)."""

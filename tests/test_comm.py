@@ -15,8 +15,13 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTens
 from torchrec.datasets.utils import Batch
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from torchrec.distributed.sharding_plan import (column_wise, construct_module_sharding_plan, row_wise,
-                                                table_row_wise, table_wise)
+from torchrec.distributed.sharding_plan import (
+    column_wise,
+    construct_module_sharding_plan,
+    row_wise,
+    table_row_wise,
+    table_wise,
+)
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
@@ -35,8 +40,12 @@ class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.ebc = EmbeddingBagCollection(
-            tables=[EmbeddingBagConfig(name=n, embedding_dim=d, num_embeddings=r, feature_names=[f"f_{n}"])
-                    for n, r, d in TABLES], device=torch.device("meta"))
+            tables=[
+                EmbeddingBagConfig(name=n, embedding_dim=d, num_embeddings=r, feature_names=[f"f_{n}"])
+                for n, r, d in TABLES
+            ],
+            device=torch.device("meta"),
+        )
         self.scale = nn.Parameter(torch.ones(1))
 
     def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
@@ -54,7 +63,8 @@ def batch(rank: int, step: int, size: int, hot: int = 1) -> KeyedJaggedTensor:
     g = torch.Generator().manual_seed(1000 * step + rank)
     values = [(torch.rand(size * hot, generator=g) ** 3 * r).long() for _, r, _ in TABLES]
     return KeyedJaggedTensor.from_lengths_sync(
-        keys=FEATURES, values=torch.cat(values), lengths=torch.full((len(TABLES) * size,), hot, dtype=torch.int32))
+        keys=FEATURES, values=torch.cat(values), lengths=torch.full((len(TABLES) * size,), hot, dtype=torch.int32)
+    )
 
 
 def grad_weights(rank: int, step: int, size: int, integer: bool = False) -> torch.Tensor:
@@ -79,12 +89,18 @@ def columns(feature: str) -> slice:
 def reference_out(weights: dict[str, torch.Tensor], kjt: KeyedJaggedTensor) -> torch.Tensor:
     """Uncompressed pooled embeddings computed with plain torch (sum pooling)."""
     parts = kjt.to_dict()
-    return torch.cat([nn.functional.embedding_bag(parts[f].values(), weights[n], parts[f].offsets()[:-1], mode="sum")
-                      for (n, _, _), f in zip(TABLES, FEATURES)], dim=1)
+    return torch.cat(
+        [
+            nn.functional.embedding_bag(parts[f].values(), weights[n], parts[f].offsets()[:-1], mode="sum")
+            for (n, _, _), f in zip(TABLES, FEATURES)
+        ],
+        dim=1,
+    )
 
 
-def reference_sgd(weights: dict[str, torch.Tensor], kjts: list[KeyedJaggedTensor], grads: list[torch.Tensor],
-                  world_size: int) -> dict[str, torch.Tensor]:
+def reference_sgd(
+    weights: dict[str, torch.Tensor], kjts: list[KeyedJaggedTensor], grads: list[torch.Tensor], world_size: int
+) -> dict[str, torch.Tensor]:
     """One exact SGD step of sum(out_r * G_r) over all ranks, divided by the world size (as TorchRec)."""
     new = {}
     for (n, _, _), f in zip(TABLES, FEATURES):
@@ -112,23 +128,37 @@ def gather_weights(model: nn.Module) -> dict[str, torch.Tensor]:
         if "embedding_bags" in k and not isinstance(st, ShardedTensor):  # data-parallel replica
             mine.append((k.split(".")[-2], (0, 0), st.detach().clone()))
         elif "embedding_bags" in k:
-            mine += [(k.split(".")[-2], tuple(s.metadata.shard_offsets), s.tensor.detach().clone())
-                     for s in st.local_shards()]
+            mine += [
+                (k.split(".")[-2], tuple(s.metadata.shard_offsets), s.tensor.detach().clone())
+                for s in st.local_shards()
+            ]
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     out = {n: torch.full((r, d), float("nan")) for n, r, d in TABLES}
     for shards in everyone:
         for name, (r0, c0), t in shards:
-            out[name][r0:r0 + t.shape[0], c0:c0 + t.shape[1]] = t
+            out[name][r0 : r0 + t.shape[0], c0 : c0 + t.shape[1]] = t
     return out
 
 
 PLANS: dict[str, Callable[[int], dict[str, Any]]] = {
     # every sharding type with a compressed dist, mixed in one EBC
-    "mixed": lambda ws: {"t0": table_wise(rank=0), "t1": table_wise(rank=ws - 1), "t2": column_wise(ranks=[0, ws - 1]),
-                         "t3": row_wise(), "t4": table_wise(rank=0), "t5": table_row_wise(host_index=0)},
-    "tw_cw": lambda ws: {"t0": table_wise(rank=0), "t1": table_wise(rank=ws - 1), "t2": column_wise(ranks=[0, ws - 1]),
-                         "t3": table_wise(rank=ws // 2), "t4": column_wise(ranks=[ws - 1, 0]), "t5": table_wise(rank=0)},
+    "mixed": lambda ws: {
+        "t0": table_wise(rank=0),
+        "t1": table_wise(rank=ws - 1),
+        "t2": column_wise(ranks=[0, ws - 1]),
+        "t3": row_wise(),
+        "t4": table_wise(rank=0),
+        "t5": table_row_wise(host_index=0),
+    },
+    "tw_cw": lambda ws: {
+        "t0": table_wise(rank=0),
+        "t1": table_wise(rank=ws - 1),
+        "t2": column_wise(ranks=[0, ws - 1]),
+        "t3": table_wise(rank=ws // 2),
+        "t4": column_wise(ranks=[ws - 1, 0]),
+        "t5": table_wise(rank=0),
+    },
     "tw": lambda ws: {n: table_wise(rank=i % ws) for i, (n, _, _) in enumerate(TABLES)},
     "tw_rank0": lambda ws: {n: table_wise(rank=0) for n, _, _ in TABLES},  # other ranks own no table
 }
@@ -147,8 +177,15 @@ class PipeNet(nn.Module):
         return (out * b.dense_features).sum(), out.detach()
 
 
-def build(sharder, plan: str, world_size: int, weights: dict[str, torch.Tensor], pg=None,
-          optimizer: str = "sgd", pipe: bool = False) -> DistributedModelParallel:
+def build(
+    sharder,
+    plan: str,
+    world_size: int,
+    weights: dict[str, torch.Tensor],
+    pg=None,
+    optimizer: str = "sgd",
+    pipe: bool = False,
+) -> DistributedModelParallel:
     """A DMP of Net (or PipeNet) with the given sharder and named plan, its shards set from ``weights``."""
     top = PipeNet() if pipe else Net()
     net = top.net if pipe else top
@@ -157,17 +194,24 @@ def build(sharder, plan: str, world_size: int, weights: dict[str, torch.Tensor],
     else:  # fused EXACT_ROWWISE_ADAGRAD
         apply_optimizer_in_backward(RowWiseAdagrad, net.ebc.parameters(), {"lr": LR, "eps": 1e-8})
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    module_plan = construct_module_sharding_plan(net.ebc, PLANS[plan](world_size), sharder=sharder,
-                                                 local_size=local, world_size=world_size, device_type="cpu")
+    module_plan = construct_module_sharding_plan(
+        net.ebc, PLANS[plan](world_size), sharder=sharder, local_size=local, world_size=world_size, device_type="cpu"
+    )
     env = ShardingEnv.from_process_group(pg if pg is not None else dist.GroupMember.WORLD)
-    model = DistributedModelParallel(top, env=env, device=torch.device("cpu"),
-                                     plan=ShardingPlan({"net.ebc" if pipe else "ebc": module_plan}), sharders=[sharder])
+    model = DistributedModelParallel(
+        top,
+        env=env,
+        device=torch.device("cpu"),
+        plan=ShardingPlan({"net.ebc" if pipe else "ebc": module_plan}),
+        sharders=[sharder],
+    )
     set_weights(model, weights)
     return model
 
 
-def build_planned(sharder, constraints: dict[str, list[str]], world_size: int,
-                  weights: dict[str, torch.Tensor]) -> DistributedModelParallel:
+def build_planned(
+    sharder, constraints: dict[str, list[str]], world_size: int, weights: dict[str, torch.Tensor]
+) -> DistributedModelParallel:
     """A DMP of Net placed by TorchRec's planner, with per-table sharding-type constraints."""
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 
@@ -175,7 +219,10 @@ def build_planned(sharder, constraints: dict[str, list[str]], world_size: int,
     apply_optimizer_in_backward(torch.optim.SGD, net.ebc.parameters(), {"lr": LR})
     planner = EmbeddingShardingPlanner(
         topology=Topology(world_size=world_size, compute_device="cpu", local_world_size=world_size),
-        constraints={t: ParameterConstraints(sharding_types=types, min_partition=4) for t, types in constraints.items()})
+        constraints={
+            t: ParameterConstraints(sharding_types=types, min_partition=4) for t, types in constraints.items()
+        },
+    )
     plan = planner.collective_plan(net, [sharder], dist.GroupMember.WORLD)
     model = DistributedModelParallel(net, device=torch.device("cpu"), plan=plan, sharders=[sharder])
     set_weights(model, weights)
@@ -192,7 +239,7 @@ def set_weights(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
             continue
         for shard in st.local_shards():
             (r0, c0), (nr, nc) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-            shard.tensor.copy_(full[r0:r0 + nr, c0:c0 + nc])
+            shard.tensor.copy_(full[r0 : r0 + nr, c0 : c0 + nc])
 
 
 def local_weights(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -251,6 +298,7 @@ NONE = shipped("none")
 
 # -- none == stock, bit for bit --------------------------------------------------------------------
 
+
 def _parity_none(rank: int, ws: int) -> list[dict]:
     from dlrm.comm import comm_stats
 
@@ -282,19 +330,31 @@ def test_none_is_bit_identical_to_stock_torchrec_every_sharding_type_and_uneven_
 
 # -- lossy: every output element and every weight update within its table's bound ----------------
 
+
 def table_bound(feature: str, direction: str, iteration: int) -> float:
     """A different absolute bound per table (and direction), as a table-wise policy would give."""
     k = FEATURES.index(feature)
     return (2e-3 if direction == "forward" else 1e-3) * (1 + k) / 4
 
 
-LOSSY = {"name": "lossy", "forward": {"codec": "lossy", "eb": 1e-3}, "backward": {"codec": "lossy", "eb": 1e-3},
-         "stats": {"sample_every": 1}}
+LOSSY = {
+    "name": "lossy",
+    "forward": {"codec": "lossy", "eb": 1e-3},
+    "backward": {"codec": "lossy", "eb": 1e-3},
+    "stats": {"sample_every": 1},
+}
 
 
-def check_bounded_training(model: nn.Module, rank: int, ws: int, sizes: list[int], steps: int,
-                           fwd_bound: Callable[[str, torch.Tensor], float], bwd_bound: Callable[[str], float],
-                           hot: Callable[[int], int] = lambda step: 1) -> float:
+def check_bounded_training(
+    model: nn.Module,
+    rank: int,
+    ws: int,
+    sizes: list[int],
+    steps: int,
+    fwd_bound: Callable[[str, torch.Tensor], float],
+    bwd_bound: Callable[[str], float],
+    hot: Callable[[int], int] = lambda step: 1,
+) -> float:
     """Train and compare each step with plain-torch math on the same weights; return the worst
     forward error / bound seen (to show compression really happened)."""
     worst = 0.0
@@ -315,7 +375,9 @@ def check_bounded_training(model: nn.Module, rank: int, ws: int, sizes: list[int
             # each occurrence of an id contributes at most one bounded gradient error (divided by ws)
             tol = LR / ws * bwd_bound(f) * counts[n][:, None].double() + 1e-6
             diff = (new[n].double() - expect[n].double()).abs()
-            assert (diff <= tol).all(), f"rank {rank} step {step} table {n}: weight error {float((diff - tol).max())} over"
+            assert (diff <= tol).all(), (
+                f"rank {rank} step {step} table {n}: weight error {float((diff - tol).max())} over"
+            )
     return worst
 
 
@@ -348,8 +410,16 @@ def _lossy_abs(rank: int, ws: int) -> dict:
     sizes = [24, 13]
     spy = IdsSpy()
     model = build(ours(LOSSY, bound_fn_forward=table_bound, bound_fn_backward=table_bound), "mixed", ws, full_weights())
-    worst = check_bounded_training(model, rank, ws, sizes, 3, lambda f, ref: table_bound(f, "forward", 0),
-                                   lambda f: table_bound(f, "backward", 0), hot=lambda step: 1 + step % 2)
+    worst = check_bounded_training(
+        model,
+        rank,
+        ws,
+        sizes,
+        3,
+        lambda f, ref: table_bound(f, "forward", 0),
+        lambda f: table_bound(f, "backward", 0),
+        hot=lambda step: 1 + step % 2,
+    )
     # single-valued steps (0, 2) send table-wise chunks by id, both ways; the 2-hot step by value
     by_id = {(it, d) for it, d, with_ids in spy.seen if with_ids}
     assert by_id == {(0, "forward"), (0, "backward"), (2, "forward"), (2, "backward")}, by_id
@@ -366,8 +436,14 @@ def _lossy_abs(rank: int, ws: int) -> dict:
     types = {t: ps.sharding_type for t, ps in planned.plan.plan["ebc"].items()}
     assert all(types[t] == want[0] for t, want in constraints.items()), types
     check_bounded_training(planned, rank, ws, [16, 16], 2, lambda f, ref: 1e-3, lambda f: 1e-3)
-    return {"worst": worst, "local": local, "merged": merged, "summary": summary,
-            "lonely": comm_stats(lonely), "iterations": [d.iteration for d in lonely.module.ebc.compressed_dists()]}
+    return {
+        "worst": worst,
+        "local": local,
+        "merged": merged,
+        "summary": summary,
+        "lonely": comm_stats(lonely),
+        "iterations": [d.iteration for d in lonely.module.ebc.compressed_dists()],
+    }
 
 
 def test_lossy_outputs_and_updates_within_per_table_bounds_2_ranks():
@@ -399,8 +475,11 @@ def _four_ranks_two_nodes(rank: int, ws: int) -> dict:
     wa, wb = local_weights(stock), local_weights(mine)
     w_diff = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
     # relative-to-range forward bounds (absolute backward), uneven last batch
-    rel = {"name": "lossy_rel", "forward": {"codec": "lossy", "eb": 1e-3, "mode": "rel"},
-           "backward": {"codec": "lossy", "eb": 1e-3}}
+    rel = {
+        "name": "lossy_rel",
+        "forward": {"codec": "lossy", "eb": 1e-3, "mode": "rel"},
+        "backward": {"codec": "lossy", "eb": 1e-3},
+    }
 
     def range_bound(f: str, ref_cols: torch.Tensor) -> float:
         # a chunk's range is within this (row-wise partial sums also hold zeros)
@@ -420,16 +499,19 @@ def test_four_ranks_two_nodes_none_matches_stock_and_rel_mode_holds():
 
 # -- backward dedup: per-id gradient sums on the owner; QComms configs --------------------------------
 
+
 def capture_owner_grads(model: nn.Module) -> list:
     """Record, per lookup call, (post-all-to-all KJT, gradient of the lookup output) on this rank."""
     seen: list = []
     sebc = model.module.ebc
     for lookup in sebc._lookups:
+
         def hook(module, inputs, output):
             entry = [inputs[0], None]
             seen.append(entry)
             if output.requires_grad:
                 output.register_hook(lambda g: entry.__setitem__(1, g.detach().clone()))
+
         lookup.register_forward_hook(hook)
     return seen
 
@@ -442,7 +524,7 @@ def per_id_sums(seen: list) -> dict[str, torch.Tensor]:
     for kjt, grad in seen:
         c = 0
         for f, jt in kjt.to_dict().items():
-            g = grad[:, c:c + dims[f]]
+            g = grad[:, c : c + dims[f]]
             out.setdefault(f, torch.zeros(rows[f], dims[f])).index_add_(0, jt.values(), g)
             c += dims[f]
     return out
@@ -465,7 +547,10 @@ def _dedup_and_qcomm(rank: int, ws: int) -> dict:
     out: dict = {}
     for opt in ("sgd", "rowwise_adagrad"):
         w = full_weights(3)
-        stock, mine = build(stock_sharder(), "tw", ws, w, optimizer=opt), build(ours(NONE_DEDUP), "tw", ws, w, optimizer=opt)
+        stock, mine = (
+            build(stock_sharder(), "tw", ws, w, optimizer=opt),
+            build(ours(NONE_DEDUP), "tw", ws, w, optimizer=opt),
+        )
         seen_stock, seen_mine = capture_owner_grads(stock), capture_owner_grads(mine)
         run_steps(stock, rank, [32] * ws, 2, integer=True)  # integer gradients: every sum is exact
         run_steps(mine, rank, [32] * ws, 2, integer=True)
@@ -483,10 +568,15 @@ def _dedup_and_qcomm(rank: int, ws: int) -> dict:
 
     w = full_weights(4)
     qcfg = shipped("qcomm_fp16")
-    registry = get_qcomm_codecs_registry(QCommsConfig(forward_precision=CommType.FP16, backward_precision=CommType.FP16))
+    registry = get_qcomm_codecs_registry(
+        QCommsConfig(forward_precision=CommType.FP16, backward_precision=CommType.FP16)
+    )
     runs = {}
-    for name, sharder in (("config", ours(qcfg)), ("torchrec", StockEmbeddingBagCollectionSharder(qcomm_codecs_registry=registry)),
-                          ("fp32", stock_sharder())):
+    for name, sharder in (
+        ("config", ours(qcfg)),
+        ("torchrec", StockEmbeddingBagCollectionSharder(qcomm_codecs_registry=registry)),
+        ("fp32", stock_sharder()),
+    ):
         model = build(sharder, "mixed", ws, w)
         runs[name] = (run_steps(model, rank, [16] * ws, 2), local_weights(model))
     for a, b in zip(runs["config"][0], runs["torchrec"][0]):
@@ -496,8 +586,11 @@ def _dedup_and_qcomm(rank: int, ws: int) -> dict:
     return out
 
 
-REL_BACKWARD = {"name": "rel_bwd", "forward": {"codec": "none"},
-                "backward": {"codec": "lossy", "eb": 0.01, "mode": "rel"}}
+REL_BACKWARD = {
+    "name": "rel_bwd",
+    "forward": {"codec": "none"},
+    "backward": {"codec": "lossy", "eb": 0.01, "mode": "rel"},
+}
 
 
 def _rare_ids_keep_their_gradients(rank: int, ws: int) -> dict:
@@ -536,13 +629,19 @@ def test_backward_dedup_keeps_per_id_sums_and_qcomm_fp16_is_torchrecs():
 
 # -- TrainPipelineSparseDist, eval under no_grad, NaN/Inf, one process, faults -------------------------
 
+
 def _pipeline(rank: int, ws: int) -> dict:
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
     steps, sizes = 4, [16, 10]
-    data = [Batch(dense_features=grad_weights(rank, s, size_of(rank, s, sizes, steps)),
-                  sparse_features=batch(rank, s, size_of(rank, s, sizes, steps)),
-                  labels=torch.zeros(size_of(rank, s, sizes, steps))) for s in range(steps)]
+    data = [
+        Batch(
+            dense_features=grad_weights(rank, s, size_of(rank, s, sizes, steps)),
+            sparse_features=batch(rank, s, size_of(rank, s, sizes, steps)),
+            labels=torch.zeros(size_of(rank, s, sizes, steps)),
+        )
+        for s in range(steps)
+    ]
     w = full_weights(5)
     piped = build(ours(LOSSY), "mixed", ws, w, pipe=True)
     dense = [p for n, p in piped.named_parameters() if n.endswith("scale")]
@@ -582,8 +681,10 @@ def _nonfinite_and_eval(rank: int, ws: int) -> dict:
     model = build(ours(LOSSY), "mixed", ws, w)
     counts = [d.iteration for d in model.module.ebc.compressed_dists()]
     kjt = KeyedJaggedTensor.from_lengths_sync(  # every rank looks up the non-finite rows
-        keys=FEATURES, values=torch.tensor([3, 5] + [0, 7] + [3, 3] + [1, 2] + [0, 1] + [3, 4]),
-        lengths=torch.ones(12, dtype=torch.int32))
+        keys=FEATURES,
+        values=torch.tensor([3, 5] + [0, 7] + [3, 3] + [1, 2] + [0, 1] + [3, 4]),
+        lengths=torch.ones(12, dtype=torch.int32),
+    )
     with torch.no_grad():
         out = model(kjt)
     ref = reference_out(w, kjt)
@@ -625,7 +726,9 @@ def test_one_process_bypasses_the_codec():
     assert r["summary"] == {"forward_ratio": 1.0, "backward_ratio": 1.0, "max_abs_error_seen": 0.0}
 
 
-def corrupt_rank0_to_rank1(payload: torch.Tensor, *, src: int, dst: int, direction: str, iteration: int) -> torch.Tensor:
+def corrupt_rank0_to_rank1(
+    payload: torch.Tensor, *, src: int, dst: int, direction: str, iteration: int
+) -> torch.Tensor:
     if (src, dst, direction, iteration) == (0, 1, "forward", 1):
         payload = payload.clone()
         payload[payload.numel() // 2] ^= 0xFF  # one flipped byte in the body
@@ -658,3 +761,54 @@ def test_corrupt_payload_names_source_tables_iteration_and_no_rank_hangs():
     assert "checksum" in errors[1]  # the codec's own reason is kept
     assert errors[0] != "no error"  # rank 0 ended with an error instead of waiting forever
     print(f"rank 0 ended after {time.monotonic() - t0:.1f}s with: {errors[0][:200]}")
+
+
+# --------------------------------------------------------------------------- DCT-MP (threshold codec)
+
+DCT_MP = {
+    "name": "dct_mp",
+    "forward": {"codec": "threshold", "dedup": False, "params": {"keep": 0.25}},
+    "backward": {"codec": "threshold", "dedup": False, "params": {"forward_positions": True}},
+    "stats": {"sample_every": 0},
+}
+
+
+def _dct_mp_step(rank: int, ws: int) -> dict:
+    w = full_weights(3)
+    model = build(ours(DCT_MP), "tw", ws, w)
+    size = 32
+    kjts = [batch(q, 0, size) for q in range(ws)]
+    grads = [grad_weights(q, 0, size) for q in range(ws)]
+    out = model(kjts[rank])
+    (out * grads[rank]).sum().backward()
+    outs: list[Any] = [None] * ws
+    dist.all_gather_object(outs, out.detach())
+    return {"outs": outs, "kjts": kjts, "grads": grads, "w": w, "new": gather_weights(model)}
+
+
+def test_dct_mp_sends_only_kept_entries_and_returns_gradients_only_there():
+    results = run_ranks(_dct_mp_step, 2)
+    r0 = results[0]
+    ws, w = len(results), r0["w"]
+    masked_grads = []
+    for rank in range(ws):
+        out, ref = r0["outs"][rank], reference_out(w, r0["kjts"][rank])
+        mask = torch.ones_like(out, dtype=torch.bool)
+        for i, f in enumerate(FEATURES):
+            cols = columns(f)
+            if i % ws == rank:  # this rank's own table: its chunk never travels
+                assert torch.equal(out[:, cols], ref[:, cols])
+                continue
+            kept = out[:, cols] != 0
+            mask[:, cols] = kept
+            assert torch.equal(out[:, cols][kept], ref[:, cols][kept])  # kept values exact (fp32)
+            assert 0.25 <= float(kept.float().mean()) < 0.3  # keep 0.25 of the block's entries
+            # hard thresholding: every kept magnitude is at least every dropped one
+            assert float(ref[:, cols][kept].abs().min()) >= float(ref[:, cols][~kept].abs().max())
+        masked_grads.append(torch.where(mask, r0["grads"][rank], 0.0))
+    # the tables took SGD steps from the gradients at the kept entries only
+    expected = reference_sgd(w, r0["kjts"], masked_grads, ws)
+    for n, _, _ in TABLES:
+        torch.testing.assert_close(r0["new"][n], expected[n], rtol=0, atol=1e-6)
+    unmasked = reference_sgd(w, r0["kjts"], r0["grads"], ws)
+    assert any(not torch.allclose(r0["new"][n], unmasked[n], atol=1e-4) for n, _, _ in TABLES)

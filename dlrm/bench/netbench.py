@@ -41,7 +41,9 @@ from dlrm.bench import netreport
 from dlrm.bench.netprobe import OUT_ENV
 
 REPO = Path(__file__).resolve().parents[2]
-DEFAULT_CONFIGS = ("none", "fp16", "qcomm_fp16", "qcomm_int8", "lossy")
+# Compression configs, with `+D` for dense_comm=D: the baseline, stock TorchRec's best effort
+# (QComms fp16 on the all-to-alls, fp16 all-reduce), ours, and ours with each dense option.
+DEFAULT_CONFIGS = ("none", "qcomm_fp16+fp16", "lossy", "lossy+fp16", "lossy+powersgd", "lossy+dct")
 # The published Terabyte model (notes/papers.md §1.5) on synthetic Criteo-like data, table-wise,
 # 2,048 samples per rank.
 TRAINER_DEFAULTS = (
@@ -58,6 +60,10 @@ TRAINER_DEFAULTS = (
 # the authors' own model script uses (notes/papers.md §1.2, cr_log.py: B = 4 GB/s).
 PUBLISHED_CODEC_GBPS = (332.0, 513.0)
 PUBLISHED_LINK_GBPS = 4.0
+# The Terabyte MLPs (13-512-256-64 bottom, 415-512-512-256-1 top): their weights and biases.
+PUBLISHED_DENSE_PARAMS = (
+    13 * 512 + 512 + 512 * 256 + 256 + 256 * 64 + 64 + 415 * 512 + 512 + 512 * 512 + 512 + 512 * 256 + 256 + 256 + 1
+)
 # Harmonic mean over the 26 Terabyte tables of the authors' Huffman ratios (notes/papers.md §1.6).
 PUBLISHED_RATIO = 10.8
 
@@ -73,6 +79,12 @@ class Variant:
     label: str
     compression: str
     overrides: tuple[str, ...] = ()
+
+
+def variant_of(name: str) -> Variant:
+    """``lossy`` -> compression=lossy; ``lossy+dct`` -> compression=lossy dense_comm=dct."""
+    compression, _, dense = name.partition("+")
+    return Variant(name, compression, (f"dense_comm={dense}",) if dense else ())
 
 
 def preflight() -> None:
@@ -309,14 +321,17 @@ def load_runs(out: Path, warmup: int) -> list[netreport.RunResult]:
     return sorted(results, key=lambda r: (r.repeat, r.extra.get("order", 0)))
 
 
-def projection_lines(summaries: list[netreport.Summary], o: Options, label: str = "lossy") -> list[str]:
-    """The published 32-GPU Terabyte setup under the cost model with our measured wire ratios."""
+def projection_lines(
+    summaries: list[netreport.Summary], o: Options, label: str = "lossy", dense_label: str = "lossy+dct"
+) -> list[str]:
+    """The published 32-GPU Terabyte setup under the cost model with our measured wire ratios
+    (the all-to-alls' of ``label``, and the dense all-reduce's of ``dense_label`` if it ran)."""
     ours = [s for s in summaries if s.label == label]
     if not ours:
         return [f"(no {label!r} runs: no projection of the published setup)"]
     slow = min(ours, key=lambda s: netreport.rate_bytes_per_s(s.rate))
     enc, dec = (g * 1e9 for g in o.codec_gbps)
-    w = cm.Workload(ranks=32, batch_per_rank=2048, dims=(64,) * 26)
+    w = cm.Workload(ranks=32, batch_per_rank=2048, dims=(64,) * 26, dense_params=PUBLISHED_DENSE_PARAMS)
     link = o.cluster_gbps * 1e9
     fwd = cm.CodecCost(slow.wire_ratio["forward"], enc, dec)
     bwd = cm.CodecCost(slow.wire_ratio["backward"], enc, dec)
@@ -337,6 +352,31 @@ def projection_lines(summaries: list[netreport.Summary], o: Options, label: str 
         f"  with the published Huffman ratio ({PUBLISHED_RATIO:g}x, both directions): forward only "
         f"{cm.speedup(base, q['forward_only']):.3f}x, "
         f"forward + backward {cm.speedup(base, q['forward_backward']):.3f}x",
+        *dense_projection(summaries, o, w, link, fwd, bwd, dense_label),
+    ]
+
+
+def dense_projection(
+    summaries: list[netreport.Summary],
+    o: Options,
+    w: cm.Workload,
+    link: float,
+    fwd: cm.CodecCost,
+    bwd: cm.CodecCost,
+    label: str,
+) -> list[str]:
+    """The published setup with its all-reduce (22.9%) compressed too, at ``label``'s dense ratio."""
+    runs = [s for s in summaries if s.label == label]
+    if not runs:
+        return []
+    slow = min(runs, key=lambda s: netreport.rate_bytes_per_s(s.rate))
+    enc, dec = (g * 1e9 for g in o.codec_gbps)
+    p = cm.project_published(w, link, fwd, bwd, dense=cm.CodecCost(slow.dense_ratio, enc, dec))
+    base = p["uncompressed"]
+    cap = cm.amdahl_limit(base.a2a_share + cm.PUBLISHED_BREAKDOWN["allreduce"])
+    return [
+        f"  forward + backward + dense all-reduce ({label}'s dense ratio {slow.dense_ratio:.0f}x): "
+        f"{cm.speedup(base, p['all']):.3f}x (Amdahl cap {cap:.3f}x)"
     ]
 
 
@@ -349,7 +389,8 @@ def parse_args(argv: Sequence[str] | None) -> Options:
     p.add_argument(
         "--configs",
         default=",".join(DEFAULT_CONFIGS),
-        help="comma-separated `compression` configs; must include none (default %(default)s)",
+        help="comma-separated `compression` configs, each optionally +DENSE for dense_comm=DENSE (e.g. "
+        "lossy+dct); must include none (default %(default)s)",
     )
     p.add_argument(
         "--variant",
@@ -405,7 +446,7 @@ def parse_args(argv: Sequence[str] | None) -> Options:
     if bad:
         p.error(f"unknown option(s) {bad}; Hydra overrides go after `--`")
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
-    variants = [Variant(n, n) for n in names]
+    variants = [variant_of(n) for n in names]
     for item in args.variant:
         if len(item) < 2:
             p.error("--variant needs LABEL CONFIG [OVERRIDE ...]")
@@ -416,6 +457,9 @@ def parse_args(argv: Sequence[str] | None) -> Options:
     for n in {v.compression for v in variants}:
         if not (REPO / "configs" / "compression" / f"{n}.yaml").exists():
             p.error(f"no compression config {n!r} in configs/compression/")
+    for o in {o for v in variants for o in v.overrides if o.startswith("dense_comm=")}:
+        if not (REPO / "configs" / "dense_comm" / f"{o.split('=', 1)[1]}.yaml").exists():
+            p.error(f"no dense_comm config {o.split('=', 1)[1]!r} in configs/dense_comm/")
     rates = args.rates or ["100mbit"]
     for r in rates:
         try:

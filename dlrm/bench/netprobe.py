@@ -15,8 +15,9 @@ marks TorchRec's ``All2All_Pooled_Req``/``_Wait`` the same way for the stock QCo
 the rest (the sparse input dist) is counted apart. The trainer's :class:`dlrm.loop.StepObserver`
 seam marks training segments and closes an iteration after each step. Codec time comes from the
 run statistics of the compressed dists (encode + decode + dedup) and, for TorchRec's QComms, from
-timing fbgemm's ``QuantizedCommCodec.encode/decode``. The dense all-reduce runs inside DDP's C++
-reducer and is not visible here: it stays in the remainder of the iteration.
+timing fbgemm's ``QuantizedCommCodec.encode/decode``; the dense-gradient hook's codec time (DCT,
+PowerSGD, casts) from its own statistics. The dense all-reduce itself runs inside DDP's reducer,
+overlapped with the backward: its wire time stays in the remainder of the iteration.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from omegaconf import DictConfig
 from torchrec.distributed import comm_ops as torchrec_comm_ops
 
 from dlrm.comm import compressed_dists
+from dlrm.comm.dense import dense_comm_of
 from dlrm.comm.instrument import current, embedding_collective
 
 OUT_ENV = "DLRM_NETPROBE_OUT"
@@ -154,10 +156,13 @@ def _wrap_codec(real: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def comm_run_sums(model: torch.nn.Module) -> dict[str, float]:
-    """Run totals of the compressed dists in ``model`` (this rank; empty without dlrm.comm dists)."""
+    """Run totals of the compressed dists in ``model`` and of its dense-gradient hook (this rank;
+    empty without dlrm.comm dists and hook)."""
     sums: dict[str, float] = defaultdict(float)
-    for d in compressed_dists(model):
-        for k, v in d.stats.state(run=True)[0].items():
+    dense = dense_comm_of(model)
+    sources = [d.stats for d in compressed_dists(model)] + ([dense.stats] if dense is not None else [])
+    for stats in sources:
+        for k, v in stats.state(run=True)[0].items():
             if k.count("/") == 1:  # totals only, not per feature
                 sums[k] += v
     return dict(sums)
@@ -184,7 +189,7 @@ def _close_step(model: torch.nn.Module) -> None:
     comm = comm_run_sums(model)
     step = dict(PROBE.open)
     step["ms"] = 1e3 * (now - PROBE.t_last)
-    for d in PASSES:
+    for d in (*PASSES, "dense"):
         key = f"{d}/codec_ms"
         if key in comm:
             step[f"codec/{d}/ms"] = step.get(f"codec/{d}/ms", 0.0) + comm[key] - PROBE.comm_last.get(key, 0.0)

@@ -90,6 +90,8 @@ class RunResult:
     max_abs_error_seen: float | None
     trainer_samples_per_s: float | None
     extra: dict[str, Any] = field(default_factory=dict)  # load average, link bytes, wall time
+    dense_ratio: float = 1.0  # the dense all-reduce's raw/wire ratio (metrics.json; 1 for stock DDP)
+    dense_codec_ms: float = 0.0  # the dense hook's encode + decode per iteration
 
     @property
     def a2a_share(self) -> float:
@@ -187,6 +189,8 @@ def load_run(
         max_abs_error_seen=metrics.get("max_abs_error_seen"),
         trainer_samples_per_s=metrics.get("samples_per_s"),
         extra=dict(extra or {}),
+        dense_ratio=float(metrics.get("dense_ratio") or 1.0),
+        dense_codec_ms=mean("codec/dense/ms"),
     )
 
 
@@ -205,9 +209,10 @@ class Summary:
     a2a_ms: dict[str, float]
     wire_ratio: dict[str, float]  # baseline bytes / these bytes, per pass (probe-measured)
     trainer_ratio: dict[str, float]  # metrics.json forward_ratio / backward_ratio
-    codec_ms: dict[str, float]
+    codec_ms: dict[str, float]  # per pass of the all-to-all, and "dense" (the all-reduce's hook)
     auc: float
     auc_delta: float
+    dense_ratio: float = 1.0
     model_ms: float | None = None
     model_error: float | None = None  # model_ms / iteration_ms - 1
 
@@ -253,9 +258,13 @@ def summarize(results: Iterable[RunResult], baseline: str = "none") -> list[Summ
                     "forward": med(r.forward_ratio for r in runs),
                     "backward": med(r.backward_ratio for r in runs),
                 },
-                codec_ms={d: med(r.codec_ms[d] for r in runs) for d in PASSES},
+                codec_ms={
+                    **{d: med(r.codec_ms[d] for r in runs) for d in PASSES},
+                    "dense": med(r.dense_codec_ms for r in runs),
+                },
                 auc=auc,
                 auc_delta=auc - statistics.fmean(b.auc for b in base.values()),
+                dense_ratio=med(r.dense_ratio for r in runs),
             )
         )
     return out
@@ -271,20 +280,31 @@ def _workload(r: RunResult) -> cm.Workload:
 
 
 def model_breakdown(
-    r: RunResult, rate: str, wire_ratio: Mapping[str, float], compute_s: float, burst_bytes: float = 0.0
+    r: RunResult,
+    rate: str,
+    wire_ratio: Mapping[str, float],
+    compute_s: float,
+    burst_bytes: float = 0.0,
+    dense_ratio: float = 1.0,
 ) -> cm.Breakdown:
     """The cost model's iteration for a run: link model at ``rate`` (every rank's bytes on the one
     throttled loopback, a tbf burst free per collective), its measured wire ratios and codec
-    time, and ``compute_s``."""
+    time (the all-to-alls' and the dense hook's), and ``compute_s``."""
     w = _workload(r)
     link = cm.Link(rate_bytes_per_s(rate), shared=True, burst_bytes=burst_bytes)
-    raw = w.a2a_bytes()
 
-    def codec(d: str) -> cm.CodecCost:
-        s = r.codec_ms[d] / 1e3  # measured encode + decode, folded into one throughput
-        return cm.CodecCost(ratio=wire_ratio[d], encode_bytes_per_s=raw / s if s > 0 else math.inf)
+    def codec(ratio: float, ms: float, raw: float) -> cm.CodecCost:
+        s = ms / 1e3  # measured encode + decode, folded into one throughput
+        return cm.CodecCost(ratio=ratio, encode_bytes_per_s=raw / s if s > 0 else math.inf)
 
-    b = cm.iteration_time(w, link, codec("forward"), codec("backward"))
+    raw, dense_raw = w.a2a_bytes(), w.dense_params * w.value_bytes
+    b = cm.iteration_time(
+        w,
+        link,
+        codec(wire_ratio["forward"], r.codec_ms["forward"], raw),
+        codec(wire_ratio["backward"], r.codec_ms["backward"], raw),
+        codec(dense_ratio, r.dense_codec_ms, dense_raw) if dense_raw else cm.NO_CODEC,
+    )
     return cm.Breakdown(**{**b.as_dict(), "compute": compute_s})
 
 
@@ -310,7 +330,7 @@ def validate_model(
     errors = []
     for s in summaries:
         r = by_key[(s.rate, s.label)]
-        b = model_breakdown(r, s.rate, s.wire_ratio, compute_s, burst_bytes)
+        b = model_breakdown(r, s.rate, s.wire_ratio, compute_s, burst_bytes, s.dense_ratio)
         s.model_ms = 1e3 * b.total
         s.model_error = s.model_ms / s.iteration_ms - 1
         if not (s.rate == cal_rate and s.label == baseline):
@@ -333,7 +353,7 @@ def format_table(summaries: list[Summary]) -> str:
     """The results as a Markdown table, one row per (rate, configuration)."""
     lines = [
         "| rate | config | ms/iter | samples/s | speedup vs none (min-max) | a2a share | fwd a2a ms | "
-        "bwd a2a ms | wire ratio fwd/bwd | codec ms/iter | test AUC | dAUC | model ms (err) |",
+        "bwd a2a ms | wire ratio fwd/bwd/dense | codec ms/iter | test AUC | dAUC | model ms (err) |",
         "|---|---|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---|",
     ]
     for s in sorted(summaries, key=lambda s: (-rate_bytes_per_s(s.rate), s.rate)):
@@ -341,8 +361,8 @@ def format_table(summaries: list[Summary]) -> str:
             f"| {s.rate} | {s.label} | {s.iteration_ms:.0f} | {s.samples_per_s:,.0f} | "
             f"{s.speedup:.2f}x ({s.speedup_range[0]:.2f}-{s.speedup_range[1]:.2f}) | {100 * s.a2a_share:.0f}% | "
             f"{s.a2a_ms['forward']:.0f} | {s.a2a_ms['backward']:.0f} | "
-            f"{_f(s.wire_ratio['forward'], '.1f')}/{_f(s.wire_ratio['backward'], '.1f')} | "
-            f"{s.codec_ms['forward'] + s.codec_ms['backward']:.0f} | {s.auc:.4f} | {s.auc_delta:+.4f} | "
+            f"{_f(s.wire_ratio['forward'], '.1f')}/{_f(s.wire_ratio['backward'], '.1f')}/{s.dense_ratio:.1f} | "
+            f"{sum(s.codec_ms.values()):.0f} | {s.auc:.4f} | {s.auc_delta:+.4f} | "
             f"{_f(s.model_ms, '.0f')} ({_f(None if s.model_error is None else 100 * s.model_error, '+.0f')}%) |"
         )
     return "\n".join(lines)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 import compression
+from compression.sparse import ThresholdCodec, kth_largest_abs
 from dlrm.comm.bounds import BoundFn, absolute_bounds, policy_values
 from dlrm.comm.config import DirectionSpec
 
@@ -21,14 +22,28 @@ class CompressedCommError(RuntimeError):
     """A compressed all-to-all payload could not be decoded (or had the wrong shape)."""
 
 
+# Smallest positive float32: a threshold that keeps every non-zero entry and drops exact zeros.
+NONZERO = float(torch.finfo(torch.float32).smallest_normal) * 2.0**-23
+
+
 class DirectionCodec:
-    """The codec, bound policy and dedup switch of one direction (``forward`` or ``backward``)."""
+    """The codec, bound policy and dedup switch of one direction (``forward`` or ``backward``).
+
+    With the ``threshold`` codec (DCT-MP, Gupta et al.) the direction keeps per-table thresholds
+    instead of bounds: ``params.keep`` (fraction of each table block's entries kept, its threshold
+    refreshed every ``params.refresh_every`` iterations from the chunk being sent), or, for the
+    gradients, ``params.forward_positions: true`` (send only where the forward kept an entry: the
+    derivative of the thresholding).
+    """
 
     def __init__(self, spec: DirectionSpec, direction: str, bound_fn: BoundFn | None = None) -> None:
         self.spec = spec
         self.direction = direction
+        params = dict(spec.params)
+        self.keep, self.refresh_every, self.forward_positions = _threshold_params(spec, params, direction)
+        self._taus: dict[str, tuple[int, float]] = {}  # feature -> (iteration refreshed, threshold)
         try:
-            self.codec = compression.get_codec(spec.codec, **dict(spec.params))
+            self.codec = compression.get_codec(spec.codec, **params)
         except TypeError as e:  # e.g. `compression.backward.codec=none` keeping lossy's params
             raise ValueError(
                 f"compression.{direction}.params {dict(spec.params)} do not fit codec "
@@ -60,16 +75,51 @@ class DirectionCodec:
             return None
         return absolute_bounds(chunk, widths, values, self.spec.mode)
 
+    def thresholds(
+        self, chunk: torch.Tensor, features: Sequence[str], widths: Sequence[int], iteration: int
+    ) -> list[float] | None:
+        """DCT-MP's per-table thresholds for this chunk (None for every other codec): refreshed
+        from the chunk on schedule, or the non-zero entries where the forward decides."""
+        if self.forward_positions:
+            return [NONZERO] * len(widths)
+        if self.keep is None:
+            return None
+        out, c = [], 0
+        for f, w in zip(features, widths, strict=True):
+            seen = self._taus.get(f)
+            due = seen is None or (iteration % self.refresh_every == 0 and seen[0] != iteration)
+            if due:
+                self._taus[f] = (iteration, kth_largest_abs(chunk[:, c : c + w], self.keep) if w else 0.0)
+            out.append(self._taus[f][1])
+            c += w
+        return out
+
     def encode(
-        self, chunk: torch.Tensor, widths: Sequence[int], bounds: Sequence[float] | None, ids: torch.Tensor | None
+        self,
+        chunk: torch.Tensor,
+        widths: Sequence[int],
+        bounds: Sequence[float] | None,
+        ids: torch.Tensor | None,
+        thresholds: Sequence[float] | None = None,
     ) -> torch.Tensor:
         """Payload (uint8, 1-D) of one chunk; ``ids`` ``[rows, n_blocks]`` or None (value dedup)."""
+        extra = {} if thresholds is None else {"thresholds": list(thresholds)}
         return self.codec.encode(
             chunk.contiguous(),
             None if bounds is None else list(bounds),
             ids if self.dedup else None,
             blocks=list(widths),
+            **extra,
         )
+
+    def kept(self, payload: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor | None:
+        """Where a received DCT-MP forward payload holds values (bool ``shape``); None otherwise."""
+        if self.keep is None:
+            return None
+        assert isinstance(self.codec, ThresholdCodec)
+        mask = torch.zeros(shape, dtype=torch.bool, device=payload.device)
+        mask.view(-1)[self.codec.positions(payload)] = True
+        return mask
 
     def decode(
         self,
@@ -99,3 +149,24 @@ class DirectionCodec:
         if tuple(out.shape) != tuple(shape):
             raise CompressedCommError(f"{what}: decoded shape {tuple(out.shape)}, expected {tuple(shape)}")
         return out
+
+
+def _threshold_params(spec: DirectionSpec, params: dict, direction: str) -> tuple[float | None, int, bool]:
+    """Pop DCT-MP's own keys from a threshold codec's params (the rest go to the codec)."""
+    if spec.codec != "threshold":
+        return None, 1, False
+    keep, refresh = params.pop("keep", None), params.pop("refresh_every", 1000)
+    positions = bool(params.pop("forward_positions", False))
+    where = f"compression.{direction}.params"
+    if positions and direction != "backward":
+        raise ValueError(f"{where}.forward_positions applies to the backward (gradients) only")
+    if positions == (keep is not None):
+        raise ValueError(
+            f"{where}: the threshold codec needs either keep (a fraction of each table's entries) "
+            "or, backward, forward_positions: true"
+        )
+    if keep is not None and not (isinstance(keep, (int, float)) and 0 < keep <= 1):
+        raise ValueError(f"{where}.keep must be a fraction in (0, 1], got {keep!r}")
+    if not (isinstance(refresh, int) and refresh >= 1):
+        raise ValueError(f"{where}.refresh_every must be an integer >= 1, got {refresh!r}")
+    return (None if keep is None else float(keep)), refresh, positions

@@ -140,6 +140,8 @@ class CompressedA2AInfo:
     # Multiplies the policy's bounds per direction, so that errors that add up (row-wise partial
     # sums, the two stages of table-row-wise) stay within the policy's bound in total.
     bound_scale: dict[str, float] = field(default_factory=lambda: {"forward": 1.0, "backward": 1.0})
+    # DCT-MP: per source peer, the entries its forward payload kept (receiver side)
+    kept: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def send_ids(self, direction: str) -> list[torch.Tensor | None]:
         return self.fwd_send_ids if direction == "forward" else self.fwd_recv_ids
@@ -174,6 +176,7 @@ def _sample(
     ids: torch.Tensor | None,
     stats: CommStats,
     d: str,
+    thresholds: list[float] | None = None,
 ) -> None:
     """Sender-side sampling: decode our own payload for errors, encode each block alone for sizes."""
     decoded = dc.codec.decode(payload, ids if dc.dedup else None)
@@ -192,6 +195,7 @@ def _sample(
                 [w],
                 None if bounds is None else [bounds[k]],
                 None if ids is None else ids[:, k : k + 1],
+                None if thresholds is None else [thresholds[k]],
             )
             stats.add(f"{d}/sampled_raw_bytes/{f}", chunk.shape[0] * w * elt)
             stats.add(f"{d}/sampled_wire_bytes/{f}", solo.numel())
@@ -218,7 +222,7 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
         for f, w in zip(blocks.features, blocks.widths, strict=True):
             stats.add(f"{d}/raw_bytes/{f}", chunk.shape[0] * w * elt)
         stats.add(f"{d}/raw_bytes", chunk.numel() * elt)
-        if ids is None and id(chunk) in memo:
+        if ids is None and id(chunk) in memo and not dc.forward_positions:
             payloads[peer] = memo[id(chunk)]
         else:
             key = id(blocks)
@@ -230,10 +234,13 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
             bounds = dc.bounds(chunk, blocks.widths, policy[key])
             if ids is not None and d == "backward" and dc.dedup:
                 chunk = sum_duplicates(chunk, ids, blocks.widths)
-            payload = dc.encode(chunk, blocks.widths, bounds, ids)
+            if dc.forward_positions:  # DCT-MP: the derivative of the forward's thresholding
+                chunk = torch.where(info.kept[peer], chunk, torch.zeros((), dtype=chunk.dtype, device=chunk.device))
+            thresholds = dc.thresholds(chunk, blocks.features, blocks.widths, info.iteration)
+            payload = dc.encode(chunk, blocks.widths, bounds, ids, thresholds)
             if sample:
                 ts = time.perf_counter()
-                _sample(dc, chunk, payload, blocks, bounds, ids, stats, d)
+                _sample(dc, chunk, payload, blocks, bounds, ids, stats, d, thresholds)
                 sample = False
                 sample_s = time.perf_counter() - ts
             if ids is None:
@@ -329,6 +336,9 @@ def _receive(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, tr: _Transf
         )
         if ids is not None and d == "backward" and dc.dedup:
             keep_first_duplicates(part, ids, blocks.widths)
+        kept = dc.kept(payload, shape) if d == "forward" else None
+        if kept is not None:
+            info.kept[peer] = kept  # where our gradient for this peer may be non-zero (DCT-MP)
         parts.append(part)
     stats.add(f"{d}/comm_ms", 1e3 * (t1 - t0))
     stats.add(f"{d}/codec_ms", 1e3 * (time.perf_counter() - t1))

@@ -315,6 +315,12 @@ class DenseComm:
                 setattr(self.powersgd, slot, value)
 
 
+def dense_comm_of(model: torch.nn.Module) -> DenseComm | None:
+    """The :class:`DenseComm` a DMP model was wrapped with (TorchRec keeps the wrapper it used)."""
+    wrapper = getattr(model, "_data_parallel_wrapper", None)
+    return wrapper.dense if isinstance(wrapper, CompressedDataParallelWrapper) else None
+
+
 def dense_comm_hook(state, bucket):
     """The DDP communication hook of every `dense_comm` choice (DDP calls it per bucket).
 

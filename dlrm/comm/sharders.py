@@ -41,12 +41,14 @@ def build_sharders(
             )
         ]
     assert spec.forward is not None and spec.backward is not None
-    runtime = CompressionRuntime(
-        forward=DirectionCodec(spec.forward, "forward", bound_fn_forward),
-        backward=DirectionCodec(spec.backward, "backward", bound_fn_backward),
-        sample_every=spec.sample_every,
-        name=spec.name,
-    )
+    forward = DirectionCodec(spec.forward, "forward", bound_fn_forward)
+    backward = DirectionCodec(spec.backward, "backward", bound_fn_backward)
+    if backward.forward_positions and forward.keep is None:
+        raise ValueError(
+            "compression.backward.params.forward_positions sends gradients where the forward's threshold codec "
+            f"kept entries, but compression.forward.codec is {spec.forward.codec!r} (use codec: threshold, keep: ...)"
+        )
+    runtime = CompressionRuntime(forward=forward, backward=backward, sample_every=spec.sample_every, name=spec.name)
     return [
         CompressedEmbeddingBagCollectionSharder(runtime, fused_params=fused_params, sharding_types=spec.sharding_types)
     ]
