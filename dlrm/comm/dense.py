@@ -59,7 +59,8 @@ class DenseComm:
     def __init__(self, spec: DenseCommSpec) -> None:
         self.spec = spec
         self.stats = CommStats()
-        self.iteration = 0  # DDP backward passes seen (DCT's refresh schedule)
+        self.iteration = 0  # DDP backward passes seen (DCT's refresh schedule; checkpointed)
+        self._process_iterations = 0  # backward passes of this process (not restored on resume)
         self.thresholds: dict[str, float] = {}  # parameter name -> threshold
         self.refreshes: list[tuple[int, str]] = []  # (iteration, parameter name) of every refresh
         self._residuals: dict[str, torch.Tensor] = {}  # bucket key -> flat residual
@@ -103,11 +104,7 @@ class DenseComm:
             fut = self._dct(bucket, t0)
         else:
             if self.spec.name == "powersgd":
-                assert self.powersgd is not None
-                before = (self.powersgd.total_numel_before_compression, self.powersgd.total_numel_after_compression)
-                fut = powerSGD_hook(self.powersgd, bucket)
-                after = (self.powersgd.total_numel_before_compression, self.powersgd.total_numel_after_compression)
-                sent = after[1] - before[1] if after[0] > before[0] else buf.numel()  # vanilla before start
+                fut, sent = self._powersgd(bucket)
                 wire = 2 * (ws - 1) / ws * 4 * sent
             elif self.spec.name in ("fp16", "bf16"):  # torch's hooks; called, not registered: bf16 runs on gloo
                 hook = (
@@ -123,7 +120,25 @@ class DenseComm:
             fut = fut.then(self._arrived(launched))
         if bucket.is_last():
             self.iteration += 1
+            self._process_iterations += 1
         return fut
+
+    def _powersgd(self, bucket: dist.GradBucket) -> tuple[Future[torch.Tensor], int]:
+        """torch's PowerSGD hook, and the elements it sends.
+
+        The first backward of every process is a plain all-reduce, as torch's hook does before
+        ``start_iter``: PowerSGD keys its state by bucket index, and DDP's first iteration uses
+        one bucket of everything before rebuilding the layout that a resumed state belongs to.
+        """
+        ps = self.powersgd
+        assert ps is not None and self.pg is not None
+        if self._process_iterations == 0:
+            ps.maybe_increase_iter(bucket)
+            return default_hooks.allreduce_hook(self.pg, bucket), bucket.buffer().numel()
+        before = (ps.total_numel_before_compression, ps.total_numel_after_compression)
+        fut = powerSGD_hook(ps, bucket)
+        after = (ps.total_numel_before_compression, ps.total_numel_after_compression)
+        return fut, after[1] - before[1] if after[0] > before[0] else bucket.buffer().numel()  # vanilla before start
 
     def _arrived(self, launched: float) -> Callable[[Future[torch.Tensor]], torch.Tensor]:
         def done(f: Future[torch.Tensor]) -> torch.Tensor:
