@@ -72,14 +72,21 @@ class ThresholdCodec(Codec):
         return f"ThresholdCodec(threshold={self.thresholds}, values={self.values!r})"
 
     def mask(self, x: torch.Tensor, widths: Sequence[int]) -> torch.Tensor:
-        """Which entries of ``x`` [rows, cols] travel."""
+        """Which entries of ``x`` [rows, cols] travel (``|x| >= threshold`` of their block, or NaN)."""
         ts = self.thresholds * len(widths) if len(self.thresholds) == 1 else self.thresholds
         if len(ts) != len(widths):
             raise ValueError(f"{len(ts)} thresholds for {len(widths)} blocks {list(widths)}")
-        per_col = torch.repeat_interleave(
-            torch.tensor(ts, dtype=torch.float32, device=x.device), torch.tensor(list(widths), device=x.device)
-        )
-        return (x.abs() >= per_col) | ~torch.isfinite(x)
+        out = torch.empty(x.shape, dtype=torch.bool, device=x.device)
+        c = 0
+        for t, w in zip(ts, widths, strict=True):
+            torch.ge(x[:, c : c + w].abs(), t, out=out[:, c : c + w])  # +-inf pass, NaN does not
+            c += w
+        return out.logical_or_(torch.isnan(x))
+
+    def count(self, payload: torch.Tensor) -> int:
+        """How many entries a payload carries."""
+        header, _ = self._header(payload)
+        return int(header.info[1])
 
     def encode(
         self,

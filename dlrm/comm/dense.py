@@ -166,7 +166,7 @@ class DenseComm:
         payload = codec.encode(f.view(1, -1), eb, blocks=[n for _, n in layout])
         sent = codec.decode(payload).view(-1)  # exactly what every rank adds for us
         self._residuals[key] = f - sent
-        kept = int(codec.mask(f.view(1, -1), [n for _, n in layout]).sum())
+        kept = codec.count(payload)
         t1 = time.perf_counter()
         size = torch.tensor([payload.numel()], dtype=torch.int64, device=buf.device)
         sizes = [torch.empty_like(size) for _ in range(ws)]
@@ -268,7 +268,8 @@ class DenseComm:
         return out
 
     def residual_norm(self) -> float:
-        return math.sqrt(sum(float(r.double().square().sum()) for r in self.residuals().values()))
+        """The L2 norm of all of this rank's residuals."""
+        return math.sqrt(sum(float(torch.linalg.vector_norm(r)) ** 2 for r in self.residuals().values()))
 
     # -- statistics and checkpoints -------------------------------------------------------------
 
