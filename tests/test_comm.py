@@ -385,23 +385,23 @@ class IdsSpy:
     """Records, per payload sent, (iteration, direction, whether the codec got ids)."""
 
     def __init__(self) -> None:
-        from dlrm.comm import comm_ops
+        from dlrm.comm import instrument
         from dlrm.comm.codec import DirectionCodec
 
         self.seen: list[tuple[int, str, bool]] = []
         self.last = False
         encode = DirectionCodec.encode
 
-        def spy_encode(codec, chunk, widths, bounds, ids):
+        def spy_encode(codec, chunk, widths, bounds, ids, *rest):
             self.last = ids is not None and codec.dedup
-            return encode(codec, chunk, widths, bounds, ids)
+            return encode(codec, chunk, widths, bounds, ids, *rest)
 
         def hook(payload, *, src, dst, direction, iteration):
             self.seen.append((iteration, direction, self.last))
             return payload
 
         DirectionCodec.encode = spy_encode  # this rank process only
-        comm_ops.set_payload_hook(hook)
+        instrument.set_payload_hook(hook)
 
 
 def _lossy_abs(rank: int, ws: int) -> dict:
@@ -738,7 +738,7 @@ def corrupt_rank0_to_rank1(
 def _fault(rank: int, ws: int) -> str:
     from datetime import timedelta
 
-    from dlrm.comm.comm_ops import set_payload_hook
+    from dlrm.comm.instrument import set_payload_hook
 
     # a process group with a timeout, so a rank waiting for a failed peer cannot wait forever
     pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=30))

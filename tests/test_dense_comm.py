@@ -259,3 +259,30 @@ def test_the_trainer_resumes_a_dense_hook_and_reports_it(tmp_path, cache, dense)
     assert {"comm/dense/ratio", "comm/dense/codec_ms", "comm/dense/comm_ms"} <= tags
     if "dense_comm=dct" in dense:
         assert {"comm/dense/keep", "comm/dense/threshold", "comm/dense/residual_norm"} <= tags
+
+
+def _corrupt_dense_payloads(rank: int, ws: int) -> str:
+    from dlrm.comm.instrument import set_payload_hook
+
+    def flip(payload: torch.Tensor, *, src: int, dst: int, direction: str, iteration: int) -> torch.Tensor:
+        if direction == "dense" and iteration == 1:  # every rank's, so that no rank waits on another
+            payload = payload.clone()
+            payload[payload.numel() // 2] ^= 0x10
+        return payload
+
+    set_payload_hook(flip)
+    try:
+        _train(rank, ws, DCT, 3)
+    except Exception as e:  # report the error text to the parent
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_a_corrupted_dense_payload_is_an_error_naming_ranks_bucket_and_iteration():
+    from multiprocess import run_ranks
+
+    errors = run_ranks(_corrupt_dense_payloads, 2, timeout=300)
+    for rank, error in enumerate(errors):
+        other = 1 - rank
+        assert f"rank {rank}: cannot decode the dense gradient payload of bucket" in error, error
+        assert f"from rank {other} at iteration 1" in error and "PayloadError" in error

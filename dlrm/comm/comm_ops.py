@@ -18,7 +18,7 @@ and is never compressed.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -29,19 +29,8 @@ from torchrec.distributed.comm_ops import Request, get_gradient_division
 
 from dlrm.comm.codec import CompressedCommError, DirectionCodec
 from dlrm.comm.ids import keep_first_duplicates, sum_duplicates
-from dlrm.comm.instrument import embedding_collective
+from dlrm.comm.instrument import embedding_collective, on_the_wire
 from dlrm.comm.stats import CommStats
-
-# Fault injection for tests: fn(payload, src=, dst=, direction=, iteration=) -> payload, applied
-# by the sender after encoding. None in normal runs.
-PayloadHook = Callable[..., torch.Tensor]
-_payload_hook: PayloadHook | None = None
-
-
-def set_payload_hook(hook: PayloadHook | None) -> None:
-    """Install (or clear with None) a hook that may alter each payload before it is sent."""
-    global _payload_hook
-    _payload_hook = hook
 
 
 class Blocks(NamedTuple):
@@ -246,14 +235,15 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
             if ids is None:
                 memo[id(chunks[peer])] = payload
             payloads[peer] = payload
-        if _payload_hook is not None:
-            payloads[peer] = _payload_hook(
-                payloads[peer],
-                src=info.global_ranks[me],
-                dst=info.global_ranks[peer],
-                direction=d,
-                iteration=info.iteration,
-            )
+        encoded = payloads[peer]
+        assert encoded is not None  # every non-empty chunk was encoded (or reused) above
+        payloads[peer] = on_the_wire(
+            encoded,
+            src=info.global_ranks[me],
+            dst=info.global_ranks[peer],
+            direction=d,
+            iteration=info.iteration,
+        )
     t1 = time.perf_counter()
     device = chunks[me].device
     send_sizes = [0 if p is None else int(p.numel()) for p in payloads]

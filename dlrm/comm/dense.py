@@ -43,6 +43,7 @@ from torchrec.distributed.types import ShardingEnv
 import compression
 from compression.sparse import ThresholdCodec, kth_largest_abs
 from dlrm.comm.dense_config import DenseCommSpec
+from dlrm.comm.instrument import on_the_wire
 from dlrm.comm.stats import CommStats
 
 Future = torch.futures.Future
@@ -119,6 +120,8 @@ class DenseComm:
             self._record(raw=raw, wire=wire, codec_ms=1e3 * (launched - t0))
             fut = fut.then(self._arrived(launched))
         if bucket.is_last():
+            if self.spec.name == "dct":
+                self._record(residual_norm=self.residual_norm())
             self.iteration += 1
             self._process_iterations += 1
         return fut
@@ -172,12 +175,14 @@ class DenseComm:
         sizes = [torch.empty_like(size) for _ in range(ws)]
         dist.all_gather(sizes, size, group=pg)
         lengths = [int(s) for s in sizes]
+        payload = on_the_wire(
+            payload, src=dist.get_global_rank(pg, me), dst=-1, direction="dense", iteration=self.iteration
+        )
         padded = torch.zeros(max(lengths), dtype=torch.uint8, device=buf.device)
         padded[: payload.numel()] = payload
         outs = [torch.empty_like(padded) for _ in range(ws)]
         fut = dist.all_gather(outs, padded, group=pg, async_op=True).get_future()
         launched = time.perf_counter()
-        residual_norm = self.residual_norm() if bucket.is_last() else None
         self._record(
             raw=2 * (ws - 1) / ws * 4 * buf.numel(),
             wire=(ws - 1) * (8 + max(lengths)),
@@ -186,9 +191,8 @@ class DenseComm:
             kept=kept,
             numel=buf.numel(),
             threshold=tau,
-            residual_norm=residual_norm,
         )
-        index = bucket.index()
+        index, iteration = bucket.index(), self.iteration
 
         def finish(done: Future[list[torch.Tensor]]) -> torch.Tensor:
             t2 = time.perf_counter()
@@ -203,7 +207,7 @@ class DenseComm:
                     raise DenseCommError(
                         f"rank {dist.get_global_rank(pg, me)}: cannot decode the dense gradient "
                         f"payload of bucket {index} ({lengths[r]} bytes) from rank "
-                        f"{dist.get_global_rank(pg, r)} at iteration {self.iteration}: "
+                        f"{dist.get_global_rank(pg, r)} at iteration {iteration}: "
                         f"{type(e).__name__}: {e}"
                     ) from e
                 if other.numel() != buf.numel():
