@@ -11,12 +11,22 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from run_artifacts import checkpoint_tensors, flatten, raw_losses
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
 from trainer_runs import REPO, SMALL, env_for, losses, torchrun_cmd, train
 
-METRIC_KEYS = {"auc", "logloss", "accuracy", "iterations", "samples_per_s", "forward_ratio",
-               "backward_ratio", "max_abs_error_seen", "config_name"}
+METRIC_KEYS = {
+    "auc",
+    "logloss",
+    "accuracy",
+    "iterations",
+    "samples_per_s",
+    "forward_ratio",
+    "backward_ratio",
+    "max_abs_error_seen",
+    "config_name",
+}
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +38,7 @@ def test_two_ranks_write_metrics_and_tensorboard(tmp_path, cache):
     run_dir = tmp_path / "run"
     proc = train(run_dir, cache, ["max_iterations=12", "eval_every=6", "pipeline=true"])
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    assert METRIC_KEYS <= metrics.keys()
+    assert metrics.keys() >= METRIC_KEYS
     assert metrics["iterations"] == 12 and metrics["world_size"] == 2
     assert 0.0 < metrics["auc"] < 1.0 and metrics["logloss"] > 0 and metrics["samples"] == 391
     assert "test AUC" in proc.stdout and str(run_dir) in proc.stdout
@@ -56,7 +66,7 @@ def test_lossy_keeps_the_test_auc_of_uncompressed_training_on_real_rows(tmp_path
         auc[name] = json.loads((tmp_path / name / "metrics.json").read_text())
     assert auc["lossy"]["forward_ratio"] >= 10 and auc["lossy"]["backward_ratio"] > 4  # both directions
     assert abs(auc["lossy"]["auc"] - auc["none"]["auc"]) <= 0.002, auc
-    assert 0 < auc["lossy"]["max_abs_error_seen"] and auc["none"]["max_abs_error_seen"] == 0
+    assert auc["lossy"]["max_abs_error_seen"] > 0 and auc["none"]["max_abs_error_seen"] == 0
 
 
 def test_plain_loop_and_pipeline_give_the_same_losses(tmp_path, cache):
@@ -115,47 +125,75 @@ def _worker_pids(agent_pid: int) -> dict[int, int]:
 
 
 def test_sigkilled_rank_restarts_from_the_last_checkpoint_and_finishes(tmp_path, cache):
-    run_dir = tmp_path / "run"
-    total = 60
-    overrides = [f"hydra.run.dir={run_dir}", f"data.cache_dir={cache}", *SMALL, "loss_log=true",
-                 "checkpoint.every=10", "batch_size=32", f"max_iterations={total}"]
-    agent = subprocess.Popen(torchrun_cmd(2, overrides, max_restarts=1), cwd=REPO, env=env_for(cache),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run_dir, reference = tmp_path / "run", tmp_path / "reference"
+    total, every = 60, 10
+    common = ["loss_log=true", f"checkpoint.every={every}", "batch_size=32", f"max_iterations={total}"]
+    overrides = [f"hydra.run.dir={run_dir}", f"data.cache_dir={cache}", *SMALL, *common]
+    agent = subprocess.Popen(
+        torchrun_cmd(2, overrides, max_restarts=1),
+        cwd=REPO,
+        env=env_for(cache),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:  # wait until training is past the first checkpoint
-            if (run_dir / "losses.txt").exists() and len(losses(run_dir)) >= 15:
+        # Kill rank 1 mid-way between two checkpoints, past the first one: 2-5 iterations after a
+        # multiple of 10, so that the restart has iterations to redo and no save is half-way.
+        deadline, done = time.monotonic() + 120, 0
+        while time.monotonic() < deadline:
+            done = max(losses(run_dir), default=0) if (run_dir / "losses.txt").exists() else 0
+            if done > every and 2 <= done % every <= 5:
                 break
-            time.sleep(0.1)
-        first_attempt = losses(run_dir)
-        assert len(first_attempt) >= 15, "training did not start in time"
+            time.sleep(0.02)
+        assert done > every and 2 <= done % every <= 5, f"training did not reach a kill point in time ({done})"
         workers = _worker_pids(agent.pid)
         assert sorted(workers) == [0, 1], workers
         os.kill(workers[1], signal.SIGKILL)
-        stdout, stderr = agent.communicate(timeout=240)
+        _, stderr = agent.communicate(timeout=240)
     finally:
         if agent.poll() is None:
             agent.kill()
     assert agent.returncode == 0, stderr[-12000:]
-    log = (run_dir / "train_rank0.log").read_text()
-    assert "resumed from" in log
-    final = losses(run_dir)
-    assert max(final) == total
     assert json.loads((run_dir / "metrics.json").read_text())["iterations"] == total
-    # Iterations trained twice (after the checkpoint, before the kill) repeat the same losses.
-    redone = [i for i in first_attempt if i in final and i > 10 * (min(first_attempt) // 10)]
-    assert all(final[i] == first_attempt[i] for i in redone)
+
+    # losses.txt holds both attempts: 1 .. k from the first, then from the restart on.
+    logged = raw_losses(run_dir)
+    restart = next((n for n in range(1, len(logged)) if logged[n][0] <= logged[n - 1][0]), None)
+    assert restart is not None, "no iteration was logged twice: the restart redid nothing"
+    first, second = dict(logged[:restart]), dict(logged[restart:])
+    killed_at = logged[restart - 1][0]
+    last_checkpoint = every * (killed_at // every)  # the newest save the first attempt finished
+    assert list(first) == list(range(1, killed_at + 1))
+    assert list(second) == list(range(last_checkpoint + 1, total + 1))
+    redone = sorted(first.keys() & second.keys())
+    assert redone == list(range(last_checkpoint + 1, killed_at + 1)) and redone
+    assert [second[i] for i in redone] == [first[i] for i in redone]
+    assert f"step-{last_checkpoint} at iteration {last_checkpoint}" in (run_dir / "train_rank0.log").read_text()
+
+    # The same run without the kill: the same losses, and the same final weights and optimizer state.
+    train(reference, cache, common)
+    assert {**first, **second} == losses(reference)
+    got = flatten(checkpoint_tensors(run_dir / "checkpoints" / f"step-{total}"))
+    want = flatten(checkpoint_tensors(reference / "checkpoints" / f"step-{total}"))
+    assert got.keys() == want.keys() and any(".t_cat_" in k for k in got)
+    same = [torch.equal(got[k], v) if torch.is_tensor(v) else got[k] == v for k, v in want.items()]
+    different = [k for k, ok in zip(want, same, strict=True) if not ok]
+    assert not different, different[:5]
 
 
-@pytest.mark.parametrize("override, message", [
-    ("model=transformer", "Could not find 'model/transformer'"),
-    ("sharding.type=diagonal", "sharding.type must be one of"),
-    ("no_such_key=1", "no_such_key"),
-    ("optimizer.dense.name=lion", "optimizer.dense.name must be one of"),
-    # a bound the default dual policy would ignore names the keys that set it
-    ("compression.forward.eb=0.02", "policy.forward.bounds.{tight,base,loose} and policy.forward.scale"),
-    ("policy.forward.eb=0.02", "kind dual takes no ['eb']"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model=transformer", "Could not find 'model/transformer'"),
+        ("sharding.type=diagonal", "sharding.type must be one of"),
+        ("no_such_key=1", "no_such_key"),
+        ("optimizer.dense.name=lion", "optimizer.dense.name must be one of"),
+        # a bound the default dual policy would ignore names the keys that set it
+        ("compression.forward.eb=0.02", "policy.forward.bounds.{tight,base,loose} and policy.forward.scale"),
+        ("policy.forward.eb=0.02", "kind dual takes no ['eb']"),
+    ],
+)
 def test_bad_override_fails_with_a_message_naming_it(tmp_path, cache, override, message):
     proc = train(tmp_path / "run", cache, [override, "max_iterations=1"], nproc=1, check=False)
     assert proc.returncode != 0
@@ -169,11 +207,35 @@ def test_trains_on_dlrm_preprocess_output_of_real_terabyte_rows(tmp_path, cache)
     (raw / "day_0.tsv").write_text("".join(rows[:800]))
     (raw / "day_1.tsv").write_text("".join(rows[800:]))
     out = tmp_path / "tb"
-    subprocess.run([sys.executable, "-m", "data.preprocess", "--format", "terabyte", "--out", str(out),
-                    str(raw / "day_0.tsv"), str(raw / "day_1.tsv")], cwd=REPO, check=True, env=env_for(cache))
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "data.preprocess",
+            "--format",
+            "terabyte",
+            "--out",
+            str(out),
+            str(raw / "day_0.tsv"),
+            str(raw / "day_1.tsv"),
+        ],
+        cwd=REPO,
+        check=True,
+        env=env_for(cache),
+    )
     run_dir = tmp_path / "run"
-    train(run_dir, cache, ["data=criteo", f"data.processed_dir={out}", "data.train_stems=[day_0]",
-                           "data.val_stems=['day_1[:0.5]']", "data.test_stems=['day_1[0.5:]']", "batch_size=32"])
+    train(
+        run_dir,
+        cache,
+        [
+            "data=criteo",
+            f"data.processed_dir={out}",
+            "data.train_stems=[day_0]",
+            "data.val_stems=['day_1[:0.5]']",
+            "data.test_stems=['day_1[0.5:]']",
+            "batch_size=32",
+        ],
+    )
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["iterations"] == 13 and metrics["samples"] == 100  # 800 / 64 rounds up; day_1 half
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))

@@ -1,0 +1,52 @@
+"""Read what a trainer run leaves behind: TensorBoard scalars and hparams, raw loss logs, checkpoints."""
+
+from __future__ import annotations
+
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+
+def events(run_dir: Path) -> EventAccumulator:
+    """Every event file of the run's TensorBoard directory (all attempts of a resumed run)."""
+    return EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0}).Reload()
+
+
+def scalars(run_dir: Path, prefix: str = "") -> dict[str, dict[int, float]]:
+    """tag -> {step: value} of the scalars whose tag starts with ``prefix``."""
+    acc = events(run_dir)
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"] if tag.startswith(prefix)}
+
+
+def raw_losses(run_dir: Path) -> list[tuple[int, float]]:
+    """Every (iteration, loss) line of losses.txt in file order (a restarted run appends)."""
+    out = []
+    for line in (run_dir / "losses.txt").read_text().splitlines():
+        it, loss = line.split()
+        out.append((int(it), float(loss)))
+    return out
+
+
+def checkpoint_tensors(step_dir: Path) -> dict[str, Any]:
+    """A sharded DCP checkpoint (model and optimizer of every rank) as one plain nested dict of
+    whole tensors, loaded in this single process."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp_to_torch_save(str(step_dir), str(Path(tmp) / "state.pt"))
+        return torch.load(Path(tmp) / "state.pt", weights_only=False)
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted paths of a nested dict's leaves."""
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(flatten(v, f"{prefix}{k}/"))
+        return out
+    return {prefix.rstrip("/"): tree}
