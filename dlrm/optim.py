@@ -61,10 +61,12 @@ class WarmupDecayLR:
         self._apply()
 
     def factor(self, step: int) -> float:
-        if self.warmup_steps and step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
-        if self.decay_steps and step >= self.decay_start:
-            done = min(step - self.decay_start, self.decay_steps)
+        """The LR factor of the iteration after ``step`` optimizer steps (DLRM counts it from 1)."""
+        s = step + 1
+        if self.warmup_steps and s < self.warmup_steps:
+            return s / self.warmup_steps
+        if self.decay_steps and s >= self.decay_start:
+            done = min(s - self.decay_start, self.decay_steps)
             return (1 - done / self.decay_steps) ** 2
         return 1.0
 

@@ -51,6 +51,9 @@ class Progress:
         self.window_start, self.window_samples = time.perf_counter(), 0
 
     def step(self, state: TrainState, loss: torch.Tensor) -> None:
+        """After iteration ``state.iteration`` (counted from 1): its loss, the LR it trained with and
+        the bounds its all-to-alls used are logged at that step; then the schedule moves on."""
+        lr = self.schedule.lr
         self.schedule.step()
         self.window_samples += self.global_batch
         self.bar.update(1)
@@ -60,7 +63,7 @@ class Progress:
             self.tb.scalars(
                 {
                     "train/loss": float(loss),
-                    "train/lr": self.schedule.lr,
+                    "train/lr": lr,
                     "train/samples_per_s": self.window_samples / max(now - self.window_start, 1e-9),
                 },
                 it,
@@ -68,8 +71,9 @@ class Progress:
             comm = comm_stats_all_ranks(self.model, dense=self.dense)  # a collective: every rank logs
             self.tb.scalars(comm, it)
             if self.policy is not None and self.feedback is not None:
+                # the bounds this iteration used (the dists count iterations from 0), before feedback
+                self.tb.scalars(policy_scalars(self.policy, it - 1, self.features), it)
                 self.feedback.observe(it, comm)  # the same merged stats on every rank: same bounds
-                self.tb.scalars(policy_scalars(self.policy, it, self.features), it)
             self.window_start, self.window_samples = now, 0
         if self.loss_log is not None:
             with open(self.loss_log, "a") as f:

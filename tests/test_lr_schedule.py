@@ -81,12 +81,6 @@ def test_decay_falls_by_the_square_to_zero_and_stays_there():
     assert all(lrs[s] == [0.0, 0.0] for s in range(11, 15))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="WarmupDecayLR counts decay from the steps done (s - 1), warmup "
-    "from the iteration about to train (s): its decay starts one "
-    "iteration later than DLRM's (LR 1.0 at s = 7, DLRM 0.5625)",
-)
 def test_decay_starts_at_the_iteration_dlrm_starts_it():
     opt = _optimizer()
     lrs = _lrs_by_iteration(WarmupDecayLR(opt, W, S, D), opt, 1, 14)

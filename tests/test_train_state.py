@@ -43,11 +43,11 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 def test_tensorboard_lr_follows_the_warmup_decay_schedule(runs):
     lr = scalars(runs["full"], "train/lr")["train/lr"]
     assert sorted(lr) == list(range(1, TOTAL + 1))
-    # train/lr at step i is the rate after iteration i's optimizer step, the one iteration i + 1
-    # trains with. By hand (warmup W = 4: iteration s trains with s/4 of the base until s = 4):
-    # steps 1, 2, 3 show 2/4, 3/4, 4/4; steps 4 .. 11 the base (constant until the decay starts at 12)
+    # train/lr at step i is the rate iteration i trained with. By hand (warmup W = 4: iteration s
+    # trains with s/4 of the base until s = 4): steps 1, 2, 3 show 1/4, 2/4, 3/4; steps 4 .. 11 the
+    # base (constant until the decay starts at 12)
     assert [lr[i] for i in range(1, 12)] == pytest.approx(
-        [BASE_LR * f for f in (0.5, 0.75, 1.0, 1, 1, 1, 1, 1, 1, 1, 1)], rel=1e-6
+        [BASE_LR * f for f in (0.25, 0.5, 0.75, 1, 1, 1, 1, 1, 1, 1, 1)], rel=1e-6
     )
     # the decay: (12/12)^2, (11/12)^2, ..., (1/12)^2, then 0 from the end of the decay (12 + 12 = 24)
     squares = [BASE_LR * ((12 - j) / 12) ** 2 for j in range(13)]
