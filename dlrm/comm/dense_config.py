@@ -38,7 +38,7 @@ class DenseCommSpec:
     warm_start: bool = True
     min_compression_rate: float = 2.0
     # dct
-    keep: float = 0.01  # fraction of each bucket's entries sent, fixed at each threshold refresh
+    keep: float = 0.005  # fraction of each parameter's entries sent, fixed at each threshold refresh
     refresh_every: int = 1000  # iterations between threshold refreshes (published: a few thousand)
     min_numel: int = 256  # smaller buckets are all-reduced uncompressed
     values: str = "none"  # codec of the sent values: none (fp32) | fp16 | bf16 | lossy
@@ -79,7 +79,7 @@ def parse_dense_comm_cfg(cfg: Mapping[str, Any] | None) -> DenseCommSpec:
             raise ValueError(f"{where}.warm_start must be true or false, got {warm!r}")
         out["warm_start"] = warm
     if name == "dct":
-        keep = number(cfg, "keep", where, 0.01, positive=True)
+        keep = number(cfg, "keep", where, 0.005, positive=True)
         if keep > 1:
             raise ValueError(f"{where}.keep is the fraction of entries sent, in (0, 1]; got {keep}")
         values = cfg.get("values", "none")
