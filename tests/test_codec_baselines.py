@@ -30,8 +30,8 @@ def test_int8_rowwise_error_is_half_a_step_of_each_chunk(row_dim):
 def test_fp8_is_hfp8_143_with_its_relative_error_and_clamp():
     x = torch.tensor([[0.3, -0.7, 0.001, 0.9375, 5.0, -5.0, 1e-3, 0.05]])
     y = compression.get_codec("fp8").decode(compression.get_codec("fp8").encode(x))
-    normal = (x.abs() <= 0.9375) & (x.abs() >= 2.0 ** -14)
-    assert bool(((y - x).abs()[normal] <= x.abs()[normal] * 2.0 ** -4).all())  # 3 mantissa bits
+    normal = (x.abs() <= 0.9375) & (x.abs() >= 2.0**-14)
+    assert bool(((y - x).abs()[normal] <= x.abs()[normal] * 2.0**-4).all())  # 3 mantissa bits
     assert y[0, 4].item() == 0.9375 and y[0, 5].item() == -0.9375  # TorchRec's clamp
 
 

@@ -4,7 +4,8 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import compression
 from compression import PayloadError
@@ -31,8 +32,13 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @settings(max_examples=30, deadline=None)
-@given(name=st.sampled_from(sorted(CASTS)), rows=st.integers(0, 40), cols=st.integers(0, 20),
-       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**31 - 1))
+@given(
+    name=st.sampled_from(sorted(CASTS)),
+    rows=st.integers(0, 40),
+    cols=st.integers(0, 20),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_cast_codecs_match_torch_casts(name, rows, cols, dtype, seed):
     x = _special_tensor(rows, cols, seed, dtype)
     codec = compression.get_codec(name)

@@ -4,7 +4,8 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import compression
 from compression import PayloadError
@@ -36,7 +37,7 @@ def cases(draw):
             k = draw(st.integers(1, min(4, flat.numel())))
             where = torch.randperm(flat.numel(), generator=g)[:k]
             flat[where] = torch.tensor([SPECIALS[draw(st.integers(0, len(SPECIALS) - 1))] for _ in range(k)])
-        x[:, start:start + w] = table[(ids[:, b] + 3) // 7]
+        x[:, start : start + w] = table[(ids[:, b] + 3) // 7]
         start += w
     x = x.to(dtype)
     rel = [10.0 ** draw(st.floats(-7, 1)) for _ in range(nb)]
@@ -57,8 +58,8 @@ def check_bound(x: torch.Tensor, y: torch.Tensor, widths, eb) -> None:
     inf = torch.isinf(xd)
     assert torch.equal(xd[inf], yd[inf]), "Inf changed"
     start = 0
-    for w, e in zip(widths, eb):
-        fx, fy = xd[:, start:start + w], yd[:, start:start + w]
+    for w, e in zip(widths, eb, strict=True):
+        fx, fy = xd[:, start : start + w], yd[:, start : start + w]
         fin = torch.isfinite(fx)
         if fin.any():
             err = (fy[fin] - fx[fin]).abs().max().item()
@@ -83,10 +84,10 @@ def test_bound_holds_on_every_element(case, entropy, id_form):
     # Into a caller's buffer: a strided column window of a wider tensor, the rest untouched.
     ints = {torch.float32: torch.int32}.get(x.dtype, torch.int16)
     wide = torch.full((x.shape[0], x.shape[1] + 5), 7.0, dtype=x.dtype)
-    window = wide[:, 2:2 + x.shape[1]]
+    window = wide[:, 2 : 2 + x.shape[1]]
     assert codec.decode(payload, ids, out=window) is window
     assert torch.equal(window.view(ints), y.view(ints))
-    assert bool((wide[:, :2] == 7).all()) and bool((wide[:, 2 + x.shape[1]:] == 7).all())
+    assert bool((wide[:, :2] == 7).all()) and bool((wide[:, 2 + x.shape[1] :] == 7).all())
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -98,8 +99,9 @@ def test_ids_path_equals_value_path_and_fixed_equals_entropy(case):
         codec = compression.get_codec("lossy", entropy=entropy)
         outs.append(codec.decode(codec.encode(x, eb, ids, blocks=widths), ids))
         outs.append(codec.decode(codec.encode(x, eb, blocks=widths)))
-        outs.append(compression.get_codec("lossy", entropy=entropy, dedup=False).decode(
-            codec.encode(x, eb, blocks=widths)))
+        outs.append(
+            compression.get_codec("lossy", entropy=entropy, dedup=False).decode(codec.encode(x, eb, blocks=widths))
+        )
     ints = {torch.float32: torch.int32}.get(x.dtype, torch.int16)
     for o in outs[1:]:
         assert torch.equal(o.view(ints), outs[0].view(ints))
@@ -169,8 +171,9 @@ def test_decoding_with_missing_or_other_ids_raises():
 def test_per_block_ids_with_different_tables():
     g = torch.Generator().manual_seed(3)
     ids = torch.stack([torch.randint(0, 5, (200,), generator=g), torch.randint(0, 50, (200,), generator=g)], 1)
-    x = torch.cat([(torch.randn(5, 16, generator=g) * 0.1)[ids[:, 0]],
-                   (torch.randn(50, 32, generator=g) * 10)[ids[:, 1]]], 1)
+    x = torch.cat(
+        [(torch.randn(5, 16, generator=g) * 0.1)[ids[:, 0]], (torch.randn(50, 32, generator=g) * 10)[ids[:, 1]]], 1
+    )
     codec = compression.get_codec("lossy")
     y = codec.decode(codec.encode(x, [1e-3, 1e-1], ids, blocks=[16, 32]), ids)
     check_bound(x, y, [16, 32], [1e-3, 1e-1])
@@ -191,8 +194,7 @@ def test_value_dedup_survives_hash_collisions(monkeypatch):
 
     g = torch.Generator().manual_seed(5)
     x = (torch.randn(8, 16, generator=g) * 0.01)[torch.randint(0, 8, (300,), generator=g)]
-    monkeypatch.setattr(dedup, "_row_hashes", lambda x, widths: torch.zeros(x.shape[0], len(widths),
-                                                                             dtype=torch.int64))
+    monkeypatch.setattr(dedup, "_row_hashes", lambda x, widths: torch.zeros(x.shape[0], len(widths), dtype=torch.int64))
     codec = compression.get_codec("lossy")
     y = codec.decode(codec.encode(x, [1e-3, 1e-3], blocks=[8, 8]))
     check_bound(x, y, [8, 8], [1e-3, 1e-3])  # every row "collides": dedup falls back per block

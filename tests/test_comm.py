@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from multiprocess import run_ranks
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
@@ -25,8 +27,6 @@ from torchrec.distributed.sharding_plan import (
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
-
-from multiprocess import run_ranks
 
 # (name, rows, dim): small tables, dims 8-32, 100-1000 rows.
 TABLES = [("t0", 100, 8), ("t1", 200, 16), ("t2", 1000, 32), ("t3", 300, 8), ("t4", 500, 16), ("t5", 150, 24)]
@@ -79,7 +79,7 @@ def size_of(rank: int, step: int, sizes: list[int], steps: int) -> int:
 
 
 _STARTS = [sum(d for _, _, d in TABLES[:i]) for i in range(len(TABLES))]
-COLUMNS = {f: slice(a, a + d) for f, a, (_, _, d) in zip(FEATURES, _STARTS, TABLES)}  # output columns
+COLUMNS = {f: slice(a, a + d) for f, a, (_, _, d) in zip(FEATURES, _STARTS, TABLES, strict=True)}  # output columns
 
 
 def columns(feature: str) -> slice:
@@ -92,7 +92,7 @@ def reference_out(weights: dict[str, torch.Tensor], kjt: KeyedJaggedTensor) -> t
     return torch.cat(
         [
             nn.functional.embedding_bag(parts[f].values(), weights[n], parts[f].offsets()[:-1], mode="sum")
-            for (n, _, _), f in zip(TABLES, FEATURES)
+            for (n, _, _), f in zip(TABLES, FEATURES, strict=True)
         ],
         dim=1,
     )
@@ -103,9 +103,9 @@ def reference_sgd(
 ) -> dict[str, torch.Tensor]:
     """One exact SGD step of sum(out_r * G_r) over all ranks, divided by the world size (as TorchRec)."""
     new = {}
-    for (n, _, _), f in zip(TABLES, FEATURES):
+    for (n, _, _), f in zip(TABLES, FEATURES, strict=True):
         g = torch.zeros_like(weights[n])
-        for kjt, G in zip(kjts, grads):
+        for kjt, G in zip(kjts, grads, strict=True):
             jt = kjt.to_dict()[f]
             rows = torch.repeat_interleave(G[:, columns(f)], jt.lengths().long(), dim=0)
             g.index_add_(0, jt.values(), rows)
@@ -116,7 +116,7 @@ def reference_sgd(
 def id_counts(kjts: list[KeyedJaggedTensor]) -> dict[str, torch.Tensor]:
     """How often each row id occurs in the step's batches of all ranks, per table."""
     out = {}
-    for (n, r, _), f in zip(TABLES, FEATURES):
+    for (n, r, _), f in zip(TABLES, FEATURES, strict=True):
         out[n] = sum(torch.bincount(k.to_dict()[f].values(), minlength=r) for k in kjts)
     return out
 
@@ -311,7 +311,7 @@ def _parity_none(rank: int, ws: int) -> list[dict]:
         ref = run_steps(stock, rank, sizes, 3)
         mine = build(ours(NONE), plan, ws, w)
         got = run_steps(mine, rank, sizes, 3)
-        for a, b in zip(ref, got):
+        for a, b in zip(ref, got, strict=True):
             assert torch.equal(a, b), f"rank {rank} {plan}: forward differs by {(a - b).abs().max()}"
         wa, wb = local_weights(stock), local_weights(mine)
         assert wa.keys() == wb.keys()
@@ -371,7 +371,7 @@ def check_bounded_training(
             worst = max(worst, err / bound)
         (out * grads[rank]).sum().backward()
         new, expect, counts = gather_weights(model), reference_sgd(w, kjts, grads, ws), id_counts(kjts)
-        for (n, _, _), f in zip(TABLES, FEATURES):
+        for (n, _, _), f in zip(TABLES, FEATURES, strict=True):
             # each occurrence of an id contributes at most one bounded gradient error (divided by ws)
             tol = LR / ws * bwd_bound(f) * counts[n][:, None].double() + 1e-6
             diff = (new[n].double() - expect[n].double()).abs()
@@ -471,7 +471,7 @@ def _four_ranks_two_nodes(rank: int, ws: int) -> dict:
     stock = build(stock_sharder(), "mixed", ws, w)
     mine = build(ours(NONE), "mixed", ws, w)
     ref, got = run_steps(stock, rank, [8] * ws, 2), run_steps(mine, rank, [8] * ws, 2)
-    fwd_diff = max(float((a - b).abs().max()) for a, b in zip(ref, got))
+    fwd_diff = max(float((a - b).abs().max()) for a, b in zip(ref, got, strict=True))
     wa, wb = local_weights(stock), local_weights(mine)
     w_diff = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
     # relative-to-range forward bounds (absolute backward), uneven last batch
@@ -518,8 +518,8 @@ def capture_owner_grads(model: nn.Module) -> list:
 
 def per_id_sums(seen: list) -> dict[str, torch.Tensor]:
     """Per table: the gradient summed by row id, as the owner's fused optimizer sees it."""
-    dims = {f: d for f, (_, _, d) in zip(FEATURES, TABLES)}
-    rows = {f: r for f, (_, r, _) in zip(FEATURES, TABLES)}
+    dims = {f: d for f, (_, _, d) in zip(FEATURES, TABLES, strict=True)}
+    rows = {f: r for f, (_, r, _) in zip(FEATURES, TABLES, strict=True)}
     out: dict[str, torch.Tensor] = {}
     for kjt, grad in seen:
         c = 0
@@ -532,10 +532,10 @@ def per_id_sums(seen: list) -> dict[str, torch.Tensor]:
 
 def nonzero_rows(seen: list) -> int:
     """Gradient rows (one per bag and table) that are not all zero."""
-    dims = {f: d for f, (_, _, d) in zip(FEATURES, TABLES)}
+    dims = {f: d for f, (_, _, d) in zip(FEATURES, TABLES, strict=True)}
     count = 0
     for kjt, grad in seen:
-        for block in grad.split([dims[f] for f in kjt.keys()], dim=1):
+        for block in grad.split([dims[f] for f in kjt], dim=1):
             count += int((block != 0).any(dim=1).sum())
     return count
 
@@ -564,6 +564,7 @@ def _dedup_and_qcomm(rank: int, ws: int) -> dict:
         out[opt] = (nonzero_rows(seen_stock), nonzero_rows(seen_mine))
     # QComms: the qcomm_fp16 config is TorchRec's own FP16/FP16 registry, bit for bit
     from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs_registry
+
     from dlrm.comm.embeddingbag import StockEmbeddingBagCollectionSharder
 
     w = full_weights(4)
@@ -579,10 +580,12 @@ def _dedup_and_qcomm(rank: int, ws: int) -> dict:
     ):
         model = build(sharder, "mixed", ws, w)
         runs[name] = (run_steps(model, rank, [16] * ws, 2), local_weights(model))
-    for a, b in zip(runs["config"][0], runs["torchrec"][0]):
+    for a, b in zip(runs["config"][0], runs["torchrec"][0], strict=True):
         assert torch.equal(a, b)
     assert all(torch.equal(runs["config"][1][k], runs["torchrec"][1][k]) for k in runs["config"][1])
-    out["fp16_vs_fp32"] = max(float((a - b).abs().max()) for a, b in zip(runs["config"][0], runs["fp32"][0]))
+    out["fp16_vs_fp32"] = max(
+        float((a - b).abs().max()) for a, b in zip(runs["config"][0], runs["fp32"][0], strict=True)
+    )
     return out
 
 
@@ -659,7 +662,7 @@ def _pipeline(rank: int, ws: int) -> dict:
         loss.backward()
         want.append(out)
     assert len(got) == steps
-    for a, b in zip(got, want):  # the pipeline changes the schedule, not the numbers
+    for a, b in zip(got, want, strict=True):  # the pipeline changes the schedule, not the numbers
         assert torch.equal(a, b), float((a - b).abs().max())
     wa, wb = local_weights(piped), local_weights(plain)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
@@ -682,7 +685,7 @@ def _nonfinite_and_eval(rank: int, ws: int) -> dict:
     counts = [d.iteration for d in model.module.ebc.compressed_dists()]
     kjt = KeyedJaggedTensor.from_lengths_sync(  # every rank looks up the non-finite rows
         keys=FEATURES,
-        values=torch.tensor([3, 5] + [0, 7] + [3, 3] + [1, 2] + [0, 1] + [3, 4]),
+        values=torch.tensor([3, 5, 0, 7, 3, 3, 1, 2, 0, 1, 3, 4]),
         lengths=torch.ones(12, dtype=torch.int32),
     )
     with torch.no_grad():
@@ -715,7 +718,7 @@ def _one_process(rank: int, ws: int) -> dict:
 
     w = full_weights(7)
     stock, mine = build(stock_sharder(), "tw", ws, w), build(ours(LOSSY), "tw", ws, w)
-    for a, b in zip(run_steps(stock, rank, [16], 2), run_steps(mine, rank, [16], 2)):
+    for a, b in zip(run_steps(stock, rank, [16], 2), run_steps(mine, rank, [16], 2), strict=True):
         assert torch.equal(a, b)  # bypass: nothing encoded, nothing lost
     return {"stats": comm_stats(mine), "summary": comm_summary(mine)}
 
@@ -746,7 +749,7 @@ def _fault(rank: int, ws: int) -> str:
     set_payload_hook(corrupt_rank0_to_rank1)
     try:
         run_steps(model, rank, [8, 8], 3)
-    except Exception as e:  # noqa: BLE001  (report the error text to the parent)
+    except Exception as e:
         return f"{type(e).__name__}: {e}"
     return "no error"
 

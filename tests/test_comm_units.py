@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import operator
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "compression"
 
 
 # -- config ------------------------------------------------------------------------------------
+
 
 def test_every_shipped_config_parses_and_builds_a_sharder():
     from omegaconf import OmegaConf
@@ -54,33 +57,56 @@ def test_codec_params_that_do_not_fit_the_codec_name_the_key():
 
     # `compression=lossy compression.backward.codec=none` keeps lossy's params for `none`
     cfg = {"name": "x", "forward": {"codec": "lossy"}, "backward": {"codec": "none", "params": {"level": 1}}}
-    with pytest.raises(ValueError, match=r"compression\.backward\.params \{'level': 1\} do not fit codec 'none'.*"
-                                         r"~compression\.backward\.params"):
+    with pytest.raises(
+        ValueError,
+        match=r"compression\.backward\.params \{'level': 1\} do not fit codec 'none'.*"
+        r"~compression\.backward\.params",
+    ):
         make_sharders(cfg, bound_fn_forward=lambda f, d, i: 0.01)
 
 
 def test_a_bounded_codec_without_a_policy_says_what_it_needs():
     from dlrm.comm import make_sharders
 
-    with pytest.raises(ValueError, match="compression.forward.codec 'lossy' is error-bounded: it needs a bound policy"):
+    with pytest.raises(
+        ValueError, match=r"compression\.forward\.codec 'lossy' is error-bounded: it needs a bound policy"
+    ):
         make_sharders({"name": "x", "forward": {"codec": "lossy"}, "backward": {"codec": "none"}})
 
 
-@pytest.mark.parametrize("cfg, message", [
-    ({"name": "x", "forward": {"codec": "lossy"}}, "compression.backward is missing"),
-    ({"name": "x", "forward": {"codec": "lossy", "eb": 0.01}, "backward": {"codec": "none"}},
-     "compression.forward.eb: the policy group owns every bound: policy.forward.eb"),
-    ({"name": "x", "forward": {"codec": "lossy", "mode": "relative"}, "backward": {"codec": "none"}},
-     "compression.forward.mode"),
-    ({"name": "x", "forward": {"codec": "lossy", "bound": 1}, "backward": {"codec": "none"}}, "unknown key(s) ['bound']"),
-    ({"name": "x", "kind": "qcomm", "qcomm": {"forward_precision": "fp12"}}, "compression.qcomm.forward_precision"),
-    ({"name": "x", "kind": "zip"}, "compression.kind"),
-    ({"name": "x", "forward": {"codec": "none"}, "backward": {"codec": "none"}, "sharding_types": ["grid_shard"]},
-     "compression.sharding_types"),
-])
+@pytest.mark.parametrize(
+    "cfg, message",
+    [
+        ({"name": "x", "forward": {"codec": "lossy"}}, "compression.backward is missing"),
+        (
+            {"name": "x", "forward": {"codec": "lossy", "eb": 0.01}, "backward": {"codec": "none"}},
+            "compression.forward.eb: the policy group owns every bound: policy.forward.eb",
+        ),
+        (
+            {"name": "x", "forward": {"codec": "lossy", "mode": "relative"}, "backward": {"codec": "none"}},
+            "compression.forward.mode",
+        ),
+        (
+            {"name": "x", "forward": {"codec": "lossy", "bound": 1}, "backward": {"codec": "none"}},
+            "unknown key(s) ['bound']",
+        ),
+        ({"name": "x", "kind": "qcomm", "qcomm": {"forward_precision": "fp12"}}, "compression.qcomm.forward_precision"),
+        ({"name": "x", "kind": "zip"}, "compression.kind"),
+        (
+            {
+                "name": "x",
+                "forward": {"codec": "none"},
+                "backward": {"codec": "none"},
+                "sharding_types": ["grid_shard"],
+            },
+            "compression.sharding_types",
+        ),
+    ],
+)
 def test_bad_config_names_the_key(cfg, message):
-    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")
-                       .replace(")", r"\)")):
+    with pytest.raises(
+        ValueError, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(").replace(")", r"\)")
+    ):
         parse_compression_cfg(cfg)
 
 
@@ -100,11 +126,16 @@ def test_policy_returning_a_bad_bound_is_rejected_with_feature_and_iteration():
 
 # -- ids ------------------------------------------------------------------------------------------
 
+
 def kjt(lengths: list[list[int]], values: list[int], weights: bool = False) -> KeyedJaggedTensor:
     keys = [f"k{i}" for i in range(len(lengths))]
     v = torch.tensor(values)
-    return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=v, lengths=torch.tensor(sum(lengths, [])),
-                                               weights=torch.ones(len(values)) if weights else None)
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=keys,
+        values=v,
+        lengths=torch.tensor(functools.reduce(operator.iadd, lengths, [])),
+        weights=torch.ones(len(values)) if weights else None,
+    )
 
 
 def test_chunk_ids_gives_ids_only_where_every_bag_holds_one_id():
@@ -134,6 +165,7 @@ def test_duplicate_id_gradients_sum_to_the_same_per_id_totals_with_inf():
 
 
 # -- layouts ----------------------------------------------------------------------------------------
+
 
 def test_pooled_a2a_layout_cuts_rows_out_and_columns_back():
     blocks = [Blocks(["a"], [2]), Blocks(["b", "c"], [1, 3])]
@@ -173,8 +205,10 @@ def test_qcomm_configs_report_their_fixed_rate_as_the_wire_ratio():
     from dlrm.comm import parse_compression_cfg, qcomm_ratios
 
     configs = Path(__file__).resolve().parents[1] / "configs" / "compression"
-    ratios = {name: qcomm_ratios(parse_compression_cfg(yaml.safe_load((configs / f"{name}.yaml").read_text())))
-              for name in ("qcomm_fp16", "qcomm_bf16", "qcomm_int8")}
+    ratios = {
+        name: qcomm_ratios(parse_compression_cfg(yaml.safe_load((configs / f"{name}.yaml").read_text())))
+        for name in ("qcomm_fp16", "qcomm_bf16", "qcomm_int8")
+    }
     assert ratios["qcomm_fp16"] == {"forward_ratio": 2.0, "backward_ratio": 2.0}
     assert ratios["qcomm_bf16"]["forward_ratio"] == 2.0
     assert ratios["qcomm_int8"]["forward_ratio"] == 128 / 40  # 32 int8 values + fp32 scale and bias

@@ -236,7 +236,6 @@ def test_the_trainer_resumes_a_dense_hook_and_reports_it(tmp_path, cache, dense)
     import json
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     from trainer_runs import losses, train
 
     full, part = tmp_path / "full", tmp_path / "part"

@@ -1,24 +1,27 @@
 """Two real gloo ranks shard a small EmbeddingBagCollection with DistributedModelParallel."""
 
 import torch
+from multiprocess import run_ranks
 from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
-from multiprocess import run_ranks
-
-TABLES = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=50 + 10 * i, feature_names=[f"f{i}"])
-          for i in range(4)]
+TABLES = [
+    EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=50 + 10 * i, feature_names=[f"f{i}"])
+    for i in range(4)
+]
 
 
 def _batch(seed: int, batch: int) -> KeyedJaggedTensor:
     g = torch.Generator().manual_seed(seed)
     ids = [torch.randint(0, t.num_embeddings, (batch,), generator=g) for t in TABLES]
     return KeyedJaggedTensor.from_lengths_sync(
-        keys=[t.feature_names[0] for t in TABLES], values=torch.cat(ids),
-        lengths=torch.ones(batch * len(TABLES), dtype=torch.int32))
+        keys=[t.feature_names[0] for t in TABLES],
+        values=torch.cat(ids),
+        lengths=torch.ones(batch * len(TABLES), dtype=torch.int32),
+    )
 
 
 def _shard_and_lookup(rank: int, world_size: int) -> dict:
@@ -27,7 +30,8 @@ def _shard_and_lookup(rank: int, world_size: int) -> dict:
     sharder = EmbeddingBagCollectionSharder()
     planner = EmbeddingShardingPlanner(
         topology=Topology(world_size=world_size, compute_device="cpu"),
-        constraints={t.name: ParameterConstraints(sharding_types=["table_wise"]) for t in TABLES})
+        constraints={t.name: ParameterConstraints(sharding_types=["table_wise"]) for t in TABLES},
+    )
     plan = planner.collective_plan(ebc, [sharder], torch.distributed.GroupMember.WORLD)
     model = DistributedModelParallel(ebc, device=torch.device("cpu"), plan=plan, sharders=[sharder])
     # Gather the full tables so each rank can check its own lookups against plain indexing.

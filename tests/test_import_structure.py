@@ -32,7 +32,7 @@ def imports(name: str, path: Path, is_pkg: bool, known: set[str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = name.split(".") if is_pkg else name.split(".")[:-1]
-                base = base[:len(base) - node.level + 1]
+                base = base[: len(base) - node.level + 1]
                 mod = ".".join(base + ([node.module] if node.module else []))
             else:
                 mod = node.module or ""
@@ -107,17 +107,23 @@ def test_the_cycle_finder_sees_a_cycle_made_by_a_lazy_import(tmp_path):
 
 def test_layers_point_one_way():
     g = graph()
-    upward = sorted(f"{m} -> {t}" for m, ts in g.items() for t in ts
-                    if (m.startswith(("compression", "data")) and t.startswith("dlrm"))
-                    or (m.startswith("compression") and t.startswith("data"))
-                    or (m.startswith("data") and t.startswith("compression"))
-                    or (not m.startswith("dlrm.bench") and t.startswith("dlrm.bench")))
+    upward = sorted(
+        f"{m} -> {t}"
+        for m, ts in g.items()
+        for t in ts
+        if (m.startswith(("compression", "data")) and t.startswith("dlrm"))
+        or (m.startswith("compression") and t.startswith("data"))
+        or (m.startswith("data") and t.startswith("compression"))
+        or (not m.startswith("dlrm.bench") and t.startswith("dlrm.bench"))
+    )
     assert upward == []  # the trainer never imports its benchmarks, the codec never the trainer
 
 
 def test_import_compression_loads_no_heavy_or_upward_dependency():
-    code = ("import sys, compression, compression.policies, compression.cost_model; "
-            "bad = [m for m in ('torchrec', 'dlrm', 'data', 'fbgemm_gpu', 'triton', 'omegaconf', 'hydra') "
-            "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    code = (
+        "import sys, compression, compression.policies, compression.cost_model; "
+        "bad = [m for m in ('torchrec', 'dlrm', 'data', 'fbgemm_gpu', 'triton', 'omegaconf', 'hydra') "
+        "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr

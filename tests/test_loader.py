@@ -64,15 +64,28 @@ def test_batch_layout(tmp_path):
     assert [len(x.labels) for x in batches] == [8, 8, 8, 6]
 
 
-@pytest.mark.parametrize("rows, world, bs, drop_last", [
-    (100, 3, 8, False), (100, 4, 8, False), (10, 4, 8, False), (3, 4, 8, False), (97, 2, 16, True),
-    (64, 2, 16, False), (65, 2, 16, False), (65, 2, 16, True), (7, 1, 3, False), (1000, 5, 7, False),
-])
+@pytest.mark.parametrize(
+    "rows, world, bs, drop_last",
+    [
+        (100, 3, 8, False),
+        (100, 4, 8, False),
+        (10, 4, 8, False),
+        (3, 4, 8, False),
+        (97, 2, 16, True),
+        (64, 2, 16, False),
+        (65, 2, 16, False),
+        (65, 2, 16, True),
+        (7, 1, 3, False),
+        (1000, 5, 7, False),
+    ],
+)
 def test_every_rank_same_batch_count_and_rows_once(tmp_path, rows, world, bs, drop_last, order_kind):
     split = rows // 3
     d = write_indexed_dataset(tmp_path / "d", {"x": split, "y": rows - split})
-    per_rank = [list(criteo_batches(d, ["x", "y"], bs, r, world, shuffle=True, seed=11, drop_last=drop_last))
-                for r in range(world)]
+    per_rank = [
+        list(criteo_batches(d, ["x", "y"], bs, r, world, shuffle=True, seed=11, drop_last=drop_last))
+        for r in range(world)
+    ]
     lens = [len(criteo_batches(d, ["x", "y"], bs, r, world, True, 11, drop_last=drop_last)) for r in range(world)]
     counts = [len(b) for b in per_rank]
     assert len(set(counts)) == 1 and lens == counts
@@ -115,7 +128,7 @@ def test_start_batch_equals_iterating_and_discarding(tmp_path, order_kind):
         resumed = criteo_batches(d, ["a"], 5, 1, 3, True, 2, epoch=4, start_batch=start)
         got = list(resumed)
         assert len(resumed) == len(got) == len(full) - start
-        for a, b in zip(got, full[start:]):
+        for a, b in zip(got, full[start:], strict=True):
             assert torch.equal(a.dense_features, b.dense_features)
             assert torch.equal(a.labels, b.labels)
             assert torch.equal(a.sparse_features.values(), b.sparse_features.values())
@@ -131,7 +144,7 @@ def test_dataset_info_and_errors(tmp_path):
     with pytest.raises(layout.DatasetError, match="no stem 'dev'"):
         criteo_batches(d, ["dev"], 4, 0, 1, False, 0)
     np.save(layout.array_path(d, "test", "labels"), np.zeros(4, np.uint8))
-    with pytest.raises(layout.DatasetError, match="test_labels.npy: shape"):
+    with pytest.raises(layout.DatasetError, match=r"test_labels\.npy: shape"):
         criteo_batches(d, ["test"], 4, 0, 1, False, 0)
     (tmp_path / "empty").mkdir()
     with pytest.raises(layout.DatasetError, match="not a complete dataset"):
@@ -163,8 +176,10 @@ def test_stem_row_ranges_split_a_file_into_disjoint_halves(tmp_path):
     from data.synthetic import generate
 
     generate(tmp_path / "ds", rows={"day": 101}, seed=3, max_cardinality=50)
-    halves = [criteo_batches(tmp_path / "ds", [spec], 1000, 0, 1, shuffle=False, seed=0)
-              for spec in ("day[:0.5]", "day[0.5:]")]
+    halves = [
+        criteo_batches(tmp_path / "ds", [spec], 1000, 0, 1, shuffle=False, seed=0)
+        for spec in ("day[:0.5]", "day[0.5:]")
+    ]
     whole = next(iter(criteo_batches(tmp_path / "ds", ["day"], 1000, 0, 1, shuffle=False, seed=0)))
     parts = [next(iter(h)) for h in halves]
     assert [len(p.labels) for p in parts] == [50, 51]  # round(101 * 0.5) = 50

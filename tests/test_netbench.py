@@ -11,20 +11,31 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from compression import cost_model as cm
-from dlrm.bench import netbench, netreport
 from multiprocess import free_port
 from trainer_runs import REPO
 
-TINY = ["compression=none", "data=criteo_sample", "model.embedding_dim=16", "model.dense_arch_layer_sizes=[32,16]",
-        "model.over_arch_layer_sizes=[32,1]", "batch_size=64", "eval_batch_size=256", "log_every=1000"]
+from compression import cost_model as cm
+from dlrm.bench import netbench, netreport
+
+TINY = [
+    "compression=none",
+    "data=criteo_sample",
+    "model.embedding_dim=16",
+    "model.dense_arch_layer_sizes=[32,16]",
+    "model.over_arch_layer_sizes=[32,1]",
+    "batch_size=64",
+    "eval_batch_size=256",
+    "log_every=1000",
+]
 
 
 # ---------------------------------------------------------------- rates and options
 
-@pytest.mark.parametrize("rate,bps", [("800mbit", 1e8), ("200mbit", 2.5e7), ("1.5gbit", 1.875e8),
-                                      ("64kbit", 8e3), ("unlimited", float("inf"))])
+
+@pytest.mark.parametrize(
+    "rate,bps",
+    [("800mbit", 1e8), ("200mbit", 2.5e7), ("1.5gbit", 1.875e8), ("64kbit", 8e3), ("unlimited", float("inf"))],
+)
 def test_tc_rates_become_bytes_per_second(rate, bps):
     assert netreport.rate_bytes_per_s(rate) == bps
 
@@ -57,14 +68,17 @@ def test_trainer_command_runs_the_probe_on_loopback_only(tmp_path):
     assert env["DLRM_NETPROBE_OUT"] == str(tmp_path)
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--configs", "fp16,lossy"], "include none"),
-    (["--configs", "none,nosuchcodec"], "nosuchcodec"),
-    (["--rate", "fast"], "mbit"),
-    (["--iterations", "3", "--warmup", "3"], "leaves nothing"),
-    (["--nproc", "1"], "nproc"),
-    (["--bogus"], "after `--`"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--configs", "fp16,lossy"], "include none"),
+        (["--configs", "none,nosuchcodec"], "nosuchcodec"),
+        (["--rate", "fast"], "mbit"),
+        (["--iterations", "3", "--warmup", "3"], "leaves nothing"),
+        (["--nproc", "1"], "nproc"),
+        (["--bogus"], "after `--`"),
+    ],
+)
 def test_bad_options_are_refused_by_name(argv, message, capsys):
     with pytest.raises(SystemExit):
         netbench.parse_args(argv)
@@ -72,8 +86,9 @@ def test_bad_options_are_refused_by_name(argv, message, capsys):
 
 
 def test_variants_add_labelled_configurations():
-    o = netbench.parse_args(["--configs", "none", "--variant", "lossy_fixed", "lossy",
-                             "compression.forward.params.entropy=false"])
+    o = netbench.parse_args(
+        ["--configs", "none", "--variant", "lossy_fixed", "lossy", "compression.forward.params.entropy=false"]
+    )
     assert o.variants[-1] == netbench.Variant("lossy_fixed", "lossy", ("compression.forward.params.entropy=false",))
 
 
@@ -92,27 +107,62 @@ def test_missing_iproute2_is_named_with_the_setup_step(monkeypatch):
 
 # ---------------------------------------------------------------- parsing and tables
 
-def _write_run(root: Path, label: str, rep: int, step_ms: float, a2a_ms: float, fwd_bytes: float,
-               bwd_bytes: float, auc: float, codec_ms: float = 0.0, warmup_ms: float = 5000.0) -> Path:
+
+def _write_run(
+    root: Path,
+    label: str,
+    rep: int,
+    step_ms: float,
+    a2a_ms: float,
+    fwd_bytes: float,
+    bwd_bytes: float,
+    auc: float,
+    codec_ms: float = 0.0,
+    warmup_ms: float = 5000.0,
+) -> Path:
     """A run directory shaped like the trainer's (metrics.json, .hydra/config.yaml) plus probe files."""
     d = root / "runs" / f"r{rep}_800mbit_{label}"
     (d / ".hydra").mkdir(parents=True)
-    (d / netbench.RUN_RECORD).write_text(json.dumps({"label": label, "rate": "800mbit", "repeat": rep,
-                                                     "extra": {"burst": "1mb", "load1_before": 1.0}}))
+    (d / netbench.RUN_RECORD).write_text(
+        json.dumps({"label": label, "rate": "800mbit", "repeat": rep, "extra": {"burst": "1mb", "load1_before": 1.0}})
+    )
     (d / ".hydra" / "config.yaml").write_text("batch_size: 2048\nmodel:\n  embedding_dim: 64\n")
     plan = {f"t_cat_{i}": f"table_wise ranks=[{i % 2}]" for i in range(26)}
-    (d / "metrics.json").write_text(json.dumps({
-        "accuracy": 0.75, "auc": auc, "logloss": 0.5, "iterations": 6, "samples_per_s": 1000.0,
-        "forward_ratio": 1.0, "backward_ratio": 1.0, "max_abs_error_seen": 0.0, "compression": label,
-        "config_name": f"synthetic-dlrm-{label}", "world_size": 2, "sharding_plan": plan,
-        "val_auc": None, "val_logloss": None, "samples": 20000}))
-    step = {"ms": step_ms, "a2a/forward/ms": a2a_ms, "a2a/backward/ms": 2 * a2a_ms,
-            "a2a/forward/bytes": fwd_bytes, "a2a/backward/bytes": bwd_bytes,
-            "codec/forward/ms": codec_ms, "other_a2a/ms": 1.0}
+    (d / "metrics.json").write_text(
+        json.dumps(
+            {
+                "accuracy": 0.75,
+                "auc": auc,
+                "logloss": 0.5,
+                "iterations": 6,
+                "samples_per_s": 1000.0,
+                "forward_ratio": 1.0,
+                "backward_ratio": 1.0,
+                "max_abs_error_seen": 0.0,
+                "compression": label,
+                "config_name": f"synthetic-dlrm-{label}",
+                "world_size": 2,
+                "sharding_plan": plan,
+                "val_auc": None,
+                "val_logloss": None,
+                "samples": 20000,
+            }
+        )
+    )
+    step = {
+        "ms": step_ms,
+        "a2a/forward/ms": a2a_ms,
+        "a2a/backward/ms": 2 * a2a_ms,
+        "a2a/forward/bytes": fwd_bytes,
+        "a2a/backward/bytes": bwd_bytes,
+        "codec/forward/ms": codec_ms,
+        "other_a2a/ms": 1.0,
+    }
     for r in range(2):
         steps = [dict(step, ms=warmup_ms)] + [dict(step) for _ in range(5)]
-        (d / f"probe_rank{r}.json").write_text(json.dumps(
-            {"rank": r, "world_size": 2, "segments": 1, "dense_params": 1000, "steps": steps, "error": None}))
+        (d / f"probe_rank{r}.json").write_text(
+            json.dumps({"rank": r, "world_size": 2, "segments": 1, "dense_params": 1000, "steps": steps, "error": None})
+        )
     return d
 
 
@@ -132,12 +182,12 @@ def test_load_run_skips_warmup_and_reads_every_field(tmp_path):
 def test_load_run_names_the_missing_file_and_the_failed_rank(tmp_path):
     d = _write_run(tmp_path, "none", 0, 1000.0, 200.0, RAW, RAW, 0.7)
     (d / "probe_rank1.json").unlink()
-    with pytest.raises(netreport.RunDirError, match="probe_rank1.json: missing"):
+    with pytest.raises(netreport.RunDirError, match=r"probe_rank1\.json: missing"):
         netreport.load_run(d, 1, "none", "200mbit", 0)
     (d / "probe_rank1.json").write_text(json.dumps({"steps": [], "error": "RuntimeError: boom"}))
     with pytest.raises(netreport.RunDirError, match="rank 1 failed: RuntimeError: boom"):
         netreport.load_run(d, 1, "none", "200mbit", 0)
-    (d / "metrics.json").write_text("{\"auc\": 0.5,\n oops")
+    (d / "metrics.json").write_text('{"auc": 0.5,\n oops')
     with pytest.raises(netreport.RunDirError, match=r"metrics.json:2: not valid JSON"):
         netreport.load_run(d, 1, "none", "200mbit", 0)
 
@@ -151,8 +201,10 @@ def test_too_few_iterations_for_the_warmup_is_an_error(tmp_path):
 def _results(tmp_path: Path) -> list[netreport.RunResult]:
     runs = []
     for rep, (none_ms, lossy_ms) in enumerate([(1000.0, 500.0), (1200.0, 400.0), (900.0, 450.0)]):
-        for label, ms, fb, bb, auc in (("none", none_ms, RAW, RAW, 0.700),
-                                       ("lossy", lossy_ms, RAW / 20, RAW / 8, 0.699)):
+        for label, ms, fb, bb, auc in (
+            ("none", none_ms, RAW, RAW, 0.700),
+            ("lossy", lossy_ms, RAW / 20, RAW / 8, 0.699),
+        ):
             d = _write_run(tmp_path, label, rep, ms, 300.0 if label == "none" else 20.0, fb, bb, auc)
             runs.append(netreport.load_run(d, 1, label, "800mbit", rep))
     return runs
@@ -211,6 +263,7 @@ def test_report_mode_names_an_empty_directory(tmp_path, capsys):
 
 # ---------------------------------------------------------------- the probe on real ranks
 
+
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("cache")
@@ -219,10 +272,24 @@ def cache(tmp_path_factory) -> Path:
 def test_probe_counts_the_pooled_all_to_all_bytes_of_a_real_run(tmp_path, cache):
     """Two gloo ranks train 4 iterations through the probe; the bytes it saw sent are the model's."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), DLRM_NETPROBE_OUT=str(tmp_path))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=0",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--local-addr=127.0.0.1",
-           "-m", "dlrm.bench.netprobe", *TINY, f"data.cache_dir={cache}", "sharding=table_wise", "max_iterations=4",
-           "progress_bar=false", f"hydra.run.dir={tmp_path}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--max-restarts=0",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        "--local-addr=127.0.0.1",
+        "-m",
+        "dlrm.bench.netprobe",
+        *TINY,
+        f"data.cache_dir={cache}",
+        "sharding=table_wise",
+        "max_iterations=4",
+        "progress_bar=false",
+        f"hydra.run.dir={tmp_path}",
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     r = netreport.load_run(tmp_path, warmup=1, label="none", rate="unlimited", repeat=0)
@@ -236,6 +303,7 @@ def test_probe_counts_the_pooled_all_to_all_bytes_of_a_real_run(tmp_path, cache)
 
 
 # ---------------------------------------------------------------- the driver, for real
+
 
 def _can_make_namespaces() -> str | None:
     if os.geteuid() != 0:
@@ -252,9 +320,27 @@ def _can_make_namespaces() -> str | None:
 def test_driver_trains_in_a_throttled_namespace_and_removes_it(tmp_path, cache):
     before = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
     out = tmp_path / "bench"
-    cmd = ["bash", str(REPO / "scripts" / "bench_network.sh"), "--configs", "none", "--rate", "800mbit",
-           "--repeats", "1", "--iterations", "3", "--warmup", "1", "--timeout", "55", "--out", str(out),
-           "--", *TINY, f"data.cache_dir={cache}"]
+    cmd = [
+        "bash",
+        str(REPO / "scripts" / "bench_network.sh"),
+        "--configs",
+        "none",
+        "--rate",
+        "800mbit",
+        "--repeats",
+        "1",
+        "--iterations",
+        "3",
+        "--warmup",
+        "1",
+        "--timeout",
+        "55",
+        "--out",
+        str(out),
+        "--",
+        *TINY,
+        f"data.cache_dir={cache}",
+    ]
     env = dict(os.environ, PYTHON=sys.executable)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

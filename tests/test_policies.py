@@ -6,6 +6,7 @@ kaggle_run.sh / tb_run.sh), not computed by the code under test.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -14,8 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from compression.policies import (Control, TableStats, automatic_classes, control_update, published_classes,
-                                  schedule_multiplier)
+from compression.policies import (
+    Control,
+    TableStats,
+    automatic_classes,
+    control_update,
+    published_classes,
+    schedule_multiplier,
+)
 from dlrm.policy import PolicyFeedback, build_policy, table_stats
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +76,7 @@ def test_linear_log_and_constant_schedules_follow_the_published_formulas():
     assert schedule_multiplier("step", 10, early_stage=100, c=3.0) == pytest.approx(3 * (1 - 2 / 3 / 10))
     for kind in ("step", "linear", "log", "constant", "none"):
         values = [schedule_multiplier(kind, it, 1000) for it in range(0, 1200, 7)]
-        assert all(a >= b for a, b in zip(values, values[1:])), kind  # never loosens again
+        assert all(a >= b for a, b in itertools.pairwise(values)), kind  # never loosens again
 
 
 # --------------------------------------------------------------------------- table-wise
@@ -82,7 +89,7 @@ def test_published_lists_map_criteo_columns_to_classes():
     # any names: the lists go by each table's Criteo column
     t = published_classes("terabyte", [TableStats(f"user_{i}", 10, 8, column=i) for i in range(26)])
     assert {int(f.split("_")[1]) for f, c in t.items() if c == "tight"} == TB_TIGHT
-    with pytest.raises(ValueError, match="f_user.*no Criteo column"):
+    with pytest.raises(ValueError, match=r"f_user.*no Criteo column"):
         published_classes("kaggle", [TableStats("f_user", 10, 8)])
     with pytest.raises(ValueError, match="avazu"):
         published_classes("avazu", tables(KAGGLE_ROWS))
@@ -114,7 +121,7 @@ def test_quantile_and_threshold_splits_and_other_statistics():
     assert indices(dd, "tight") == {0, 1} and indices(dd, "loose") == {8, 9}
     ties = automatic_classes([TableStats(f"cat_{i}", 5, 8) for i in range(4)], tight=0.5, loose=0.25)
     assert indices(ties, "tight") == {0, 1} and indices(ties, "loose") == {3}  # table order breaks ties
-    with pytest.raises(ValueError, match="cat_0.*value_range"):
+    with pytest.raises(ValueError, match=r"cat_0.*value_range"):
         automatic_classes([TableStats("cat_0", 5, 8)], rank_by="value_range")
     with pytest.raises(ValueError, match="overlap"):
         automatic_classes(t, split="threshold", tight=10, loose=50)
@@ -127,22 +134,31 @@ def cfg(forward: dict, backward: dict | None = None) -> dict:
     return {"name": "p", "forward": forward, "backward": backward or {"kind": "fixed", "eb": 1e-3}}
 
 
-DUAL_KAGGLE = {"kind": "dual", "classes": {"source": "published", "dataset": "kaggle"},
-               "bounds": {"tight": 0.01, "base": 0.03, "loose": 0.05}, "schedule": {"kind": "step"}}
+DUAL_KAGGLE = {
+    "kind": "dual",
+    "classes": {"source": "published", "dataset": "kaggle"},
+    "bounds": {"tight": 0.01, "base": 0.03, "loose": 0.05},
+    "schedule": {"kind": "step"},
+}
 
 
 def test_dual_policy_is_table_class_times_iteration_multiplier_per_direction():
     p = build_policy(cfg(DUAL_KAGGLE), tables(KAGGLE_ROWS))
-    assert p.bound("cat_2", "forward", 0) == pytest.approx(0.02)        # tight x 2.0
-    assert p.bound("cat_0", "forward", 0) == pytest.approx(0.06)        # base x 2.0
-    assert p.bound("cat_8", "forward", 0) == pytest.approx(0.10)        # loose x 2.0
+    assert p.bound("cat_2", "forward", 0) == pytest.approx(0.02)  # tight x 2.0
+    assert p.bound("cat_0", "forward", 0) == pytest.approx(0.06)  # base x 2.0
+    assert p.bound("cat_8", "forward", 0) == pytest.approx(0.10)  # loose x 2.0
     assert p.bound("cat_8", "forward", int(0.35 * ES)) == pytest.approx(0.05 * 1.7)
     assert p.bound("cat_2", "forward", ES) == pytest.approx(0.01)
     assert p.bound("cat_0", "forward", 10 * ES) == pytest.approx(0.03)
-    assert p.bound("cat_2", "backward", 0) == 1e-3                      # its own rule
+    assert p.bound("cat_2", "backward", 0) == 1e-3  # its own rule
     assert p("cat_2", "forward", 0) == p.bound("cat_2", "forward", 0)  # usable as a BoundFn
-    assert p.summary() == {"policy": "p", "policy_forward_kind": "dual", "policy_forward_bound": 0.03,
-                           "policy_backward_kind": "fixed", "policy_backward_bound": 1e-3}
+    assert p.summary() == {
+        "policy": "p",
+        "policy_forward_kind": "dual",
+        "policy_forward_bound": 0.03,
+        "policy_backward_kind": "fixed",
+        "policy_backward_bound": 1e-3,
+    }
     with pytest.raises(KeyError, match="cat_99"):
         p.bound("cat_99", "forward", 0)
     with pytest.raises(ValueError, match="sideways"):
@@ -156,38 +172,50 @@ def test_each_kind_and_scale():
     tw = build_policy(cfg({"kind": "table_wise", "classes": {"source": "auto"}}), t)
     assert tw.bound("cat_2", "forward", 0) == 0.01 and tw.bound("cat_8", "forward", 0) == 0.05
     assert tw.bound("cat_0", "forward", 0) == 0.03  # published bounds by default
-    it = build_policy(cfg({"kind": "iteration_wise", "eb": 0.01, "schedule": {"kind": "linear", "early_stage": 100}}), t)
+    it = build_policy(
+        cfg({"kind": "iteration_wise", "eb": 0.01, "schedule": {"kind": "linear", "early_stage": 100}}), t
+    )
     assert it.bound("cat_5", "forward", 50) == pytest.approx(0.015)
     # fixed and iteration-wise need no table list (any feature name)
     assert build_policy(cfg({"kind": "fixed", "eb": 0.5}), []).bound("anything", "forward", 3) == 0.5
 
 
-@pytest.mark.parametrize("forward, message", [
-    ({"kind": "dual", "classes": {"source": "auto"}}, "needs \\['schedule'\\]"),
-    ({"kind": "fixed", "eb": 0.01, "schedule": {"kind": "step"}}, "takes no \\['schedule'\\]"),
-    ({"kind": "fixed", "eb": 0.01, "colour": 1}, "unknown key.*colour"),
-    ({"kind": "wavelet", "eb": 0.01}, "policy.forward.kind must be one of"),
-    ({"kind": "fixed", "eb": -1}, "policy.forward.eb must be finite and >= 0"),
-    ({"kind": "iteration_wise", "eb": 0.01, "schedule": {"kind": "step", "c": 0.5}}, "policy.forward.schedule.*c must"),
-    ({"kind": "iteration_wise", "eb": 0.01, "schedule": {"kind": "cosine"}}, "schedule.kind must be one of"),
-    ({"kind": "iteration_wise", "eb": 0.01, "schedule": {"early_stage": 0}}, "early_stage must be a positive"),
-    ({"kind": "table_wise", "classes": {"source": "published", "dataset": "kaggle", "split": "quantile"}},
-     "only apply to source: auto"),
-    ({"kind": "table_wise", "classes": {"source": "auto"}, "bounds": {"tight": 0.01, "medium": 0.02}},
-     "bounds: unknown key.*medium"),
-    ({"kind": "closed_loop", "eb": 0.01, "control": {"target": 0.01, "min": 0.1, "max": 0.01}}, "min <= max"),
-    ({"kind": "closed_loop", "eb": 0.01, "control": {"target": 0.01, "min": 0.001}}, "control.max is missing"),
-])
+@pytest.mark.parametrize(
+    "forward, message",
+    [
+        ({"kind": "dual", "classes": {"source": "auto"}}, "needs \\['schedule'\\]"),
+        ({"kind": "fixed", "eb": 0.01, "schedule": {"kind": "step"}}, "takes no \\['schedule'\\]"),
+        ({"kind": "fixed", "eb": 0.01, "colour": 1}, "unknown key.*colour"),
+        ({"kind": "wavelet", "eb": 0.01}, "policy.forward.kind must be one of"),
+        ({"kind": "fixed", "eb": -1}, "policy.forward.eb must be finite and >= 0"),
+        (
+            {"kind": "iteration_wise", "eb": 0.01, "schedule": {"kind": "step", "c": 0.5}},
+            "policy.forward.schedule.*c must",
+        ),
+        ({"kind": "iteration_wise", "eb": 0.01, "schedule": {"kind": "cosine"}}, "schedule.kind must be one of"),
+        ({"kind": "iteration_wise", "eb": 0.01, "schedule": {"early_stage": 0}}, "early_stage must be a positive"),
+        (
+            {"kind": "table_wise", "classes": {"source": "published", "dataset": "kaggle", "split": "quantile"}},
+            "only apply to source: auto",
+        ),
+        (
+            {"kind": "table_wise", "classes": {"source": "auto"}, "bounds": {"tight": 0.01, "medium": 0.02}},
+            "bounds: unknown key.*medium",
+        ),
+        ({"kind": "closed_loop", "eb": 0.01, "control": {"target": 0.01, "min": 0.1, "max": 0.01}}, "min <= max"),
+        ({"kind": "closed_loop", "eb": 0.01, "control": {"target": 0.01, "min": 0.001}}, "control.max is missing"),
+    ],
+)
 def test_bad_configs_name_the_key(forward, message):
     with pytest.raises(ValueError, match=message):
         build_policy(cfg(forward), tables(KAGGLE_ROWS))
 
 
 def test_missing_direction_and_closed_loop_in_abs_mode_are_refused():
-    with pytest.raises(ValueError, match="policy.backward is missing"):
+    with pytest.raises(ValueError, match=r"policy\.backward is missing"):
         build_policy({"name": "x", "forward": {"kind": "fixed", "eb": 0.1}}, [])
     closed = {"kind": "closed_loop", "eb": 0.01, "control": {"target": 0.01, "min": 0.001, "max": 0.1}}
-    with pytest.raises(ValueError, match="compression.forward.mode is abs"):
+    with pytest.raises(ValueError, match=r"compression\.forward\.mode is abs"):
         build_policy(cfg(closed), [], modes={"forward": "abs", "backward": "abs"})
 
 
@@ -209,10 +237,13 @@ def test_hydra_policy_group_composes_and_builds_every_file():
                 build_policy(c.policy, tables(KAGGLE_ROWS))
 
 
-@pytest.mark.parametrize("experiment, dim, bottom, top, batch, tight, loose", [
-    ("kaggle_paper", 32, [512, 256, 64, 32], [512, 256, 1], 128, KAGGLE_TIGHT, KAGGLE_LOOSE),
-    ("terabyte_paper", 64, [512, 256, 64], [512, 512, 256, 1], 2048, TB_TIGHT, TB_LOOSE),
-])
+@pytest.mark.parametrize(
+    "experiment, dim, bottom, top, batch, tight, loose",
+    [
+        ("kaggle_paper", 32, [512, 256, 64, 32], [512, 256, 1], 128, KAGGLE_TIGHT, KAGGLE_LOOSE),
+        ("terabyte_paper", 64, [512, 256, 64], [512, 512, 256, 1], 2048, TB_TIGHT, TB_LOOSE),
+    ],
+)
 def test_paper_experiments_compose_the_published_recipes(experiment, dim, bottom, top, batch, tight, loose):
     from hydra import compose, initialize_config_dir
 
@@ -220,8 +251,11 @@ def test_paper_experiments_compose_the_published_recipes(experiment, dim, bottom
 
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         c = compose("config", overrides=[f"experiment={experiment}", "data.processed_dir=/data/criteo"])
-    assert (c.model.embedding_dim, list(c.model.dense_arch_layer_sizes), list(c.model.over_arch_layer_sizes)) == \
-        (dim, bottom, top)
+    assert (c.model.embedding_dim, list(c.model.dense_arch_layer_sizes), list(c.model.over_arch_layer_sizes)) == (
+        dim,
+        bottom,
+        top,
+    )
     assert c.batch_size * 2 == batch  # per rank, for the recipe's global batch on 2 ranks
     assert c.optimizer.dense.name == c.optimizer.sparse.name == "sgd" and c.optimizer.dense.lr == 0.1
     assert c.data.name == "criteo" and c.epochs == 1
@@ -265,16 +299,20 @@ def test_closed_loop_moves_each_bound_toward_equal_absolute_error_within_limits(
     # the first update moved at most max_step, and by half the log-distance (gain 0.5)
     q = build_policy(cfg({"kind": "closed_loop", "eb": 0.01, "control": CONTROL}), t)
     q.observe(10, simulated_errors(q, ranges, 10))
-    assert q.bound("cat_1", "forward", 10) == pytest.approx(0.01 * math.sqrt(2))   # toward 0.02
-    assert q.bound("cat_4", "forward", 10) == pytest.approx(0.005)                  # max_step 2
-    assert q.bound("cat_0", "backward", 10) == 1e-3                                 # backward untouched
+    assert q.bound("cat_1", "forward", 10) == pytest.approx(0.01 * math.sqrt(2))  # toward 0.02
+    assert q.bound("cat_4", "forward", 10) == pytest.approx(0.005)  # max_step 2
+    assert q.bound("cat_0", "backward", 10) == 1e-3  # backward untouched
 
 
 def test_closed_loop_is_deterministic_keeps_the_schedule_and_restores_its_state():
     ranges = {"cat_0": 0.05, "cat_1": 0.5, "cat_2": 5.0}
     t = [TableStats(f, 100, 8) for f in ranges]
-    forward = {"kind": "closed_loop", "eb": 0.01, "schedule": {"kind": "linear", "early_stage": 100},
-               "control": {**CONTROL, "gain": 1.0, "max_step": 100.0}}
+    forward = {
+        "kind": "closed_loop",
+        "eb": 0.01,
+        "schedule": {"kind": "linear", "early_stage": 100},
+        "control": {**CONTROL, "gain": 1.0, "max_step": 100.0},
+    }
     a, b = build_policy(cfg(forward), t), build_policy(cfg(forward), t)
     errors = simulated_errors(a, ranges, 0)
     a.observe(20, errors)
@@ -311,16 +349,19 @@ def test_feedback_reads_the_keys_the_comm_statistics_write():
     stats = CommStats()  # what a compressed dist records on a sampled iteration
     stats.maximum("forward/max_abs_error/cat_0", 0.05)
     stats.add("forward/raw_bytes", 100.0)
-    p = build_policy(cfg({"kind": "closed_loop", "eb": 0.01, "control": {**CONTROL, "gain": 1.0}}),
-                     [TableStats("cat_0", 10, 8)])
+    p = build_policy(
+        cfg({"kind": "closed_loop", "eb": 0.01, "control": {**CONTROL, "gain": 1.0}}), [TableStats("cat_0", 10, 8)]
+    )
     PolicyFeedback(p).observe(10, derive(*stats.state()))
     # one table: its range 0.05 / 0.01 = 5 is the median, so it lands on target x 5 / 5 = 0.01
     assert p.bound("cat_0", "forward", 10) == pytest.approx(0.01)
-    p2 = build_policy(cfg({"kind": "closed_loop", "eb": 0.01, "control": {**CONTROL, "gain": 1.0, "max_step": 10.0}}),
-                      [TableStats("cat_0", 10, 8), TableStats("cat_1", 10, 8)])
+    p2 = build_policy(
+        cfg({"kind": "closed_loop", "eb": 0.01, "control": {**CONTROL, "gain": 1.0, "max_step": 10.0}}),
+        [TableStats("cat_0", 10, 8), TableStats("cat_1", 10, 8)],
+    )
     s2 = CommStats()
-    s2.maximum("forward/max_abs_error/cat_0", 0.01)   # range 1
-    s2.maximum("forward/max_abs_error/cat_1", 0.04)   # range 4, median 2.5
+    s2.maximum("forward/max_abs_error/cat_0", 0.01)  # range 1
+    s2.maximum("forward/max_abs_error/cat_1", 0.04)  # range 4, median 2.5
     PolicyFeedback(p2).observe(10, derive(*s2.state()))
     assert p2.bound("cat_0", "forward", 10) == pytest.approx(0.025)
     assert p2.bound("cat_1", "forward", 10) == pytest.approx(0.00625)
@@ -330,8 +371,14 @@ def test_closed_loop_without_sampling_is_a_config_error():
     from dlrm.comm import parse_compression_cfg
     from dlrm.policy import policy_for_run
 
-    spec = parse_compression_cfg({"name": "lossy", "forward": {"codec": "lossy", "mode": "rel"},
-                                  "backward": {"codec": "lossy", "mode": "rel"}, "stats": {"sample_every": 0}})
+    spec = parse_compression_cfg(
+        {
+            "name": "lossy",
+            "forward": {"codec": "lossy", "mode": "rel"},
+            "backward": {"codec": "lossy", "mode": "rel"},
+            "stats": {"sample_every": 0},
+        }
+    )
     closed = cfg({"kind": "closed_loop", "eb": 0.01, "control": CONTROL})
     with pytest.raises(ValueError, match="sample_every is 0"):
         policy_for_run(closed, spec, tables(KAGGLE_ROWS))
@@ -361,30 +408,58 @@ def _closed_loop_on_ranks(rank: int, ws: int) -> dict:
 
     features = list(WIDE)
     names = [f"t_{f}" for f in features]
-    policy = build_policy({"name": "closed_loop", "forward": {"kind": "closed_loop", "eb": 0.01, "control": {
-        "target": 0.01, "min": 1e-3, "max": 0.1, "gain": 1.0, "max_step": 4.0}},
-        "backward": {"kind": "fixed", "eb": 1e-3}}, [TableStats(f, 64, 16) for f in features],
-        modes={"forward": "rel", "backward": "abs"})
-    comp = {"name": "lossy", "forward": {"codec": "lossy", "mode": "rel"},
-            "backward": {"codec": "lossy"}, "stats": {"sample_every": 1}}
+    policy = build_policy(
+        {
+            "name": "closed_loop",
+            "forward": {
+                "kind": "closed_loop",
+                "eb": 0.01,
+                "control": {"target": 0.01, "min": 1e-3, "max": 0.1, "gain": 1.0, "max_step": 4.0},
+            },
+            "backward": {"kind": "fixed", "eb": 1e-3},
+        },
+        [TableStats(f, 64, 16) for f in features],
+        modes={"forward": "rel", "backward": "abs"},
+    )
+    comp = {
+        "name": "lossy",
+        "forward": {"codec": "lossy", "mode": "rel"},
+        "backward": {"codec": "lossy"},
+        "stats": {"sample_every": 1},
+    }
     sharders = make_sharders(comp, bound_fn_forward=policy, bound_fn_backward=policy)
 
     class Net(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(
-                name=n, embedding_dim=16, num_embeddings=64, feature_names=[f]) for n, f in zip(names, features)],
-                device=torch.device("meta"))
+            self.ebc = EmbeddingBagCollection(
+                tables=[
+                    EmbeddingBagConfig(name=n, embedding_dim=16, num_embeddings=64, feature_names=[f])
+                    for n, f in zip(names, features, strict=True)
+                ],
+                device=torch.device("meta"),
+            )
 
         def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
             d = self.ebc(kjt).to_dict()
             return torch.cat([d[f] for f in features], dim=1)
 
     # rank 0 owns every table: its forward chunks to rank 1 go through the compressor
-    plan = construct_module_sharding_plan(Net().ebc, {n: table_wise(rank=0) for n in names}, local_size=ws,
-                                          world_size=ws, device_type="cpu", sharder=sharders[0])
-    model = DistributedModelParallel(Net(), env=ShardingEnv.from_process_group(torch.distributed.group.WORLD),
-                                     plan=ShardingPlan({"ebc": plan}), sharders=sharders, device=torch.device("cpu"))
+    plan = construct_module_sharding_plan(
+        Net().ebc,
+        {n: table_wise(rank=0) for n in names},
+        local_size=ws,
+        world_size=ws,
+        device_type="cpu",
+        sharder=sharders[0],
+    )
+    model = DistributedModelParallel(
+        Net(),
+        env=ShardingEnv.from_process_group(torch.distributed.group.WORLD),
+        plan=ShardingPlan({"ebc": plan}),
+        sharders=sharders,
+        device=torch.device("cpu"),
+    )
     with torch.no_grad():  # rows spanning each table's range
         g = torch.Generator().manual_seed(0)
         for k, st in model.state_dict().items():
@@ -395,8 +470,10 @@ def _closed_loop_on_ranks(rank: int, ws: int) -> dict:
     for step in range(4):
         g = torch.Generator().manual_seed(100 * step + rank)
         kjt = KeyedJaggedTensor.from_lengths_sync(
-            keys=features, values=torch.randint(0, 64, (3 * 48,), generator=g),
-            lengths=torch.ones(3 * 48, dtype=torch.int32))
+            keys=features,
+            values=torch.randint(0, 64, (3 * 48,), generator=g),
+            lengths=torch.ones(3 * 48, dtype=torch.int32),
+        )
         model(kjt).sum().backward()
         stats = comm_stats_all_ranks(model)
         feedback.observe(step + 1, stats)

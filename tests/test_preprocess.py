@@ -33,9 +33,11 @@ def expected_dense(rows: list[list[str]]) -> np.ndarray:
     return np.array([[math.log(max(int(x), 0) + 1) if x else 0.0 for x in r[1:14]] for r in rows], dtype=np.float32)
 
 
-def expected_ids(rows_by_stem: dict[str, list[list[str]]], threshold: int = 0,
-                 modulo: int = 0) -> tuple[dict, list[int]]:
+def expected_ids(
+    rows_by_stem: dict[str, list[list[str]]], threshold: int = 0, modulo: int = 0
+) -> tuple[dict, list[int]]:
     """Ids by the documented rule: 0 missing, 1 rare (threshold > 0), then kept values in ascending order."""
+
     def raw(x: str) -> int:
         v = int(x, 16)
         return v % modulo if modulo else v
@@ -116,8 +118,9 @@ def test_terabyte_fixture_counts_equal_an_independent_count(tmp_path):
 
 @pytest.mark.parametrize("threshold, modulo", [(3, 0), (0, 1000), (2, 97)])
 def test_frequency_threshold_and_max_ind_range(tmp_path, sample_rows, threshold, modulo):
-    meta = preprocess([SAMPLE_DIR / f"{s}.tsv" for s in STEMS], tmp_path / "d",
-                      frequency_threshold=threshold, max_ind_range=modulo)
+    meta = preprocess(
+        [SAMPLE_DIR / f"{s}.tsv" for s in STEMS], tmp_path / "d", frequency_threshold=threshold, max_ind_range=modulo
+    )
     ids, sizes = expected_ids(sample_rows, threshold, modulo)
     assert meta["num_embeddings"] == sizes
     assert meta["reserved_ids"] == {"missing": 0, "rare": 1 if threshold else None}
@@ -132,7 +135,7 @@ def test_block_boundaries_do_not_change_the_result(tmp_path):
     preprocess(files, tmp_path / "big")
     preprocess(files, tmp_path / "tiny", block_bytes=100)  # blocks shorter than a line
     for s in ("dev", "test"):
-        for a, b in zip(load(tmp_path / "big", s), load(tmp_path / "tiny", s)):
+        for a, b in zip(load(tmp_path / "big", s), load(tmp_path / "tiny", s), strict=True):
             np.testing.assert_array_equal(a, b)
 
 
@@ -145,7 +148,7 @@ def test_gzip_and_crlf_inputs(tmp_path):
     preprocess([SAMPLE_DIR / "dev.tsv", gz, crlf], tmp_path / "d")
     ref = load(tmp_path / "d", "dev")
     for stem in ("devgz", "devcrlf"):
-        for a, b in zip(ref, load(tmp_path / "d", stem)):
+        for a, b in zip(ref, load(tmp_path / "d", stem), strict=True):
             np.testing.assert_array_equal(a, b)
 
 
@@ -166,10 +169,10 @@ def test_large_hashes_stay_distinct(tmp_path):
 
 BAD = {
     "field_count": (lambda r: r[:-1], "39 TAB-separated fields"),
-    "bad_int": (lambda r: r[:4] + ["12a"] + r[5:], "field 5 (int_3)"),
-    "bad_hex": (lambda r: r[:20] + ["zz12ab34"] + r[21:], "field 21 (cat_6)"),
-    "bad_label": (lambda r: ["2"] + r[1:], "field 1 (label)"),
-    "float_int": (lambda r: r[:2] + ["260.0"] + r[3:], "field 3 (int_1)"),
+    "bad_int": (lambda r: [*r[:4], "12a", *r[5:]], "field 5 (int_3)"),
+    "bad_hex": (lambda r: [*r[:20], "zz12ab34", *r[21:]], "field 21 (cat_6)"),
+    "bad_label": (lambda r: ["2", *r[1:]], "field 1 (label)"),
+    "float_int": (lambda r: [*r[:2], "260.0", *r[3:]], "field 3 (int_1)"),
 }
 
 
@@ -245,7 +248,7 @@ def test_cli_writes_and_refuses_to_clobber(tmp_path, capsys):
     meta = json.loads((out / "meta.json").read_text())
     assert meta["options"] == {"frequency_threshold": 2, "max_ind_range": 0, "skip_bad_rows": False}
     assert main(args) == 1 and "--overwrite" in capsys.readouterr().err
-    assert main(args + ["--overwrite", "-q"]) == 0
+    assert main([*args, "--overwrite", "-q"]) == 0
     assert main(["--format", "kaggle", "--out", str(tmp_path / "x"), str(tmp_path / "missing.tsv")]) == 1
     assert "missing.tsv: no such file" in capsys.readouterr().err
     dev = str(SAMPLE_DIR / "dev.tsv")

@@ -34,11 +34,11 @@ def test_terabyte_sized_orders_hold_no_per_row_state():
     n = 4_195_197_692  # Criteo Terabyte's 24 days
     order = EpochOrder(n, shuffle=True, seed=0, epoch=0)
     assert order._explicit is None and order._keys.nbytes == 32
-    rows = order[n - 300_000:n]
+    rows = order[n - 300_000 : n]
     assert rows.dtype == np.int64 and len(np.unique(rows)) == 300_000
     assert rows.min() >= 0 and rows.max() < n and rows.max() > n // 2
     plain = EpochOrder(n, shuffle=False, seed=0, epoch=0)
-    assert np.array_equal(plain[n - 5:n], np.arange(n - 5, n))
+    assert np.array_equal(plain[n - 5 : n], np.arange(n - 5, n))
 
 
 def test_only_contiguous_slices():

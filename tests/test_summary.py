@@ -8,33 +8,66 @@ import re
 import statistics
 from pathlib import Path
 
-import pytest
 import yaml
 
 from dlrm.bench import summary
 
 
-def write_run(root: Path, name: str, *, auc: float, fwd: float, seed: int = 0, policy: str = "dual",
-              scale: float = 1.0, codec: str = "lossy", extra: dict | None = None,
-              metrics_text: str | None = None) -> Path:
+def write_run(
+    root: Path,
+    name: str,
+    *,
+    auc: float,
+    fwd: float,
+    seed: int = 0,
+    policy: str = "dual",
+    scale: float = 1.0,
+    codec: str = "lossy",
+    extra: dict | None = None,
+    metrics_text: str | None = None,
+) -> Path:
     """A run directory as the trainer leaves it: metrics.json beside Hydra's .hydra/ files."""
     run = root / name
     (run / ".hydra").mkdir(parents=True)
-    forward = {"kind": "fixed", "eb": 0.02, "scale": scale} \
-        if policy == "fixed" else {"kind": "dual", "classes": {"source": "auto"},
-                                   "bounds": {"tight": 0.01, "base": 0.03, "loose": 0.05},
-                                   "schedule": {"kind": "step"}, "scale": scale}
-    cfg = {"seed": seed, "run_name": "${data.name}-x", "checkpoint": {"dir": "${hydra:runtime.output_dir}/c"},
-           "compression": {"name": codec, "kind": "compressed",
-                           "forward": {"codec": codec, "mode": "rel"},
-                           "backward": {"codec": codec, "mode": "rel"}},
-           "policy": {"name": policy, "forward": forward, "backward": {"kind": "fixed", "eb": 0.01}}}
+    forward = (
+        {"kind": "fixed", "eb": 0.02, "scale": scale}
+        if policy == "fixed"
+        else {
+            "kind": "dual",
+            "classes": {"source": "auto"},
+            "bounds": {"tight": 0.01, "base": 0.03, "loose": 0.05},
+            "schedule": {"kind": "step"},
+            "scale": scale,
+        }
+    )
+    cfg = {
+        "seed": seed,
+        "run_name": "${data.name}-x",
+        "checkpoint": {"dir": "${hydra:runtime.output_dir}/c"},
+        "compression": {
+            "name": codec,
+            "kind": "compressed",
+            "forward": {"codec": codec, "mode": "rel"},
+            "backward": {"codec": codec, "mode": "rel"},
+        },
+        "policy": {"name": policy, "forward": forward, "backward": {"kind": "fixed", "eb": 0.01}},
+    }
     (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
     overrides = [f"policy={policy}", f"policy.forward.scale={scale}", f"compression={codec}", f"seed={seed}"]
     (run / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
-    metrics = {"auc": auc, "logloss": 0.5 - auc / 10, "accuracy": 0.78, "iterations": 10,
-               "samples_per_s": 1000.0 + seed, "forward_ratio": fwd, "backward_ratio": fwd / 2,
-               "max_abs_error_seen": 0.01, "config_name": "x", "compression": codec, **(extra or {})}
+    metrics = {
+        "auc": auc,
+        "logloss": 0.5 - auc / 10,
+        "accuracy": 0.78,
+        "iterations": 10,
+        "samples_per_s": 1000.0 + seed,
+        "forward_ratio": fwd,
+        "backward_ratio": fwd / 2,
+        "max_abs_error_seen": 0.01,
+        "config_name": "x",
+        "compression": codec,
+        **(extra or {}),
+    }
     (run / "metrics.json").write_text(metrics_text if metrics_text is not None else json.dumps(metrics))
     return run
 
@@ -44,35 +77,41 @@ def make_sweep(root: Path) -> None:
     for seed, (a, b) in enumerate([(0.70, 0.72), (0.74, 0.73)]):
         write_run(root, f"{seed}-fixed-1", auc=a, fwd=4.0 + seed, seed=seed, policy="fixed", scale=1.0)
         write_run(root, f"{seed}-dual-1", auc=b, fwd=8.0 + seed, seed=seed, policy="dual", scale=1.0)
-    write_run(root, "9-fixed-4", auc=0.60, fwd=6.0, policy="fixed", scale=4.0)      # dominated by dual-1
-    write_run(root, "7-none", auc=0.75, fwd=1.0, policy="fixed", codec="none")      # best AUC, ratio 1
+    write_run(root, "9-fixed-4", auc=0.60, fwd=6.0, policy="fixed", scale=4.0)  # dominated by dual-1
+    write_run(root, "7-none", auc=0.75, fwd=1.0, policy="fixed", codec="none")  # best AUC, ratio 1
 
 
 def test_table_groups_seed_repeats_marks_the_pareto_front_and_draws_the_plot(tmp_path):
     make_sweep(tmp_path)
     md_path, png_path = summary.summarize(tmp_path)
     md = md_path.read_text()
-    runs = [l for l in md.splitlines() if l.startswith("| ") and not l.startswith("| config") and "---" not in l]
-    per_run = [l for l in runs if l.count("|") == 11]
+    runs = [
+        line
+        for line in md.splitlines()
+        if line.startswith("| ") and not line.startswith("| config") and "---" not in line
+    ]
+    per_run = [line for line in runs if line.count("|") == 11]
     assert len(per_run) == 6
-    row = next(l for l in per_run if l.startswith("| 1-dual-1 "))
+    row = next(line for line in per_run if line.startswith("| 1-dual-1 "))
     cells = [c.strip() for c in row.strip("|").split("|")]
     # bound: dual base 0.03 x scale 1; seed 1; AUC 0.73; ratios 9 and 4.5; samples/s 1001
     assert cells == ["1-dual-1", "dual", "0.03", "lossy", "1", "0.7300", "0.4270", "9.00", "4.50", "1001"]
-    fixed4 = next(l for l in per_run if l.startswith("| 9-fixed-4 "))
+    fixed4 = next(line for line in per_run if line.startswith("| 9-fixed-4 "))
     assert "| 0.08 |" in fixed4  # fixed eb 0.02 x scale 4
-    none = [c.strip() for c in next(l for l in per_run if l.startswith("| 7-none ")).strip("|").split("|")]
+    none = [c.strip() for c in next(line for line in per_run if line.startswith("| 7-none ")).strip("|").split("|")]
     assert none[2:4] == ["-", "none"]  # a fixed-rate codec has no bound, whatever the policy says
     # per configuration: dual over seeds 0/1 -> AUC mean 0.725, std of (0.72, 0.73)
-    config_rows = [l for l in runs if l.count("|") == 12]
-    dual = next(l for l in config_rows if "policy=dual" in l)
+    config_rows = [line for line in runs if line.count("|") == 12]
+    dual = next(line for line in config_rows if "policy=dual" in line)
     std = statistics.stdev([0.72, 0.73])
     assert f"0.7250 ± {std:.4f}" in dual and "| 2 |" in dual and "8.50 ± 0.71" in dual
     # Pareto over configuration means: none (1.0, 0.75) and dual (8.5, 0.725) survive; fixed x1
     # (4.5, 0.72) is beaten by dual, fixed x4 (6, 0.60) too
-    starred = {l.split("|")[2].strip() for l in config_rows if l.startswith("| ★")}
-    assert starred == {"compression=none,policy.forward.scale=1.0,policy=fixed",
-                       "compression=lossy,policy.forward.scale=1.0,policy=dual"}
+    starred = {line.split("|")[2].strip() for line in config_rows if line.startswith("| ★")}
+    assert starred == {
+        "compression=none,policy.forward.scale=1.0,policy=fixed",
+        "compression=lossy,policy.forward.scale=1.0,policy=dual",
+    }
     png = png_path.read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     import matplotlib.image
@@ -134,19 +173,30 @@ def test_custom_scalars_layout_reads_back_and_matches_the_comm_and_policy_tags(t
     from dlrm.tb_layout import add_layout, eb_tag, policy_scalars, ratio_tag
 
     features = ["cat_0", "cat_1", "cat_2"]
-    policy = build_policy({"name": "p", "forward": {"kind": "fixed", "eb": 0.01},
-                           "backward": {"kind": "fixed", "eb": 0.002}}, [TableStats(f, 10, 8) for f in features])
+    policy = build_policy(
+        {"name": "p", "forward": {"kind": "fixed", "eb": 0.01}, "backward": {"kind": "fixed", "eb": 0.002}},
+        [TableStats(f, 10, 8) for f in features],
+    )
     # the keys dlrm.comm.stats derives from its raw sums (the real naming, not a copy of it)
-    sums = {"forward/raw_bytes": 800.0, "forward/wire_bytes": 100.0, "backward/raw_bytes": 800.0,
-            "backward/wire_bytes": 400.0}
+    sums = {
+        "forward/raw_bytes": 800.0,
+        "forward/wire_bytes": 100.0,
+        "backward/raw_bytes": 800.0,
+        "backward/wire_bytes": 400.0,
+    }
     for f in features:
         for d in ("forward", "backward"):
             sums[f"{d}/sampled_raw_bytes/{f}"] = 100.0
             sums[f"{d}/sampled_wire_bytes/{f}"] = 10.0
     maxes = {f"{d}/max_abs_error/{f}": 0.001 for d in ("forward", "backward") for f in features}
     maxes.update({"forward/max_error_over_bound": 0.9, "backward/max_error_over_bound": 0.8})
-    scalars = {**derive(sums, maxes), **policy_scalars(policy, 5, features),
-               "eval/auc": 0.7, "test/auc": 0.71, "train/loss": 0.5}
+    scalars = {
+        **derive(sums, maxes),
+        **policy_scalars(policy, 5, features),
+        "eval/auc": 0.7,
+        "test/auc": 0.71,
+        "train/loss": 0.5,
+    }
     assert scalars[eb_tag("backward", "cat_1")] == 0.002 and ratio_tag("forward", "cat_2") in scalars
 
     writer = SummaryWriter(str(tmp_path))
@@ -168,7 +218,9 @@ def test_custom_scalars_layout_reads_back_and_matches_the_comm_and_policy_tags(t
 
     assert shown(("accuracy vs compression", "AUC")) == {"eval/auc", "test/auc"}
     assert shown(("accuracy vs compression", "compression ratio (raw / wire bytes)")) == {
-        "comm/forward/ratio", "comm/backward/ratio"}
+        "comm/forward/ratio",
+        "comm/backward/ratio",
+    }
     for d in ("forward", "backward"):
         assert shown((f"{d} per table", "error bound (policy)")) == {eb_tag(d, f) for f in features}
         assert shown((f"{d} per table", "compression ratio (sampled)")) == {ratio_tag(d, f) for f in features}
@@ -179,8 +231,9 @@ def test_labels_leave_out_overrides_every_run_shares(tmp_path):
     for seed in (0, 1):
         for policy in ("fixed", "dual"):
             run = write_run(tmp_path, f"{policy}{seed}", auc=0.7, fwd=3.0, seed=seed, policy=policy)
-            (run / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(
-                [f"policy={policy}", "model.dense_arch_layer_sizes=[16,8]", "epochs=3", f"seed={seed}"]))
+            (run / ".hydra" / "overrides.yaml").write_text(
+                yaml.safe_dump([f"policy={policy}", "model.dense_arch_layer_sizes=[16,8]", "epochs=3", f"seed={seed}"])
+            )
     points = summary.group_runs(summary.collect(tmp_path)[0])
     assert sorted(p.group for p in points) == ["policy=dual", "policy=fixed"]
     assert [len(p.runs) for p in points] == [2, 2]

@@ -16,23 +16,32 @@ def sweep(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 
 
 def commands(out: subprocess.CompletedProcess) -> list[list[str]]:
-    return [shlex.split(l) for l in out.stdout.splitlines() if "torch.distributed.run" in l]
+    return [shlex.split(line) for line in out.stdout.splitlines() if "torch.distributed.run" in line]
 
 
 def overrides_of(cmd: list[str]) -> dict[str, str]:
-    after = cmd[cmd.index("dlrm.train") + 1:]
+    after = cmd[cmd.index("dlrm.train") + 1 :]
     return dict(a.split("=", 1) for a in after)
 
 
 def test_dry_run_expands_the_cartesian_product_and_replaces_default_axes(tmp_path):
-    out = sweep("--dry-run", "--out", str(tmp_path / "s"), "--nproc", "3", "policy=dual,closed_loop",
-                "policy.forward.scale=range(1,4)", "data=synthetic")
+    out = sweep(
+        "--dry-run",
+        "--out",
+        str(tmp_path / "s"),
+        "--nproc",
+        "3",
+        "policy=dual,closed_loop",
+        "policy.forward.scale=range(1,4)",
+        "data=synthetic",
+    )
     assert out.returncode == 0, out.stderr
     cmds = commands(out)
     assert len(cmds) == 2 * 3 * 2  # policy x scale x the default seed axis (0,1)
     points = [overrides_of(c) for c in cmds]
     assert {(p["policy"], p["policy.forward.scale"], p["seed"]) for p in points} == {
-        (pol, s, seed) for pol in ("dual", "closed_loop") for s in ("1", "2", "3") for seed in ("0", "1")}
+        (pol, s, seed) for pol in ("dual", "closed_loop") for s in ("1", "2", "3") for seed in ("0", "1")
+    }
     assert all(p["compression"] == "lossy" and p["data"] == "synthetic" for p in points)  # default + added
     assert all(c[c.index("--nproc_per_node") + 1] == "3" for c in cmds)
     # each point in its own directory under --out, named like Hydra's sweep subdirs, quoted for Hydra
@@ -50,9 +59,19 @@ def test_bad_override_is_refused_before_anything_runs(tmp_path):
 
 def test_tiny_real_sweep_writes_a_run_per_point_then_the_summary(tmp_path):
     out_dir = tmp_path / "sweep"
-    tiny = ["policy=fixed,dual", "policy.forward.scale=2", "seed=0", "max_iterations=3", "limit_eval_batches=1",
-            "batch_size=32", "eval_batch_size=128", "model.embedding_dim=8", "model.dense_arch_layer_sizes=[16,8]",
-            "model.over_arch_layer_sizes=[16,1]", f"data.cache_dir={tmp_path / 'cache'}"]
+    tiny = [
+        "policy=fixed,dual",
+        "policy.forward.scale=2",
+        "seed=0",
+        "max_iterations=3",
+        "limit_eval_batches=1",
+        "batch_size=32",
+        "eval_batch_size=128",
+        "model.embedding_dim=8",
+        "model.dense_arch_layer_sizes=[16,8]",
+        "model.over_arch_layer_sizes=[16,1]",
+        f"data.cache_dir={tmp_path / 'cache'}",
+    ]
     out = sweep("--out", str(out_dir), *tiny, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     runs = sorted(p.parent for p in out_dir.glob("*/metrics.json"))

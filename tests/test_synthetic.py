@@ -117,7 +117,7 @@ def test_reproducible_and_stems_independent(tmp_path):
     a = generate(tmp_path / "a", {"train": 3000, "dev": 500}, seed=7, max_cardinality=1000)
     generate(tmp_path / "b", {"dev": 500}, seed=7, max_cardinality=1000)
     generate(tmp_path / "c", {"dev": 500}, seed=8, max_cardinality=1000)
-    for x, y in zip(load(tmp_path / "a", "dev"), load(tmp_path / "b", "dev")):
+    for x, y in zip(load(tmp_path / "a", "dev"), load(tmp_path / "b", "dev"), strict=True):
         np.testing.assert_array_equal(x, y)
     assert not np.array_equal(load(tmp_path / "a", "dev")[1], load(tmp_path / "c", "dev")[1])
     assert a["rows"] == {"train": 3000, "dev": 500}

@@ -19,8 +19,9 @@ def _run(mode: str, interpret: bool) -> subprocess.CompletedProcess:
     if interpret:
         env["TRITON_INTERPRET"] = "1"
     env["OMP_NUM_THREADS"] = "1"
-    return subprocess.run([sys.executable, __file__, mode], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, __file__, mode], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_kernels_are_bit_identical_to_the_reference_in_the_interpreter():
@@ -40,6 +41,7 @@ def test_triton_backend_on_cpu_without_interpreter_says_how_to_enable_it():
 
 # --------------------------------------------------------------------------- subprocess side ----
 
+
 def _tensor_cases():
     import torch
 
@@ -53,7 +55,9 @@ def _tensor_cases():
 def _check_interpret() -> None:
     import torch
 
-    from compression import get_codec, kernels as K, reference as R
+    from compression import get_codec
+    from compression import kernels as K
+    from compression import reference as R
 
     def same(a, b, what):
         if a.dtype.is_floating_point:
@@ -82,8 +86,10 @@ def _check_interpret() -> None:
     for n in (0, 1, 31, 32, 33, 1000, 4099):
         kinds = {
             "small": torch.randint(0, 7, (n,), generator=g, dtype=torch.int32),
-            "mixed": (torch.randint(0, 2**31 - 1, (n,), generator=g, dtype=torch.int32)
-                      >> torch.randint(0, 31, (n,), generator=g, dtype=torch.int32)),
+            "mixed": (
+                torch.randint(0, 2**31 - 1, (n,), generator=g, dtype=torch.int32)
+                >> torch.randint(0, 31, (n,), generator=g, dtype=torch.int32)
+            ),
             "zeros": torch.zeros(n, dtype=torch.int32),
         }
         if n > 40:
@@ -113,28 +119,55 @@ def _check_interpret() -> None:
                 p1 = triton_codec.encode(xi, eb, i, blocks=[8, 8, 8])
                 p2 = torch_codec.encode(xi, eb, i, blocks=[8, 8, 8])
                 same(p1, p2, f"payload {dtype} entropy={entropy} ids={use_ids}")
-                same(triton_codec.decode(p2, i).view(-1).view(torch.uint8),
-                     torch_codec.decode(p2, i).view(-1).view(torch.uint8), f"decode {dtype} entropy={entropy}")
+                same(
+                    triton_codec.decode(p2, i).view(-1).view(torch.uint8),
+                    torch_codec.decode(p2, i).view(-1).view(torch.uint8),
+                    f"decode {dtype} entropy={entropy}",
+                )
     print("codec OK")
 
 
 def _aot_specs():
     from compression import kernels as K
 
-    quant = {"x_ptr": "*fp32", "step_ptr": "*fp32", "ed_ptr": "*fp32", "codes_ptr": "*i32", "miss_ptr": "*i8",
-             "n": "i32", "PER_VALUE": "constexpr", "OUT": "constexpr", "BLOCK": "constexpr"}
-    deq = {"codes_ptr": "*i32", "step_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "PER_VALUE": "constexpr",
-           "BLOCK": "constexpr"}
+    quant = {
+        "x_ptr": "*fp32",
+        "step_ptr": "*fp32",
+        "ed_ptr": "*fp32",
+        "codes_ptr": "*i32",
+        "miss_ptr": "*i8",
+        "n": "i32",
+        "PER_VALUE": "constexpr",
+        "OUT": "constexpr",
+        "BLOCK": "constexpr",
+    }
+    deq = {
+        "codes_ptr": "*i32",
+        "step_ptr": "*fp32",
+        "out_ptr": "*fp32",
+        "n": "i32",
+        "PER_VALUE": "constexpr",
+        "BLOCK": "constexpr",
+    }
     groups = {"n": "i32", "n_groups": "i32", "G": "constexpr"}
-    specs = [(K.quantize_kernel, quant, {"PER_VALUE": per, "OUT": out, "BLOCK": K.QUANT_BLOCK})
-             for per in (False, True) for out in (0, 1, 2)]
+    specs = [
+        (K.quantize_kernel, quant, {"PER_VALUE": per, "OUT": out, "BLOCK": K.QUANT_BLOCK})
+        for per in (False, True)
+        for out in (0, 1, 2)
+    ]
     specs += [(K.dequantize_kernel, deq, {"PER_VALUE": per, "BLOCK": K.QUANT_BLOCK}) for per in (False, True)]
     specs += [
         (K.widths_kernel, {"codes_ptr": "*i32", "widths_ptr": "*u8", **groups}, {"G": K.PACK_GROUPS}),
-        (K.pack_kernel, {"codes_ptr": "*i32", "widths_ptr": "*u8", "offsets_ptr": "*i64", "words_ptr": "*i32",
-                         **groups}, {"G": K.PACK_GROUPS}),
-        (K.unpack_kernel, {"words_ptr": "*i32", "widths_ptr": "*u8", "offsets_ptr": "*i64", "codes_ptr": "*i32",
-                           **groups}, {"G": K.PACK_GROUPS}),
+        (
+            K.pack_kernel,
+            {"codes_ptr": "*i32", "widths_ptr": "*u8", "offsets_ptr": "*i64", "words_ptr": "*i32", **groups},
+            {"G": K.PACK_GROUPS},
+        ),
+        (
+            K.unpack_kernel,
+            {"words_ptr": "*i32", "widths_ptr": "*u8", "offsets_ptr": "*i64", "codes_ptr": "*i32", **groups},
+            {"G": K.PACK_GROUPS},
+        ),
     ]
     return specs
 
@@ -146,8 +179,11 @@ def _check_aot() -> None:
 
     for fn, sig, constexprs in _aot_specs():
         for cc in (80, 90):
-            c = triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=GPUTarget("cuda", cc, 32),
-                               options={"enable_fp_fusion": False})
+            c = triton.compile(
+                ASTSource(fn, sig, constexprs=constexprs),
+                target=GPUTarget("cuda", cc, 32),
+                options={"enable_fp_fusion": False},
+            )
             name = f"{fn.fn.__name__} {constexprs} sm_{cc}"
             assert c.asm["cubin"], f"{name}: no cubin"
             ptx = c.asm["ptx"]

@@ -11,14 +11,28 @@ from multiprocess import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 # A small model and short runs keep each launch to seconds on 2 CPU cores.
-SMALL = ["model.embedding_dim=16", "model.dense_arch_layer_sizes=[32,16]", "model.over_arch_layer_sizes=[32,1]",
-         "progress_bar=false", "log_every=1"]
+SMALL = [
+    "model.embedding_dim=16",
+    "model.dense_arch_layer_sizes=[32,16]",
+    "model.over_arch_layer_sizes=[32,1]",
+    "progress_bar=false",
+    "log_every=1",
+]
 
 
 def torchrun_cmd(nproc: int, overrides: list[str], max_restarts: int = 0) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-            f"--max-restarts={max_restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-            "-m", "dlrm.train", *overrides]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--max-restarts={max_restarts}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        "-m",
+        "dlrm.train",
+        *overrides,
+    ]
 
 
 def env_for(cache: Path) -> dict[str, str]:
@@ -27,8 +41,9 @@ def env_for(cache: Path) -> dict[str, str]:
     return env
 
 
-def train(run_dir: Path, cache: Path, overrides: list[str], nproc: int = 2, check: bool = True,
-          timeout: float = 300) -> subprocess.CompletedProcess:
+def train(
+    run_dir: Path, cache: Path, overrides: list[str], nproc: int = 2, check: bool = True, timeout: float = 300
+) -> subprocess.CompletedProcess:
     cmd = torchrun_cmd(nproc, [f"hydra.run.dir={run_dir}", f"data.cache_dir={cache}", *SMALL, *overrides])
     proc = subprocess.run(cmd, cwd=REPO, env=env_for(cache), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
