@@ -29,7 +29,7 @@ from . import baselines as _baselines  # noqa: F401  (register codecs)
 from . import cast as _cast  # noqa: F401  (register codecs)
 from . import lossy as _lossy  # noqa: F401  (register codecs)
 from . import sparse as _sparse  # noqa: F401  (register codecs)
-from .base import Codec, available_codecs, codec_for, decode, get_codec, register
+from .base import Codec, available_codecs, codec_for, decode, get_codec, is_bounded, register
 from .bounds import relative_to_absolute
 from .format import PayloadError
 
@@ -40,6 +40,7 @@ __all__ = [
     "codec_for",
     "decode",
     "get_codec",
+    "is_bounded",
     "register",
     "relative_to_absolute",
 ]

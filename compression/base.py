@@ -42,6 +42,13 @@ def available_codecs() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def is_bounded(name: str) -> bool:
+    """Whether the codec registered as ``name`` guarantees an error bound (reads ``eb``)."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown codec {name!r}; available: {', '.join(sorted(_REGISTRY))}")
+    return bool(_REGISTRY[name].bounded)
+
+
 def codec_for(payload: torch.Tensor) -> Codec:
     """The (default-parameter) codec that wrote ``payload``; decoding needs no parameters."""
     header, _ = fmt.unpack(payload)

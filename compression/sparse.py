@@ -41,8 +41,15 @@ def kth_largest_abs(x: torch.Tensor, keep: float) -> float:
     if keep >= 1.0 or n == 0:
         return 0.0
     k = max(1, math.ceil(keep * n))
-    mags = x.detach().reshape(-1).abs().float().nan_to_num(nan=math.inf)
+    mags = x.detach().reshape(-1).abs().float().nan_to_num(nan=math.inf, posinf=math.inf)
     return float(torch.kthvalue(mags, n - k + 1).values)
+
+
+def _checked(threshold: float | Sequence[float]) -> list[float]:
+    ts = [float(threshold)] if isinstance(threshold, (int, float)) else [float(t) for t in threshold]
+    if any(not t >= 0.0 for t in ts):  # NaN fails too
+        raise ValueError(f"threshold must be >= 0, got {threshold!r}")
+    return ts
 
 
 @register
@@ -52,7 +59,8 @@ class ThresholdCodec(Codec):
     Parameters: ``threshold`` (a float or one per block), ``values`` (codec of the kept values:
     ``none`` | ``fp16`` | ``bf16`` | ``lossy``), ``level`` (zstd level of the positions and of
     lossy values). ``eb``: the absolute bound of ``lossy`` values (ignored by the casts).
-    Non-finite values are always kept (a NaN gradient must reach the optimizer, not vanish).
+    Non-finite values are always kept (a NaN gradient must reach the optimizer, not vanish); a
+    threshold may be +inf (then only they travel).
     """
 
     name = "threshold"
@@ -61,19 +69,18 @@ class ThresholdCodec(Codec):
     def __init__(self, threshold: float | Sequence[float] = 0.0, values: str = "none", level: int = 1):
         if values not in VALUE_CODECS:
             raise ValueError(f"values must be one of {VALUE_CODECS}, got {values!r}")
-        ts = [float(threshold)] if isinstance(threshold, (int, float)) else [float(t) for t in threshold]
-        if any(not (t >= 0.0 and math.isfinite(t)) for t in ts):
-            raise ValueError(f"threshold must be finite and >= 0, got {threshold!r}")
-        self.thresholds, self.values, self.level = ts, values, level
+        self.thresholds = _checked(threshold)
+        self.values, self.level = values, level
         self._values = get_codec(values, dedup=False, level=level) if values == "lossy" else get_codec(values)
         self._zstd = coders.ZstdCoder(level)
 
     def __repr__(self) -> str:
         return f"ThresholdCodec(threshold={self.thresholds}, values={self.values!r})"
 
-    def mask(self, x: torch.Tensor, widths: Sequence[int]) -> torch.Tensor:
+    def mask(self, x: torch.Tensor, widths: Sequence[int], thresholds: Sequence[float] | None = None) -> torch.Tensor:
         """Which entries of ``x`` [rows, cols] travel (``|x| >= threshold`` of their block, or NaN)."""
-        ts = self.thresholds * len(widths) if len(self.thresholds) == 1 else self.thresholds
+        ts = self.thresholds if thresholds is None else _checked(thresholds)
+        ts = ts * len(widths) if len(ts) == 1 else ts
         if len(ts) != len(widths):
             raise ValueError(f"{len(ts)} thresholds for {len(widths)} blocks {list(widths)}")
         out = torch.empty(x.shape, dtype=torch.bool, device=x.device)
@@ -102,8 +109,7 @@ class ThresholdCodec(Codec):
         check_input(x)
         rows, cols = x.shape
         widths = resolve_blocks(cols, None, None, blocks)
-        codec = self if thresholds is None else ThresholdCodec(thresholds, self.values, self.level)
-        keep = codec.mask(x, widths).reshape(-1)
+        keep = self.mask(x, widths, thresholds).reshape(-1)
         flat = x.reshape(-1)
         idx = keep.nonzero().view(-1)
         kept = flat[idx].float().view(-1, 1)

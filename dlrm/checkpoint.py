@@ -101,7 +101,7 @@ def save(
 
 
 def load(
-    step_dir: Path, model: torch.nn.Module, optimizer: Any, rank: int, world_size: int
+    step_dir: Path, model: torch.nn.Module, optimizer: Any, rank: int, world_size: int, device: Any = "cpu"
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Restore model, optimizer and this rank's RNG from ``step_dir``; return its train_state and
     this rank's own state (empty if it saved none)."""
@@ -125,7 +125,7 @@ def load(
     _set_rng_state(torch.load(rng_file, weights_only=False))
     rank_file = step_dir / f"state-rank{rank}.pt"
     # our own file, written by save() above (it holds numpy RNG states, hence not weights_only)
-    rank_state = torch.load(rank_file, weights_only=False) if rank_file.exists() else {}
+    rank_state = torch.load(rank_file, weights_only=False, map_location=device) if rank_file.exists() else {}
     return train_state, rank_state
 
 
@@ -151,11 +151,11 @@ class Checkpointer:
         optimizer: Any,
         parts: Mapping[str, Stateful | None],
         keep: int = 2,
-        rank_parts: Mapping[str, Stateful] | None = None,
+        rank_parts: Mapping[str, Stateful | None] | None = None,
     ) -> None:
         self.root, self.env, self.model, self.optimizer, self.keep = root, env, model, optimizer, keep
         self.parts = {name: part for name, part in parts.items() if part is not None}
-        self.rank_parts = dict(rank_parts or {})
+        self.rank_parts = {name: part for name, part in (rank_parts or {}).items() if part is not None}
 
     def resume(self, mode: Any) -> TrainState:
         """The state to start from: a fresh one, or the newest checkpoint's (``resume`` = auto: if
@@ -167,7 +167,7 @@ class Checkpointer:
             raise FileNotFoundError(f"resume=true but {self.root} holds no complete checkpoint")
         if last is None:
             return TrainState()
-        saved, mine = load(last, self.model, self.optimizer, self.env.rank, self.env.world_size)
+        saved, mine = load(last, self.model, self.optimizer, self.env.rank, self.env.world_size, self.env.device)
         for name, part in self.parts.items():
             part.load_state_dict(saved.get(name, {}))
         for name, part in self.rank_parts.items():

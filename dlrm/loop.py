@@ -121,6 +121,7 @@ def train(
     stepper: Stepper,
     batches: Callable[[int, int], Iterable[Any]],
     global_batch: int,
+    lr_schedule: Any,
     on_step: Callable[[TrainState, torch.Tensor], None],
     on_drained: Callable[[TrainState], None],
     observers: Sequence[StepObserver] = (),
@@ -128,8 +129,9 @@ def train(
     """Train from ``state`` to ``plan.total`` iterations, segment by segment.
 
     ``batches(epoch, start)`` gives an epoch's batches from batch ``start``; ``on_step(state, loss)``
-    runs after every optimizer step (``state`` already counts it); ``on_drained(state)`` after
-    every segment, with the pipeline drained (evaluation and checkpoints happen there).
+    runs after every optimizer step (``state`` already counts it), then ``lr_schedule.step()``;
+    ``on_drained(state)`` after every segment, with the pipeline drained (evaluation and
+    checkpoints happen there).
     """
     model = stepper.model
 
@@ -137,6 +139,7 @@ def train(
         state.iteration += 1
         state.batch_in_epoch += 1
         on_step(state, loss)
+        lr_schedule.step()
         for o in observers:
             o.step_end(model)
 

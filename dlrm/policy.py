@@ -11,6 +11,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import compression
 from compression.policies import (
     CLASSES,
     DIRECTIONS,
@@ -212,9 +213,17 @@ def build_policy(
     return Policy(str(cfg.get("name", "policy")), rules)
 
 
-def policy_for_run(cfg: Mapping[str, Any], spec: CompressionSpec, tables: Sequence[TableStats]) -> Policy | None:
-    """The run's policy, or None where nothing asks for bounds (TorchRec's QComms path)."""
+def bounded_directions(spec: CompressionSpec) -> list[str]:
+    """The directions whose codec reads the policy's bounds (none for QComms, casts, thresholds)."""
     if spec.kind != "compressed":
+        return []
+    assert spec.forward is not None and spec.backward is not None
+    return [d for d, s in (("forward", spec.forward), ("backward", spec.backward)) if compression.is_bounded(s.codec)]
+
+
+def policy_for_run(cfg: Mapping[str, Any], spec: CompressionSpec, tables: Sequence[TableStats]) -> Policy | None:
+    """The run's policy, or None where no codec asks for bounds (QComms, casts, DCT-MP)."""
+    if not bounded_directions(spec):
         return None
     assert spec.forward is not None and spec.backward is not None
     policy = build_policy(cfg, tables, modes={"forward": spec.forward.mode, "backward": spec.backward.mode})

@@ -1,4 +1,4 @@
-"""What follows every optimizer step: the LR schedule, the progress bar, and every ``log_every``
+"""What follows every optimizer step: the progress bar, and every ``log_every``
 iterations the TensorBoard scalars (loss, LR, throughput, comm statistics, policy bounds) and the
 closed-loop policy's feedback; optionally every loss to ``losses.txt``."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from compression.policies import Policy
+from compression.policies import DIRECTIONS, Policy
 from dlrm.comm import comm_stats_all_ranks
 from dlrm.comm.dense import DenseComm
 from dlrm.env import DistEnv
@@ -34,6 +34,7 @@ class Progress:
         policy: Policy | None,
         features: Sequence[str],
         *,
+        bounded: Sequence[str] = DIRECTIONS,
         dense: DenseComm | None = None,
         global_batch: int,
         log_every: int,
@@ -44,6 +45,7 @@ class Progress:
     ) -> None:
         self.env, self.model, self.schedule, self.tb = env, model, schedule, tb
         self.policy, self.features, self.dense = policy, list(features), dense
+        self.bounded = list(bounded)  # the directions whose bounds are used (and logged)
         self.feedback = PolicyFeedback(policy) if policy is not None else None
         self.global_batch, self.log_every = global_batch, log_every
         self.loss_log = loss_log if env.is_main else None
@@ -51,10 +53,9 @@ class Progress:
         self.window_start, self.window_samples = time.perf_counter(), 0
 
     def step(self, state: TrainState, loss: torch.Tensor) -> None:
-        """After iteration ``state.iteration`` (counted from 1): its loss, the LR it trained with and
-        the bounds its all-to-alls used are logged at that step; then the schedule moves on."""
+        """After iteration ``state.iteration`` (counted from 1), before the LR schedule moves on: its
+        loss, the LR it trained with and the bounds its all-to-alls used are logged at that step."""
         lr = self.schedule.lr
-        self.schedule.step()
         self.window_samples += self.global_batch
         self.bar.update(1)
         it = state.iteration
@@ -72,7 +73,7 @@ class Progress:
             self.tb.scalars(comm, it)
             if self.policy is not None and self.feedback is not None:
                 # the bounds this iteration used (the dists count iterations from 0), before feedback
-                self.tb.scalars(policy_scalars(self.policy, it - 1, self.features), it)
+                self.tb.scalars(policy_scalars(self.policy, it - 1, self.features, self.bounded), it)
                 self.feedback.observe(it, comm)  # the same merged stats on every rank: same bounds
             self.window_start, self.window_samples = now, 0
         if self.loss_log is not None:

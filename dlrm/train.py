@@ -21,7 +21,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from dlrm.checkpoint import Checkpointer
-from dlrm.comm import comm_summary, make_sharders, parse_compression_cfg, set_iteration
+from dlrm.comm import comm_summary, compression_runtime, make_sharders, parse_compression_cfg, set_iteration
 from dlrm.comm.dense import CompressedDataParallelWrapper, DenseComm
 from dlrm.comm.dense_config import parse_dense_comm_cfg
 from dlrm.config_checks import check_moved_keys
@@ -31,7 +31,7 @@ from dlrm.loop import LoopPlan, StepObserver, Stepper, TrainState, evaluate, tak
 from dlrm.metrics import final_metrics, write_metrics_json
 from dlrm.model import build_model, table_names
 from dlrm.optim import WarmupDecayLR, apply_sparse_optimizer, build_optimizer
-from dlrm.policy import policy_for_run, table_stats
+from dlrm.policy import bounded_directions, policy_for_run, table_stats
 from dlrm.progress import Progress
 from dlrm.run_dir import register_resolvers
 from dlrm.sharding import describe_plan, shard_model
@@ -81,7 +81,7 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
         optimizer,
         {"lr_schedule": schedule, "policy": policy},
         keep=cfg.checkpoint.keep,
-        rank_parts={"dense_comm": dense},
+        rank_parts={"dense_comm": dense, "compression": compression_runtime(sharders)},
     )
     state = ckpt.resume(cfg.resume)
     set_iteration(model, state.iteration)  # the policies' iteration continues where it was
@@ -100,6 +100,7 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
         tb,
         policy,
         data.features,
+        bounded=bounded_directions(spec),
         dense=dense,
         global_batch=global_batch,
         log_every=cfg.log_every,
@@ -126,6 +127,7 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
         Stepper(model, optimizer, env.device, pipelined=cfg.pipeline),
         lambda epoch, start: data.batches("train", cfg.batch_size, epoch, start, cfg.data.shuffle),
         global_batch,
+        schedule,
         progress.step,
         on_drained,
         observers,

@@ -98,7 +98,19 @@ def test_a_damaged_payload_raises_instead_of_decoding_wrong_values():
 def test_bad_parameters_are_named():
     with pytest.raises(ValueError, match="values must be one of"):
         compression.get_codec("threshold", values="zip")
-    with pytest.raises(ValueError, match="threshold must be finite"):
+    with pytest.raises(ValueError, match="threshold must be >= 0"):
         compression.get_codec("threshold", threshold=-1.0)
     with pytest.raises(ValueError, match="keep must be > 0"):
         kth_largest_abs(gradients(), 0.0)
+
+
+def test_many_non_finite_values_give_an_infinite_threshold_that_still_encodes():
+    # a parameter whose k largest |values| are inf or NaN (a diverging run): the threshold is
+    # inf, and exactly the non-finite values travel, so that the optimizer sees them
+    x = torch.tensor([[1.0, float("inf"), -2.0, float("nan"), float("-inf"), 0.5]])
+    tau = kth_largest_abs(x, 0.5)  # k = 3 of 6: inf, nan (counted as largest), -inf
+    assert tau == float("inf")
+    codec = compression.get_codec("threshold", threshold=tau)
+    y = codec.decode(codec.encode(x))
+    assert y[0, [0, 2, 5]].tolist() == [0.0, 0.0, 0.0]
+    assert y[0, 1] == float("inf") and y[0, 4] == float("-inf") and torch.isnan(y[0, 3])

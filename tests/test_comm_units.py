@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import operator
 from pathlib import Path
 
@@ -212,3 +213,24 @@ def test_qcomm_configs_report_their_fixed_rate_as_the_wire_ratio():
     assert ratios["qcomm_fp16"] == {"forward_ratio": 2.0, "backward_ratio": 2.0}
     assert ratios["qcomm_bf16"]["forward_ratio"] == 2.0
     assert ratios["qcomm_int8"]["forward_ratio"] == 128 / 40  # 32 int8 values + fp32 scale and bias
+
+
+def test_dct_mp_thresholds_refresh_on_training_chunks_only_and_survive_a_checkpoint():
+    from dlrm.comm.codec import DirectionCodec
+    from dlrm.comm.config import DirectionSpec
+
+    spec = DirectionSpec(codec="threshold", dedup=False, params={"keep": 0.25, "refresh_every": 10})
+    dc = DirectionCodec(spec, "forward")
+    train = torch.arange(1.0, 9.0).view(4, 2)  # |x| 1..8: the 2 largest of 8 are >= 7
+    evaluation = train * 100
+    assert dc.thresholds(train, ["f"], [2], 0, True, "a2a") == [7.0]
+    # an evaluation chunk at a refresh iteration is thresholded as it comes, not remembered
+    assert dc.thresholds(evaluation, ["f"], [2], 10, False, "a2a") == [7.0]
+    assert dc.thresholds(train * 2, ["f"], [2], 10, True, "a2a") == [14.0]  # the training refresh
+    assert dc.thresholds(train, ["f"], [2], 11, True, "a2a") == [14.0]  # kept until the next one
+    assert dc.thresholds(train, ["f"], [2], 11, True, "reduce_scatter") == [7.0]  # each stage its own
+    twin = DirectionCodec(spec, "forward")
+    twin.load_state_dict(json.loads(json.dumps(dc.state_dict())))  # a rank's checkpoint
+    assert twin.thresholds(train, ["f"], [2], 12, True, "a2a") == [14.0]
+    with pytest.raises(ValueError, match="refresh_every has no effect with forward_positions"):
+        DirectionCodec(DirectionSpec("threshold", params={"forward_positions": True, "refresh_every": 5}), "backward")

@@ -83,17 +83,53 @@ def _train(
         grads.append({n: params[n].grad.detach().clone() for n in names})
         optimizer.step()
     out = {"params": {n: params[n].detach().clone() for n in names}, "grads": grads}
+    if dense is not None and dense.spec.name == "powersgd":  # a rank's checkpoint, restored in a twin
+        from dlrm.comm.dense import DenseComm
+
+        saved = dense.state_dict()
+        twin = DenseComm(dense.spec)
+        twin.prepare(model._dmp_wrapped_module.module, torch.distributed.group.WORLD)
+        twin.load_state_dict(saved)
+        out["powersgd_roundtrip"] = _same(twin.state_dict(), saved)
+        other = DenseComm(parse_dense_comm_cfg({**dense_cfg, "rank": dense.spec.rank + 1}))
+        other.prepare(model._dmp_wrapped_module.module, torch.distributed.group.WORLD)
+        try:
+            other.load_state_dict(saved)
+            out["rank_mismatch"] = "accepted"
+        except ValueError as e:
+            out["rank_mismatch"] = str(e)
     if dense is not None:
         out.update(
             stats=derive(*dense.stats.state(run=True)),
             refreshes=list(dense.refreshes),
-            residuals=dense.residuals(),
+            residuals=dict(dense.residuals),
             state=dense.state_dict(),
         )
     return out
 
 
-DCT = {"name": "dct", "keep": 0.1, "refresh_every": 3, "min_numel": 100, "bucket_cap_mb": 0.0005}
+def _same(a, b) -> bool:
+    """Deep equality of state dicts holding tensors, numpy generators and numbers."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if hasattr(a, "get_state"):
+        return all(
+            _same(x, y) if not hasattr(x, "shape") else (x == y).all()
+            for x, y in zip(a.get_state(), b.get_state(), strict=True)
+        )
+    return a == b
+
+
+DCT = {
+    "name": "dct",
+    "keep": 0.1,
+    "refresh_every": 3,
+    "refresh_warmup": False,
+    "min_numel": 100,
+    "bucket_cap_mb": 0.0005,
+}
 
 
 def _variants(rank: int, ws: int) -> dict:
@@ -156,6 +192,12 @@ def test_fp16_and_powersgd_are_torchrecs_and_torchs_own_hooks(runs):
     assert runs[0]["powersgd"]["stats"]["comm/dense/ratio"] > 1.5  # rank-1 factors after 2 plain steps
 
 
+def test_powersgd_state_round_trips_through_a_checkpoint_and_refuses_another_rank(runs):
+    for r in runs:
+        assert r["powersgd"]["powersgd_roundtrip"] is True
+        assert "the checkpoint's PowerSGD factors have rank 1; dense_comm.rank is 2" in r["powersgd"]["rank_mismatch"]
+
+
 def test_bf16_rounds_to_bfloat16_precision(runs):
     for r in runs:
         got, ref = r["bf16"]["grads"][0], r["stock"]["grads"][0]  # the first step: same weights
@@ -196,6 +238,31 @@ def test_dct_refreshes_thresholds_on_schedule_only(runs):
         for name in names:
             assert [it for it, n in refreshes if n == name] == [0, 3, 6]  # 7 iterations, every 3
         assert set(r["dct"]["state"]["thresholds"]) == names
+
+
+def test_the_refresh_schedule_warms_up_in_powers_of_two_then_keeps_its_period():
+    from dlrm.comm.dense import DenseComm
+    from dlrm.comm.dense_config import parse_dense_comm_cfg
+
+    warm = DenseComm(parse_dense_comm_cfg({"name": "dct", "refresh_every": 1000}))
+    assert [i for i in range(3001) if warm.refresh_due(i)] == [
+        0,
+        1,
+        2,
+        4,
+        8,
+        16,
+        32,
+        64,
+        128,
+        256,
+        512,
+        1000,
+        2000,
+        3000,
+    ]
+    plain = DenseComm(parse_dense_comm_cfg({"name": "dct", "refresh_every": 1000, "refresh_warmup": False}))
+    assert [i for i in range(3001) if plain.refresh_due(i)] == [0, 1000, 2000, 3000]
 
 
 def test_dct_leaves_parameters_under_min_numel_exact(runs):

@@ -25,7 +25,7 @@ from dlrm.comm.bounds import BoundFn, fixed_bound
 from dlrm.comm.codec import CompressedCommError
 from dlrm.comm.collect import comm_stats, comm_stats_all_ranks, comm_summary, compressed_dists, set_iteration
 from dlrm.comm.config import CompressionSpec, parse_compression_cfg, qcomm_ratios
-from dlrm.comm.sharders import build_sharders, make_sharders
+from dlrm.comm.sharders import build_sharders, compression_runtime, make_sharders
 
 __all__ = [
     "BoundFn",
@@ -36,6 +36,7 @@ __all__ = [
     "comm_stats_all_ranks",
     "comm_summary",
     "compressed_dists",
+    "compression_runtime",
     "fixed_bound",
     "make_sharders",
     "parse_compression_cfg",

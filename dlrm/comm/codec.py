@@ -8,7 +8,8 @@ bound from the policy (times the block's value range in ``rel`` mode). Decode fa
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -76,23 +77,42 @@ class DirectionCodec:
         return absolute_bounds(chunk, widths, values, self.spec.mode)
 
     def thresholds(
-        self, chunk: torch.Tensor, features: Sequence[str], widths: Sequence[int], iteration: int
+        self,
+        chunk: torch.Tensor,
+        features: Sequence[str],
+        widths: Sequence[int],
+        iteration: int,
+        training: bool,
+        stage: str,
     ) -> list[float] | None:
         """DCT-MP's per-table thresholds for this chunk (None for every other codec): refreshed
-        from the chunk on schedule, or the non-zero entries where the forward decides."""
+        from a training chunk on schedule (evaluation uses them as they are), or, for gradients,
+        the non-zero entries (where the forward kept values)."""
         if self.forward_positions:
             return [NONZERO] * len(widths)
         if self.keep is None:
             return None
         out, c = [], 0
         for f, w in zip(features, widths, strict=True):
-            seen = self._taus.get(f)
-            due = seen is None or (iteration % self.refresh_every == 0 and seen[0] != iteration)
-            if due:
-                self._taus[f] = (iteration, kth_largest_abs(chunk[:, c : c + w], self.keep) if w else 0.0)
-            out.append(self._taus[f][1])
+            key = f"{stage}/{f}"
+            seen = self._taus.get(key)
+            if seen is None or (training and iteration % self.refresh_every == 0 and seen[0] != iteration):
+                tau = kth_largest_abs(chunk[:, c : c + w], self.keep) if w else 0.0
+                if not training and seen is None:
+                    out.append(tau)  # no threshold yet: this chunk's, not kept
+                    c += w
+                    continue
+                self._taus[key] = (iteration, tau)
+            out.append(self._taus[key][1])
             c += w
         return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """DCT-MP's thresholds (this rank's: each rank thresholds what it sends)."""
+        return {"taus": {k: list(v) for k, v in self._taus.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._taus = {str(k): (int(v[0]), float(v[1])) for k, v in state.get("taus", {}).items()}
 
     def encode(
         self,
@@ -112,10 +132,8 @@ class DirectionCodec:
             **extra,
         )
 
-    def kept(self, payload: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor | None:
-        """Where a received DCT-MP forward payload holds values (bool ``shape``); None otherwise."""
-        if self.keep is None:
-            return None
+    def kept(self, payload: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+        """Where a received DCT-MP forward payload holds values (bool ``shape``)."""
         assert isinstance(self.codec, ThresholdCodec)
         mask = torch.zeros(shape, dtype=torch.bool, device=payload.device)
         mask.view(-1)[self.codec.positions(payload)] = True
@@ -155,9 +173,14 @@ def _threshold_params(spec: DirectionSpec, params: dict, direction: str) -> tupl
     """Pop DCT-MP's own keys from a threshold codec's params (the rest go to the codec)."""
     if spec.codec != "threshold":
         return None, 1, False
-    keep, refresh = params.pop("keep", None), params.pop("refresh_every", 1000)
+    keep, refresh = params.pop("keep", None), params.pop("refresh_every", None)
     positions = bool(params.pop("forward_positions", False))
     where = f"compression.{direction}.params"
+    if positions and refresh is not None:
+        raise ValueError(
+            f"{where}.refresh_every has no effect with forward_positions (the forward's thresholds decide)"
+        )
+    refresh = 1000 if refresh is None else refresh
     if positions and direction != "backward":
         raise ValueError(f"{where}.forward_positions applies to the backward (gradients) only")
     if positions == (keep is not None):

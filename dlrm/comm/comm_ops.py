@@ -129,6 +129,8 @@ class CompressedA2AInfo:
     # Multiplies the policy's bounds per direction, so that errors that add up (row-wise partial
     # sums, the two stages of table-row-wise) stay within the policy's bound in total.
     bound_scale: dict[str, float] = field(default_factory=lambda: {"forward": 1.0, "backward": 1.0})
+    training: bool = True  # a training forward (evaluation refreshes no DCT-MP threshold)
+    stage: str = "a2a"  # "a2a" or "reduce_scatter" (table-row-wise runs both, each with its own thresholds)
     # DCT-MP: per source peer, the entries its forward payload kept (receiver side)
     kept: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -225,7 +227,7 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
                 chunk = sum_duplicates(chunk, ids, blocks.widths)
             if dc.forward_positions:  # DCT-MP: the derivative of the forward's thresholding
                 chunk = torch.where(info.kept[peer], chunk, torch.zeros((), dtype=chunk.dtype, device=chunk.device))
-            thresholds = dc.thresholds(chunk, blocks.features, blocks.widths, info.iteration)
+            thresholds = dc.thresholds(chunk, blocks.features, blocks.widths, info.iteration, info.training, info.stage)
             payload = dc.encode(chunk, blocks.widths, bounds, ids, thresholds)
             if sample:
                 ts = time.perf_counter()
@@ -326,9 +328,8 @@ def _receive(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, tr: _Transf
         )
         if ids is not None and d == "backward" and dc.dedup:
             keep_first_duplicates(part, ids, blocks.widths)
-        kept = dc.kept(payload, shape) if d == "forward" else None
-        if kept is not None:
-            info.kept[peer] = kept  # where our gradient for this peer may be non-zero (DCT-MP)
+        if d == "forward" and info.training and info.codecs["backward"].forward_positions:
+            info.kept[peer] = dc.kept(payload, shape)  # where our gradient for this peer may be non-zero
         parts.append(part)
     stats.add(f"{d}/comm_ms", 1e3 * (t1 - t0))
     stats.add(f"{d}/codec_ms", 1e3 * (time.perf_counter() - t1))

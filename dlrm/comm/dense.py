@@ -11,9 +11,10 @@ x numel; parameters under ``min_numel`` travel whole, as do buckets under it); e
 entries with ``|f| >= threshold`` travel (:class:`compression.sparse.ThresholdCodec`: positions as
 delta-coded indices or a bitmap, whichever is smaller; values exact, fp16/bf16 or lossy) in a
 variable-size all-gather (sizes first), every rank adds what all ranks sent and divides by the
-world size like DDP's average; ``residual = f - what was sent, as decoded``. Residuals are kept
-per parameter (so a rebuilt bucket layout, e.g. after DDP's first iteration or a resume, keeps
-them) and checkpointed with the thresholds.
+world size like DDP's average; ``residual = f - what was sent, as decoded``. Residuals and
+thresholds are kept per parameter (so a rebuilt bucket layout, e.g. after DDP's first iteration or
+a resume, keeps them) and checkpointed per rank. A payload that fails to decode raises on the
+receiving ranks; the sender stops at its next collective's timeout (the process group's).
 
 Statistics (``dense/*`` keys of :mod:`dlrm.comm.stats`): ``raw_bytes`` is what stock DDP's ring
 all-reduce of fp32 gradients sends per rank (2 (W-1)/W x 4 bytes per element), ``wire_bytes``
@@ -22,11 +23,12 @@ all-gather of the padded payloads, (W-1) x the largest, plus the size words); ``
 host time of encoding and decoding, ``comm_ms`` the time from launch to arrival (it overlaps the
 rest of the backward). DCT adds ``kept``/``numel`` (-> ``keep``), the largest ``threshold`` and
 ``residual_norm`` (the L2 norm of this rank's residuals after the iteration, largest over ranks).
+The statistics are written under a lock from the collectives' callbacks and read at log time,
+after DDP has waited for every bucket's future (so a read never races a write).
 """
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -53,6 +55,23 @@ class DenseCommError(RuntimeError):
     """A dense-gradient payload could not be decoded; the message names the ranks and the bucket."""
 
 
+def ring_allreduce_bytes(numel: int, world_size: int, bytes_per_value: float = 4.0) -> float:
+    """What one rank sends in a ring all-reduce of ``numel`` values (DDP's and gloo's algorithm)."""
+    return 2 * (world_size - 1) / world_size * bytes_per_value * numel
+
+
+# PowerSGD's state; its hyperparameters (rank, start, ...) come from the config, not a checkpoint.
+_POWERSGD_STATE = (
+    "rng",
+    "error_dict",
+    "p_memory_dict",
+    "q_memory_dict",
+    "iter",
+    "total_numel_before_compression",
+    "total_numel_after_compression",
+)
+
+
 class DenseComm:
     """One `dense_comm` choice: its hook, per-rank state (DCT residuals and thresholds, PowerSGD
     matrices), and statistics. Built before the model is wrapped; :meth:`install` hooks it in."""
@@ -64,23 +83,20 @@ class DenseComm:
         self._process_iterations = 0  # backward passes of this process (not restored on resume)
         self.thresholds: dict[str, float] = {}  # parameter name -> threshold
         self.refreshes: list[tuple[int, str]] = []  # (iteration, parameter name) of every refresh
-        self._residuals: dict[str, torch.Tensor] = {}  # bucket key -> flat residual
-        self._loose: dict[str, torch.Tensor] = {}  # parameter name -> residual, until its bucket is seen
-        self._layouts: dict[str, list[tuple[str, int]]] = {}  # bucket key -> (parameter, numel) in order
+        self.residuals: dict[str, torch.Tensor] = {}  # parameter name -> flat residual
         self._names: dict[int, str] = {}
-        self._lock = threading.Lock()  # future callbacks run on the collective's threads
-        self._pending: dict[str, Any] = {}
+        self._norm_sq = 0.0  # squared residual norm of the buckets seen this iteration
+        self._codec = ThresholdCodec(values=spec.values)
+        self._lock = threading.Lock()  # future callbacks run on the collectives' threads
         self.pg: dist.ProcessGroup | None = None
         self.powersgd: PowerSGDState | None = None
 
     # -- installation ---------------------------------------------------------------------------
 
-    def install(self, ddp: DistributedDataParallel, pg: dist.ProcessGroup) -> None:
-        """Register the hook on ``ddp`` (nothing for ``none``: stock DDP)."""
+    def prepare(self, module: torch.nn.Module, pg: dist.ProcessGroup) -> None:
+        """Learn the parameter names of the DDP module and build PowerSGD's state (no hook yet)."""
         self.pg = pg
-        self._names = {id(p): n for n, p in ddp.module.named_parameters()}
-        if not self.spec.hooked:
-            return
+        self._names = {id(p): n for n, p in module.named_parameters()}
         if self.spec.name == "powersgd":
             self.powersgd = PowerSGDState(
                 process_group=pg,
@@ -91,7 +107,12 @@ class DenseComm:
                 warm_start=self.spec.warm_start,
                 random_seed=0,
             )
-        ddp.register_comm_hook(self, dense_comm_hook)
+
+    def install(self, ddp: DistributedDataParallel, pg: dist.ProcessGroup) -> None:
+        """Register the hook on ``ddp`` (nothing for ``none``: stock DDP)."""
+        self.prepare(ddp.module, pg)
+        if self.spec.hooked:
+            ddp.register_comm_hook(self, dense_comm_hook)
 
     # -- the hooks ------------------------------------------------------------------------------
 
@@ -99,20 +120,20 @@ class DenseComm:
         assert self.pg is not None, "DenseComm.install() was not called"
         buf = bucket.buffer()
         ws = self.pg.size()
-        raw = 2 * (ws - 1) / ws * 4 * buf.numel()
+        raw = ring_allreduce_bytes(buf.numel(), ws)
         t0 = time.perf_counter()
         if self.spec.name == "dct" and buf.numel() >= self.spec.min_numel:
             fut = self._dct(bucket, t0)
         else:
             if self.spec.name == "powersgd":
                 fut, sent = self._powersgd(bucket)
-                wire = 2 * (ws - 1) / ws * 4 * sent
+                wire = ring_allreduce_bytes(sent, ws)
             elif self.spec.name in ("fp16", "bf16"):  # torch's hooks; called, not registered: bf16 runs on gloo
                 hook = (
                     default_hooks.fp16_compress_hook if self.spec.name == "fp16" else default_hooks.bf16_compress_hook
                 )
                 fut = hook(self.pg, bucket)
-                wire = raw / 2
+                wire = ring_allreduce_bytes(buf.numel(), ws, 2.0)
             else:  # a DCT bucket under min_numel: stock average
                 fut = default_hooks.allreduce_hook(self.pg, bucket)
                 wire = raw
@@ -121,7 +142,8 @@ class DenseComm:
             fut = fut.then(self._arrived(launched))
         if bucket.is_last():
             if self.spec.name == "dct":
-                self._record(residual_norm=self.residual_norm())
+                self._record(residual_norm=self._norm_sq**0.5)
+                self._norm_sq = 0.0
             self.iteration += 1
             self._process_iterations += 1
         return fut
@@ -156,41 +178,38 @@ class DenseComm:
         pg, spec = self.pg, self.spec
         ws, me = pg.size(), pg.rank()
         buf = bucket.buffer()
-        key = self._key(bucket)
-        f = buf + self._residual(key)
-        layout = self._layouts[key]
-        thresholds = [
-            self._threshold(name, piece)
-            for (name, _), piece in zip(layout, f.split([n for _, n in layout]), strict=True)
-        ]
-        tau = max(thresholds)
-        codec = ThresholdCodec(thresholds, values=spec.values)
+        layout = [(self._names.get(id(p), f"param{i}"), p.numel()) for i, p in enumerate(bucket.parameters())]
+        numels = [n for _, n in layout]
+        f = buf + torch.cat([self._residual(name, numel, buf) for name, numel in layout])
+        thresholds = [self._threshold(name, piece) for (name, _), piece in zip(layout, f.split(numels), strict=True)]
         eb = spec.values_eb * float(f.abs().max()) if spec.values == "lossy" else None
-        payload = codec.encode(f.view(1, -1), eb, blocks=[n for _, n in layout])
-        sent = codec.decode(payload).view(-1)  # exactly what every rank adds for us
-        self._residuals[key] = f - sent
-        kept = codec.count(payload)
+        payload = self._codec.encode(f.view(1, -1), eb, blocks=numels, thresholds=thresholds)
+        sent = self._codec.decode(payload).view(-1)  # exactly what every rank adds for us
+        residual = f - sent
+        for (name, _), piece in zip(layout, residual.split(numels), strict=True):
+            self.residuals[name] = piece
+        self._norm_sq += float(torch.linalg.vector_norm(residual)) ** 2
+        kept = self._codec.count(payload)
         t1 = time.perf_counter()
         size = torch.tensor([payload.numel()], dtype=torch.int64, device=buf.device)
         sizes = [torch.empty_like(size) for _ in range(ws)]
         dist.all_gather(sizes, size, group=pg)
         lengths = [int(s) for s in sizes]
-        payload = on_the_wire(
-            payload, src=dist.get_global_rank(pg, me), dst=-1, direction="dense", iteration=self.iteration
-        )
+        global_rank = [dist.get_global_rank(pg, r) for r in range(ws)]
+        payload = on_the_wire(payload, src=global_rank[me], dst=-1, direction="dense", iteration=self.iteration)
         padded = torch.zeros(max(lengths), dtype=torch.uint8, device=buf.device)
         padded[: payload.numel()] = payload
         outs = [torch.empty_like(padded) for _ in range(ws)]
         fut = dist.all_gather(outs, padded, group=pg, async_op=True).get_future()
         launched = time.perf_counter()
         self._record(
-            raw=2 * (ws - 1) / ws * 4 * buf.numel(),
-            wire=(ws - 1) * (8 + max(lengths)),
+            raw=ring_allreduce_bytes(buf.numel(), ws),
+            wire=(ws - 1) * (8 + max(lengths)),  # each rank's padded payload and size word to every other
             codec_ms=1e3 * (t1 - t0),
             comm_ms=1e3 * (launched - t1),
             kept=kept,
             numel=buf.numel(),
-            threshold=tau,
+            threshold=max(thresholds),
         )
         index, iteration = bucket.index(), self.iteration
 
@@ -201,19 +220,16 @@ class DenseComm:
             for r in range(ws):
                 if r == me:
                     continue
+                what = (
+                    f"rank {global_rank[me]}: cannot decode the dense gradient payload of bucket {index} "
+                    f"({lengths[r]} bytes) from rank {global_rank[r]} at iteration {iteration}"
+                )
                 try:
                     other = compression.decode(parts[r][: lengths[r]]).view(-1)
                 except Exception as e:
-                    raise DenseCommError(
-                        f"rank {dist.get_global_rank(pg, me)}: cannot decode the dense gradient "
-                        f"payload of bucket {index} ({lengths[r]} bytes) from rank "
-                        f"{dist.get_global_rank(pg, r)} at iteration {iteration}: "
-                        f"{type(e).__name__}: {e}"
-                    ) from e
+                    raise DenseCommError(f"{what}: {type(e).__name__}: {e}") from e
                 if other.numel() != buf.numel():
-                    raise DenseCommError(
-                        f"bucket {index}: rank {r} sent {other.numel()} gradients, expected {buf.numel()}"
-                    )
+                    raise DenseCommError(f"{what}: {other.numel()} gradients, expected {buf.numel()}")
                 buf.add_(other.div_(ws))
             t3 = time.perf_counter()
             self._record(comm_ms=1e3 * (t2 - launched), codec_ms=1e3 * (t3 - t2))
@@ -223,57 +239,31 @@ class DenseComm:
 
     # -- DCT state ------------------------------------------------------------------------------
 
+    def _residual(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """A parameter's residual (zeros before its first iteration), on the gradients' device."""
+        r = self.residuals.get(name)
+        if r is None or r.numel() != numel:
+            return torch.zeros(numel, dtype=like.dtype, device=like.device)
+        return r.to(device=like.device, dtype=like.dtype)
+
+    def refresh_due(self, iteration: int) -> bool:
+        """The schedule: every ``refresh_every`` iterations, and with ``refresh_warmup`` also at
+        1, 2, 4, 8, ... before that, while the residuals build up (a threshold taken on the first
+        gradients alone, before any error feedback, lets ~10x more entries through later)."""
+        every = self.spec.refresh_every
+        warming = self.spec.refresh_warmup and 0 < iteration < every and iteration & (iteration - 1) == 0
+        return iteration % every == 0 or warming
+
     def _threshold(self, name: str, f: torch.Tensor) -> float:
         """A parameter's threshold: refreshed on schedule (and when first seen); 0 (send all) for
         parameters under ``min_numel``. Kept per parameter, not per bucket, so that DDP's bucket
         rebuild after its first iterations (and a resume) does not move the schedule."""
         if f.numel() < self.spec.min_numel:
             return 0.0
-        if name not in self.thresholds or self.iteration % self.spec.refresh_every == 0:
+        if name not in self.thresholds or self.refresh_due(self.iteration):
             self.thresholds[name] = kth_largest_abs(f, self.spec.keep)
             self.refreshes.append((self.iteration, name))
         return self.thresholds[name]
-
-    def _key(self, bucket: dist.GradBucket) -> str:
-        """A bucket's identity: its parameters in order (stable across runs of the same model)."""
-        layout = [(self._names.get(id(p), f"param{i}"), p.numel()) for i, p in enumerate(bucket.parameters())]
-        key = "|".join(n for n, _ in layout)
-        if key not in self._layouts:
-            self._layouts[key] = layout
-        return key
-
-    def _residual(self, key: str) -> torch.Tensor:
-        """The bucket's flat residual; a new layout takes its parameters' residuals from the old."""
-        if key not in self._residuals:
-            self._split_residuals()
-            pieces = [self._loose.pop(n, None) for n, _ in self._layouts[key]]
-            self._residuals[key] = torch.cat(
-                [
-                    p.reshape(-1) if p is not None else torch.zeros(numel)
-                    for p, (_, numel) in zip(pieces, self._layouts[key], strict=True)
-                ]
-            )
-        return self._residuals[key]
-
-    def _split_residuals(self) -> None:
-        """Move every bucket's residual to per-parameter pieces (before a layout change or a save)."""
-        for key, flat in self._residuals.items():
-            numels = [n for _, n in self._layouts[key]]
-            for (name, _), piece in zip(self._layouts[key], flat.split(numels), strict=True):
-                self._loose[name] = piece.clone()
-        self._residuals.clear()
-
-    def residuals(self) -> dict[str, torch.Tensor]:
-        """This rank's error-feedback residual of every parameter seen so far."""
-        out = dict(self._loose)
-        for key, flat in self._residuals.items():
-            numels = [n for _, n in self._layouts[key]]
-            out.update({name: piece for (name, _), piece in zip(self._layouts[key], flat.split(numels), strict=True)})
-        return out
-
-    def residual_norm(self) -> float:
-        """The L2 norm of all of this rank's residuals."""
-        return math.sqrt(sum(float(torch.linalg.vector_norm(r)) ** 2 for r in self.residuals().values()))
 
     # -- statistics and checkpoints -------------------------------------------------------------
 
@@ -312,12 +302,11 @@ class DenseComm:
             "name": self.spec.name,
             "iteration": self.iteration,
             "thresholds": dict(self.thresholds),
-            "residuals": self.residuals(),
+            "residuals": {n: r.detach().cpu() for n, r in self.residuals.items()},
         }
         if self.powersgd is not None:
-            state["powersgd"] = {
-                slot: getattr(self.powersgd, slot) for slot in PowerSGDState.__slots__ if slot != "process_group"
-            }
+            state["powersgd"] = {slot: getattr(self.powersgd, slot) for slot in _POWERSGD_STATE}
+            state["powersgd_rank"] = self.powersgd.matrix_approximation_rank
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -328,9 +317,13 @@ class DenseComm:
             )
         self.iteration = int(state.get("iteration", 0))
         self.thresholds = {str(k): float(v) for k, v in state.get("thresholds", {}).items()}
-        self._residuals.clear()
-        self._loose = {str(k): v.clone() for k, v in state.get("residuals", {}).items()}
+        self.residuals = {str(k): v.clone() for k, v in state.get("residuals", {}).items()}
         if self.powersgd is not None and "powersgd" in state:
+            if state.get("powersgd_rank") != self.spec.rank:
+                raise ValueError(
+                    f"the checkpoint's PowerSGD factors have rank {state.get('powersgd_rank')}; "
+                    f"dense_comm.rank is {self.spec.rank} (resume with the same rank, or start anew)"
+                )
             for slot, value in state["powersgd"].items():
                 setattr(self.powersgd, slot, value)
 

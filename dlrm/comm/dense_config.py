@@ -21,7 +21,7 @@ _KEYS = {
     "fp16": set(),
     "bf16": set(),
     "powersgd": {"rank", "start_iter", "warm_start", "min_compression_rate"},
-    "dct": {"keep", "refresh_every", "min_numel", "values", "values_eb"},
+    "dct": {"keep", "refresh_every", "refresh_warmup", "min_numel", "values", "values_eb"},
 }
 _COMMON = {"name", "bucket_cap_mb"}
 
@@ -40,7 +40,8 @@ class DenseCommSpec:
     # dct
     keep: float = 0.005  # fraction of each parameter's entries sent, fixed at each threshold refresh
     refresh_every: int = 1000  # iterations between threshold refreshes (published: a few thousand)
-    min_numel: int = 256  # smaller buckets are all-reduced uncompressed
+    refresh_warmup: bool = True  # also refresh at iterations 1, 2, 4, ... < refresh_every
+    min_numel: int = 256  # smaller buckets are all-reduced, smaller parameters sent whole
     values: str = "none"  # codec of the sent values: none (fp32) | fp16 | bf16 | lossy
     values_eb: float = 0.01  # lossy values: bound as a fraction of the largest sent |value|
 
@@ -67,31 +68,37 @@ def parse_dense_comm_cfg(cfg: Mapping[str, Any] | None) -> DenseCommSpec:
     if name not in KINDS:
         raise ValueError(f"{where}.name must be one of {KINDS}, got {name!r}")
     check_keys(cfg, _COMMON | _KEYS[name], where)
-    out: dict[str, Any] = {"name": name, "bucket_cap_mb": number(cfg, "bucket_cap_mb", where, 25.0, positive=True)}
+    d = DenseCommSpec()  # the defaults
+    out: dict[str, Any] = {"name": name, "bucket_cap_mb": number(cfg, "bucket_cap_mb", where, d.bucket_cap_mb, True)}
     if name == "powersgd":
         out.update(
-            rank=_int(cfg, "rank", where, 1, 1),
-            start_iter=_int(cfg, "start_iter", where, 10, 0),
-            min_compression_rate=number(cfg, "min_compression_rate", where, 2.0),
+            rank=_int(cfg, "rank", where, d.rank, 1),
+            # torch's PowerSGD with error feedback needs two plain iterations first (DDP's bucket rebuild)
+            start_iter=_int(cfg, "start_iter", where, d.start_iter, 2),
+            min_compression_rate=number(cfg, "min_compression_rate", where, d.min_compression_rate),
         )
-        warm = cfg.get("warm_start", True)
+        warm = cfg.get("warm_start", d.warm_start)
         if not isinstance(warm, bool):
             raise ValueError(f"{where}.warm_start must be true or false, got {warm!r}")
         out["warm_start"] = warm
     if name == "dct":
-        keep = number(cfg, "keep", where, 0.005, positive=True)
+        keep = number(cfg, "keep", where, d.keep, positive=True)
         if keep > 1:
             raise ValueError(f"{where}.keep is the fraction of entries sent, in (0, 1]; got {keep}")
-        values = cfg.get("values", "none")
+        values = cfg.get("values", d.values)
         if values not in VALUE_CODECS:
             raise ValueError(f"{where}.values must be one of {VALUE_CODECS}, got {values!r}")
         if "values_eb" in cfg and cfg["values_eb"] is not None and values != "lossy":
             raise ValueError(f"{where}.values_eb bounds lossy values only; {where}.values is {values!r}")
+        warmup = cfg.get("refresh_warmup", d.refresh_warmup)
+        if not isinstance(warmup, bool):
+            raise ValueError(f"{where}.refresh_warmup must be true or false, got {warmup!r}")
         out.update(
             keep=keep,
-            refresh_every=_int(cfg, "refresh_every", where, 1000, 1),
-            min_numel=_int(cfg, "min_numel", where, 256, 0),
+            refresh_warmup=warmup,
+            refresh_every=_int(cfg, "refresh_every", where, d.refresh_every, 1),
+            min_numel=_int(cfg, "min_numel", where, d.min_numel, 0),
             values=values,
-            values_eb=number(cfg, "values_eb", where, 0.01, positive=True),
+            values_eb=number(cfg, "values_eb", where, d.values_eb, positive=True),
         )
     return DenseCommSpec(**out)

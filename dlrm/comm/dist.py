@@ -13,8 +13,9 @@ the training-iteration count it hands to the bound policies. On one rank they by
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -53,6 +54,14 @@ class CompressionRuntime:
     @property
     def uses_ids(self) -> bool:
         return self.forward.dedup or self.backward.dedup
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's codec state (DCT-MP thresholds), for its checkpoint."""
+        return {d: c.state_dict() for d, c in self.codecs.items()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for d, c in self.codecs.items():
+            c.load_state_dict(state.get(d, {}))
 
 
 class CompressedDist:
@@ -93,6 +102,7 @@ class CompressedDist:
         sample: bool,
         forward_scale: float = 1.0,
         backward_scale: float = 1.0,
+        stage: str = "a2a",
     ) -> CompressedA2AInfo:
         return CompressedA2AInfo(
             layout=layout,
@@ -106,6 +116,8 @@ class CompressedDist:
             global_ranks=self._ranks_of(pg),
             feature_tables=self.feature_tables,
             bound_scale={"forward": forward_scale, "backward": backward_scale},
+            training=torch.is_grad_enabled(),
+            stage=stage,
         )
 
 
@@ -226,6 +238,7 @@ def _reduce_scatter(
         sample,
         forward_scale=forward_share / (ws - 1),
         backward_scale=backward_share,
+        stage="reduce_scatter",
     )
     return compressed_all_to_all(pg, info, local_embs)
 

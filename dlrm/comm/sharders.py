@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs_registry
@@ -67,3 +67,11 @@ def make_sharders(
     or a fraction of each block's range with ``mode: rel``).
     """
     return build_sharders(parse_compression_cfg(compression_cfg), bound_fn_forward, bound_fn_backward, fused_params)
+
+
+def compression_runtime(sharders: Sequence[ModuleSharder]) -> CompressionRuntime | None:
+    """The codecs' runtime behind our sharder (its per-rank state is checkpointed); None for QComms."""
+    for sharder in sharders:
+        if isinstance(sharder, CompressedEmbeddingBagCollectionSharder):
+            return sharder.runtime
+    return None
