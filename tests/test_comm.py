@@ -535,7 +535,7 @@ def nonzero_rows(seen: list) -> int:
     dims = {f: d for f, (_, _, d) in zip(FEATURES, TABLES, strict=True)}
     count = 0
     for kjt, grad in seen:
-        for block in grad.split([dims[f] for f in kjt], dim=1):
+        for block in grad.split([dims[f] for f in kjt.keys()], dim=1):  # noqa: SIM118  (a KJT, not a dict)
             count += int((block != 0).any(dim=1).sum())
     return count
 
