@@ -27,6 +27,7 @@ API (the contract in DESIGN.md "Public contracts")::
 
 from . import baselines as _baselines  # noqa: F401  (register codecs)
 from . import cast as _cast  # noqa: F401  (register codecs)
+from . import composite as _composite  # noqa: F401  (register codecs)
 from . import lossy as _lossy  # noqa: F401  (register codecs)
 from . import sparse as _sparse  # noqa: F401  (register codecs)
 from .base import Codec, available_codecs, codec_for, decode, get_codec, is_bounded, register

@@ -18,6 +18,7 @@ from dlrm.env import DistEnv
 from dlrm.loop import TrainState
 from dlrm.optim import WarmupDecayLR
 from dlrm.policy import PolicyFeedback
+from dlrm.strategy import StrategyController
 from dlrm.tb_layout import policy_scalars
 from dlrm.tb_logger import TensorBoardLogger
 
@@ -36,6 +37,7 @@ class Progress:
         *,
         bounded: Sequence[str] = DIRECTIONS,
         dense: DenseComm | None = None,
+        strategy: StrategyController | None = None,
         global_batch: int,
         log_every: int,
         total: int,
@@ -46,6 +48,7 @@ class Progress:
         self.env, self.model, self.schedule, self.tb = env, model, schedule, tb
         self.policy, self.features, self.dense = policy, list(features), dense
         self.bounded = list(bounded)  # the directions whose bounds are used (and logged)
+        self.strategy = strategy
         self.feedback = PolicyFeedback(policy) if policy is not None else None
         self.global_batch, self.log_every = global_batch, log_every
         self.loss_log = loss_log if env.is_main else None
@@ -79,6 +82,8 @@ class Progress:
         if self.loss_log is not None:
             with open(self.loss_log, "a") as f:
                 f.write(f"{it} {float(loss)!r}\n")
+        if self.strategy is not None:
+            self.strategy.step(it)  # compression/dense_comm=auto: calibrate, plan (a collective), re-plan
 
     def close(self) -> None:
         self.bar.close()

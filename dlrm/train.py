@@ -35,6 +35,7 @@ from dlrm.policy import bounded_directions, policy_for_run, table_stats
 from dlrm.progress import Progress
 from dlrm.run_dir import register_resolvers
 from dlrm.sharding import describe_plan, shard_model
+from dlrm.strategy import StrategyController, parse_strategy_cfg
 from dlrm.tb_logger import TensorBoardLogger
 
 log = logging.getLogger("dlrm.train")
@@ -74,17 +75,26 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
         log.info("sharding plan: %s", plan)
         tb.text("config", f"```\n{OmegaConf.to_yaml(cfg)}\n```")
 
+    strategy = StrategyController(
+        parse_strategy_cfg(spec.strategy, spec.strategy_file),
+        env,
+        compression_runtime(sharders) if spec.auto else None,
+        dense if dense.spec.name == "auto" else None,
+        run_dir,
+        tb.text if env.is_main else None,
+    )
     ckpt = Checkpointer(
         Path(cfg.checkpoint.dir),
         env,
         model,
         optimizer,
-        {"lr_schedule": schedule, "policy": policy},
+        {"lr_schedule": schedule, "policy": policy, "strategy": strategy if strategy.active else None},
         keep=cfg.checkpoint.keep,
         rank_parts={"dense_comm": dense, "compression": compression_runtime(sharders)},
     )
     state = ckpt.resume(cfg.resume)
     set_iteration(model, state.iteration)  # the policies' iteration continues where it was
+    strategy.start(state.iteration)  # auto: time the link, begin calibrating (or replay a strategy)
     steps_per_epoch = len(data.batches("train", cfg.batch_size))
     loop = LoopPlan(
         total=min(cfg.max_iterations or sys.maxsize, steps_per_epoch * cfg.epochs),
@@ -102,6 +112,7 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
         data.features,
         bounded=bounded_directions(spec),
         dense=dense,
+        strategy=strategy if strategy.active else None,
         global_batch=global_batch,
         log_every=cfg.log_every,
         total=loop.total,
@@ -133,6 +144,7 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
         observers,
     )
     progress.close()
+    strategy.close()
     ckpt.save(state)
 
     test = evaluate(model, data.batches("test", cfg.eval_batch_size), env.device)
@@ -147,6 +159,7 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
         world_size=env.world_size,
         compression=cfg.compression.name,
         sharding_plan=plan,
+        **strategy.metrics(),
     )
     tb.final(metrics, state.iteration, flat_config(cfg))
     if env.is_main:

@@ -8,12 +8,14 @@ bound from the policy (times the block's value range in ``rel`` mode). Decode fa
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 import compression
+from compression.composite import PerBlockCodec, worst_case_error
 from compression.sparse import ThresholdCodec, kth_largest_abs
 from dlrm.comm.bounds import BoundFn, absolute_bounds, policy_values
 from dlrm.comm.config import DirectionSpec
@@ -60,6 +62,10 @@ class DirectionCodec:
             )
         self.bound_fn = bound_fn
         self.dedup = spec.dedup
+        # compression=auto: the option of every feature (the per_block codec's choice; unset: its
+        # fallback), and the calibration measurements not yet collected
+        self.choice: dict[str, str] = {}
+        self.samples: list[tuple[str, str, float, float, float, float, bool]] = []
 
     def __repr__(self) -> str:
         return f"DirectionCodec({self.direction}, codec={self.spec.codec!r}, mode={self.spec.mode}, dedup={self.dedup})"
@@ -121,9 +127,13 @@ class DirectionCodec:
         bounds: Sequence[float] | None,
         ids: torch.Tensor | None,
         thresholds: Sequence[float] | None = None,
+        features: Sequence[str] | None = None,
     ) -> torch.Tensor:
-        """Payload (uint8, 1-D) of one chunk; ``ids`` ``[rows, n_blocks]`` or None (value dedup)."""
-        extra = {} if thresholds is None else {"thresholds": list(thresholds)}
+        """Payload (uint8, 1-D) of one chunk; ``ids`` ``[rows, n_blocks]`` or None (value dedup);
+        ``features`` name the blocks (the per_block codec's choice is per feature)."""
+        extra: dict[str, Any] = {} if thresholds is None else {"thresholds": list(thresholds)}
+        if isinstance(self.codec, PerBlockCodec) and features is not None:
+            extra["choice"] = [self.choice.get(f, self.codec.fallback) for f in features]
         return self.codec.encode(
             chunk.contiguous(),
             None if bounds is None else list(bounds),
@@ -131,6 +141,34 @@ class DirectionCodec:
             blocks=list(widths),
             **extra,
         )
+
+    def calibrate(
+        self,
+        chunk: torch.Tensor,
+        features: Sequence[str],
+        widths: Sequence[int],
+        bounds: Sequence[float] | None,
+        ids: torch.Tensor | None,
+    ) -> list[tuple[str, str, float, float, float, float, bool]]:
+        """compression=auto: every option on every block of a real chunk, as (feature, option, raw
+        bytes, wire bytes, encode s, decode s, within the block's bound)."""
+        assert isinstance(self.codec, PerBlockCodec) and bounds is not None
+        out, c = [], 0
+        for k, (f, w) in enumerate(zip(features, widths, strict=True)):
+            block = chunk[:, c : c + w].contiguous()
+            sub_ids = None if ids is None or not self.dedup else ids[:, k : k + 1]
+            for name, codec in self.codec.options.items():
+                ok = getattr(codec, "bounded", False) or worst_case_error(name, block) <= bounds[k]
+                t0 = time.perf_counter()
+                payload = codec.encode(block, [bounds[k]], sub_ids, blocks=[w])
+                t1 = time.perf_counter()
+                codec.decode(payload, sub_ids)
+                t2 = time.perf_counter()
+                out.append(
+                    (f, name, float(block.numel() * block.element_size()), float(payload.numel()), t1 - t0, t2 - t1, ok)
+                )
+            c += w
+        return out
 
     def kept(self, payload: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
         """Where a received DCT-MP forward payload holds values (bool ``shape``)."""

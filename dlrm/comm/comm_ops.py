@@ -130,6 +130,7 @@ class CompressedA2AInfo:
     # sums, the two stages of table-row-wise) stay within the policy's bound in total.
     bound_scale: dict[str, float] = field(default_factory=lambda: {"forward": 1.0, "backward": 1.0})
     training: bool = True  # a training forward (evaluation refreshes no DCT-MP threshold)
+    calibrate: set[str] = field(default_factory=set)  # auto: directions that measure every option on a chunk
     stage: str = "a2a"  # "a2a" or "reduce_scatter" (table-row-wise runs both, each with its own thresholds)
     # DCT-MP: per source peer, the entries its forward payload kept (receiver side)
     kept: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -187,6 +188,7 @@ def _sample(
                 None if bounds is None else [bounds[k]],
                 None if ids is None else ids[:, k : k + 1],
                 None if thresholds is None else [thresholds[k]],
+                [f],
             )
             stats.add(f"{d}/sampled_raw_bytes/{f}", chunk.shape[0] * w * elt)
             stats.add(f"{d}/sampled_wire_bytes/{f}", solo.numel())
@@ -228,12 +230,17 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
             if dc.forward_positions:  # DCT-MP: the derivative of the forward's thresholding
                 chunk = torch.where(info.kept[peer], chunk, torch.zeros((), dtype=chunk.dtype, device=chunk.device))
             thresholds = dc.thresholds(chunk, blocks.features, blocks.widths, info.iteration, info.training, info.stage)
-            payload = dc.encode(chunk, blocks.widths, bounds, ids, thresholds)
+            payload = dc.encode(chunk, blocks.widths, bounds, ids, thresholds, blocks.features)
+            if d in info.calibrate:  # compression=auto: every option on this chunk (one peer per direction)
+                ts = time.perf_counter()
+                dc.samples.extend(dc.calibrate(chunk, blocks.features, blocks.widths, bounds, ids))
+                info.calibrate.discard(d)
+                sample_s += time.perf_counter() - ts
             if sample:
                 ts = time.perf_counter()
                 _sample(dc, chunk, payload, blocks, bounds, ids, stats, d, thresholds)
                 sample = False
-                sample_s = time.perf_counter() - ts
+                sample_s += time.perf_counter() - ts
             if ids is None:
                 memo[id(chunks[peer])] = payload
             payloads[peer] = payload

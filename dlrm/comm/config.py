@@ -22,7 +22,7 @@ QCOMM_PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 # Sharding types our sharder may let the planner choose; RW/TWRW are allowed on CPU too.
 ALL_SHARDING_TYPES = ("data_parallel", "table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise")
 
-_TOP_KEYS = {"name", "kind", "forward", "backward", "qcomm", "stats", "sharding_types"}
+_TOP_KEYS = {"name", "kind", "forward", "backward", "qcomm", "stats", "sharding_types", "strategy", "strategy_file"}
 _DIR_KEYS = {"codec", "mode", "dedup", "params"}
 _STATS_KEYS = {"sample_every"}
 _QCOMM_KEYS = {"forward_precision", "backward_precision"}
@@ -50,6 +50,17 @@ class CompressionSpec:
     qcomm_backward: str = "fp32"
     sample_every: int = 10  # sender-side error and per-feature size sampling period (0: never)
     sharding_types: tuple[str, ...] = ALL_SHARDING_TYPES
+    # compression=auto (per_block codecs): when to calibrate and re-plan, or a strategy to replay
+    strategy: Mapping[str, Any] = field(default_factory=dict)
+    strategy_file: str | None = None
+
+    @property
+    def auto(self) -> bool:
+        """Whether a strategy chooses the codec of every table (the per_block codec)."""
+        return self.kind == "compressed" and "per_block" in (
+            self.forward and self.forward.codec,
+            self.backward and self.backward.codec,
+        )
 
 
 def _direction(cfg: Any, where: str) -> DirectionSpec:
@@ -111,11 +122,18 @@ def parse_compression_cfg(cfg: Mapping[str, Any]) -> CompressionSpec:
     for key in ("forward", "backward"):
         if key not in cfg:
             raise ValueError(f"{where}.{key} is missing: give {{codec: ..., mode: abs|rel, dedup: ...}}")
-    return CompressionSpec(
+    spec = CompressionSpec(
         forward=_direction(cfg["forward"], f"{where}.forward"),
         backward=_direction(cfg["backward"], f"{where}.backward"),
+        strategy=dict(cfg.get("strategy") or {}),
+        strategy_file=cfg.get("strategy_file"),
         **common,
     )
+    if not spec.auto and (spec.strategy or spec.strategy_file):
+        raise ValueError(
+            f"{where}.strategy and {where}.strategy_file only apply to compression=auto (per_block codecs)"
+        )
+    return spec
 
 
 # Wire bytes per fp32 value of TorchRec's QComms codecs; INT8 row-wise adds an fp32 scale and bias

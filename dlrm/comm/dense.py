@@ -90,6 +90,11 @@ class DenseComm:
         self._lock = threading.Lock()  # future callbacks run on the collectives' threads
         self.pg: dist.ProcessGroup | None = None
         self.powersgd: PowerSGDState | None = None
+        # dense_comm=auto: the option in use (the others' name is their own), and while
+        # calibrating, every option measured on the real buckets as (option, raw, wire, enc s, dec s)
+        self.mode = "none" if spec.name == "auto" else spec.name
+        self.calibrating = False
+        self.samples: list[tuple[str, float, float, float, float]] = []
 
     # -- installation ---------------------------------------------------------------------------
 
@@ -121,17 +126,18 @@ class DenseComm:
         buf = bucket.buffer()
         ws = self.pg.size()
         raw = ring_allreduce_bytes(buf.numel(), ws)
+        if self.calibrating:
+            self.samples.extend(self._calibrate(buf, ws))
+        kind = self.mode
         t0 = time.perf_counter()
-        if self.spec.name == "dct" and buf.numel() >= self.spec.min_numel:
+        if kind == "dct" and buf.numel() >= self.spec.min_numel:
             fut = self._dct(bucket, t0)
         else:
-            if self.spec.name == "powersgd":
+            if kind == "powersgd":
                 fut, sent = self._powersgd(bucket)
                 wire = ring_allreduce_bytes(sent, ws)
-            elif self.spec.name in ("fp16", "bf16"):  # torch's hooks; called, not registered: bf16 runs on gloo
-                hook = (
-                    default_hooks.fp16_compress_hook if self.spec.name == "fp16" else default_hooks.bf16_compress_hook
-                )
+            elif kind in ("fp16", "bf16"):  # torch's hooks; called, not registered: bf16 runs on gloo
+                hook = default_hooks.fp16_compress_hook if kind == "fp16" else default_hooks.bf16_compress_hook
                 fut = hook(self.pg, bucket)
                 wire = ring_allreduce_bytes(buf.numel(), ws, 2.0)
             else:  # a DCT bucket under min_numel: stock average
@@ -141,7 +147,7 @@ class DenseComm:
             self._record(raw=raw, wire=wire, codec_ms=1e3 * (launched - t0))
             fut = fut.then(self._arrived(launched))
         if bucket.is_last():
-            if self.spec.name == "dct":
+            if kind == "dct":
                 self._record(residual_norm=self._norm_sq**0.5)
                 self._norm_sq = 0.0
             self.iteration += 1
@@ -236,6 +242,27 @@ class DenseComm:
             return buf
 
         return fut.then(finish)
+
+    def _calibrate(self, buf: torch.Tensor, ws: int) -> list[tuple[str, float, float, float, float]]:
+        """dense_comm=auto: what each option would cost on this bucket (raw and wire bytes per rank
+        as a ring all-reduce would send them, encode and decode seconds)."""
+        raw = ring_allreduce_bytes(buf.numel(), ws)
+        out = [("none", raw, raw, 0.0, 0.0)]
+        for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+            t0 = time.perf_counter()
+            half = buf.to(dtype)
+            t1 = time.perf_counter()
+            half.to(buf.dtype)
+            out.append((name, raw, raw / 2, t1 - t0, time.perf_counter() - t1))
+        if buf.numel() >= self.spec.min_numel:
+            t0 = time.perf_counter()
+            payload = self._codec.encode(buf.view(1, -1), None, thresholds=[kth_largest_abs(buf, self.spec.keep)])
+            t1 = time.perf_counter()
+            self._codec.decode(payload)
+            t2 = time.perf_counter()
+            # decode: every other rank's payload (W - 1 of them) and our own
+            out.append(("dct", raw, (ws - 1) * (8 + payload.numel()), t1 - t0, (t2 - t1) * ws))
+        return out
 
     # -- DCT state ------------------------------------------------------------------------------
 

@@ -3,7 +3,9 @@
 * ``none``: fp32 all-reduce, stock DDP (no hook);
 * ``fp16`` / ``bf16``: cast, all-reduce, cast back (torch's compress hooks);
 * ``powersgd``: torch's PowerSGD hook (low-rank, error feedback);
-* ``dct``: DCT-DP hard thresholding with error feedback (Gupta et al., KDD'21).
+* ``dct``: DCT-DP hard thresholding with error feedback (Gupta et al., KDD'21);
+* ``auto``: one of ``none``/``fp16``/``bf16``/``dct``, chosen on the run's own link and
+  gradients (:mod:`dlrm.strategy`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from typing import Any
 from compression.sparse import VALUE_CODECS
 from dlrm.config_checks import check_keys, number, plain_config
 
-KINDS = ("none", "fp16", "bf16", "powersgd", "dct")
+KINDS = ("none", "fp16", "bf16", "powersgd", "dct", "auto")
+AUTO_OPTIONS = ("none", "fp16", "bf16", "dct")  # powersgd needs warm-up iterations: not switched to
 _KEYS = {
     "none": set(),
     "fp16": set(),
@@ -23,6 +26,7 @@ _KEYS = {
     "powersgd": {"rank", "start_iter", "warm_start", "min_compression_rate"},
     "dct": {"keep", "refresh_every", "refresh_warmup", "min_numel", "values", "values_eb"},
 }
+_KEYS["auto"] = _KEYS["dct"]  # auto may choose dct, with these settings
 _COMMON = {"name", "bucket_cap_mb"}
 
 
@@ -81,7 +85,7 @@ def parse_dense_comm_cfg(cfg: Mapping[str, Any] | None) -> DenseCommSpec:
         if not isinstance(warm, bool):
             raise ValueError(f"{where}.warm_start must be true or false, got {warm!r}")
         out["warm_start"] = warm
-    if name == "dct":
+    if name in ("dct", "auto"):
         keep = number(cfg, "keep", where, d.keep, positive=True)
         if keep > 1:
             raise ValueError(f"{where}.keep is the fraction of entries sent, in (0, 1]; got {keep}")

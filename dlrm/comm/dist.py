@@ -46,6 +46,7 @@ class CompressionRuntime:
     backward: DirectionCodec
     sample_every: int = 10
     name: str = "compressed"
+    calibrating: bool = False  # compression=auto: training calls measure every option meanwhile
 
     @property
     def codecs(self) -> dict[str, DirectionCodec]:
@@ -118,6 +119,7 @@ class CompressedDist:
             bound_scale={"forward": forward_scale, "backward": backward_scale},
             training=torch.is_grad_enabled(),
             stage=stage,
+            calibrate={"forward", "backward"} if self.runtime.calibrating and torch.is_grad_enabled() else set(),
         )
 
 

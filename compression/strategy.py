@@ -1,0 +1,146 @@
+"""Choosing a codec per unit of traffic from a timeline model of one iteration (ByteComp/Espresso).
+
+Pure arithmetic, no torch: the trainer measures the inputs on its own run (link latency and
+bandwidth from timed collectives, each unit's ratio and codec time on real batches, the compute
+time of an iteration) and hands them over as :class:`Unit` and :class:`Timeline`.
+
+A *unit* is what can carry its own codec: a table in one direction of the embedding all-to-all
+(``forward/cat_3``), or the dense gradients (``dense``). Its *options* are the codecs allowed for
+it (the caller has already removed those that could exceed the error bound), each with the wire
+ratio and encode/decode seconds measured for it.
+
+The timeline of one iteration, as Espresso models it (start = max(previous finish, ready); codec
+time on the compute path delays everything after it)::
+
+    compute: [before] [enc fwd] ....wait.... [dec fwd] [between] [enc bwd] ..wait.. [dec bwd] [after]  [dec dense]
+    link:                       [fwd a2a]                                  [bwd a2a]    [dense all-reduce]
+
+The forward all-to-all starts when its units are encoded, and the model waits for it (TorchRec
+needs the pooled rows to go on); so does the backward. The dense all-reduce starts when the
+dense gradients are ready (their encode done) and overlaps the ``after`` compute (the end of the
+backward, the optimizer), as DDP's buckets do; the iteration ends when both are done. The link
+serves one collective at a time.
+
+:func:`choose` is Espresso's greedy search: units in descending size, each takes the option that
+lowers the simulated iteration time most (or keeps the current one), so a codec is chosen only
+where it pays for itself on this link.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from .cost_model import Link
+
+STAGES = ("forward", "backward", "dense")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One codec for a unit: its wire ratio (raw / wire) and seconds per iteration on the host."""
+
+    name: str
+    ratio: float = 1.0
+    encode_s: float = 0.0
+    decode_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.ratio > 0 or self.encode_s < 0 or self.decode_s < 0:
+            raise ValueError(f"option {self.name!r}: ratio must be > 0 and codec times >= 0, got {self}")
+
+
+@dataclass(frozen=True)
+class Unit:
+    """What travels with one codec: its stage (which collective), raw bytes per iteration, options."""
+
+    name: str
+    stage: str
+    raw_bytes: float
+    options: tuple[Option, ...]
+
+    def __post_init__(self) -> None:
+        if self.stage not in STAGES:
+            raise ValueError(f"unit {self.name!r}: stage must be one of {STAGES}, got {self.stage!r}")
+        if not self.options:
+            raise ValueError(f"unit {self.name!r} has no option")
+        names = [o.name for o in self.options]
+        if len(set(names)) != len(names):
+            raise ValueError(f"unit {self.name!r}: options named twice in {names}")
+
+    def option(self, name: str) -> Option:
+        for o in self.options:
+            if o.name == name:
+                return o
+        raise KeyError(f"unit {self.name!r} has no option {name!r}; it has {[o.name for o in self.options]}")
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """The calibrated iteration: the link, the ranks on it, and the compute around the collectives
+    (seconds): ``before`` the forward all-to-all, ``between`` the two all-to-alls, ``after`` the
+    backward all-to-all (which the dense all-reduce overlaps)."""
+
+    link: Link
+    ranks: int
+    before: float = 0.0
+    between: float = 0.0
+    after: float = 0.0
+
+    @property
+    def compute(self) -> float:
+        return self.before + self.between + self.after
+
+
+@dataclass
+class Simulation:
+    """One simulated iteration: its total and when each collective ran."""
+
+    total: float
+    spans: dict[str, tuple[float, float]] = field(default_factory=dict)  # stage -> (start, finish) on the link
+
+
+def simulate(units: Iterable[Unit], choice: Mapping[str, str], t: Timeline) -> Simulation:
+    """The iteration time of ``units`` with ``choice`` (unit name -> option name) on ``t``."""
+    enc = dict.fromkeys(STAGES, 0.0)
+    dec = dict.fromkeys(STAGES, 0.0)
+    wire = dict.fromkeys(STAGES, 0.0)
+    for u in units:
+        o = u.option(choice[u.name])
+        enc[u.stage] += o.encode_s
+        dec[u.stage] += o.decode_s
+        wire[u.stage] += u.raw_bytes / o.ratio
+    spans: dict[str, tuple[float, float]] = {}
+    link_free = 0.0
+
+    def collective(stage: str, ready: float) -> float:
+        nonlocal link_free
+        start = max(link_free, ready)
+        finish = start + t.link.seconds(wire[stage], t.ranks)
+        spans[stage] = (start, finish)
+        link_free = finish
+        return finish
+
+    clock = t.before + enc["forward"]
+    clock = max(clock, collective("forward", clock)) + dec["forward"]
+    clock += t.between + enc["backward"]
+    clock = max(clock, collective("backward", clock)) + dec["backward"]
+    clock += enc["dense"]
+    dense_done = collective("dense", clock)
+    clock += t.after
+    return Simulation(max(clock, dense_done) + dec["dense"], spans)
+
+
+def choose(units: Sequence[Unit], t: Timeline, start: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Espresso's greedy: from ``start`` (default: every unit's first option), visit the units in
+    descending raw size and give each the option with the lowest simulated iteration time; an
+    option replaces the current one only if it is strictly faster."""
+    choice = {u.name: (start or {}).get(u.name, u.options[0].name) for u in units}
+    for u in sorted(units, key=lambda u: (-u.raw_bytes, u.name)):
+        best = simulate(units, choice, t).total
+        for o in u.options:
+            trial = {**choice, u.name: o.name}
+            total = simulate(units, trial, t).total
+            if total < best:
+                best, choice = total, trial
+    return choice
