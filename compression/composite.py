@@ -127,14 +127,14 @@ class PerBlockCodec(Codec):
         sections = [torch.tensor([names.index(u) for u in used], dtype=torch.uint8)]
         for name in names:
             members = [k for k, u in enumerate(used) if u == name]
-            cols_of = torch.cat([torch.arange(starts[k], starts[k] + widths[k]) for k in members]).to(x.device)
-            sub_ids = None if keys is None else keys[:, members]
+            if len(members) == len(widths):  # one codec for the whole chunk: no gather
+                sub, sub_ids = x, keys
+            else:
+                cols_of = torch.cat([torch.arange(starts[k], starts[k] + widths[k]) for k in members]).to(x.device)
+                sub, sub_ids = x.index_select(1, cols_of), None if keys is None else keys[:, members]
             sections.append(
                 self.options[name].encode(
-                    x.index_select(1, cols_of),
-                    [bounds[k] for k in members],
-                    sub_ids,
-                    blocks=[widths[k] for k in members],
+                    sub, [bounds[k] for k in members], sub_ids, blocks=[widths[k] for k in members]
                 )
             )
         header = fmt.Header(self.codec_id, x.dtype, rows, cols, widths, bounds)
@@ -162,6 +162,8 @@ class PerBlockCodec(Codec):
         starts = [sum(widths[:k]) for k in range(len(widths))]
         for g, sub in enumerate(sections[1:]):
             members = [k for k, gk in enumerate(group) if gk == g]
+            if len(members) == len(widths):  # one codec for the whole chunk: straight into out
+                return codec_for(sub).decode(sub, keys, out=out)
             part = codec_for(sub).decode(sub, None if keys is None else keys[:, members])
             c = 0
             for k in members:
