@@ -15,7 +15,7 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -78,14 +78,15 @@ def _batch(args: argparse.Namespace, rank: int, step: int):
 
 
 def _sharder(name: str, eb: float):
-    from omegaconf import DictConfig, OmegaConf
+    from hydra import compose, initialize_config_dir
 
     from dlrm.comm import fixed_bound, make_sharders, parse_compression_cfg
     from dlrm.comm.embeddingbag import StockEmbeddingBagCollectionSharder
 
     if name == "stock":
         return StockEmbeddingBagCollectionSharder()
-    cfg = cast(DictConfig, OmegaConf.load(CONFIGS / f"{name}.yaml"))  # a compression config is a mapping
+    with initialize_config_dir(config_dir=str(CONFIGS.parent), version_base="1.3"):  # as the trainer composes it
+        cfg = compose("config", overrides=[f"compression={name}"]).compression
     bound = fixed_bound(eb) if parse_compression_cfg(cfg).kind == "compressed" else None
     return make_sharders(cfg, bound_fn_forward=bound, bound_fn_backward=bound)[0]
 
