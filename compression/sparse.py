@@ -52,6 +52,15 @@ def _checked(threshold: float | Sequence[float]) -> list[float]:
     return ts
 
 
+def refresh_due(iteration: int, every: int, warmup: bool = True) -> bool:
+    """DCT's threshold schedule: every ``every`` iterations, and with ``warmup`` also at 1, 2, 4,
+    8, ... before that. A threshold taken on the first iterations alone lets many more entries
+    through later (error feedback builds residuals; embeddings grow while they train), so the
+    published "every few thousand iterations" starts with refreshes that double their spacing."""
+    warming = warmup and 0 < iteration < every and iteration & (iteration - 1) == 0
+    return iteration % every == 0 or warming
+
+
 @register
 class ThresholdCodec(Codec):
     """Keep the entries with ``|x| >= threshold`` (one threshold, or one per column block).

@@ -37,7 +37,8 @@ def test_every_shipped_config_parses_and_builds_a_sharder():
         (sharder,) = make_sharders(cfg, bound_fn_forward=bound, bound_fn_backward=bound)
         assert "table_wise" in sharder.sharding_types("cpu")
         names.add(spec.name)
-    assert {"none", "fp16", "bf16", "int8", "qcomm_fp16", "qcomm_bf16", "qcomm_int8", "lossy", "auto", "dct_mp"} <= names
+    shipped = {"none", "fp16", "bf16", "int8", "qcomm_fp16", "qcomm_bf16", "qcomm_int8", "lossy", "auto", "dct_mp"}
+    assert shipped <= names
 
 
 def test_row_wise_is_offered_on_cpu_unlike_stock_torchrec():
@@ -229,5 +230,5 @@ def test_dct_mp_thresholds_refresh_on_training_chunks_only_and_survive_a_checkpo
     twin = DirectionCodec(spec, "forward")
     twin.load_state_dict(json.loads(json.dumps(dc.state_dict())))  # a rank's checkpoint
     assert twin.thresholds(train, ["f"], [2], 12, True, "a2a") == [14.0]
-    with pytest.raises(ValueError, match="refresh_every has no effect with forward_positions"):
+    with pytest.raises(ValueError, match="have no effect with forward_positions"):
         DirectionCodec(DirectionSpec("threshold", params={"forward_positions": True, "refresh_every": 5}), "backward")

@@ -16,7 +16,7 @@ import torch
 
 import compression
 from compression.composite import PerBlockCodec, worst_case_error
-from compression.sparse import ThresholdCodec, kth_largest_abs
+from compression.sparse import ThresholdCodec, kth_largest_abs, refresh_due
 from dlrm.comm.bounds import BoundFn, absolute_bounds, policy_values
 from dlrm.comm.config import DirectionSpec
 
@@ -43,7 +43,9 @@ class DirectionCodec:
         self.spec = spec
         self.direction = direction
         params = dict(spec.params)
-        self.keep, self.refresh_every, self.forward_positions = _threshold_params(spec, params, direction)
+        self.keep, self.refresh_every, self.refresh_warmup, self.forward_positions = _threshold_params(
+            spec, params, direction
+        )
         self._taus: dict[str, tuple[int, float]] = {}  # feature -> (iteration refreshed, threshold)
         try:
             self.codec = compression.get_codec(spec.codec, **params)
@@ -102,7 +104,12 @@ class DirectionCodec:
         for f, w in zip(features, widths, strict=True):
             key = f"{stage}/{f}"
             seen = self._taus.get(key)
-            if seen is None or (training and iteration % self.refresh_every == 0 and seen[0] != iteration):
+            due = (
+                refresh_due(iteration, self.refresh_every, self.refresh_warmup)
+                and seen is not None
+                and seen[0] != iteration
+            )
+            if seen is None or (training and due):
                 tau = kth_largest_abs(chunk[:, c : c + w], self.keep) if w else 0.0
                 if not training and seen is None:
                     out.append(tau)  # no threshold yet: this chunk's, not kept
@@ -207,27 +214,32 @@ class DirectionCodec:
         return out
 
 
-def _threshold_params(spec: DirectionSpec, params: dict, direction: str) -> tuple[float | None, int, bool]:
+def _threshold_params(spec: DirectionSpec, params: dict, direction: str) -> tuple[float | None, int, bool, bool]:
     """Pop DCT-MP's own keys from a threshold codec's params (the rest go to the codec)."""
     if spec.codec != "threshold":
-        return None, 1, False
+        return None, 1, False, False
     keep, refresh = params.pop("keep", None), params.pop("refresh_every", None)
+    warmup = params.pop("refresh_warmup", None)
     positions = bool(params.pop("forward_positions", False))
     where = f"compression.{direction}.params"
-    if positions and refresh is not None:
-        raise ValueError(
-            f"{where}.refresh_every has no effect with forward_positions (the forward's thresholds decide)"
-        )
-    refresh = 1000 if refresh is None else refresh
     if positions and direction != "backward":
         raise ValueError(f"{where}.forward_positions applies to the backward (gradients) only")
+    if positions and (refresh is not None or warmup is not None):
+        raise ValueError(
+            f"{where}.refresh_every/refresh_warmup have no effect with forward_positions "
+            "(the forward's thresholds decide)"
+        )
     if positions == (keep is not None):
         raise ValueError(
             f"{where}: the threshold codec needs either keep (a fraction of each table's entries) "
             "or, backward, forward_positions: true"
         )
+    refresh = 1000 if refresh is None else refresh
+    warmup = True if warmup is None else warmup
     if keep is not None and not (isinstance(keep, (int, float)) and 0 < keep <= 1):
         raise ValueError(f"{where}.keep must be a fraction in (0, 1], got {keep!r}")
     if not (isinstance(refresh, int) and refresh >= 1):
         raise ValueError(f"{where}.refresh_every must be an integer >= 1, got {refresh!r}")
-    return (None if keep is None else float(keep)), refresh, positions
+    if not isinstance(warmup, bool):
+        raise ValueError(f"{where}.refresh_warmup must be true or false, got {warmup!r}")
+    return (None if keep is None else float(keep)), refresh, warmup, positions

@@ -43,7 +43,7 @@ from torchrec.distributed.model_parallel import DefaultDataParallelWrapper
 from torchrec.distributed.types import ShardingEnv
 
 import compression
-from compression.sparse import ThresholdCodec, kth_largest_abs
+from compression.sparse import ThresholdCodec, kth_largest_abs, refresh_due
 from dlrm.comm.dense_config import DenseCommSpec
 from dlrm.comm.instrument import on_the_wire
 from dlrm.comm.stats import CommStats
@@ -274,12 +274,8 @@ class DenseComm:
         return r.to(device=like.device, dtype=like.dtype)
 
     def refresh_due(self, iteration: int) -> bool:
-        """The schedule: every ``refresh_every`` iterations, and with ``refresh_warmup`` also at
-        1, 2, 4, 8, ... before that, while the residuals build up (a threshold taken on the first
-        gradients alone, before any error feedback, lets ~10x more entries through later)."""
-        every = self.spec.refresh_every
-        warming = self.spec.refresh_warmup and 0 < iteration < every and iteration & (iteration - 1) == 0
-        return iteration % every == 0 or warming
+        """Whether thresholds are refreshed at ``iteration`` (:func:`compression.sparse.refresh_due`)."""
+        return refresh_due(iteration, self.spec.refresh_every, self.spec.refresh_warmup)
 
     def _threshold(self, name: str, f: torch.Tensor) -> float:
         """A parameter's threshold: refreshed on schedule (and when first seen); 0 (send all) for
