@@ -36,7 +36,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torchrec.distributed import comm_ops as torchrec_comm_ops
 
-from dlrm.comm import compressed_dists
+from dlrm.comm.collect import run_totals
 from dlrm.comm.dense import dense_comm_of
 from dlrm.comm.instrument import current, embedding_collective
 
@@ -156,16 +156,8 @@ def _wrap_codec(real: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def comm_run_sums(model: torch.nn.Module) -> dict[str, float]:
-    """Run totals of the compressed dists in ``model`` and of its dense-gradient hook (this rank;
-    empty without dlrm.comm dists and hook)."""
-    sums: dict[str, float] = defaultdict(float)
-    dense = dense_comm_of(model)
-    sources = [d.stats for d in compressed_dists(model)] + ([dense.stats] if dense is not None else [])
-    for stats in sources:
-        for k, v in stats.state(run=True)[0].items():
-            if k.count("/") == 1:  # totals only, not per feature
-                sums[k] += v
-    return dict(sums)
+    """Run totals of the compressed dists in ``model`` and of its dense-gradient hook (this rank)."""
+    return run_totals(model, dense_comm_of(model))
 
 
 def dense_parameter_count(model: torch.nn.Module) -> int:

@@ -47,6 +47,13 @@ def _all_ranks(state: tuple[dict, dict], group: dist.ProcessGroup | None) -> tup
     return merge(gathered)
 
 
+def run_totals(model: torch.nn.Module, dense: DenseComm | None = None) -> dict[str, float]:
+    """This rank's run totals (``forward/wire_bytes``, ``dense/codec_ms``, ...; not per feature),
+    without resetting anything or communicating (for probes that difference them per step)."""
+    sums, _ = _collect(model, reset=False, run=True, dense=dense)
+    return {k: v for k, v in sums.items() if k.count("/") == 1}
+
+
 def comm_stats(model: torch.nn.Module, reset: bool = True, dense: DenseComm | None = None) -> dict[str, float]:
     """This rank's statistics since the last reset, as flat ``comm/...`` keys (no communication):
     the model's compressed all-to-alls, and the ``dense`` gradient hook if given."""
