@@ -221,13 +221,20 @@ class StrategyController:
                 self._plan(iteration)
         elif self.phase == "run":
             self.times.append(elapsed)
-            # every rank must take the same decision: the drift check is a collective, held at
-            # iterations every rank counts alike
-            drifted = done % self.spec.measure_iterations == 0 and self._drifted()
-            if done >= self.spec.replan_every or drifted:
-                if drifted:
-                    log.info("strategy: iteration time drifted from the prediction; re-planning")
+            if done >= self.spec.replan_every:  # a full re-plan: the codecs measured anew
                 self._begin("calibrate", iteration)
+            elif done % self.spec.measure_iterations == 0:
+                # every rank must take the same decision: the check is a collective, held at
+                # iterations every rank counts alike
+                measured = self._slowest_recent()
+                predicted = self.plans[-1]["predicted_iteration_ms"] / 1e3
+                if abs(measured / predicted - 1) > self.spec.drift:
+                    log.info(
+                        "strategy: %.1f ms per iteration against %.1f predicted; re-planning from the measured time",
+                        1e3 * measured,
+                        1e3 * predicted,
+                    )
+                    self._replan(iteration, measured)
         self._last = time.perf_counter()  # this step's own work is not the next iteration's
 
     def _begin(self, phase: str, iteration: int) -> None:
@@ -254,13 +261,11 @@ class StrategyController:
         if self.dense is not None:
             self.dense.mode = "none"
 
-    def _drifted(self) -> bool:
-        """Whether the slowest rank's recent iterations left the prediction by more than ``drift``
-        (a collective)."""
+    def _slowest_recent(self) -> float:
+        """The slowest rank's median of its last ``measure_iterations`` iterations (a collective)."""
         recent = torch.tensor([statistics.median(self.times[-self.spec.measure_iterations :])], dtype=torch.float64)
         dist.all_reduce(recent, op=dist.ReduceOp.MAX)
-        predicted = self.plans[-1]["predicted_iteration_ms"] / 1e3
-        return abs(float(recent) / predicted - 1) > self.spec.drift
+        return float(recent)
 
     @property
     def decided(self) -> list[dict[str, Any]]:
@@ -289,29 +294,54 @@ class StrategyController:
         return [s for g in gathered for s in g[0]], [s for g in gathered for s in g[1]]
 
     def _plan(self, iteration: int) -> None:
+        """After calibrating: decide from the new measurements (rank 0) and broadcast."""
         samples, dense_samples = self._collect()
-        plan: list[Any] = [None]
+        decided: list[Any] = [None]
         if self.env.is_main:
-            plan[0] = self._decide(iteration, samples, dense_samples)
-        dist.broadcast_object_list(plan, src=0)
-        self.plans[-1] = plan[0]
-        self._apply(plan[0]["choice"], iteration)
+            units = _units(samples, dense_samples, self.spec.calibrate_iterations, self.env.world_size)
+            fallback = {u.name: ("lossy/zstd" if u.stage != "dense" else "none") for u in units}
+            measured = statistics.median(self.times) if self.times else 0.0
+            decided[0] = self._decide(iteration, units, measured, fallback, self.plans[-1]["calibrated_from"])
+        self._adopt(decided, iteration, replace=True)
+
+    def _replan(self, iteration: int, measured: float) -> None:
+        """After a drift: the same units, the compute re-calibrated from the iteration time the
+        current plan measured (no codec calibration; cheap enough to do at once)."""
+        self._finish_measurement()
+        decided: list[Any] = [None]
+        if self.env.is_main:
+            last = self.plans[-1]
+            units = [
+                Unit(u["name"], u["stage"], u["raw_bytes"], tuple(Option(**o) for o in u["options"]))
+                for u in last["units"]
+            ]
+            decided[0] = self._decide(iteration, units, measured, last["choice"], iteration)
+        self._adopt(decided, iteration, replace=False)
+
+    def _adopt(self, decided: list[Any], iteration: int, replace: bool) -> None:
+        dist.broadcast_object_list(decided, src=0)
+        if replace:
+            self.plans[-1] = decided[0]
+        else:
+            self.plans.append(decided[0])
+        self._apply(decided[0]["choice"], iteration)
         self._write()
         self._begin("run", iteration)
 
-    def _decide(self, iteration: int, samples: list[tuple], dense_samples: list[tuple]) -> dict[str, Any]:
+    def _decide(
+        self, iteration: int, units: list[Unit], measured: float, measured_with: Mapping[str, str], calibrated_from: int
+    ) -> dict[str, Any]:
+        """The plan: compute = the measured iteration less what the model gives the options it ran
+        with; then the greedy choice from uncompressed."""
         assert self.link is not None
         t0 = time.perf_counter()
-        units = _units(samples, dense_samples, self.spec.calibrate_iterations, self.env.world_size)
-        measuring = {u.name: ("lossy/zstd" if u.stage != "dense" else "none") for u in units}
-        measured = statistics.median(self.times) if self.times else 0.0
-        modelled = simulate(units, measuring, Timeline(self.link, self.env.world_size)).total
+        modelled = simulate(units, measured_with, Timeline(self.link, self.env.world_size)).total
         timeline = Timeline(self.link, self.env.world_size, between=max(measured - modelled, 0.0))
         exact = {u.name: "none" for u in units}  # as Espresso: from uncompressed, a codec must pay for itself
         choice = choose(units, timeline, start=exact)
         predicted = simulate(units, choice, timeline).total
         return {
-            "calibrated_from": self.plans[-1]["calibrated_from"],
+            "calibrated_from": calibrated_from,
             "from_iteration": iteration,
             "choice": choice,
             "predicted_iteration_ms": 1e3 * predicted,
@@ -320,7 +350,8 @@ class StrategyController:
             "link": {"bytes_per_s": self.link.bytes_per_s, "latency_s": self.link.latency_s},
             "compute_ms": 1e3 * timeline.between,
             "units": [
-                {"name": u.name, "raw_bytes": u.raw_bytes, "options": [asdict(o) for o in u.options]} for u in units
+                {"name": u.name, "stage": u.stage, "raw_bytes": u.raw_bytes, "options": [asdict(o) for o in u.options]}
+                for u in units
             ],
         }
 
