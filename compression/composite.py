@@ -52,18 +52,19 @@ _FP16_MAX = 65504.0
 
 
 def worst_case_error(option: str, block: torch.Tensor) -> float:
-    """The largest error ``option`` can make on ``block`` (inf for overflow, NaN-free input)."""
-    finite = block[torch.isfinite(block)]
-    if finite.numel() == 0:
-        return 0.0 if option == "none" else math.inf if option == "int8" else 0.0
-    top = float(finite.abs().max())
+    """The largest error ``option`` can make on ``block`` (inf where it could lose a non-finite
+    value or overflow, so that such a block goes to the bounded fallback, which keeps them)."""
+    if option == "none" or block.numel() == 0:
+        return 0.0
+    lo, hi = (float(v) for v in torch.aminmax(block.detach()))  # NaN and inf propagate
+    top = max(abs(lo), abs(hi))
+    if not math.isfinite(top):
+        return math.inf
     if option in _CAST:
         rel, floor = _CAST[option]
-        if option == "fp16" and top >= _FP16_MAX:
-            return math.inf
-        return top * rel + floor if rel else 0.0
+        return math.inf if option == "fp16" and top >= _FP16_MAX else top * rel + floor
     if option == "int8":
-        return (float(finite.max()) - float(finite.min())) / 255.0 / 2.0 * (1 + 2.0**-10)  # fp16 scale rounding
+        return (hi - lo) / 255.0 / 2.0 * (1 + 2.0**-10)  # half a step of the range; fp16 scale rounding
     raise ValueError(f"no worst-case error for option {option!r}; bounded codecs hold their own bound")
 
 

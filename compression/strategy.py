@@ -15,6 +15,9 @@ time on the compute path delays everything after it)::
     compute: [before] [enc fwd] ....wait.... [dec fwd] [between] [enc bwd] ..wait.. [dec bwd] [after]  [dec dense]
     link:                       [fwd a2a]                                  [bwd a2a]    [dense all-reduce]
 
+A stage whose tables use more than one codec also pays for gathering its chunk's columns by codec
+and scattering them back (``regroup_s_per_byte``, measured), so mixing codecs must pay for itself.
+
 The forward all-to-all starts when its units are encoded, and the model waits for it (TorchRec
 needs the pooled rows to go on); so does the backward. The dense all-reduce starts when the
 dense gradients are ready (their encode done) and overlaps the ``after`` compute (the end of the
@@ -23,7 +26,7 @@ serves one collective at a time.
 
 :func:`choose` is Espresso's greedy search: units in descending size, each takes the option that
 lowers the simulated iteration time most (or keeps the current one), so a codec is chosen only
-where it pays for itself on this link.
+where it pays for itself on this link; one option for a whole all-to-all stage is tried first.
 """
 
 from __future__ import annotations
@@ -86,6 +89,9 @@ class Timeline:
     before: float = 0.0
     between: float = 0.0
     after: float = 0.0
+    # seconds per raw byte of gathering a chunk's columns by codec and scattering them back:
+    # paid by a whole all-to-all stage once its tables use more than one codec
+    regroup_s_per_byte: float = 0.0
 
     @property
     def compute(self) -> float:
@@ -105,11 +111,19 @@ def simulate(units: Iterable[Unit], choice: Mapping[str, str], t: Timeline) -> S
     enc = dict.fromkeys(STAGES, 0.0)
     dec = dict.fromkeys(STAGES, 0.0)
     wire = dict.fromkeys(STAGES, 0.0)
+    raw = dict.fromkeys(STAGES, 0.0)
+    used: dict[str, set[str]] = {s: set() for s in STAGES}
     for u in units:
         o = u.option(choice[u.name])
         enc[u.stage] += o.encode_s
         dec[u.stage] += o.decode_s
         wire[u.stage] += u.raw_bytes / o.ratio
+        raw[u.stage] += u.raw_bytes
+        used[u.stage].add(o.name)
+    for stage in ("forward", "backward"):
+        if len(used[stage]) > 1:
+            enc[stage] += t.regroup_s_per_byte * raw[stage]
+            dec[stage] += t.regroup_s_per_byte * raw[stage]
     spans: dict[str, tuple[float, float]] = {}
     link_free = 0.0
 
@@ -134,10 +148,20 @@ def simulate(units: Iterable[Unit], choice: Mapping[str, str], t: Timeline) -> S
 def choose(units: Sequence[Unit], t: Timeline, start: Mapping[str, str] | None = None) -> dict[str, str]:
     """Espresso's greedy: from ``start`` (default: every unit's first option), visit the units in
     descending raw size and give each the option with the lowest simulated iteration time; an
-    option replaces the current one only if it is strictly faster."""
+    option replaces the current one only if it is strictly faster. Before that, every stage of the
+    all-to-all is tried with one option for all its tables (a move table by table would pay the
+    stage's regrouping cost alone and never be taken)."""
     choice = {u.name: (start or {}).get(u.name, u.options[0].name) for u in units}
+    best = simulate(units, choice, t).total
+    for stage in ("forward", "backward"):
+        members = [u for u in units if u.stage == stage]
+        shared = set.intersection(*({o.name for o in u.options} for u in members)) if members else set()
+        for name in sorted(shared):
+            trial = {**choice, **{u.name: name for u in members}}
+            total = simulate(units, trial, t).total
+            if total < best:
+                best, choice = total, trial
     for u in sorted(units, key=lambda u: (-u.raw_bytes, u.name)):
-        best = simulate(units, choice, t).total
         for o in u.options:
             trial = {**choice, u.name: o.name}
             total = simulate(units, trial, t).total

@@ -102,6 +102,13 @@ def calibrate_link(env: DistEnv, sizes: tuple[int, ...] = LINK_SIZES, repeats: i
     return Link(1.0 / slope, latency_s=max(my - slope * mx, 0.0))
 
 
+def regroup_cost(samples: list[tuple]) -> float:
+    """Seconds per raw byte of gathering a chunk's columns by codec and scattering them back."""
+    regroup = [(raw, enc + dec) for _, feature, _, raw, _, enc, dec, _ in samples if feature == "*"]
+    total = sum(r for r, _ in regroup)
+    return sum(t for _, t in regroup) / 2 / total if total else 0.0  # each of encode and decode pays one
+
+
 def _units(samples: list[tuple], dense_samples: list[tuple], iterations: int, ws: int) -> list[Unit]:
     """Units with per-rank, per-iteration sizes and times, from every rank's calibration samples.
 
@@ -112,6 +119,8 @@ def _units(samples: list[tuple], dense_samples: list[tuple], iterations: int, ws
     scale = (ws - 1) / (iterations * ws)
     acc: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0] * 5))
     for direction, feature, option, raw, wire, enc, dec, ok in samples:
+        if feature == "*":  # the regrouping cost, not a unit (regroup_cost)
+            continue
         a = acc[(direction, feature)][option]
         a[0] += raw
         a[1] += wire
@@ -167,6 +176,7 @@ class StrategyController:
         self.plans: list[dict[str, Any]] = []
         self.replay: list[dict[str, Any]] = []
         self.link: Link | None = None
+        self.regroup = 0.0  # seconds per raw byte of mixing codecs within an all-to-all (calibrated)
         self.phase, self.phase_start = "idle", 0
         self.times: list[float] = []  # seconds of the iterations measured since the last event
         self._last = 0.0
@@ -193,6 +203,7 @@ class StrategyController:
         self.link = calibrate_link(self.env)
         if self.decided:  # resumed: the restored plan runs until the next re-plan
             self.plans = self.decided
+            self.regroup = self.plans[-1].get("regroup_s_per_byte", 0.0)
             self.phase, self.phase_start = "run", iteration
         else:
             self._begin("calibrate", iteration)
@@ -299,6 +310,7 @@ class StrategyController:
         decided: list[Any] = [None]
         if self.env.is_main:
             units = _units(samples, dense_samples, self.spec.calibrate_iterations, self.env.world_size)
+            self.regroup = regroup_cost(samples)
             fallback = {u.name: ("lossy/zstd" if u.stage != "dense" else "none") for u in units}
             measured = statistics.median(self.times) if self.times else 0.0
             decided[0] = self._decide(iteration, units, measured, fallback, self.plans[-1]["calibrated_from"])
@@ -335,8 +347,9 @@ class StrategyController:
         with; then the greedy choice from uncompressed."""
         assert self.link is not None
         t0 = time.perf_counter()
-        modelled = simulate(units, measured_with, Timeline(self.link, self.env.world_size)).total
-        timeline = Timeline(self.link, self.env.world_size, between=max(measured - modelled, 0.0))
+        ws, regroup = self.env.world_size, self.regroup
+        modelled = simulate(units, measured_with, Timeline(self.link, ws, regroup_s_per_byte=regroup)).total
+        timeline = Timeline(self.link, ws, between=max(measured - modelled, 0.0), regroup_s_per_byte=regroup)
         exact = {u.name: "none" for u in units}  # as Espresso: from uncompressed, a codec must pay for itself
         choice = choose(units, timeline, start=exact)
         predicted = simulate(units, choice, timeline).total
@@ -349,6 +362,7 @@ class StrategyController:
             "decision_ms": 1e3 * (time.perf_counter() - t0),
             "link": {"bytes_per_s": self.link.bytes_per_s, "latency_s": self.link.latency_s},
             "compute_ms": 1e3 * timeline.between,
+            "regroup_s_per_byte": regroup,
             "units": [
                 {"name": u.name, "stage": u.stage, "raw_bytes": u.raw_bytes, "options": [asdict(o) for o in u.options]}
                 for u in units

@@ -158,9 +158,21 @@ class DirectionCodec:
         ids: torch.Tensor | None,
     ) -> list[tuple[str, str, float, float, float, float, bool]]:
         """compression=auto: every option on every block of a real chunk, as (feature, option, raw
-        bytes, wire bytes, encode s, decode s, within the block's bound)."""
+        bytes, wire bytes, encode s, decode s, within the block's bound); and feature ``*``, option
+        ``regroup``: gathering and scattering the chunk's columns (the cost of mixing codecs)."""
         assert isinstance(self.codec, PerBlockCodec) and bounds is not None
-        out, c = [], 0
+        # what mixing codecs costs: the columns gathered by codec, decoded parts scattered back
+        perm = torch.randperm(chunk.shape[1], generator=torch.Generator().manual_seed(0)).to(chunk.device)
+        t0 = time.perf_counter()
+        gathered = chunk.index_select(1, perm)
+        t1 = time.perf_counter()
+        torch.empty_like(chunk)[:, perm] = gathered
+        t2 = time.perf_counter()
+        raw = float(chunk.numel() * chunk.element_size())
+        out: list[tuple[str, str, float, float, float, float, bool]] = [
+            ("*", "regroup", raw, raw, t1 - t0, t2 - t1, True)
+        ]
+        c = 0
         for k, (f, w) in enumerate(zip(features, widths, strict=True)):
             block = chunk[:, c : c + w].contiguous()
             sub_ids = None if ids is None or not self.dedup else ids[:, k : k + 1]
