@@ -93,13 +93,19 @@ def calibrate_link(env: DistEnv, sizes: tuple[int, ...] = LINK_SIZES, repeats: i
         slowest = torch.tensor([statistics.median(times)], dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the collective ends with its slowest rank
         points.append((float(size * (ws - 1)), float(slowest)))  # bytes each rank sends, seconds
-    n = len(points)
-    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    slope = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
-    if not slope > 0:  # faster than the clock can tell (or a burst hid it): an infinite link
-        return Link(math.inf, latency_s=max(my, 0.0))
-    return Link(1.0 / slope, latency_s=max(my - slope * mx, 0.0))
+    return fit_link(points)
+
+
+def fit_link(points: list[tuple[float, float]]) -> Link:
+    """``latency + max(0, bytes - burst) / bandwidth`` through (bytes per rank, seconds) points:
+    the bandwidth from the two largest transfers, then a positive intercept is latency and a
+    negative one a burst that passes for free (a token-bucket shaper's, like ``tc tbf``)."""
+    (x1, y1), (x2, y2) = sorted(points)[-2:]
+    slope = (y2 - y1) / (x2 - x1) if x2 > x1 else 0.0
+    if not slope > 0:  # faster than the clock can tell: an infinite link
+        return Link(math.inf, latency_s=max(min(y for _, y in points), 0.0))
+    intercept = y2 - slope * x2
+    return Link(1.0 / slope, latency_s=max(intercept, 0.0), burst_bytes=max(-intercept / slope, 0.0))
 
 
 def regroup_cost(samples: list[tuple]) -> float:
@@ -360,7 +366,11 @@ class StrategyController:
             "predicted_iteration_ms": 1e3 * predicted,
             "measured_iteration_ms": None,
             "decision_ms": 1e3 * (time.perf_counter() - t0),
-            "link": {"bytes_per_s": self.link.bytes_per_s, "latency_s": self.link.latency_s},
+            "link": {
+                "bytes_per_s": self.link.bytes_per_s,
+                "latency_s": self.link.latency_s,
+                "burst_bytes": self.link.burst_bytes,
+            },
             "compute_ms": 1e3 * timeline.between,
             "regroup_s_per_byte": regroup,
             "units": [

@@ -165,3 +165,15 @@ def test_mixing_codecs_within_an_all_to_all_must_pay_for_its_regrouping():
     b_only = (Option("none"), Option("fp16", 2.0, 0.02, 0.02))  # too slow a codec on table b
     us = [Unit("forward/a", "forward", 1 * MB, a2a), Unit("forward/b", "forward", 1 * MB, b_only)]
     assert choose(us, slower, start=exact) == exact  # a alone would not pay its regrouping
+
+
+def test_the_link_fit_finds_latency_or_a_free_burst():
+    from dlrm.strategy import fit_link
+
+    # 1 ms + bytes / 10 MB/s, by hand at 0.25, 1 and 4 MB
+    link = fit_link([(0.25e6, 0.026), (1e6, 0.101), (4e6, 0.401)])
+    assert link.bytes_per_s == pytest.approx(10e6) and link.latency_s == pytest.approx(0.001)
+    # a shaper that lets 1 MB through at once: 0 s, 0 s, then (4 - 1) MB at 10 MB/s
+    shaped = fit_link([(0.25e6, 0.0), (1e6, 0.0), (4e6, 0.3)])
+    assert shaped.bytes_per_s == pytest.approx(10e6) and shaped.burst_bytes == pytest.approx(1e6)
+    assert shaped.seconds(0.5e6, 2) == 0.0 and shaped.seconds(4e6, 2) == pytest.approx(0.3)
