@@ -50,11 +50,12 @@ def is_bounded(name: str) -> bool:
 
 
 def codec_for(payload: torch.Tensor) -> Codec:
-    """The (default-parameter) codec that wrote ``payload``; decoding needs no parameters."""
-    header, _ = fmt.unpack(payload)
-    if header.codec_id not in _BY_ID:
-        raise PayloadError(f"payload written by unknown codec id {header.codec_id}")
-    return _BY_ID[header.codec_id]()
+    """The (default-parameter) codec that wrote ``payload``; decoding needs no parameters (and
+    checks the whole payload: here only its prefix is read)."""
+    codec_id = fmt.peek_codec_id(payload)
+    if codec_id not in _BY_ID:
+        raise PayloadError(f"payload written by unknown codec id {codec_id}")
+    return _BY_ID[codec_id]()
 
 
 def decode(payload: torch.Tensor, ids: torch.Tensor | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:

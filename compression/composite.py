@@ -3,7 +3,8 @@
 :class:`PerBlockCodec` groups the blocks by their codec, encodes each group (its columns gathered
 into one tensor) with that codec, and packs the group payloads as the sections of one payload; a
 first section records which group every block is in. Decoding needs no parameters: every group
-payload names its own codec.
+payload names its own codec. A chunk whose blocks all use one codec travels as that codec's own
+payload (no second header, copy or checksum: the common case once a strategy is chosen).
 
 Bounds: a block's ``eb`` is honoured by every choice. A bounded codec (``lossy``) holds it by
 construction; a cast or fixed-rate codec is used for a block only if its worst-case error on that
@@ -124,6 +125,8 @@ class PerBlockCodec(Codec):
             raise ValueError(f"per_block: choice {choice} for {len(widths)} blocks; unknown options {unknown}")
         used = self.effective(x, widths, bounds, choice)
         names = sorted(set(used), key=used.index)  # groups in first-use order
+        if len(names) == 1:
+            return self.options[names[0]].encode(x, bounds, keys, blocks=widths)
         starts = [sum(widths[:k]) for k in range(len(widths))]
         sections = [torch.tensor([names.index(u) for u in used], dtype=torch.uint8)]
         for name in names:
@@ -143,12 +146,18 @@ class PerBlockCodec(Codec):
 
     def groups(self, payload: torch.Tensor) -> list[str]:
         """The codec each block of a payload travelled with."""
+        codec = codec_for(payload)
+        if not isinstance(codec, PerBlockCodec):  # one codec for every block
+            return [codec.name] * len(fmt.unpack(payload)[0].widths)
         _, sections = self._header(payload)
         return [codec_for(sections[1 + int(g)]).name for g in sections[0].tolist()]
 
     def decode(
         self, payload: torch.Tensor, ids: torch.Tensor | None = None, *, out: torch.Tensor | None = None
     ) -> torch.Tensor:
+        codec = codec_for(payload)
+        if not isinstance(codec, PerBlockCodec):  # one codec for every block (see encode)
+            return codec.decode(payload, ids, out=out)
         header, sections = self._header(payload)
         check_out(out, header, payload.device)
         widths = header.widths

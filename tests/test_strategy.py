@@ -81,6 +81,23 @@ def test_the_per_block_codec_never_lets_a_cast_exceed_a_block_bound():
         codec.decode(bad)
 
 
+def test_one_codec_for_every_block_travels_as_that_codecs_own_payload():
+    """Once a strategy is chosen most chunks use one codec: no second header, copy or checksum."""
+    x = torch.randn(128, 24, generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 20, (128, 3), generator=torch.Generator().manual_seed(2))
+    codec = compression.get_codec("per_block")
+    for name in ("none", "fp16"):
+        alone = compression.get_codec(name).encode(x, [0.01] * 3, ids, blocks=[8] * 3)
+        payload = codec.encode(x, [0.01] * 3, ids, blocks=[8] * 3, choice=[name] * 3)
+        assert torch.equal(payload, alone)
+        assert codec.groups(payload) == [name] * 3
+        assert torch.equal(codec.decode(payload, ids), compression.get_codec(name).decode(alone, ids))
+        bad = payload.clone()
+        bad[len(bad) // 2] ^= 0x01
+        with pytest.raises(compression.PayloadError, match="checksum"):
+            codec.decode(bad, ids)
+
+
 # --------------------------------------------------------------------------- on real ranks
 
 
