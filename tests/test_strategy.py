@@ -145,6 +145,27 @@ def test_auto_decides_once_for_every_rank_and_a_replay_reproduces_the_losses(tmp
     assert not (replay / "strategy.json").exists() or json.loads((replay / "strategy.json").read_text())["plans"] == []
 
 
+@pytest.mark.parametrize("sharding", ["table_wise", "row_wise"])
+def test_a_plan_of_none_everywhere_costs_and_computes_what_compression_none_does(tmp_path, cache, sharding):
+    """Every table at ``none`` travels as TorchRec's own all-to-all: the same losses as stock
+    TorchRec (compression=none), and the same bytes on the wire (ratio 1, no framing)."""
+    common = ["max_iterations=6", "loss_log=true", f"sharding={sharding}", "policy=fixed"]
+    train(tmp_path / "none", cache, [*common, "compression=none"])
+    features = [f"cat_{i}" for i in range(26)]
+    plan = {
+        "calibrated_from": 0,
+        "from_iteration": 0,
+        "choice": {f"{d}/{f}": "none" for d in ("forward", "backward") for f in features},
+    }
+    (tmp_path / "none.json").write_text(json.dumps({"plans": [plan]}))
+    train(
+        tmp_path / "auto", cache, [*common, "compression=auto", f"compression.strategy_file={tmp_path / 'none.json'}"]
+    )
+    assert losses(tmp_path / "auto") == losses(tmp_path / "none")
+    metrics = json.loads((tmp_path / "auto" / "metrics.json").read_text())
+    assert metrics["forward_ratio"] == 1.0 and metrics["backward_ratio"] == 1.0
+
+
 def test_calibrated_options_choose_by_the_link(tmp_path, cache):
     # the units as a real run calibrated them, priced on a slow and on an infinite link
     run = tmp_path / "auto"

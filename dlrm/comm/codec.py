@@ -149,6 +149,15 @@ class DirectionCodec:
             **extra,
         )
 
+    def passthrough(self, features: Sequence[str]) -> bool:
+        """compression=auto: every feature of a collective chose ``none``, so it travels as
+        TorchRec's all-to-all does (the raw rows; comm_ops._send_raw)."""
+        return (
+            isinstance(self.codec, PerBlockCodec)
+            and bool(self.choice)
+            and all(self.choice.get(f) == "none" for f in features)
+        )
+
     def calibrate(
         self,
         chunk: torch.Tensor,
@@ -177,6 +186,10 @@ class DirectionCodec:
             block = chunk[:, c : c + w].contiguous()
             sub_ids = None if ids is None or not self.dedup else ids[:, k : k + 1]
             for name, codec in self.codec.options.items():
+                if name == "none":  # what a collective all at none costs (passthrough): no codec
+                    raw_block = float(block.numel() * block.element_size())
+                    out.append((f, name, raw_block, raw_block, 0.0, 0.0, True))
+                    continue
                 ok = getattr(codec, "bounded", False) or worst_case_error(name, block) <= bounds[k]
                 t0 = time.perf_counter()
                 payload = codec.encode(block, [bounds[k]], sub_ids, blocks=[w])

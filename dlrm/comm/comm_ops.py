@@ -17,6 +17,7 @@ and is never compressed.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -55,6 +56,10 @@ class PooledA2ALayout:
             return list(x.split(self.bs, dim=0))
         return list(x.split([b.dim for b in self.blocks], dim=1))
 
+    def features(self) -> list[str]:
+        """Every feature that crosses this collective, from any rank (the same list on every rank)."""
+        return [f for b in self.blocks for f in b.features]
+
     def send_blocks(self, direction: str, peer: int) -> Blocks:
         return self.blocks[self.rank] if direction == "forward" else self.blocks[peer]
 
@@ -86,6 +91,9 @@ class ReduceScatterLayout:
         if direction == "forward":
             return list(x.split(self.bs, dim=0))
         return [x] * self.ws  # the same tensor: encoded once, sent to every peer
+
+    def features(self) -> list[str]:
+        return list(self.blocks.features)
 
     def send_blocks(self, direction: str, peer: int) -> Blocks:
         return self.blocks
@@ -150,6 +158,7 @@ class _Transfer:
     recv_buf: torch.Tensor
     recv_sizes: list[int]
     self_part: torch.Tensor
+    raw: bool = False  # the rows as they are (see _send_raw), sizes in elements
 
 
 def _nan_aware_abs_error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -195,9 +204,45 @@ def _sample(
         c += w
 
 
+def _send_raw(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[torch.Tensor]) -> _Transfer:
+    """compression=auto with every table of the collective at ``none``: TorchRec's own exchange,
+    the rows as they are (no id dedup, framing or size exchange: both sides know the shapes), so
+    that choosing ``none`` costs what ``compression=none`` costs. Every rank decides alike: the
+    plan and the collective's features are the same everywhere."""
+    layout, stats = info.layout, info.stats
+    me, ws = pg.rank(), pg.size()
+    t0 = time.perf_counter()
+    peers = [p for p in range(ws) if p != me]
+    send_sizes = [0 if p == me else chunks[p].numel() for p in range(ws)]
+    recv_sizes = [0 if p == me else math.prod(layout.recv_shape(d, p)) for p in range(ws)]
+    like = chunks[me]
+    send_buf = torch.cat([chunks[p].reshape(-1) for p in peers]) if peers else like.new_empty(0)
+    recv_buf = like.new_empty(sum(recv_sizes))
+    for p in peers:
+        chunk, blocks, elt = chunks[p], layout.send_blocks(d, p), chunks[p].element_size()
+        for f, w in zip(blocks.features, blocks.widths, strict=True):
+            stats.add(f"{d}/raw_bytes/{f}", chunk.shape[0] * w * elt)
+            if info.sample and chunk.numel():
+                stats.add(f"{d}/sampled_raw_bytes/{f}", chunk.shape[0] * w * elt)
+                stats.add(f"{d}/sampled_wire_bytes/{f}", chunk.shape[0] * w * elt)
+                stats.maximum(f"{d}/max_abs_error/{f}", 0.0)
+        stats.add(f"{d}/raw_bytes", chunk.numel() * elt)
+    t1 = time.perf_counter()
+    with embedding_collective(d):
+        work = dist.all_to_all_single(recv_buf, send_buf, recv_sizes, send_sizes, group=pg, async_op=True)
+    t2 = time.perf_counter()
+    stats.add(f"{d}/wire_bytes", sum(send_sizes) * like.element_size())
+    stats.add(f"{d}/codec_ms", 1e3 * (t1 - t0))
+    stats.add(f"{d}/comm_ms", 1e3 * (t2 - t1))
+    stats.add(f"{d}/calls", 1)
+    return _Transfer(work, recv_buf, recv_sizes, like, raw=True)
+
+
 def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[torch.Tensor]) -> _Transfer:
     """Encode a chunk per peer, exchange sizes, launch the async byte all-to-all."""
     layout, dc, stats = info.layout, info.codecs[d], info.stats
+    if d not in info.calibrate and dc.passthrough(layout.features()):
+        return _send_raw(pg, info, d, chunks)
     me, ws = pg.rank(), pg.size()
     ids_per_peer = info.send_ids(d)
     t0 = time.perf_counter()
@@ -302,6 +347,10 @@ def _receive(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, tr: _Transf
         offset += n
         if peer == me:
             parts.append(tr.self_part if window is None else window.copy_(tr.self_part))
+            continue
+        if tr.raw:  # every table at none (_send_raw): the rows as sent
+            part = payload.view(shape)
+            parts.append(part if window is None else window.copy_(part))
             continue
         blocks = layout.recv_blocks(d, peer)
         if shape[0] * shape[1] == 0:  # nothing was due (a rank without tables, an empty batch)
