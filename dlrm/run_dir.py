@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from pathlib import Path
@@ -28,6 +29,29 @@ def run_id() -> str:
     return time.strftime("%Y-%m-%d_%H-%M-%S")
 
 
+def task_rank() -> str:
+    """This process's rank before the process group exists: torchrun's, else a submitit task's."""
+    for var in ("RANK", "SLURM_PROCID", "SUBMITIT_LOCAL_GLOBALID"):
+        if var in os.environ:
+            return os.environ[var]
+    return "0"
+
+
+def short_dirname(name: str, limit: int = 120) -> str:
+    """``name`` (a sweep job's overrides) as one file name: no ``/`` (a path in an override would nest
+    directories), at most ``limit`` characters, the cut part replaced by a hash so that distinct jobs
+    keep distinct directories."""
+    name = name.replace("/", "_")
+    if len(name) <= limit:
+        return name
+    digest = hashlib.sha1(name.encode()).hexdigest()[:10]
+    return f"{name[: limit - 11]}~{digest}"
+
+
 def register_resolvers() -> None:
     if not OmegaConf.has_resolver("run_id"):
         OmegaConf.register_new_resolver("run_id", run_id, use_cache=True)
+    if not OmegaConf.has_resolver("task_rank"):
+        OmegaConf.register_new_resolver("task_rank", task_rank)
+    if not OmegaConf.has_resolver("short_dirname"):
+        OmegaConf.register_new_resolver("short_dirname", short_dirname)

@@ -18,6 +18,7 @@ from typing import Any
 import hydra
 import hydra.core.hydra_config
 import torch
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from dlrm.checkpoint import Checkpointer
@@ -27,6 +28,7 @@ from dlrm.comm.dense_config import parse_dense_comm_cfg
 from dlrm.config_checks import check_moved_keys
 from dlrm.datasets import RunData
 from dlrm.env import init_distributed, shutdown
+from dlrm.launch import check_launch_keys, launch_ranks, module_of, objectives, rank_source, submitit_rendezvous
 from dlrm.loop import LoopPlan, StepObserver, Stepper, TrainState, evaluate, take, train
 from dlrm.metrics import final_metrics, write_metrics_json
 from dlrm.model import build_model, table_names
@@ -197,14 +199,34 @@ def print_summary(metrics: dict[str, Any], run_dir: Path) -> None:
 
 
 def hydra_main(run_fn: Any = run) -> Any:
-    """The Hydra entry point of ``run_fn(cfg, run_dir)`` over ``configs/`` (the probe reuses it)."""
+    """The Hydra entry point of ``run_fn(cfg, run_dir)`` over ``configs/`` (the probe reuses it).
+
+    A sweep job (`-m`) outside torchrun launches its own ranks (dlrm.launch); the job returns the
+    config's ``objectives`` for an optimising sweeper.
+    """
 
     @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
-    def entry(cfg: DictConfig) -> None:
-        run_dir = Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
-        metrics = run_fn(cfg, run_dir)
-        if int(os.environ.get("RANK", 0)) == 0:
-            print_summary(metrics, run_dir)
+    def entry(cfg: DictConfig) -> list[float]:
+        hc = hydra.core.hydra_config.HydraConfig.get()
+        run_dir = Path(hc.runtime.output_dir)
+        multirun = hc.mode == RunMode.MULTIRUN
+        source = rank_source(multirun)
+        check_launch_keys(source, multirun, list(hc.overrides.task), cfg.launch)
+        if source == "launch":
+            metrics = launch_ranks(
+                module_of(run_fn),
+                list(hc.overrides.task),
+                run_dir,
+                nproc_per_node=cfg.launch.nproc_per_node,
+                max_restarts=cfg.launch.max_restarts,
+            )
+        else:
+            if source == "submitit":
+                os.environ.update(submitit_rendezvous(cfg.launch.master_port))
+            metrics = run_fn(cfg, run_dir)
+            if int(os.environ.get("RANK", 0)) == 0:
+                print_summary(metrics, run_dir)
+        return objectives(metrics, list(cfg.objectives))
 
     return entry
 

@@ -11,7 +11,7 @@ set -euo pipefail
 VENV=${1:-.venv}
 PYTHON=${PYTHON:-python3}
 STAMP="$VENV/.dlrm-compress-stack"
-STACK_VERSION=4   # bump when the pinned stack below changes, so existing venvs are refreshed
+STACK_VERSION=5   # bump when the pinned stack below changes, so existing venvs are refreshed
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$STACK_VERSION" ]; then
   exit 0

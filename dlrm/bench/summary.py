@@ -21,6 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, overload
 
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from dlrm.run_dir import task_rank
+
 REQUIRED = ("auc", "forward_ratio")
 UNBOUNDED = ("none", "fp16", "bf16", "int8", "fp8", "mx4")  # codecs without an error bound
 
@@ -321,3 +328,28 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+class SweepSummary(Callback):
+    """Hydra callback (configs/config.yaml ``hydra.callbacks``): the sweep's summary, kept current.
+
+    Rewritten after every job, so a sweep with a failed job (which ends Hydra's multirun before
+    ``on_multirun_end``) or one still running on a cluster has its table and plot of the runs so
+    far. Only the job's rank 0 writes (a submitit job runs the callback in every task).
+    """
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        if HydraConfig.get().mode == RunMode.MULTIRUN and task_rank() == "0":
+            self._write(Path(config.hydra.sweep.dir))
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        self._write(Path(config.hydra.sweep.dir))
+
+    @staticmethod
+    def _write(sweep_dir: Path) -> None:
+        try:
+            md, png = summarize(sweep_dir)
+        except (FileNotFoundError, ValueError) as e:  # no finished run yet
+            print(f"sweep summary: {e}", file=sys.stderr)
+            return
+        print(f"sweep summary: {md} and {png}", file=sys.stderr)
