@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from multiprocess import free_port
@@ -36,19 +37,35 @@ def torchrun_cmd(nproc: int, overrides: list[str], max_restarts: int = 0) -> lis
 
 
 def env_for(cache: Path) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    # gloo binds to loopback: the only link inside a test's private network namespace
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), GLOO_SOCKET_IFNAME="lo")
     env["DLRM_TEST_CACHE"] = str(cache)
     return env
 
 
 def train(
-    run_dir: Path, cache: Path, overrides: list[str], nproc: int = 2, check: bool = True, timeout: float = 300
+    run_dir: Path,
+    cache: Path,
+    overrides: list[str],
+    nproc: int = 2,
+    check: bool = True,
+    timeout: float = 300,
+    prefix: Sequence[str] = (),
 ) -> subprocess.CompletedProcess:
-    cmd = torchrun_cmd(nproc, [f"hydra.run.dir={run_dir}", f"data.cache_dir={cache}", *SMALL, *overrides])
+    """Train to the end; ``prefix`` runs torchrun under another command (e.g. ``ip netns exec NS``)."""
+    cmd = [*prefix, *torchrun_cmd(nproc, [f"hydra.run.dir={run_dir}", f"data.cache_dir={cache}", *SMALL, *overrides])]
     proc = subprocess.run(cmd, cwd=REPO, env=env_for(cache), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"trainer failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def launch(run_dir: Path, cache: Path, overrides: list[str], nproc: int = 2, max_restarts: int = 0) -> subprocess.Popen:
+    """Start training in the background (the caller waits for it, and kills it if need be)."""
+    cmd = torchrun_cmd(nproc, [f"hydra.run.dir={run_dir}", f"data.cache_dir={cache}", *SMALL, *overrides], max_restarts)
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=env_for(cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -58,4 +75,17 @@ def losses(run_dir: Path) -> dict[int, float]:
         if line.endswith("\n"):  # a line still being written has no newline yet
             it, loss = line.split()
             out[int(it)] = float(loss)
+    return out
+
+
+def worker_pids(agent_pid: int) -> dict[int, int]:
+    """rank -> pid of the trainer processes the torchrun agent started (not its helpers)."""
+    out = {}
+    for task in Path(f"/proc/{agent_pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+            environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            rank = [e.split(b"=", 1)[1] for e in environ if e.startswith(b"RANK=")]
+            if b"dlrm.train" in cmdline and rank:
+                out[int(rank[0])] = int(child)
     return out
