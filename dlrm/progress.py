@@ -85,7 +85,8 @@ class Progress:
             with open(self.loss_log, "a") as f:
                 f.write(f"{it} {float(loss)!r}\n")
         if self.strategy is not None:
-            self.strategy.step(it)  # compression/dense_comm=auto: calibrate, plan (a collective), re-plan
+            with named_collective(f"a collective of the auto strategy (calibration or plan) at iteration {it}"):
+                self.strategy.step(it)  # compression/dense_comm=auto: calibrate, plan (a collective), re-plan
 
     def close(self) -> None:
         self.bar.close()

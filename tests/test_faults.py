@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -48,7 +49,9 @@ def test_only_timeouts_are_renamed_and_the_innermost_name_wins():
 @pytest.mark.timeout(180)
 def test_a_stalled_rank_makes_the_others_fail_naming_the_collective_and_the_rank(tmp_path, cache):
     timeout_s, run_dir = 10, tmp_path / "run"
-    agent = launch(run_dir, cache, [f"comm_timeout_s={timeout_s}", "loss_log=true", "max_iterations=100000"], nproc=3)
+    output = tmp_path / "torchrun.log"
+    overrides = [f"comm_timeout_s={timeout_s}", "loss_log=true", "max_iterations=100000"]
+    agent = launch(run_dir, cache, overrides, output, nproc=3)
     workers: dict[int, int] = {}
     try:
         deadline = time.monotonic() + 120
@@ -67,9 +70,12 @@ def test_a_stalled_rank_makes_the_others_fail_naming_the_collective_and_the_rank
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
                 os.kill(pid, signal.SIGKILL)
-        if agent.poll() is None:
+        try:
+            agent.wait(timeout=60)
+        except subprocess.TimeoutExpired:
             agent.kill()
-        _, stderr = agent.communicate(timeout=60)
+            agent.wait()
+    stderr = output.read_text()
     # rank 0 gave up after comm_timeout_s (gloo's default would be 30 minutes) and its roll call
     assert timeout_s - 1 < waited < timeout_s + ROLL_CALL_S + 20, (waited, stderr[-3000:])
     assert agent.returncode != 0
@@ -77,7 +83,8 @@ def test_a_stalled_rank_makes_the_others_fail_naming_the_collective_and_the_rank
     found = re.search(message, stderr)
     assert found, stderr[-6000:]
     collective, who = found.groups()
-    assert re.search(r"(all-to-all|all-reduce|all-gather).* iteration \d+", collective), collective
+    # which one depends on where rank 1 stopped: each names its kind and the iteration
+    assert re.search(r"all-to-all|all-reduce|all-gather", collective) and re.search(r"iteration \d+", collective)
     assert who.startswith("rank(s) [1] did not answer"), who  # rank 2 answered: it waited on rank 1 too
     assert not any(_running(pid) for pid in workers.values())
 

@@ -115,7 +115,8 @@ def test_sigkilled_rank_restarts_from_the_last_checkpoint_and_finishes(tmp_path,
     run_dir, reference = tmp_path / "run", tmp_path / "reference"
     total, every = 60, 10
     common = ["loss_log=true", f"checkpoint.every={every}", "batch_size=32", f"max_iterations={total}"]
-    agent = launch(run_dir, cache, common, max_restarts=1)
+    output = tmp_path / "torchrun.log"
+    agent = launch(run_dir, cache, common, output, max_restarts=1)
     try:
         # Kill rank 1 mid-way between two checkpoints, past the first one: 2-5 iterations after a
         # multiple of 10, so that the restart has iterations to redo and no save is half-way.
@@ -129,11 +130,11 @@ def test_sigkilled_rank_restarts_from_the_last_checkpoint_and_finishes(tmp_path,
         workers = worker_pids(agent.pid)
         assert sorted(workers) == [0, 1], workers
         os.kill(workers[1], signal.SIGKILL)
-        _, stderr = agent.communicate(timeout=240)
+        agent.wait(timeout=240)
     finally:
         if agent.poll() is None:
             agent.kill()
-    assert agent.returncode == 0, stderr[-12000:]
+    assert agent.returncode == 0, output.read_text()[-12000:]
     assert json.loads((run_dir / "metrics.json").read_text())["iterations"] == total
 
     # losses.txt holds both attempts: 1 .. k from the first, then from the restart on.

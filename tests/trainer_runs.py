@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -54,18 +55,30 @@ def train(
 ) -> subprocess.CompletedProcess:
     """Train to the end; ``prefix`` runs torchrun under another command (e.g. ``ip netns exec NS``)."""
     cmd = [*prefix, *torchrun_cmd(nproc, [f"hydra.run.dir={run_dir}", f"data.cache_dir={cache}", *SMALL, *overrides])]
-    proc = subprocess.run(cmd, cwd=REPO, env=env_for(cache), capture_output=True, text=True, timeout=timeout)
+    # its own session, so that a run past its timeout goes with all its ranks (not only torchrun)
+    pipe = subprocess.PIPE
+    with subprocess.Popen(
+        cmd, cwd=REPO, env=env_for(cache), stdout=pipe, stderr=pipe, text=True, start_new_session=True
+    ) as agent:
+        try:
+            stdout, stderr = agent.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(agent.pid, signal.SIGKILL)
+            raise
+    proc = subprocess.CompletedProcess(cmd, agent.returncode, stdout, stderr)
     if check and proc.returncode != 0:
         raise AssertionError(f"trainer failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
 
 
-def launch(run_dir: Path, cache: Path, overrides: list[str], nproc: int = 2, max_restarts: int = 0) -> subprocess.Popen:
-    """Start training in the background (the caller waits for it, and kills it if need be)."""
+def launch(
+    run_dir: Path, cache: Path, overrides: list[str], output: Path, nproc: int = 2, max_restarts: int = 0
+) -> subprocess.Popen:
+    """Start training in the background, its stdout and stderr to the file ``output`` (a pipe that
+    no one reads while the caller waits would fill and stall the ranks); the caller waits for it."""
     cmd = torchrun_cmd(nproc, [f"hydra.run.dir={run_dir}", f"data.cache_dir={cache}", *SMALL, *overrides], max_restarts)
-    return subprocess.Popen(
-        cmd, cwd=REPO, env=env_for(cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    with open(output, "w") as out:
+        return subprocess.Popen(cmd, cwd=REPO, env=env_for(cache), stdout=out, stderr=subprocess.STDOUT, text=True)
 
 
 def losses(run_dir: Path) -> dict[int, float]:
