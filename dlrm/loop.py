@@ -19,9 +19,6 @@ from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from dlrm.comm.timeout import named_collective
 from dlrm.metrics import Evaluator
 
-# What a timed-out collective of a training step is when our own code did not name it.
-ISSUED_ELSEWHERE = "issued by TorchRec or DDP (the sparse input all-to-all or the dense gradient all-reduce)"
-
 
 @dataclass
 class TrainState:
@@ -147,6 +144,12 @@ def train(
         for o in observers:
             o.step_end(model)
 
+    def unnamed() -> str:  # a timed-out collective of a step that our own code did not name
+        return (
+            f"a collective of training iteration {state.iteration + 1} issued by TorchRec or DDP (the sparse "
+            "input all-to-all or the dense gradient all-reduce)"
+        )
+
     while state.iteration < plan.total:
         if state.batch_in_epoch >= plan.steps_per_epoch:
             state.epoch, state.batch_in_epoch = state.epoch + 1, 0
@@ -156,9 +159,7 @@ def train(
             o.segment_start(model)
         before, t0 = state.iteration, time.perf_counter()
         try:
-            with named_collective(
-                lambda: f"a collective of training iteration {state.iteration + 1} " + ISSUED_ELSEWHERE
-            ):
+            with named_collective(unnamed):
                 stepper.run(segment, step)
         finally:
             for o in observers:
