@@ -172,6 +172,7 @@ def test_sigkilled_rank_restarts_from_the_last_checkpoint_and_finishes(tmp_path,
         # a bound the default dual policy would ignore names the keys that set it
         ("compression.forward.eb=0.02", "policy.forward.bounds.{tight,base,loose} and policy.forward.scale"),
         ("policy.forward.eb=0.02", "kind dual takes no ['eb']"),
+        ("comm_timeout_s=0", "config key 'comm_timeout_s' must be a positive number of seconds (got 0)"),
     ],
 )
 def test_bad_override_fails_with_a_message_naming_it(tmp_path, cache, override, message):
