@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from data.loader import CriteoBatches, criteo_batches, dataset_info, parse_stem
 from data.preprocess import prepare_sample
+from dlrm.comm.timeout import named_collective
 from dlrm.env import DistEnv
 
 
@@ -60,7 +61,8 @@ def prepare_data(cfg: Mapping[str, Any], env: DistEnv) -> Path:
     if env.is_main:
         build()
     if dist.is_initialized():
-        dist.barrier()
+        with named_collective("the barrier while rank 0 prepares the data cache (raise comm_timeout_s for large data)"):
+            dist.barrier()
     return path
 
 

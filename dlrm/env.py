@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.rendezvous import rendezvous
 
+from dlrm.comm.timeout import enable_roll_call
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -29,8 +31,11 @@ def init_distributed(device: str = "auto", timeout_s: float = 600.0) -> DistEnv:
     """Join the torchrun job (or make a 1-process group) on CUDA/NCCL when available, else CPU/gloo.
 
     A process group exists even for one process, so TorchRec's DistributedModelParallel and the
-    metrics take the same path everywhere.
+    metrics take the same path everywhere. ``timeout_s`` (config key ``comm_timeout_s``) bounds how
+    long a collective waits for a silent peer (:mod:`dlrm.comm.timeout` names both in the error).
     """
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+        raise ValueError(f"config key 'comm_timeout_s' must be a positive number of seconds (got {timeout_s!r})")
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -57,6 +62,7 @@ def init_distributed(device: str = "auto", timeout_s: float = 600.0) -> DistEnv:
         store, _, _ = next(rendezvous("env://", rank, world_size, timeout=timeout))
         store = dist.PrefixStore(f"dlrm/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        enable_roll_call(store, rank, world_size, timeout_s)
     return DistEnv(rank, world_size, local_rank, local_world_size, dev, backend)
 
 

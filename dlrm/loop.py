@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
+from dlrm.comm.timeout import named_collective
 from dlrm.metrics import Evaluator
 
 
@@ -143,6 +144,12 @@ def train(
         for o in observers:
             o.step_end(model)
 
+    def unnamed() -> str:  # a timed-out collective of a step that our own code did not name
+        return (
+            f"a collective of training iteration {state.iteration + 1} issued by TorchRec or DDP (the sparse "
+            "input all-to-all or the dense gradient all-reduce)"
+        )
+
     while state.iteration < plan.total:
         if state.batch_in_epoch >= plan.steps_per_epoch:
             state.epoch, state.batch_in_epoch = state.epoch + 1, 0
@@ -152,7 +159,8 @@ def train(
             o.segment_start(model)
         before, t0 = state.iteration, time.perf_counter()
         try:
-            stepper.run(segment, step)
+            with named_collective(unnamed):
+                stepper.run(segment, step)
         finally:
             for o in observers:
                 o.segment_end(model)
@@ -167,12 +175,14 @@ def evaluate(model: torch.nn.Module, batches: Iterable[Any], device: torch.devic
     """One pass over ``batches`` in eval mode; metrics are synchronized across ranks."""
     model.eval()
     evaluator = Evaluator(device)
-    for batch in batches:
-        batch = batch.to(device)
-        _, (_, logits, labels) = model(batch)
-        evaluator.update(logits, labels)
+    with named_collective("the sparse input all-to-all (TorchRec's) of an evaluation pass"):
+        for batch in batches:
+            batch = batch.to(device)
+            _, (_, logits, labels) = model(batch)
+            evaluator.update(logits, labels)
     model.train()
-    return evaluator.compute()
+    with named_collective("the metric all-reduce of an evaluation pass"):
+        return evaluator.compute()
 
 
 def take(iterator: Iterator[Any], n: int | None) -> Iterator[Any]:

@@ -14,6 +14,7 @@ from tqdm import tqdm
 from compression.policies import DIRECTIONS, Policy
 from dlrm.comm import comm_stats_all_ranks
 from dlrm.comm.dense import DenseComm
+from dlrm.comm.timeout import named_collective
 from dlrm.env import DistEnv
 from dlrm.loop import TrainState
 from dlrm.optim import WarmupDecayLR
@@ -72,7 +73,8 @@ class Progress:
                 },
                 it,
             )
-            comm = comm_stats_all_ranks(self.model, dense=self.dense)  # a collective: every rank logs
+            with named_collective(f"the all-gather of comm statistics at iteration {it}"):
+                comm = comm_stats_all_ranks(self.model, dense=self.dense)  # a collective: every rank logs
             self.tb.scalars(comm, it)
             if self.policy is not None and self.feedback is not None:
                 # the bounds this iteration used (the dists count iterations from 0), before feedback
@@ -83,7 +85,8 @@ class Progress:
             with open(self.loss_log, "a") as f:
                 f.write(f"{it} {float(loss)!r}\n")
         if self.strategy is not None:
-            self.strategy.step(it)  # compression/dense_comm=auto: calibrate, plan (a collective), re-plan
+            with named_collective(f"a collective of the auto strategy (calibration or plan) at iteration {it}"):
+                self.strategy.step(it)  # compression/dense_comm=auto: calibrate, plan (a collective), re-plan
 
     def close(self) -> None:
         self.bar.close()

@@ -49,7 +49,7 @@ for _module in ("torchrec", "fbgemm_gpu", "torch.distributed", "torchmetrics"):
 
 
 def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) -> dict[str, Any]:
-    env = init_distributed(cfg.device)
+    env = init_distributed(cfg.device, cfg.comm_timeout_s)
     torch.manual_seed(cfg.seed)
     data = RunData.from_config(cfg.data, env, cfg.seed)
     dim = int(cfg.model.embedding_dim)

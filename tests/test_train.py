@@ -14,7 +14,7 @@ import pytest
 import torch
 from run_artifacts import checkpoint_tensors, flatten, raw_losses
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from trainer_runs import REPO, SMALL, env_for, losses, torchrun_cmd, train
+from trainer_runs import REPO, env_for, launch, losses, train, worker_pids
 
 METRIC_KEYS = {
     "auc",
@@ -111,32 +111,12 @@ def test_crash_during_save_leaves_previous_checkpoint_usable(tmp_path, cache):
     assert proc.returncode == 0
 
 
-def _worker_pids(agent_pid: int) -> dict[int, int]:
-    """rank -> pid of the trainer processes the torchrun agent started (not its helpers)."""
-    out = {}
-    for task in Path(f"/proc/{agent_pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            cmdline = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
-            environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
-            rank = [e.split(b"=", 1)[1] for e in environ if e.startswith(b"RANK=")]
-            if b"dlrm.train" in cmdline and rank:
-                out[int(rank[0])] = int(child)
-    return out
-
-
 def test_sigkilled_rank_restarts_from_the_last_checkpoint_and_finishes(tmp_path, cache):
     run_dir, reference = tmp_path / "run", tmp_path / "reference"
     total, every = 60, 10
     common = ["loss_log=true", f"checkpoint.every={every}", "batch_size=32", f"max_iterations={total}"]
-    overrides = [f"hydra.run.dir={run_dir}", f"data.cache_dir={cache}", *SMALL, *common]
-    agent = subprocess.Popen(
-        torchrun_cmd(2, overrides, max_restarts=1),
-        cwd=REPO,
-        env=env_for(cache),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    output = tmp_path / "torchrun.log"
+    agent = launch(run_dir, cache, common, output, max_restarts=1)
     try:
         # Kill rank 1 mid-way between two checkpoints, past the first one: 2-5 iterations after a
         # multiple of 10, so that the restart has iterations to redo and no save is half-way.
@@ -147,14 +127,14 @@ def test_sigkilled_rank_restarts_from_the_last_checkpoint_and_finishes(tmp_path,
                 break
             time.sleep(0.02)
         assert done > every and 2 <= done % every <= 5, f"training did not reach a kill point in time ({done})"
-        workers = _worker_pids(agent.pid)
+        workers = worker_pids(agent.pid)
         assert sorted(workers) == [0, 1], workers
         os.kill(workers[1], signal.SIGKILL)
-        _, stderr = agent.communicate(timeout=240)
+        agent.wait(timeout=240)
     finally:
         if agent.poll() is None:
             agent.kill()
-    assert agent.returncode == 0, stderr[-12000:]
+    assert agent.returncode == 0, output.read_text()[-12000:]
     assert json.loads((run_dir / "metrics.json").read_text())["iterations"] == total
 
     # losses.txt holds both attempts: 1 .. k from the first, then from the restart on.
@@ -192,6 +172,7 @@ def test_sigkilled_rank_restarts_from_the_last_checkpoint_and_finishes(tmp_path,
         # a bound the default dual policy would ignore names the keys that set it
         ("compression.forward.eb=0.02", "policy.forward.bounds.{tight,base,loose} and policy.forward.scale"),
         ("policy.forward.eb=0.02", "kind dual takes no ['eb']"),
+        ("comm_timeout_s=0", "config key 'comm_timeout_s' must be a positive number of seconds (got 0)"),
     ],
 )
 def test_bad_override_fails_with_a_message_naming_it(tmp_path, cache, override, message):

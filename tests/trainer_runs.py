@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from multiprocess import free_port
@@ -36,19 +38,47 @@ def torchrun_cmd(nproc: int, overrides: list[str], max_restarts: int = 0) -> lis
 
 
 def env_for(cache: Path) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    # gloo binds to loopback: the only link inside a test's private network namespace
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), GLOO_SOCKET_IFNAME="lo")
     env["DLRM_TEST_CACHE"] = str(cache)
     return env
 
 
 def train(
-    run_dir: Path, cache: Path, overrides: list[str], nproc: int = 2, check: bool = True, timeout: float = 300
+    run_dir: Path,
+    cache: Path,
+    overrides: list[str],
+    nproc: int = 2,
+    check: bool = True,
+    timeout: float = 300,
+    prefix: Sequence[str] = (),
 ) -> subprocess.CompletedProcess:
-    cmd = torchrun_cmd(nproc, [f"hydra.run.dir={run_dir}", f"data.cache_dir={cache}", *SMALL, *overrides])
-    proc = subprocess.run(cmd, cwd=REPO, env=env_for(cache), capture_output=True, text=True, timeout=timeout)
+    """Train to the end; ``prefix`` runs torchrun under another command (e.g. ``ip netns exec NS``)."""
+    cmd = [*prefix, *torchrun_cmd(nproc, [f"hydra.run.dir={run_dir}", f"data.cache_dir={cache}", *SMALL, *overrides])]
+    # its own session, so that a run past its timeout goes with all its ranks (not only torchrun)
+    pipe = subprocess.PIPE
+    with subprocess.Popen(
+        cmd, cwd=REPO, env=env_for(cache), stdout=pipe, stderr=pipe, text=True, start_new_session=True
+    ) as agent:
+        try:
+            stdout, stderr = agent.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(agent.pid, signal.SIGKILL)
+            raise
+    proc = subprocess.CompletedProcess(cmd, agent.returncode, stdout, stderr)
     if check and proc.returncode != 0:
         raise AssertionError(f"trainer failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def launch(
+    run_dir: Path, cache: Path, overrides: list[str], output: Path, nproc: int = 2, max_restarts: int = 0
+) -> subprocess.Popen:
+    """Start training in the background, its stdout and stderr to the file ``output`` (a pipe that
+    no one reads while the caller waits would fill and stall the ranks); the caller waits for it."""
+    cmd = torchrun_cmd(nproc, [f"hydra.run.dir={run_dir}", f"data.cache_dir={cache}", *SMALL, *overrides], max_restarts)
+    with open(output, "w") as out:
+        return subprocess.Popen(cmd, cwd=REPO, env=env_for(cache), stdout=out, stderr=subprocess.STDOUT, text=True)
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -58,4 +88,17 @@ def losses(run_dir: Path) -> dict[int, float]:
         if line.endswith("\n"):  # a line still being written has no newline yet
             it, loss = line.split()
             out[int(it)] = float(loss)
+    return out
+
+
+def worker_pids(agent_pid: int) -> dict[int, int]:
+    """rank -> pid of the trainer processes the torchrun agent started (not its helpers)."""
+    out = {}
+    for task in Path(f"/proc/{agent_pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+            environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            rank = [e.split(b"=", 1)[1] for e in environ if e.startswith(b"RANK=")]
+            if b"dlrm.train" in cmdline and rank:
+                out[int(rank[0])] = int(child)
     return out

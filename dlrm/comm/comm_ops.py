@@ -32,6 +32,7 @@ from dlrm.comm.codec import CompressedCommError, DirectionCodec
 from dlrm.comm.ids import keep_first_duplicates, sum_duplicates
 from dlrm.comm.instrument import embedding_collective, on_the_wire
 from dlrm.comm.stats import CommStats
+from dlrm.comm.timeout import named_collective
 
 
 class Blocks(NamedTuple):
@@ -204,6 +205,10 @@ def _sample(
         c += w
 
 
+def _a2a_name(info: CompressedA2AInfo, d: str) -> str:
+    return f"the {d} pooled-embedding all-to-all ({info.where}, iteration {info.iteration})"
+
+
 def _send_raw(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[torch.Tensor]) -> _Transfer:
     """compression=auto with every table of the collective at ``none``: TorchRec's own exchange,
     the rows as they are (no id dedup, framing or size exchange: both sides know the shapes), so
@@ -228,7 +233,7 @@ def _send_raw(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: li
                 stats.maximum(f"{d}/max_abs_error/{f}", 0.0)
         stats.add(f"{d}/raw_bytes", chunk.numel() * elt)
     t1 = time.perf_counter()
-    with embedding_collective(d):
+    with embedding_collective(d), named_collective(_a2a_name(info, d)):
         work = dist.all_to_all_single(recv_buf, send_buf, recv_sizes, send_sizes, group=pg, async_op=True)
     t2 = time.perf_counter()
     stats.add(f"{d}/wire_bytes", sum(send_sizes) * like.element_size())
@@ -302,7 +307,7 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
     device = chunks[me].device
     send_sizes = [0 if p is None else int(p.numel()) for p in payloads]
     recv_t = torch.empty(ws, dtype=torch.int64, device=device)
-    with embedding_collective(d):
+    with embedding_collective(d), named_collective(f"the size exchange of {_a2a_name(info, d)}"):
         dist.all_to_all_single(recv_t, torch.tensor(send_sizes, dtype=torch.int64, device=device), group=pg)
     recv_sizes = recv_t.tolist()
     sent = [p for p in payloads if p is not None]
@@ -315,7 +320,7 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
             f"all-to-all at iteration "
             f"{info.iteration} returned negative sizes (rank, size) {bad}"
         )
-    with embedding_collective(d):
+    with embedding_collective(d), named_collective(_a2a_name(info, d)):
         work = dist.all_to_all_single(recv_buf, send_buf, recv_sizes, send_sizes, group=pg, async_op=True)
     t2 = time.perf_counter()
     stats.add(f"{d}/wire_bytes", sum(send_sizes) + 8 * (ws - 1))
@@ -334,7 +339,7 @@ def _receive(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, tr: _Transf
     me, ws = pg.rank(), pg.size()
     t0 = time.perf_counter()
     if tr.work is not None:
-        with embedding_collective(d):
+        with embedding_collective(d), named_collective(_a2a_name(info, d)):
             tr.work.wait()
     t1 = time.perf_counter()
     target = layout.output(d, tr.self_part)

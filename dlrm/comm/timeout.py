@@ -1,0 +1,96 @@
+"""Collectives that time out by name.
+
+A peer that stops answering (stopped, hung, cut off) makes gloo raise, after the process group's
+timeout (config key ``comm_timeout_s``), only "Timed out waiting Nms for recv operation to
+complete" or "Application timeout caused pair closure": neither the collective nor the peer. Code
+that issues collectives wraps them in :func:`named_collective`, which re-raises that error as
+:class:`CollectiveTimeout` naming the collective, this rank, and the ranks that did not answer a
+roll call in the process group's store (under torchrun the store lives in the agent, so a stalled
+rank cannot hold it up). The innermost name wins. A rank that dies outright is not a timeout:
+gloo reports the closed connection at once (and torchrun restarts the job, if allowed).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+# gloo's words for it: the waiting op's own, or the pair's once a timeout closed it (DDP's all-reduce)
+GLOO_TIMEOUT = re.compile(r"Timed out waiting \d+ms for (send|recv) operation|Application timeout caused pair closure")
+ROLL_CALL_S = 5.0  # how long a timed-out rank waits for the other survivors to report in
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective waited ``comm_timeout_s`` for a peer; the message names it and the silent ranks."""
+
+
+@dataclass(frozen=True)
+class _RollCall:
+    store: dist.Store
+    rank: int
+    world_size: int
+    timeout_s: float
+
+
+_roll_call: _RollCall | None = None
+
+
+def enable_roll_call(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:
+    """Let timeouts name the silent ranks: ``store`` is the process group's (one per attempt)."""
+    global _roll_call
+    _roll_call = _RollCall(store, rank, world_size, timeout_s)
+
+
+def silent_ranks(rc: _RollCall, collective: str, wait_s: float = ROLL_CALL_S) -> list[int] | None:
+    """Report in, then wait up to ``wait_s`` for every rank to: those that never do are stalled or
+    gone (survivors time out too, at about the same moment). None if the store cannot be reached."""
+    key = "dlrm/timed_out/{}".format
+    try:
+        rc.store.set_timeout(timedelta(seconds=wait_s))
+        rc.store.set(key(rc.rank), collective)
+        deadline = time.monotonic() + wait_s
+        while True:
+            missing = [r for r in range(rc.world_size) if not rc.store.check([key(r)])]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(0.1)
+    except RuntimeError:  # the store went too (its host stalled or died): we do not know
+        return None
+
+
+def describe(collective: str, error: BaseException) -> str:
+    """The message of a timed-out ``collective``: this rank, the timeout, the silent ranks, gloo's words."""
+    rc = _roll_call
+    if rc is None:
+        return f"{collective} timed out waiting for a peer ({error})"
+    silent = silent_ranks(rc, collective)
+    if silent is None:
+        who = "which ranks stopped answering is unknown (the store is unreachable)"
+    elif silent:
+        who = f"rank(s) {silent} did not answer a roll call within {ROLL_CALL_S:g} s more (stalled, stopped or cut off)"
+    else:
+        who = "every rank answered a roll call afterwards (a slow peer, or collectives issued in different orders)"
+    return (
+        f"rank {rc.rank} of {rc.world_size}: {collective} timed out after comm_timeout_s={rc.timeout_s:g} s; "
+        f"{who}. gloo: {error}"
+    )
+
+
+@contextmanager
+def named_collective(name: str | Callable[[], str]) -> Iterator[None]:
+    """Collectives issued inside that time out raise :class:`CollectiveTimeout` naming ``name``
+    (a string, or a function giving it at the time of the failure)."""
+    try:
+        yield
+    except CollectiveTimeout:
+        raise
+    except RuntimeError as e:
+        if not GLOO_TIMEOUT.search(str(e)):
+            raise
+        raise CollectiveTimeout(describe(name() if callable(name) else name, e)) from e
