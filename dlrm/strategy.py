@@ -245,7 +245,8 @@ class StrategyController:
                 # iterations every rank counts alike
                 measured = self._slowest_recent()
                 predicted = self.plans[-1]["predicted_iteration_ms"] / 1e3
-                if abs(measured / predicted - 1) > self.spec.drift:
+                # predicted 0: the model gave the codecs it calibrated with the whole measured time
+                if predicted <= 0 or abs(measured / predicted - 1) > self.spec.drift:
                     log.info(
                         "strategy: %.1f ms per iteration against %.1f predicted; re-planning from the measured time",
                         1e3 * measured,
