@@ -163,8 +163,11 @@ def train(
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: Iterable[Any], device: torch.device) -> dict[str, float]:
-    """One pass over ``batches`` in eval mode; metrics are synchronized across ranks."""
+def evaluate(
+    model: torch.nn.Module, batches: Iterable[Any], device: torch.device, split: str
+) -> dict[str, float | None]:
+    """One pass over the ``split``'s ``batches`` in eval mode; metrics are synchronized across ranks
+    (``auc`` is None where undefined: a split of one class)."""
     model.eval()
     evaluator = Evaluator(device)
     for batch in batches:
@@ -172,7 +175,7 @@ def evaluate(model: torch.nn.Module, batches: Iterable[Any], device: torch.devic
         _, (_, logits, labels) = model(batch)
         evaluator.update(logits, labels)
     model.train()
-    return evaluator.compute()
+    return evaluator.compute(split)
 
 
 def take(iterator: Iterator[Any], n: int | None) -> Iterator[Any]:
