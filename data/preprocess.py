@@ -23,7 +23,9 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from multiprocessing.pool import Pool
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -122,76 +124,14 @@ def preprocess(
         for start, end in line_spans(p, _span_count(p, workers, span_bytes))
     ]
     with _worker_pool(workers) as pool:
-        # Pass 1: validate, count rows/positives/bad rows, count raw values per feature.
-        counters = [ValueCounter() for _ in range(NUM_SPARSE)]
-        infos: list[dict[str, Any]] = [
-            {"stem": stem, "source": os.path.abspath(p), "bytes": os.path.getsize(p), "rows": 0, "positives": 0}
-            for p, stem in zip(paths, stems, strict=True)
-        ]
-        lines = [0] * len(paths)  # lines of each file counted so far
-        bad: list[list[str]] = [[] for _ in paths]
-        bad_count = 0
-        parts: list[SpanRows] = []  # where pass 2 puts each span
-        results = _ordered_map(pool, functools.partial(count_span, opts=opts), spans)
-        for k, span in enumerate(spans):
-            info, first_line = infos[span.file], lines[span.file] + 1
-            try:
-                counts = next(results)
-            except CriteoFormatError as e:  # the span numbered its lines from 1
-                raise CriteoFormatError(e.path, e.line + first_line - 1, e.reason) from None
-            parts.append(SpanRows(span, first_line, info["stem"], info["rows"], counts.rows))
-            info["rows"] += counts.rows
-            info["positives"] += counts.positives
-            lines[span.file] += counts.lines
-            bad_count += counts.n_bad
-            bad[span.file] += [f"{span.path}:{line + first_line - 1}: {why}" for line, why in counts.bad]
-            for counter, (values, n) in zip(counters, counts.values, strict=True):
-                counter.add_counts(values, n)
-            if k + 1 == len(spans) or spans[k + 1].file != span.file:
-                _log(verbose, f"pass 1: {span.path}: {info['rows']} rows, {info['positives']} positives")
-        bad_first = [line for file_bad in bad for line in file_bad[:MAX_REPORTED_BAD_ROWS]]
-        if bad_count:
-            print(
-                f"dlrm-preprocess: skipped {bad_count} malformed rows; first: " + "; ".join(bad_first[:3]),
-                file=sys.stderr,
-            )
-        id_maps = []
-        distinct = []
-        for c in counters:
-            values, n = c.result()
-            distinct.append(len(values))
-            id_maps.append(IdMap.from_counts(values, n, frequency_threshold))
-        del counters
-        num_embeddings = [m.num_embeddings for m in id_maps]
-        ids_dtype = sparse_dtype(num_embeddings)
+        counted = _count_pass(pool, spans, paths, stems, opts, frequency_threshold, verbose)
         t1 = time.perf_counter()
-
-        # Pass 2: parse again; each span writes its rows of its file's arrays in place.
-        with atomic_dataset_dir(out, overwrite=overwrite) as tmp, contextlib.ExitStack() as stack:
-            for info in infos:
-                for kind, row_shape, dtype in (
-                    ("dense", (NUM_DENSE,), DENSE_DTYPE),
-                    ("sparse", (NUM_SPARSE,), ids_dtype),
-                    ("labels", (), LABEL_DTYPE),
-                ):
-                    create_npy(array_path(tmp, info["stem"], kind), info["rows"], row_shape, dtype)
-            if pool is None:
-                write = functools.partial(write_span, out_dir=tmp, id_maps=id_maps, opts=opts)
-            else:  # workers map the vocabulary from files instead of each receiving a copy
-                vocab_dir = stack.enter_context(
-                    tempfile.TemporaryDirectory(prefix=f".{out.name}.vocab-", dir=out.parent)
-                )
-                save_id_maps(id_maps, Path(vocab_dir))
-                write = functools.partial(
-                    write_span_from_saved, out_dir=tmp, vocab_dir=vocab_dir, threshold=frequency_threshold, opts=opts
-                )
-            for k, _ in enumerate(_ordered_map(pool, write, parts)):
-                if k + 1 == len(parts) or parts[k + 1].span.file != parts[k].span.file:
-                    _log(verbose, f"pass 2: {parts[k].span.path}: wrote {parts[k].stem}_*.npy")
+        with atomic_dataset_dir(out, overwrite=overwrite) as tmp:
+            _write_pass(pool, counted, tmp, opts, frequency_threshold, verbose)
             meta = base_meta(
                 fmt,
-                num_embeddings,
-                infos,
+                counted.num_embeddings,
+                counted.infos,
                 {
                     "frequency_threshold": frequency_threshold,
                     "max_ind_range": max_ind_range,
@@ -199,12 +139,108 @@ def preprocess(
                 },
                 reserved_rare=frequency_threshold > 0,
             )
-            meta["distinct_values"] = distinct
-            meta["bad_rows"] = {"count": bad_count, "first": bad_first[:MAX_REPORTED_BAD_ROWS]}
+            meta["distinct_values"] = counted.distinct
+            meta["bad_rows"] = {"count": counted.bad_count, "first": counted.bad_first}
             meta["seconds"] = {"count_pass": round(t1 - t0, 3), "write_pass": round(time.perf_counter() - t1, 3)}
             meta.update(extra_meta or {})
             write_meta(tmp, meta)
     return meta
+
+
+@dataclass
+class _Counted:
+    """What pass 1 learns: per-file info (meta.json ``files``), where each span's rows go, the
+    vocabulary, and the malformed rows."""
+
+    infos: list[dict[str, Any]]
+    parts: list[SpanRows]
+    id_maps: list[IdMap]
+    distinct: list[int]
+    bad_count: int
+    bad_first: list[str]
+
+    @property
+    def num_embeddings(self) -> list[int]:
+        return [m.num_embeddings for m in self.id_maps]
+
+
+def _count_pass(
+    pool: ProcessPoolExecutor | None,
+    spans: list[Span],
+    paths: list[str],
+    stems: list[str],
+    opts: ParseOptions,
+    threshold: int,
+    verbose: bool,
+) -> _Counted:
+    """Pass 1: validate, count rows/positives/bad rows and the raw values of each feature; spans'
+    results are taken in file order, which turns their own line numbers into the file's."""
+    counters = [ValueCounter() for _ in range(NUM_SPARSE)]
+    infos: list[dict[str, Any]] = [
+        {"stem": stem, "source": os.path.abspath(p), "bytes": os.path.getsize(p), "rows": 0, "positives": 0}
+        for p, stem in zip(paths, stems, strict=True)
+    ]
+    lines = [0] * len(paths)  # lines of each file counted so far
+    bad: list[list[str]] = [[] for _ in paths]
+    bad_count = 0
+    parts: list[SpanRows] = []
+    results = _ordered_map(pool, functools.partial(count_span, opts=opts), spans)
+    for k, span in enumerate(spans):
+        info, first_line = infos[span.file], lines[span.file] + 1
+        try:
+            counts = next(results)
+        except CriteoFormatError as e:  # the span numbered its lines from 1
+            raise CriteoFormatError(e.path, e.line + first_line - 1, e.reason) from None
+        parts.append(SpanRows(span, first_line, info["stem"], info["rows"], counts.rows))
+        info["rows"] += counts.rows
+        info["positives"] += counts.positives
+        lines[span.file] += counts.lines
+        bad_count += counts.n_bad
+        bad[span.file] += [f"{span.path}:{line + first_line - 1}: {why}" for line, why in counts.bad]
+        for counter, (values, n) in zip(counters, counts.values, strict=True):
+            counter.add_counts(values, n)
+        if k + 1 == len(spans) or spans[k + 1].file != span.file:
+            _log(verbose, f"pass 1: {span.path}: {info['rows']} rows, {info['positives']} positives")
+    bad_first = [line for file_bad in bad for line in file_bad[:MAX_REPORTED_BAD_ROWS]][:MAX_REPORTED_BAD_ROWS]
+    if bad_count:
+        print(
+            f"dlrm-preprocess: skipped {bad_count} malformed rows; first: " + "; ".join(bad_first[:3]), file=sys.stderr
+        )
+    results_by_feature = [c.result() for c in counters]
+    return _Counted(
+        infos,
+        parts,
+        [IdMap.from_counts(values, n, threshold) for values, n in results_by_feature],
+        [len(values) for values, _ in results_by_feature],
+        bad_count,
+        bad_first,
+    )
+
+
+def _write_pass(
+    pool: ProcessPoolExecutor | None, counted: _Counted, tmp: Path, opts: ParseOptions, threshold: int, verbose: bool
+) -> None:
+    """Pass 2: parse again; each span writes its rows of its file's arrays in place."""
+    ids_dtype = sparse_dtype(counted.num_embeddings)
+    for info in counted.infos:
+        for kind, row_shape, dtype in (
+            ("dense", (NUM_DENSE,), DENSE_DTYPE),
+            ("sparse", (NUM_SPARSE,), ids_dtype),
+            ("labels", (), LABEL_DTYPE),
+        ):
+            create_npy(array_path(tmp, info["stem"], kind), info["rows"], row_shape, dtype)
+    parts = counted.parts
+    with tempfile.TemporaryDirectory(prefix=f"{tmp.name}.vocab-", dir=tmp.parent) as vocab_dir:
+        if pool is None:
+            write = functools.partial(write_span, out_dir=tmp, id_maps=counted.id_maps, opts=opts)
+        else:  # workers map the vocabulary from files instead of each receiving a copy
+            save_id_maps(counted.id_maps, Path(vocab_dir))
+            write = functools.partial(
+                write_span_from_saved, out_dir=tmp, vocab_dir=vocab_dir, threshold=threshold, opts=opts
+            )
+        for k, _ in enumerate(_ordered_map(pool, write, parts)):
+            if k + 1 == len(parts) or parts[k + 1].span.file != parts[k].span.file:
+                _log(verbose, f"pass 2: {parts[k].span.path}: wrote {parts[k].stem}_*.npy")
 
 
 def _span_count(path: str, workers: int, span_bytes: int) -> int:
@@ -218,18 +254,22 @@ def _span_count(path: str, workers: int, span_bytes: int) -> int:
 
 
 @contextlib.contextmanager
-def _worker_pool(workers: int) -> Iterator[Pool | None]:
-    """``workers`` spawned processes (None: work in this process); stopped on exit, even on error."""
+def _worker_pool(workers: int) -> Iterator[ProcessPoolExecutor | None]:
+    """``workers`` spawned processes (None: work in this process). A worker that dies (killed for
+    memory, say) fails the run instead of hanging it; on any error, queued spans are dropped."""
     if workers == 1:
         yield None
         return
-    with multiprocessing.get_context("spawn").Pool(workers) as pool:  # exit terminates the workers
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    try:
         yield pool
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _ordered_map(pool: Pool | None, fn: Callable[[Any], T], items: Sequence[Any]) -> Iterator[T]:
+def _ordered_map(pool: ProcessPoolExecutor | None, fn: Callable[[Any], T], items: Sequence[Any]) -> Iterator[T]:
     """``fn`` over ``items``, results in order (an item's exception is raised at its turn)."""
-    return map(fn, items) if pool is None else pool.imap(fn, items)
+    return map(fn, items) if pool is None else pool.map(fn, items)
 
 
 def _sample_matches(meta: dict[str, Any]) -> bool:
@@ -316,6 +356,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except (CriteoFormatError, DatasetError, FileExistsError, FileNotFoundError, ValueError) as e:
         print(f"dlrm-preprocess: error: {e}", file=sys.stderr)
+        return 1
+    except BrokenProcessPool:
+        print("dlrm-preprocess: error: a worker process died (out of memory?); try fewer --workers", file=sys.stderr)
         return 1
     if not a.quiet:
         rows = ", ".join(f"{f['stem']}={f['rows']}" for f in meta["files"])
