@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import json
+import math
 import os
 import shutil
 import uuid
@@ -103,19 +104,29 @@ class NpyWriter:
     """Append rows to a .npy file of known final shape without holding it in memory.
 
     The header is written first from the row count, so memory stays flat whatever the size;
-    ``close`` fails if fewer or more rows than announced were written.
+    ``close`` fails if fewer or more rows than announced were written. With ``first_row``, the
+    writer instead fills rows [first_row, first_row + rows) of a file that ``create_npy`` made,
+    so several processes can write one array side by side.
     """
 
-    def __init__(self, path: Path, rows: int, row_shape: tuple[int, ...], dtype: np.dtype) -> None:
+    def __init__(
+        self, path: Path, rows: int, row_shape: tuple[int, ...], dtype: np.dtype, first_row: int | None = None
+    ) -> None:
         self.path, self.rows, self.row_shape, self.dtype = path, rows, tuple(row_shape), np.dtype(dtype)
         self.written = 0
-        self._f: BinaryIO = open(path, "wb")  # noqa: SIM115  (owned by the writer, closed by close())
-        header = {
-            "descr": np.lib.format.dtype_to_descr(self.dtype),
-            "fortran_order": False,
-            "shape": (rows, *self.row_shape),
-        }
-        np.lib.format.write_array_header_2_0(self._f, header)
+        if first_row is None:
+            self._f: BinaryIO = open(path, "wb")  # noqa: SIM115  (owned by the writer, closed by close())
+            np.lib.format.write_array_header_2_0(self._f, _header(rows, self.row_shape, self.dtype))
+            return
+        self._f = open(path, "r+b")  # noqa: SIM115
+        np.lib.format.read_magic(self._f)
+        shape, _, file_dtype = np.lib.format.read_array_header_2_0(self._f)
+        if shape[1:] != self.row_shape or file_dtype != self.dtype or first_row + rows > shape[0]:
+            self._f.close()
+            raise ValueError(
+                f"{path}: rows {first_row}..{first_row + rows} of {self.dtype} {self.row_shape} do not fit"
+            )
+        self._f.seek(first_row * self.dtype.itemsize * math.prod(self.row_shape), os.SEEK_CUR)
 
     def write(self, block: np.ndarray) -> None:
         """Append ``block`` [k, *row_shape], cast to the file's dtype."""
@@ -131,6 +142,18 @@ class NpyWriter:
         self._f.close()
         if self.written != self.rows:
             raise ValueError(f"{self.path}: wrote {self.written} rows, announced {self.rows}")
+
+
+def _header(rows: int, row_shape: tuple[int, ...], dtype: np.dtype) -> dict[str, Any]:
+    return {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (rows, *row_shape)}
+
+
+def create_npy(path: Path, rows: int, row_shape: tuple[int, ...], dtype: np.dtype) -> None:
+    """An unfilled .npy file of ``rows`` rows (header written, size set) for NpyWriter(first_row=...)."""
+    dtype = np.dtype(dtype)
+    with open(path, "wb") as f:
+        np.lib.format.write_array_header_2_0(f, _header(rows, tuple(row_shape), dtype))
+        f.truncate(f.tell() + rows * dtype.itemsize * math.prod(row_shape))
 
 
 @contextlib.contextmanager

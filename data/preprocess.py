@@ -3,7 +3,10 @@
 Two streaming passes over the input: the first parses and validates every row and counts the
 raw values of each categorical feature over ALL files (so train/dev/test share ids), the second
 parses again and writes ``<stem>_{dense,sparse,labels}.npy`` block by block. Memory depends on
-the block size and the number of distinct values, never on the number of rows. TorchRec's
+the block size and the number of distinct values, never on the number of rows. With ``workers``
+> 1, each pass runs over spans of whole lines (``data/passes.py``) in spawned processes: pass 1
+merges the spans' value counts in file order, pass 2 writes each span's rows in place, so the
+arrays are byte for byte those of one process and errors name the true line. TorchRec's
 Criteo helpers are deliberately not used: its Kaggle parser silently treats any path containing
 "test" as unlabeled, its dense transform shifts by each file's minimum, and it loads whole files.
 """
@@ -11,15 +14,20 @@ Criteo helpers are deliberately not used: its Kaggle parser silently treats any 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
+import multiprocessing
 import os
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import Any, TypeVar
 
 from data.layout import (
     DENSE_DTYPE,
@@ -29,24 +37,26 @@ from data.layout import (
     NUM_DENSE,
     NUM_SPARSE,
     DatasetError,
-    NpyWriter,
     array_path,
     atomic_dataset_dir,
     base_meta,
     check_replaceable,
+    create_npy,
     is_complete,
     read_meta,
     sparse_dtype,
-    transform_dense,
     write_meta,
 )
-from data.tsv import DEFAULT_BLOCK_BYTES, CriteoFormatError, read_chunks
+from data.passes import ParseOptions, Span, SpanRows, count_span, save_id_maps, write_span, write_span_from_saved
+from data.tsv import DEFAULT_BLOCK_BYTES, CriteoFormatError, line_spans
 from data.vocab import IdMap, ValueCounter
 
 FORMATS = ("kaggle", "terabyte")
 SAMPLE_DIR = Path(__file__).resolve().parent / "sample" / "kaggle_head8000"
 SAMPLE_STEMS = ("train", "dev", "test")
 MAX_REPORTED_BAD_ROWS = 10
+DEFAULT_SPAN_BYTES = 64 << 20  # a worker's share of a file at a time: bounds its value counts
+MIN_SHARED_BYTES = 1 << 20  # smaller files are not cut for the sake of balance
 
 
 def file_stem(path: str | os.PathLike) -> str:
@@ -55,6 +65,9 @@ def file_stem(path: str | os.PathLike) -> str:
     if name.endswith(".gz"):
         name = name[:-3]
     return Path(name).stem
+
+
+T = TypeVar("T")
 
 
 def _log(verbose: bool, msg: str) -> None:
@@ -73,18 +86,24 @@ def preprocess(
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     verbose: bool = False,
     extra_meta: dict[str, Any] | None = None,
+    workers: int = 1,
+    span_bytes: int = DEFAULT_SPAN_BYTES,
 ) -> dict[str, Any]:
     """Convert Criteo TSV ``files`` into a dataset directory ``out_dir``; return its meta.json.
 
     ``frequency_threshold`` T > 0 maps values seen fewer than T times (over all files) to id 1;
     ``max_ind_range`` M > 0 replaces each raw hash by ``hash % M`` first. A malformed row raises
     CriteoFormatError naming file and line unless ``skip_bad_rows``. ``out_dir`` appears only
-    when complete; an existing dataset there is kept unless ``overwrite``.
+    when complete; an existing dataset there is kept unless ``overwrite``. ``workers`` processes
+    share each pass, a file being cut into spans of whole lines of at most ``span_bytes`` (a
+    worker's memory depends on the span and block sizes); the arrays do not depend on either.
     """
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
     if frequency_threshold < 0 or max_ind_range < 0:
         raise ValueError("frequency_threshold and max_ind_range must be >= 0")
+    if workers < 1 or span_bytes < 1:
+        raise ValueError(f"workers and span_bytes must be >= 1, got {workers} and {span_bytes}")
     if not files:
         raise ValueError("no input files given")
     paths = [os.fspath(f) for f in files]
@@ -98,90 +117,159 @@ def preprocess(
     out = Path(out_dir)
     check_replaceable(out, overwrite)  # fail before the (long) first pass
     t0 = time.perf_counter()
+    opts = ParseOptions(skip_bad_rows, block_bytes, max_ind_range, MAX_REPORTED_BAD_ROWS)
+    spans = [
+        Span(i, p, start, end)
+        for i, p in enumerate(paths)
+        for start, end in line_spans(p, _span_count(p, workers, span_bytes))
+    ]
+    with _worker_pool(workers) as pool:
+        counted = _count_pass(pool, spans, paths, stems, opts, frequency_threshold, verbose)
+        t1 = time.perf_counter()
+        with atomic_dataset_dir(out, overwrite=overwrite) as tmp:
+            _write_pass(pool, counted, tmp, opts, frequency_threshold, verbose)
+            meta = base_meta(
+                fmt,
+                counted.num_embeddings,
+                counted.infos,
+                {
+                    "frequency_threshold": frequency_threshold,
+                    "max_ind_range": max_ind_range,
+                    "skip_bad_rows": skip_bad_rows,
+                },
+                reserved_rare=frequency_threshold > 0,
+            )
+            meta["distinct_values"] = counted.distinct
+            meta["bad_rows"] = {"count": counted.bad_count, "first": counted.bad_first}
+            meta["seconds"] = {"count_pass": round(t1 - t0, 3), "write_pass": round(time.perf_counter() - t1, 3)}
+            meta.update(extra_meta or {})
+            write_meta(tmp, meta)
+    return meta
 
-    def chunks(path: str):
-        return read_chunks(
-            path, skip_bad_rows=skip_bad_rows, block_bytes=block_bytes, max_reported=MAX_REPORTED_BAD_ROWS
-        )
 
-    def raw_sparse(chunk, f: int) -> np.ndarray:
-        v = chunk.sparse[:, f]
-        return v % np.uint64(max_ind_range) if max_ind_range else v
+@dataclass
+class _Counted:
+    """What pass 1 learns: per-file info (meta.json ``files``), where each span's rows go, the
+    vocabulary, and the malformed rows."""
 
-    # Pass 1: validate, count rows/positives/bad rows, count raw values per feature.
+    infos: list[dict[str, Any]]
+    parts: list[SpanRows]
+    id_maps: list[IdMap]
+    distinct: list[int]
+    bad_count: int
+    bad_first: list[str]
+
+    @property
+    def num_embeddings(self) -> list[int]:
+        return [m.num_embeddings for m in self.id_maps]
+
+
+def _count_pass(
+    pool: ProcessPoolExecutor | None,
+    spans: list[Span],
+    paths: list[str],
+    stems: list[str],
+    opts: ParseOptions,
+    threshold: int,
+    verbose: bool,
+) -> _Counted:
+    """Pass 1: validate, count rows/positives/bad rows and the raw values of each feature; spans'
+    results are taken in file order, which turns their own line numbers into the file's."""
     counters = [ValueCounter() for _ in range(NUM_SPARSE)]
-    infos: list[dict[str, Any]] = []
-    bad_count, bad_first = 0, []
-    for path, stem in zip(paths, stems, strict=True):
-        rows = positives = 0
-        for chunk in chunks(path):
-            rows += len(chunk.labels)
-            positives += int(chunk.labels.sum())
-            bad_count += chunk.n_bad
-            bad_first += chunk.bad
-            for f in range(NUM_SPARSE):
-                counters[f].add(raw_sparse(chunk, f)[~chunk.sparse_missing[:, f]])
-        infos.append(
-            {
-                "stem": stem,
-                "source": os.path.abspath(path),
-                "bytes": os.path.getsize(path),
-                "rows": rows,
-                "positives": positives,
-            }
-        )
-        _log(verbose, f"pass 1: {path}: {rows} rows, {positives} positives")
+    infos: list[dict[str, Any]] = [
+        {"stem": stem, "source": os.path.abspath(p), "bytes": os.path.getsize(p), "rows": 0, "positives": 0}
+        for p, stem in zip(paths, stems, strict=True)
+    ]
+    lines = [0] * len(paths)  # lines of each file counted so far
+    bad: list[list[str]] = [[] for _ in paths]
+    bad_count = 0
+    parts: list[SpanRows] = []
+    results = _ordered_map(pool, functools.partial(count_span, opts=opts), spans)
+    for k, span in enumerate(spans):
+        info, first_line = infos[span.file], lines[span.file] + 1
+        try:
+            counts = next(results)
+        except CriteoFormatError as e:  # the span numbered its lines from 1
+            raise CriteoFormatError(e.path, e.line + first_line - 1, e.reason) from None
+        parts.append(SpanRows(span, first_line, info["stem"], info["rows"], counts.rows))
+        info["rows"] += counts.rows
+        info["positives"] += counts.positives
+        lines[span.file] += counts.lines
+        bad_count += counts.n_bad
+        bad[span.file] += [f"{span.path}:{line + first_line - 1}: {why}" for line, why in counts.bad]
+        for counter, (values, n) in zip(counters, counts.values, strict=True):
+            counter.add_counts(values, n)
+        if k + 1 == len(spans) or spans[k + 1].file != span.file:
+            _log(verbose, f"pass 1: {span.path}: {info['rows']} rows, {info['positives']} positives")
+    bad_first = [line for file_bad in bad for line in file_bad[:MAX_REPORTED_BAD_ROWS]][:MAX_REPORTED_BAD_ROWS]
     if bad_count:
         print(
             f"dlrm-preprocess: skipped {bad_count} malformed rows; first: " + "; ".join(bad_first[:3]), file=sys.stderr
         )
-    id_maps = []
-    distinct = []
-    for c in counters:
-        values, counts = c.result()
-        distinct.append(len(values))
-        id_maps.append(IdMap(values, counts, frequency_threshold))
-    del counters
-    num_embeddings = [m.num_embeddings for m in id_maps]
-    ids_dtype = sparse_dtype(num_embeddings)
-    t1 = time.perf_counter()
+    results_by_feature = [c.result() for c in counters]
+    return _Counted(
+        infos,
+        parts,
+        [IdMap.from_counts(values, n, threshold) for values, n in results_by_feature],
+        [len(values) for values, _ in results_by_feature],
+        bad_count,
+        bad_first,
+    )
 
-    # Pass 2: parse again and write the arrays of each file.
-    with atomic_dataset_dir(out, overwrite=overwrite) as tmp:
-        for path, info in zip(paths, infos, strict=True):
-            stem, rows = info["stem"], info["rows"]
-            writers = [
-                NpyWriter(array_path(tmp, stem, "dense"), rows, (NUM_DENSE,), DENSE_DTYPE),
-                NpyWriter(array_path(tmp, stem, "sparse"), rows, (NUM_SPARSE,), ids_dtype),
-                NpyWriter(array_path(tmp, stem, "labels"), rows, (), LABEL_DTYPE),
-            ]
-            for chunk in chunks(path):
-                ids = np.empty((len(chunk.labels), NUM_SPARSE), dtype=ids_dtype)
-                for f in range(NUM_SPARSE):
-                    ids[:, f] = id_maps[f](raw_sparse(chunk, f), chunk.sparse_missing[:, f])
-                writers[0].write(transform_dense(chunk.dense))
-                writers[1].write(ids)
-                writers[2].write(chunk.labels)
-            for w in writers:
-                w.close()  # raises if the file changed between the passes
-            _log(verbose, f"pass 2: {path}: wrote {stem}_*.npy")
-        meta = base_meta(
-            fmt,
-            num_embeddings,
-            infos,
-            {
-                "frequency_threshold": frequency_threshold,
-                "max_ind_range": max_ind_range,
-                "skip_bad_rows": skip_bad_rows,
-            },
-            reserved_rare=frequency_threshold > 0,
-        )
-        meta["distinct_values"] = distinct
-        meta["bad_rows"] = {"count": bad_count, "first": bad_first[:MAX_REPORTED_BAD_ROWS]}
-        meta["seconds"] = {"count_pass": round(t1 - t0, 3), "write_pass": round(time.perf_counter() - t1, 3)}
-        meta.update(extra_meta or {})
-        write_meta(tmp, meta)
-    return meta
+
+def _write_pass(
+    pool: ProcessPoolExecutor | None, counted: _Counted, tmp: Path, opts: ParseOptions, threshold: int, verbose: bool
+) -> None:
+    """Pass 2: parse again; each span writes its rows of its file's arrays in place."""
+    ids_dtype = sparse_dtype(counted.num_embeddings)
+    for info in counted.infos:
+        for kind, row_shape, dtype in (
+            ("dense", (NUM_DENSE,), DENSE_DTYPE),
+            ("sparse", (NUM_SPARSE,), ids_dtype),
+            ("labels", (), LABEL_DTYPE),
+        ):
+            create_npy(array_path(tmp, info["stem"], kind), info["rows"], row_shape, dtype)
+    parts = counted.parts
+    with tempfile.TemporaryDirectory(prefix=f"{tmp.name}.vocab-", dir=tmp.parent) as vocab_dir:
+        if pool is None:
+            write = functools.partial(write_span, out_dir=tmp, id_maps=counted.id_maps, opts=opts)
+        else:  # workers map the vocabulary from files instead of each receiving a copy
+            save_id_maps(counted.id_maps, Path(vocab_dir))
+            write = functools.partial(
+                write_span_from_saved, out_dir=tmp, vocab_dir=vocab_dir, threshold=threshold, opts=opts
+            )
+        for k, _ in enumerate(_ordered_map(pool, write, parts)):
+            if k + 1 == len(parts) or parts[k + 1].span.file != parts[k].span.file:
+                _log(verbose, f"pass 2: {parts[k].span.path}: wrote {parts[k].stem}_*.npy")
+
+
+def _span_count(path: str, workers: int, span_bytes: int) -> int:
+    """Spans of at most ``span_bytes``; a file big enough to share is cut into a multiple of
+    ``workers`` spans, so that the workers finish together."""
+    size = os.path.getsize(path)
+    n = max(1, -(-size // span_bytes))
+    if workers > 1 and size >= workers * MIN_SHARED_BYTES:
+        n = -(-n // workers) * workers
+    return n
+
+
+@contextlib.contextmanager
+def _worker_pool(workers: int) -> Iterator[ProcessPoolExecutor | None]:
+    """``workers`` spawned processes (None: work in this process). A worker that dies (killed for
+    memory, say) fails the run instead of hanging it; on any error, queued spans are dropped."""
+    if workers == 1:
+        yield None
+        return
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        yield pool
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _ordered_map(pool: ProcessPoolExecutor | None, fn: Callable[[Any], T], items: Sequence[Any]) -> Iterator[T]:
+    """``fn`` over ``items``, results in order (an item's exception is raised at its turn)."""
+    return map(fn, items) if pool is None else pool.map(fn, items)
 
 
 def _sample_matches(meta: dict[str, Any]) -> bool:
@@ -250,6 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=DEFAULT_BLOCK_BYTES / 2**20,
         help="read size per block; bounds the parser's memory",
     )
+    p.add_argument("--workers", type=int, default=1, help="processes sharing each pass (same output for any number)")
     p.add_argument("-q", "--quiet", action="store_true", help="print only errors")
     a = p.parse_args(argv)
     try:
@@ -263,9 +352,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             overwrite=a.overwrite,
             block_bytes=max(int(a.block_mb * 2**20), 1 << 10),
             verbose=not a.quiet,
+            workers=a.workers,
         )
     except (CriteoFormatError, DatasetError, FileExistsError, FileNotFoundError, ValueError) as e:
         print(f"dlrm-preprocess: error: {e}", file=sys.stderr)
+        return 1
+    except BrokenProcessPool:
+        print("dlrm-preprocess: error: a worker process died (out of memory?); try fewer --workers", file=sys.stderr)
         return 1
     if not a.quiet:
         rows = ", ".join(f"{f['stem']}={f['rows']}" for f in meta["files"])

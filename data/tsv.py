@@ -40,6 +40,13 @@ _path_manager = PathManager()
 class CriteoFormatError(ValueError):
     """A row of a Criteo TSV file is malformed; the message names file, line and field."""
 
+    def __init__(self, path: str, line: int, reason: str) -> None:
+        super().__init__(f"{path}:{line}: {reason} (use --skip-bad-rows to skip such rows)")
+        self.path, self.line, self.reason = path, line, reason
+
+    def __reduce__(self) -> tuple[type, tuple[str, int, str]]:  # crosses process boundaries intact
+        return type(self), (self.path, self.line, self.reason)
+
 
 @dataclass
 class Chunk:
@@ -50,8 +57,9 @@ class Chunk:
     dense_missing: np.ndarray  # bool [n, 13]
     sparse: np.ndarray  # uint64 [n, 26] raw hash values
     sparse_missing: np.ndarray  # bool [n, 26]
+    lines: int = 0  # lines of the block, malformed ones included
     n_bad: int = 0  # rows skipped in this block (skip_bad_rows only)
-    bad: list[str] = field(default_factory=list)  # "path:line: reason" of the first skipped rows
+    bad: list[tuple[int, str]] = field(default_factory=list)  # (line, reason) of the first skipped rows
 
 
 def open_binary(path: str | os.PathLike) -> BinaryIO:
@@ -62,10 +70,14 @@ def open_binary(path: str | os.PathLike) -> BinaryIO:
     return f
 
 
-def _blocks(f: BinaryIO, block_bytes: int) -> Iterator[bytes]:
-    """Yield pieces of ``f`` that each end with a newline (one is added at EOF if missing)."""
+def _blocks(f: BinaryIO, block_bytes: int, size: int | None = None) -> Iterator[bytes]:
+    """Yield pieces of ``f`` (its next ``size`` bytes, or all) that each end with a newline (one
+    is added at the end if missing)."""
     rest = b""
-    while data := f.read(block_bytes):
+    left = size
+    while (left is None or left > 0) and (data := f.read(block_bytes if left is None else min(block_bytes, left))):
+        if left is not None:
+            left -= len(data)
         if rest:
             data = rest + data
         cut = data.rfind(b"\n") + 1
@@ -77,22 +89,52 @@ def _blocks(f: BinaryIO, block_bytes: int) -> Iterator[bytes]:
 
 
 def read_chunks(
-    path: str | os.PathLike, skip_bad_rows: bool = False, block_bytes: int = DEFAULT_BLOCK_BYTES, max_reported: int = 10
+    path: str | os.PathLike,
+    skip_bad_rows: bool = False,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    max_reported: int = 10,
+    span: tuple[int, int | None] = (0, None),
+    first_line: int = 1,
 ) -> Iterator[Chunk]:
-    """Parse a Criteo TSV file block by block.
+    """Parse a Criteo TSV file, or its bytes ``span`` = [start, end) (end None: to the end; a
+    span must begin at a line start), block by block.
 
-    A malformed row raises CriteoFormatError naming ``path:line`` (1-based) and the field, unless
-    ``skip_bad_rows``: then it is dropped, counted in ``Chunk.n_bad`` and, for the first
-    ``max_reported`` of the file, described in ``Chunk.bad``.
+    A malformed row raises CriteoFormatError naming ``path:line`` and the field, the span's first
+    line counting as ``first_line``, unless ``skip_bad_rows``: then it is dropped, counted in
+    ``Chunk.n_bad`` and, for the first ``max_reported`` of the span, described in ``Chunk.bad``.
     """
-    first_line = 1
+    start, end = span
     reported = 0
     with open_binary(path) as f:
-        for block in _blocks(f, block_bytes):
+        if start:
+            f.seek(start)
+        for block in _blocks(f, block_bytes, None if end is None else end - start):
             chunk = _parse_block(block, os.fspath(path), first_line, skip_bad_rows, max_reported - reported)
             reported += len(chunk.bad)
-            first_line += block.count(b"\n")
+            first_line += chunk.lines
             yield chunk
+
+
+def line_spans(path: str | os.PathLike, parts: int) -> list[tuple[int, int | None]]:
+    """Cut a file into at most ``parts`` byte spans of whole lines, of about equal size.
+
+    Each cut moves forward to the next line start, so no line is split and the spans, in order,
+    cover the file exactly. A gzip file cannot be entered in the middle: it is one span.
+    """
+    size = os.path.getsize(path)
+    if parts <= 1 or os.fspath(path).endswith(".gz") or size == 0:
+        return [(0, None)]
+    cuts = [0]
+    with open(path, "rb") as f:
+        for k in range(1, parts):
+            nominal = size * k // parts
+            if nominal <= cuts[-1]:  # a long line already reaches past this cut
+                continue
+            f.seek(nominal - 1)
+            f.readline()  # to the start of the first line beginning at or after the nominal cut
+            if cuts[-1] < f.tell() < size:
+                cuts.append(f.tell())
+    return [(a, b) for a, b in zip(cuts, [*cuts[1:], None], strict=True)]
 
 
 def _field_text(buf: np.ndarray, start: int, end: int) -> str:
@@ -137,7 +179,7 @@ def _parse_block(block: bytes, path: str, first_line: int, skip: bool, report: i
     n_bad = int((~good_line).sum() + bad_row.sum())
     if n_bad and not skip:
         line, reason = problems[0]
-        raise CriteoFormatError(f"{path}:{line}: {reason} (use --skip-bad-rows to skip such rows)")
+        raise CriteoFormatError(path, line, reason)
     ok = ~bad_row
     return Chunk(
         labels[ok],
@@ -145,8 +187,9 @@ def _parse_block(block: bytes, path: str, first_line: int, skip: bool, report: i
         dense_missing[ok],
         sparse[ok],
         sparse_missing[ok],
+        len(line_end),
         n_bad,
-        [f"{path}:{line}: {reason}" for line, reason in problems[: max(report, 0)]],
+        problems[: max(report, 0)],
     )
 
 

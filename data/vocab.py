@@ -37,12 +37,16 @@ class ValueCounter:
 
     def add(self, values: np.ndarray) -> None:
         """Count one chunk of (non-missing) values."""
+        if len(values):
+            self.add_counts(*np.unique(values.astype(np.uint64, copy=False), return_counts=True))
+
+    def add_counts(self, values: np.ndarray, counts: np.ndarray) -> None:
+        """Count sorted distinct ``values`` seen ``counts`` times each (another counter's result)."""
         if not len(values):
             return
-        v, c = np.unique(values.astype(np.uint64, copy=False), return_counts=True)
-        self._pending_v.append(v)
-        self._pending_c.append(c.astype(np.int64))
-        self._pending += len(v)
+        self._pending_v.append(values.astype(np.uint64, copy=False))
+        self._pending_c.append(counts.astype(np.int64, copy=False))
+        self._pending += len(values)
         # Merge neighbours of similar size (a binary counter): O(log n) live arrays, each value
         # re-sorted O(log n) times. Many long-lived small arrays would also fragment the heap
         # (measured: the RSS then creeps up with the file size).
@@ -67,11 +71,16 @@ class ValueCounter:
 class IdMap:
     """Raw value -> contiguous id of one feature, by binary search in the sorted kept values."""
 
-    def __init__(self, values: np.ndarray, counts: np.ndarray, frequency_threshold: int = 0) -> None:
+    def __init__(self, kept: np.ndarray, frequency_threshold: int = 0) -> None:
         self.threshold = frequency_threshold
-        self.kept = values[counts >= frequency_threshold] if frequency_threshold > 0 else values
+        self.kept = kept
         self.base = RARE_ID + 1 if frequency_threshold > 0 else MISSING_ID + 1
         self.num_embeddings = self.base + len(self.kept)
+
+    @classmethod
+    def from_counts(cls, values: np.ndarray, counts: np.ndarray, frequency_threshold: int = 0) -> IdMap:
+        """The map of a counter's result: values seen fewer than the threshold times become rare."""
+        return cls(values[counts >= frequency_threshold] if frequency_threshold > 0 else values, frequency_threshold)
 
     def __call__(self, values: np.ndarray, missing: np.ndarray) -> np.ndarray:
         """Ids (int64) of a chunk of raw values; ``missing`` rows get id 0."""

@@ -171,8 +171,11 @@ def train(
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: Iterable[Any], device: torch.device) -> dict[str, float]:
-    """One pass over ``batches`` in eval mode; metrics are synchronized across ranks."""
+def evaluate(
+    model: torch.nn.Module, batches: Iterable[Any], device: torch.device, split: str
+) -> dict[str, float | None]:
+    """One pass over the ``split``'s ``batches`` in eval mode; metrics are synchronized across ranks
+    (``auc`` is None where undefined: a split of one class)."""
     model.eval()
     evaluator = Evaluator(device)
     with named_collective("the sparse input all-to-all (TorchRec's) of an evaluation pass"):
@@ -182,7 +185,7 @@ def evaluate(model: torch.nn.Module, batches: Iterable[Any], device: torch.devic
             evaluator.update(logits, labels)
     model.train()
     with named_collective("the metric all-reduce of an evaluation pass"):
-        return evaluator.compute()
+        return evaluator.compute(split)
 
 
 def take(iterator: Iterator[Any], n: int | None) -> Iterator[Any]:

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torchmetrics
 from torchmetrics.classification import BinaryAccuracy, BinaryAUROC
+
+log = logging.getLogger(__name__)
 
 
 class LogLoss(torchmetrics.Metric):
@@ -42,6 +46,7 @@ class Evaluator:
         self.accuracy = BinaryAccuracy().to(device)
         self.logloss = LogLoss().to(device)
         self.samples = torchmetrics.SumMetric().to(device)
+        self.positives = torchmetrics.SumMetric().to(device)
 
     def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
         labels = labels.float()
@@ -50,15 +55,28 @@ class Evaluator:
         self.accuracy.update(probs, labels.long())
         self.logloss.update(logits, labels)
         self.samples.update(torch.tensor(float(labels.numel()), device=labels.device))
+        self.positives.update(labels.sum().double())
 
-    def compute(self) -> dict[str, float]:
+    def compute(self, split: str) -> dict[str, float | None]:
+        """The metrics of the pass over ``split``; ``auc`` is None (with a warning) when the split
+        holds one class only, where AUROC is undefined (torchmetrics would report 0.0)."""
+        samples, positives = int(self.samples.compute()), int(self.positives.compute())
+        one_class = positives in (0, samples)  # the same on every rank: the counts are synced
+        if one_class and (not dist.is_initialized() or dist.get_rank() == 0):
+            log.warning(
+                "%s AUC is undefined: the split has %d positive and %d negative rows; it is null in "
+                "metrics.json and not logged to TensorBoard",
+                split,
+                positives,
+                samples - positives,
+            )
         out = {
-            "auc": float(self.auc.compute()),
+            "auc": None if one_class else float(self.auc.compute()),
             "logloss": float(self.logloss.compute()),
             "accuracy": float(self.accuracy.compute()),
-            "samples": int(self.samples.compute()),
+            "samples": samples,
         }
-        for metric in (self.auc, self.accuracy, self.logloss, self.samples):
+        for metric in (self.auc, self.accuracy, self.logloss, self.samples, self.positives):
             metric.reset()
         return out
 

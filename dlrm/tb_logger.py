@@ -20,22 +20,24 @@ class TensorBoardLogger:
         if self.writer is not None:
             add_layout(self.writer)  # accuracy beside compression ratio in the CUSTOM SCALARS tab
 
-    def scalars(self, values: Mapping[str, float], step: int) -> None:
+    def scalars(self, values: Mapping[str, float | None], step: int) -> None:
+        """Each value as a scalar; None (an undefined metric, e.g. AUC of one class) is left out."""
         if self.writer is None:
             return
         for tag, value in values.items():
-            self.writer.add_scalar(tag, value, step)
+            if value is not None:
+                self.writer.add_scalar(tag, value, step)
 
     def text(self, tag: str, value: str) -> None:
         if self.writer is not None:
             self.writer.add_text(tag, value)
 
-    def hparams(self, hparams: Mapping[str, Any], metrics: Mapping[str, float]) -> None:
-        """The run's config beside its final metrics, so runs compare in the HPARAMS view."""
+    def hparams(self, hparams: Mapping[str, Any], metrics: Mapping[str, float | None]) -> None:
+        """The run's config beside its final metrics (those defined), so runs compare in the HPARAMS view."""
         if self.writer is None:
             return
         clean = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in hparams.items()}
-        self.writer.add_hparams(clean, dict(metrics), run_name=".")
+        self.writer.add_hparams(clean, {k: v for k, v in metrics.items() if v is not None}, run_name=".")
 
     def final(self, metrics: Mapping[str, Any], step: int, hparams: Mapping[str, Any]) -> None:
         """The test metrics as scalars, the config beside the final metrics (HPARAMS), then close."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -43,9 +42,6 @@ from dlrm.tb_logger import TensorBoardLogger
 log = logging.getLogger("dlrm.train")
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 register_resolvers()
-# Deprecation chatter from TorchRec/FBGEMM internals on every run; our own warnings still show.
-for _module in ("torchrec", "fbgemm_gpu", "torch.distributed", "torchmetrics"):
-    warnings.filterwarnings("ignore", module=_module)
 
 
 def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) -> dict[str, Any]:
@@ -127,7 +123,7 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
     def on_drained(s: TrainState) -> None:
         if loop.eval_due(s):
             val = data.batches("val", cfg.eval_batch_size)
-            last_val.update(evaluate(model, take(iter(val), cfg.limit_eval_batches), env.device))
+            last_val.update(evaluate(model, take(iter(val), cfg.limit_eval_batches), env.device, "val"))
             tb.scalars({f"eval/{k}": v for k, v in last_val.items() if k != "samples"}, s.iteration)
             if env.is_main:
                 log.info("iteration %d: val %s", s.iteration, last_val)
@@ -149,7 +145,7 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
     strategy.close()
     ckpt.save(state)
 
-    test = evaluate(model, data.batches("test", cfg.eval_batch_size), env.device)
+    test = evaluate(model, data.batches("test", cfg.eval_batch_size), env.device, "test")
     metrics = final_metrics(
         test,
         last_val,
@@ -186,9 +182,12 @@ def flat_config(cfg: DictConfig) -> dict[str, Any]:
 
 
 def print_summary(metrics: dict[str, Any], run_dir: Path) -> None:
+    def auc(v: float | None) -> str:  # None: undefined (one class; warned) or no validation ran
+        return "n/a" if v is None else f"{v:.4f}"
+
     print(
-        f"\ntest AUC {metrics['auc']:.4f}  logloss {metrics['logloss']:.4f}  "
-        f"accuracy {metrics['accuracy']:.4f}  (val AUC {metrics['val_auc'] or float('nan'):.4f})"
+        f"\ntest AUC {auc(metrics['auc'])}  logloss {metrics['logloss']:.4f}  "
+        f"accuracy {metrics['accuracy']:.4f}  (val AUC {auc(metrics['val_auc'])})"
     )
     print(
         f"forward ratio {metrics['forward_ratio']:.2f}x  backward ratio {metrics['backward_ratio']:.2f}x  "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import math
 import os
@@ -14,7 +15,8 @@ import pytest
 
 from data import layout
 from data.preprocess import SAMPLE_DIR, main, prepare_sample, preprocess
-from data.tsv import CriteoFormatError
+from data.synthetic import write_tsv
+from data.tsv import CriteoFormatError, line_spans
 from data.vocab import ValueCounter
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -268,3 +270,77 @@ def test_value_counter_matches_a_plain_count():
         ref.update(int(v) for v in vals)
     values, counts = counter.result()
     assert values.tolist() == sorted(ref) and counts.tolist() == [ref[v] for v in sorted(ref)]
+
+
+def same_dataset(a: Path, b: Path) -> None:
+    """Equal arrays byte for byte, and equal meta.json but for the clock."""
+    names = sorted(p.name for p in a.iterdir())
+    assert names == sorted(p.name for p in b.iterdir())
+    for name in names:
+        if name.endswith(".npy"):
+            assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    meta_a, meta_b = (json.loads((d / "meta.json").read_text()) for d in (a, b))
+    for m in (meta_a, meta_b):
+        del m["created"], m["seconds"]
+    assert meta_a == meta_b
+
+
+def test_workers_write_the_same_bytes_on_the_real_sample(tmp_path):
+    files = [SAMPLE_DIR / f"{s}.tsv" for s in STEMS]
+    preprocess(files, tmp_path / "one")
+    # Spans of ~50 kB: train.tsv alone is cut into 36, each block shorter than many lines.
+    preprocess(files, tmp_path / "two", workers=2, span_bytes=50_000, block_bytes=4096)
+    same_dataset(tmp_path / "one", tmp_path / "two")
+
+
+def test_workers_write_the_same_bytes_on_generated_files_with_bad_rows(tmp_path):
+    files = []
+    for stem, rows, seed in (("day_0", 3000, 1), ("day_1", 2000, 2), ("day_2", 1500, 3)):
+        path = tmp_path / f"{stem}.tsv"
+        write_tsv(path, stem, rows, seed=seed, max_cardinality=3000)
+        files.append(path)
+    lines = files[0].read_bytes().split(b"\n")
+    for n in (2, 1234, 2999):  # 1-based lines made malformed, spread over the spans
+        lines[n - 1] = lines[n - 1].replace(b"\t", b"\tx", 1)
+    files[0].write_bytes(b"\n".join(lines))
+    gz = tmp_path / "day_3.tsv.gz"  # one span whatever the workers: gzip cannot be entered midway
+    gz.write_bytes(gzip.compress(b"".join(files[2].read_bytes().splitlines(keepends=True)[:200])))
+    files.append(gz)
+    kw = dict(fmt="terabyte", frequency_threshold=2, max_ind_range=2500, skip_bad_rows=True)
+    one = preprocess(files, tmp_path / "one", **kw)
+    three = preprocess(files, tmp_path / "three", workers=3, span_bytes=30_000, **kw)
+    same_dataset(tmp_path / "one", tmp_path / "three")
+    assert one["bad_rows"] == three["bad_rows"]
+    assert [s.split(": ")[0] for s in three["bad_rows"]["first"]] == [f"{files[0]}:{n}" for n in (2, 1234, 2999)]
+    assert three["rows"]["day_0"] == 2997 and three["rows"]["day_1"] == 2000
+
+
+def test_workers_name_the_true_line_of_a_malformed_row(tmp_path, capsys):
+    path = tmp_path / "bad.tsv"
+    rows = parse_tsv(SAMPLE_DIR / "train.tsv")[:3000]
+    rows[2716] = BAD["bad_hex"][0](list(rows[2716]))  # line 2717, deep inside a later span
+    path.write_text("".join("\t".join(r) + "\n" for r in rows))
+    with pytest.raises(CriteoFormatError) as one:
+        preprocess([path], tmp_path / "out")
+    with pytest.raises(CriteoFormatError) as two:
+        preprocess([path], tmp_path / "out", workers=2, span_bytes=40_000)
+    assert str(two.value) == str(one.value) and f"{path}:2717: field 21 (cat_6)" in str(two.value)
+    assert not (tmp_path / "out").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.tsv"]  # no temporary directory left
+    assert main(["--format", "kaggle", "--workers", "2", "--out", str(tmp_path / "out"), str(path)]) == 1
+    assert f"{path}:2717: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tail", [b"\n", b""])
+def test_line_spans_cut_at_line_starts_and_cover_the_file(tmp_path, tail):
+    body = b"".join(b"x" * n + b"\n" for n in (3, 0, 50, 1, 1, 200, 7)) + b"last" + tail
+    path = tmp_path / "f.tsv"
+    path.write_bytes(body)
+    starts = {0} | {i + 1 for i, c in enumerate(body) if c == 10}
+    for parts in (1, 2, 3, 5, 8, 40, 400):
+        spans = line_spans(path, parts)
+        assert 1 <= len(spans) <= parts
+        assert spans[0][0] == 0 and spans[-1][1] is None
+        assert all(a < b and b == c for (a, b), (c, _) in itertools.pairwise(spans))  # contiguous, non-empty
+        assert {a for a, _ in spans} <= starts
+    assert len(line_spans(path, 40)) >= 4

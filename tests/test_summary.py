@@ -17,7 +17,7 @@ def write_run(
     root: Path,
     name: str,
     *,
-    auc: float,
+    auc: float | None,
     fwd: float,
     seed: int = 0,
     policy: str = "dual",
@@ -57,7 +57,7 @@ def write_run(
     (run / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
     metrics = {
         "auc": auc,
-        "logloss": 0.5 - auc / 10,
+        "logloss": 0.5 - (auc or 0.0) / 10,
         "accuracy": 0.78,
         "iterations": 10,
         "samples_per_s": 1000.0 + seed,
@@ -135,6 +135,24 @@ def test_bad_or_missing_runs_are_listed_with_the_reason_and_the_rest_is_kept(tmp
     assert "textauc/metrics.json: key 'auc' must be a number, got 'high'" in tail
     assert "crashed: no metrics.json" in tail
     assert md.count("| lossy |") >= 4  # the good runs are all there
+
+
+def test_a_null_auc_shows_as_a_dash_and_stays_off_the_plot_and_the_front(tmp_path):
+    make_sweep(tmp_path)
+    # the best ratio of the sweep, but its test split held one class: AUC undefined (null)
+    write_run(tmp_path, "5-dual-8", auc=None, fwd=50.0, policy="dual", scale=8.0)
+    md_path, png_path = summary.summarize(tmp_path)
+    md = md_path.read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| 5-dual-8 "))
+    assert [c.strip() for c in row.strip("|").split("|")][5:8] == ["-", "0.5000", "50.00"]
+    config = next(line for line in md.splitlines() if "policy.forward.scale=8.0" in line and line.count("|") == 12)
+    assert not config.startswith("| ★") and "| 1 | - |" in config
+    starred = {line.split("|")[2].strip() for line in md.splitlines() if line.startswith("| ★")}
+    assert starred == {  # as without the null run, which would otherwise dominate on ratio
+        "compression=none,policy.forward.scale=1.0,policy=fixed",
+        "compression=lossy,policy.forward.scale=1.0,policy=dual",
+    }
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_cli_exit_codes(tmp_path, capsys):

@@ -6,7 +6,9 @@ Reads every ``metrics.json`` under SWEEP_DIR (recursively; each run's Hydra ``.h
 supplies the policy, bound, codec and seed when metrics.json lacks them), writes
 ``PREFIX.md`` and ``PREFIX.png`` (default ``SWEEP_DIR/summary``). Runs that differ only in
 ``seed`` are also averaged (mean and standard deviation), so a difference can be read against the
-spread between seeds. Unreadable runs are listed, with the reason, and do not stop the summary.
+spread between seeds. Unreadable runs are listed, with the reason, and do not stop the summary. A
+null AUC (undefined: the test split held one class) shows as "-" and leaves the run off the plot
+and the Pareto front.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from omegaconf import DictConfig
 
 from dlrm.run_dir import task_rank
 
-REQUIRED = ("auc", "forward_ratio")
+REQUIRED = ("auc", "forward_ratio")  # keys every run has; auc may be null (undefined)
 UNBOUNDED = ("none", "fp16", "bf16", "int8", "fp8", "mx4")  # codecs without an error bound
 
 
@@ -43,7 +45,7 @@ class Run:
     bound: float | None
     codec: str
     seed: int | None
-    auc: float
+    auc: float | None
     logloss: float | None
     forward_ratio: float
     backward_ratio: float | None
@@ -58,7 +60,7 @@ class Point:
     runs: list[Run] = field(default_factory=list)
 
     @overload
-    def mean(self, key: Literal["auc", "forward_ratio"]) -> float: ...  # REQUIRED: every run has them
+    def mean(self, key: Literal["forward_ratio"]) -> float: ...  # every run has it
     @overload
     def mean(self, key: str) -> float | None: ...
     def mean(self, key: str) -> float | None:
@@ -126,7 +128,7 @@ def read_run(path: Path, sweep_dir: Path) -> Run:
     if not isinstance(metrics, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(metrics).__name__}")
     for key in REQUIRED:
-        if metrics.get(key) is None:
+        if key not in metrics or (key != "auc" and metrics[key] is None):
             raise ValueError(f"{path}: missing key {key!r}")
     run_dir = path.parent
     cfg, overrides = _load_hydra(run_dir)
@@ -147,7 +149,7 @@ def read_run(path: Path, sweep_dir: Path) -> Run:
     kept = [o for o in overrides if not o.split("=", 1)[0].lstrip("+~").startswith(("seed", "hydra."))]
     group = ",".join(sorted(kept)) if overrides else f"{policy}|{bound}|{codec}"
     auc, forward_ratio = _number(metrics, "auc", path), _number(metrics, "forward_ratio", path)
-    assert auc is not None and forward_ratio is not None  # REQUIRED, checked above
+    assert forward_ratio is not None  # REQUIRED, checked above
     return Run(
         config=rel,
         group=group or "(defaults)",
@@ -200,6 +202,13 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
     return front
 
 
+def auc_front(points: Sequence[Point]) -> list[int]:
+    """Indices of the Pareto front of forward ratio against mean AUC, over points whose AUC is defined."""
+    defined = [i for i, p in enumerate(points) if p.mean("auc") is not None]
+    front = pareto_front([(points[i].mean("forward_ratio"), points[i].mean("auc") or 0.0) for i in defined])
+    return [defined[j] for j in front]
+
+
 def _fmt(v: float | None, spec: str) -> str:
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
@@ -222,7 +231,7 @@ def markdown(runs: Sequence[Run], points: Sequence[Point], front: set[int], prob
     for r in sorted(runs, key=lambda r: (r.group, r.seed if r.seed is not None else -1)):
         lines.append(
             f"| {r.config} | {r.policy} | {_fmt(r.bound, '.4g')} | {r.codec} | {_fmt(r.seed, 'd')} | "
-            f"{r.auc:.4f} | {_fmt(r.logloss, '.4f')} | {r.forward_ratio:.2f} | "
+            f"{_fmt(r.auc, '.4f')} | {_fmt(r.logloss, '.4f')} | {r.forward_ratio:.2f} | "
             f"{_fmt(r.backward_ratio, '.2f')} | {_fmt(r.samples_per_s, '.0f')} |"
         )
     lines += [
@@ -258,25 +267,25 @@ def plot(points: Sequence[Point], front: Sequence[int], path: Path, title: str) 
     fig, ax = plt.subplots(figsize=(8, 5.5))
     policies = sorted({p.runs[0].policy for p in points})
     colours = {pol: plt.get_cmap("tab10")(k % 10) for k, pol in enumerate(policies)}
+    auc = {i: a for i, p in enumerate(points) if (a := p.mean("auc")) is not None}  # undefined: not plotted
     for pol in policies:
-        mine = [p for p in points if p.runs[0].policy == pol]
+        mine = [i for i in auc if points[i].runs[0].policy == pol]
         ax.errorbar(
-            [p.mean("forward_ratio") for p in mine],
-            [p.mean("auc") for p in mine],
-            xerr=[p.std("forward_ratio") or 0 for p in mine],
-            yerr=[p.std("auc") or 0 for p in mine],
+            [points[i].mean("forward_ratio") for i in mine],
+            [auc[i] for i in mine],
+            xerr=[points[i].std("forward_ratio") or 0 for i in mine],
+            yerr=[points[i].std("auc") or 0 for i in mine],
             fmt="o",
             color=colours[pol],
             label=pol if pol != "-" else "fixed-rate codec",
             capsize=3,
             alpha=0.85,
         )
-    for p in points:
+    for i, y in auc.items():
+        p = points[i]
         label = p.runs[0].codec if p.runs[0].bound is None else f"{p.runs[0].bound:.3g}"
-        ax.annotate(
-            label, (p.mean("forward_ratio"), p.mean("auc")), textcoords="offset points", xytext=(4, 4), fontsize=7
-        )
-    best = sorted((points[i].mean("forward_ratio"), points[i].mean("auc")) for i in front)
+        ax.annotate(label, (p.mean("forward_ratio"), y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    best = sorted((points[i].mean("forward_ratio"), auc[i]) for i in front)
     if best:
         ax.plot([x for x, _ in best], [y for _, y in best], "k--", lw=1, label="Pareto front")
         ax.scatter([x for x, _ in best], [y for _, y in best], s=140, facecolors="none", edgecolors="k")
@@ -300,7 +309,7 @@ def summarize(sweep_dir: Path, out: Path | None = None, title: str | None = None
     if not runs:
         raise ValueError(f"{sweep_dir}: no readable metrics.json" + "".join(f"\n  {p}" for p in problems))
     points = group_runs(runs)
-    front = pareto_front([(p.mean("forward_ratio"), p.mean("auc")) for p in points])
+    front = auc_front(points)
     out = Path(out) if out is not None else sweep_dir / "summary"
     title = title or f"AUC vs forward compression ratio: {sweep_dir.name}"
     md, png = out.with_suffix(".md"), out.with_suffix(".png")
