@@ -38,6 +38,11 @@ def rank_source(multirun: bool, env: Mapping[str, str] = os.environ) -> RankSour
     return "launch" if multirun else "single"
 
 
+def override_keys(overrides: Sequence[str]) -> set[str]:
+    """The keys that Hydra command-line overrides set (``+key=``, ``~key`` included)."""
+    return {o.lstrip("+~").split("=", 1)[0] for o in overrides}
+
+
 def check_launch_keys(source: RankSource, multirun: bool, overrides: Sequence[str], launch: Any) -> None:
     """Refuse a sweep inside torchrun, and a ``launch.*`` setting that would have no effect."""
     if source == "torchrun" and multirun:
@@ -45,7 +50,7 @@ def check_launch_keys(source: RankSource, multirun: bool, overrides: Sequence[st
             "a sweep (-m) launches each job's ranks itself: run `dlrm-train -m ...` without torchrun "
             "(config keys launch.nproc_per_node, launch.max_restarts)"
         )
-    given = sorted({o.lstrip("+~").split("=", 1)[0] for o in overrides if o.lstrip("+~").startswith("launch.")})
+    given = sorted(k for k in override_keys(overrides) if k.startswith("launch."))
     launched_here = os.environ.get(SWEEP_JOB_ENV) == "1"  # a sweep job's ranks get the job's overrides
     if given and (source == "single" or (source == "torchrun" and not launched_here)):
         raise ValueError(
@@ -116,9 +121,8 @@ def launch_ranks(
             log_dir=str(run_dir / "ranks"), redirects=Std.ALL, tee=Std.ALL, local_ranks_filter={0}
         ),
     )
-    given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
     args = [*overrides, f"hydra.run.dir={_hydra_quote(str(run_dir))}"]
-    if "progress_bar" not in given:  # a bar redrawn in a log file is noise
+    if "progress_bar" not in override_keys(overrides):  # a bar redrawn in a log file is noise
         args.append("progress_bar=false")
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets for several ranks per node
     os.environ[SWEEP_JOB_ENV] = "1"

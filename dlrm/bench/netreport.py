@@ -182,7 +182,7 @@ def load_run(
         other_a2a_ms=mean("other_a2a/ms"),
         dense_params=int(per_rank[0][0].get("dense_params") or 0),
         embedding_dims=[cfg["embedding_dim"]] * n_tables,
-        auc=float(metrics["auc"]),
+        auc=math.nan if metrics["auc"] is None else float(metrics["auc"]),  # null: one class in the split
         logloss=float(metrics["logloss"]),
         forward_ratio=float(metrics["forward_ratio"]),
         backward_ratio=float(metrics["backward_ratio"]),

@@ -205,6 +205,14 @@ def _sample(
         c += w
 
 
+def _count_raw(stats: CommStats, d: str, chunk: torch.Tensor, blocks: Blocks) -> None:
+    """The raw (fp32) bytes of a chunk sent to one peer, per table and in total."""
+    elt = chunk.element_size()
+    for f, w in zip(blocks.features, blocks.widths, strict=True):
+        stats.add(f"{d}/raw_bytes/{f}", chunk.shape[0] * w * elt)
+    stats.add(f"{d}/raw_bytes", chunk.numel() * elt)
+
+
 def _a2a_name(info: CompressedA2AInfo, d: str) -> str:
     return f"the {d} pooled-embedding all-to-all ({info.where}, iteration {info.iteration})"
 
@@ -224,14 +232,13 @@ def _send_raw(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: li
     send_buf = torch.cat([chunks[p].reshape(-1) for p in peers]) if peers else like.new_empty(0)
     recv_buf = like.new_empty(sum(recv_sizes))
     for p in peers:
-        chunk, blocks, elt = chunks[p], layout.send_blocks(d, p), chunks[p].element_size()
-        for f, w in zip(blocks.features, blocks.widths, strict=True):
-            stats.add(f"{d}/raw_bytes/{f}", chunk.shape[0] * w * elt)
-            if info.sample and chunk.numel():
-                stats.add(f"{d}/sampled_raw_bytes/{f}", chunk.shape[0] * w * elt)
-                stats.add(f"{d}/sampled_wire_bytes/{f}", chunk.shape[0] * w * elt)
+        chunk, blocks = chunks[p], layout.send_blocks(d, p)
+        _count_raw(stats, d, chunk, blocks)
+        if info.sample and chunk.numel():  # exact rows: each table's sampled wire bytes are its raw bytes
+            for f, w in zip(blocks.features, blocks.widths, strict=True):
+                stats.add(f"{d}/sampled_raw_bytes/{f}", chunk.shape[0] * w * chunk.element_size())
+                stats.add(f"{d}/sampled_wire_bytes/{f}", chunk.shape[0] * w * chunk.element_size())
                 stats.maximum(f"{d}/max_abs_error/{f}", 0.0)
-        stats.add(f"{d}/raw_bytes", chunk.numel() * elt)
     t1 = time.perf_counter()
     with embedding_collective(d), named_collective(_a2a_name(info, d)):
         work = dist.all_to_all_single(recv_buf, send_buf, recv_sizes, send_sizes, group=pg, async_op=True)
@@ -261,10 +268,7 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
         if chunk.numel() == 0:
             continue  # both sides know the shape: nothing to send
         blocks = layout.send_blocks(d, peer)
-        elt = chunk.element_size()
-        for f, w in zip(blocks.features, blocks.widths, strict=True):
-            stats.add(f"{d}/raw_bytes/{f}", chunk.shape[0] * w * elt)
-        stats.add(f"{d}/raw_bytes", chunk.numel() * elt)
+        _count_raw(stats, d, chunk, blocks)
         if ids is None and id(chunk) in memo and not dc.forward_positions:
             payloads[peer] = memo[id(chunk)]
         else:
