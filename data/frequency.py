@@ -66,6 +66,23 @@ class FeatureFrequency:
         """Probability of each top id per lookup."""
         return self.top_counts / max(self.lookups, 1)
 
+    def probabilities(self) -> np.ndarray:
+        """Per-lookup probability of every distinct id, most frequent first: the top ids as counted,
+        the tail (ids past the top) as a power law with exponent ``zipf_s`` holding the rest of the mass."""
+        top = self.top_probabilities()
+        tail_n = self.distinct - len(top)
+        tail_mass = max(1.0 - float(top.sum()), 0.0)
+        if tail_n <= 0 or tail_mass == 0.0:
+            return top
+        weights = np.arange(len(top) + 1, self.distinct + 1, dtype=np.float64) ** -self.zipf_s
+        return np.concatenate([top, weights * (tail_mass / weights.sum())])
+
+    def expected_distinct(self, lookups: int, skip_top: int = 0) -> float:
+        """E[distinct ids] among ``lookups`` independent draws: sum_i 1 - (1 - p_i)^lookups, over ids
+        past the ``skip_top`` hottest (those served elsewhere, e.g. replicated)."""
+        p = self.probabilities()[skip_top:]
+        return float(-np.expm1(lookups * np.log1p(-np.minimum(p, 1.0 - 1e-12))).sum())
+
     def to_json(self) -> dict[str, Any]:
         return {
             "lookups": self.lookups,
