@@ -3,8 +3,11 @@ the dense part (bottom MLP, interaction, top MLP) in training, and the table byt
 
 * ``embeddings: fp32 | fp16``: TorchRec's ``data_type`` of every table, so FBGEMM's fused kernel
   stores the rows in that type and updates them in place (the row-wise Adagrad state stays fp32).
-  FBGEMM rounds fp16 updates stochastically on CUDA (its default); its CPU kernel ignores the flag
-  and rounds to nearest (fbgemm-gpu-cpu 1.8.0, see the README).
+  We ask FBGEMM for stochastic rounding of the fp16 updates (``stochastic_rounding``, used by its
+  CUDA kernel); its CPU kernel rounds to nearest whatever the flag (measured with
+  fbgemm-gpu-cpu 1.8.0: an update under half an fp16 step never moves a row). fp16 tables stay
+  out of TorchRec's data-parallel sharding: those are plain parameters under a PyTorch optimizer,
+  whose fp16 state underflows (the loss turns NaN), not rows in the fused kernel.
 * ``dense: fp32 | bf16``: the MLPs and the interaction run under ``torch.autocast`` in bf16 on
   fp32 master weights; the embedding lookups and the loss stay fp32.
 """
@@ -37,6 +40,16 @@ class PrecisionSpec:
     @property
     def data_type(self) -> DataType:
         return EMBEDDING_TYPES[self.embeddings]
+
+    @property
+    def fused_only(self) -> bool:
+        """Whether every table must live in FBGEMM's fused kernel (fp16 tables: see the module doc)."""
+        return self.embeddings != "fp32"
+
+    @property
+    def fused_params(self) -> dict[str, Any] | None:
+        """FBGEMM options of the tables' fused kernel (None: TorchRec's defaults)."""
+        return {"stochastic_rounding": True} if self.embeddings == "fp16" else None
 
     @property
     def dense_dtype(self) -> torch.dtype | None:

@@ -74,7 +74,10 @@ class ServingSpec:
     @classmethod
     def from_json(cls, obj: Mapping[str, Any], where: str) -> ServingSpec:
         if obj.get("format") != FORMAT or obj.get("version") != VERSION:
-            raise ValueError(f"{where}: not a {FORMAT} v{VERSION} model (format {obj.get('format')!r}, version {obj.get('version')!r})")
+            raise ValueError(
+                f"{where}: not a {FORMAT} v{VERSION} model "
+                f"(format {obj.get('format')!r}, version {obj.get('version')!r})"
+            )
         tables = tuple(TableSpec(**t) for t in obj["tables"])
         return cls(dict(obj["model"]), int(obj["dense_in_features"]), obj["dense_precision"], tables)
 
@@ -86,7 +89,9 @@ def check_plan(plan: Mapping[str, str], tables: list[str], where: str) -> None:
         raise ValueError(f"{where}: no table named {unknown}; the model's tables are {tables}")
     for table in tables:
         if plan.get(table) not in TABLE_PRECISIONS:
-            raise ValueError(f"{where}: table {table} has precision {plan.get(table)!r}; choose one of {list(TABLE_PRECISIONS)}")
+            raise ValueError(
+                f"{where}: table {table} has precision {plan.get(table)!r}; choose one of {list(TABLE_PRECISIONS)}"
+            )
 
 
 class ServingDLRM(nn.Module):

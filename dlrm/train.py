@@ -63,7 +63,9 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
         device_type=env.device.type,
     )
     apply_sparse_optimizer(model, cfg.optimizer)
-    sharders = make_sharders(cfg.compression, bound_fn_forward=policy, bound_fn_backward=policy)
+    sharders = make_sharders(
+        cfg.compression, bound_fn_forward=policy, bound_fn_backward=policy, fused_params=precision.fused_params
+    )
     dense = DenseComm(parse_dense_comm_cfg(cfg.dense_comm))  # the hook on DMP's DDP of the MLPs
     model = shard_model(
         model,
@@ -74,6 +76,7 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
         table_names(data.features),
         dim,
         data_parallel_wrapper=CompressedDataParallelWrapper(dense),
+        fused_only=precision.fused_only,
     )
     optimizer = build_optimizer(model, cfg.optimizer)
     schedule = WarmupDecayLR(optimizer, **cfg.lr_schedule)
