@@ -106,13 +106,13 @@ class ServingDLRM(nn.Module):
         return dense_logits(self.model, dense_features, sparse_features, self.dense_dtype, dense_features.device.type)
 
 
-def quantize_rows(trained: EmbeddingBagCollection, precision: str) -> QuantizedRows:
-    """Every table of ``trained`` at one precision: TorchRec's conversion (``quantize_state_dict``,
-    the first half of ``QuantEmbeddingBagCollection.from_float``; the constructor in :func:`build`
-    is the second)."""
-    data_type = dtype_to_data_type(TABLE_PRECISIONS[precision])
+def quantize_rows(trained: EmbeddingBagCollection, plan: Mapping[str, str]) -> QuantizedRows:
+    """The tables of ``trained`` (fp32 or fp16 rows) at the precisions of ``plan`` (table ->
+    precision): TorchRec's conversion, ``quantize_state_dict``, the first half of
+    ``QuantEmbeddingBagCollection.from_float`` (the constructor in :func:`build` is the second)."""
+    data_types = {c.name: dtype_to_data_type(TABLE_PRECISIONS[plan[c.name]]) for c in trained.embedding_bag_configs()}
     rows: QuantizedRows = {}
-    quantize_state_dict(trained, rows, {c.name: data_type for c in trained.embedding_bag_configs()})
+    quantize_state_dict(trained, rows, data_types)
     return {name: (w.contiguous(), None if sb is None else sb.contiguous()) for name, (w, sb) in rows.items()}
 
 
