@@ -15,6 +15,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from trainer_runs import losses, train
 
+from dlrm.export import main
 from dlrm.model import MixedPrecisionDLRMTrain, build_dlrm, embedding_configs
 from dlrm.precision import parse_precision_cfg
 
@@ -50,6 +51,12 @@ def test_fp16_tables_and_bf16_mlps_train_on_two_ranks_and_resume_exactly(tmp_pat
     # every row once (each table on one rank or split across both), at 2 bytes a value
     assert sum(metrics["embedding_bytes_per_rank"]) == sum(v.numel() for v in tables.values()) * 2
     assert len(metrics["embedding_bytes_per_rank"]) == 2 and min(metrics["embedding_bytes_per_rank"]) > 0
+
+    # served at fp16, the fp16-trained rows are the trained model's exactly (MLPs at fp32 in both)
+    main([str(full), "--precision", "fp16", "--out", str(tmp_path / "served")])
+    served = json.loads((tmp_path / "served" / "export.json").read_text())
+    assert served["auc"] == served["fp32_auc"] and served["logloss"] == pytest.approx(served["fp32_logloss"], abs=1e-9)
+    assert served["table_bytes"] == sum(v.numel() for v in tables.values()) * 2
 
 
 def _model(dense: str) -> MixedPrecisionDLRMTrain:
