@@ -173,3 +173,15 @@ def test_bad_export_arguments_name_the_table_or_flag(run, tmp_path, args, messag
 def test_export_of_a_directory_without_a_run_names_the_missing_file(tmp_path):
     code, stderr = export(tmp_path, tmp_path / "out", check=False)
     assert code != 0 and f"{tmp_path / '.hydra' / 'config.yaml'} is missing" in stderr
+
+
+@pytest.mark.parametrize("sharding", ["row_wise", "column_wise"])
+def test_export_rebuilds_whole_tables_from_every_sharding(tmp_path, sharding):
+    # the run fixture is table-wise (the planner's choice there); these split every table
+    run_dir = tmp_path / "run"
+    train(run_dir, tmp_path / "cache", [*TRAIN, f"sharding={sharding}", "max_iterations=4"])
+    trained = json.loads((run_dir / "metrics.json").read_text())
+    assert {p.split()[0] for p in trained["sharding_plan"].values()} == {sharding}
+    export(run_dir, tmp_path / "out", "--precision", "fp32")
+    got = json.loads((tmp_path / "out" / "export.json").read_text())
+    assert got["fp32_auc"] == pytest.approx(trained["auc"], abs=1e-6) and got["auc"] == got["fp32_auc"]
