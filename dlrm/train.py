@@ -33,6 +33,7 @@ from dlrm.metrics import final_metrics, write_metrics_json
 from dlrm.model import build_model, table_names
 from dlrm.optim import WarmupDecayLR, apply_sparse_optimizer, build_optimizer
 from dlrm.policy import bounded_directions, policy_for_run, table_stats
+from dlrm.precision import embedding_bytes_per_rank, parse_precision_cfg
 from dlrm.progress import Progress
 from dlrm.run_dir import register_resolvers
 from dlrm.sharding import describe_plan, shard_model
@@ -51,9 +52,20 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
     dim = int(cfg.model.embedding_dim)
     spec = parse_compression_cfg(cfg.compression)
     policy = policy_for_run(cfg.policy, spec, table_stats(data.features, data.num_embeddings, dim))
-    model = build_model(cfg.model, data.features, data.num_embeddings, data.num_dense)
+    precision = parse_precision_cfg(cfg.precision)
+    model = build_model(
+        cfg.model,
+        data.features,
+        data.num_embeddings,
+        data.num_dense,
+        data_type=precision.data_type,
+        dense_dtype=precision.dense_dtype,
+        device_type=env.device.type,
+    )
     apply_sparse_optimizer(model, cfg.optimizer)
-    sharders = make_sharders(cfg.compression, bound_fn_forward=policy, bound_fn_backward=policy)
+    sharders = make_sharders(
+        cfg.compression, bound_fn_forward=policy, bound_fn_backward=policy, fused_params=precision.fused_params
+    )
     dense = DenseComm(parse_dense_comm_cfg(cfg.dense_comm))  # the hook on DMP's DDP of the MLPs
     model = shard_model(
         model,
@@ -64,6 +76,7 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
         table_names(data.features),
         dim,
         data_parallel_wrapper=CompressedDataParallelWrapper(dense),
+        fused_only=precision.fused_only,
     )
     optimizer = build_optimizer(model, cfg.optimizer)
     schedule = WarmupDecayLR(optimizer, **cfg.lr_schedule)
@@ -157,6 +170,8 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
         world_size=env.world_size,
         compression=cfg.compression.name,
         sharding_plan=plan,
+        precision={"embeddings": precision.embeddings, "dense": precision.dense},
+        embedding_bytes_per_rank=embedding_bytes_per_rank(model),
         **strategy.metrics(),
     )
     tb.final(metrics, state.iteration, flat_config(cfg))
