@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.autograd import Function
 from torchrec.distributed.comm_ops import Request, get_gradient_division
 
+from dlrm.comm.cache_probe import CacheProbe
 from dlrm.comm.codec import CompressedCommError, DirectionCodec
 from dlrm.comm.ids import keep_first_duplicates, sum_duplicates
 from dlrm.comm.instrument import embedding_collective, on_the_wire
@@ -143,6 +144,7 @@ class CompressedA2AInfo:
     stage: str = "a2a"  # "a2a" or "reduce_scatter" (table-row-wise runs both, each with its own thresholds)
     # DCT-MP: per source peer, the entries its forward payload kept (receiver side)
     kept: dict[int, torch.Tensor] = field(default_factory=dict)
+    cache_probe: CacheProbe | None = None  # training forwards: measure what a row cache would save
 
     def send_ids(self, direction: str) -> list[torch.Tensor | None]:
         return self.fwd_send_ids if direction == "forward" else self.fwd_recv_ids
@@ -289,6 +291,11 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
                 ts = time.perf_counter()
                 dc.samples.extend(dc.calibrate(chunk, blocks.features, blocks.widths, bounds, ids))
                 info.calibrate.discard(d)
+                sample_s += time.perf_counter() - ts
+            if d == "forward" and info.cache_probe is not None and ids is not None and dc.dedup and bounds:
+                ts = time.perf_counter()
+                dst = info.global_ranks[peer]
+                info.cache_probe.observe(dc, chunk, ids, payload, blocks.features, blocks.widths, bounds, dst, stats)
                 sample_s += time.perf_counter() - ts
             if sample:
                 ts = time.perf_counter()

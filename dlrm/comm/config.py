@@ -24,7 +24,8 @@ ALL_SHARDING_TYPES = ("data_parallel", "table_wise", "column_wise", "table_colum
 
 _TOP_KEYS = {"name", "kind", "forward", "backward", "qcomm", "stats", "sharding_types", "strategy", "strategy_file"}
 _DIR_KEYS = {"codec", "mode", "dedup", "params"}
-_STATS_KEYS = {"sample_every"}
+_STATS_KEYS = {"sample_every", "cache_probe"}
+_CACHE_PROBE_KEYS = {"enabled", "capacity_rows"}
 _QCOMM_KEYS = {"forward_precision", "backward_precision"}
 
 
@@ -49,6 +50,9 @@ class CompressionSpec:
     qcomm_forward: str = "fp32"
     qcomm_backward: str = "fp32"
     sample_every: int = 10  # sender-side error and per-feature size sampling period (0: never)
+    # compression.stats.cache_probe: measure what a forward row cache would save (None: off);
+    # its value is the cache's capacity in rows per destination and table (0: unlimited)
+    cache_probe_rows: int | None = None
     sharding_types: tuple[str, ...] = ALL_SHARDING_TYPES
     # compression=auto (per_block codecs): when to calibrate and re-plan, or a strategy to replay
     strategy: Mapping[str, Any] = field(default_factory=dict)
@@ -99,11 +103,21 @@ def parse_compression_cfg(cfg: Mapping[str, Any]) -> CompressionSpec:
     sample_every = stats.get("sample_every", 10)
     if not isinstance(sample_every, int) or sample_every < 0:
         raise ValueError(f"{where}.stats.sample_every must be an integer >= 0, got {sample_every!r}")
+    probe = stats.get("cache_probe") or {}
+    check_keys(probe, _CACHE_PROBE_KEYS, f"{where}.stats.cache_probe")
+    enabled, capacity = probe.get("enabled", False), probe.get("capacity_rows", 0)
+    if not isinstance(enabled, bool):
+        raise ValueError(f"{where}.stats.cache_probe.enabled must be true or false, got {enabled!r}")
+    if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0:
+        raise ValueError(
+            f"{where}.stats.cache_probe.capacity_rows must be an integer >= 0 (0: unlimited), got {capacity!r}"
+        )
     types = cfg.get("sharding_types") or ALL_SHARDING_TYPES
     bad = [t for t in types if t not in ALL_SHARDING_TYPES]
     if bad:
         raise ValueError(f"{where}.sharding_types: {bad} not in {list(ALL_SHARDING_TYPES)}")
     common = dict(name=name, kind=kind, sample_every=sample_every, sharding_types=tuple(types))
+    cache_probe_rows = capacity if enabled else None
     if kind == "qcomm":
         if "forward" in cfg or "backward" in cfg:
             raise ValueError(
@@ -112,6 +126,8 @@ def parse_compression_cfg(cfg: Mapping[str, Any]) -> CompressionSpec:
             )
         q = cfg.get("qcomm") or {}
         check_keys(q, _QCOMM_KEYS, f"{where}.qcomm")
+        if enabled:
+            raise ValueError(f"{where}.stats.cache_probe needs our compressed path (kind: compressed), not kind qcomm")
         fwd, bwd = q.get("forward_precision", "fp32"), q.get("backward_precision", "fp32")
         for key, val in (("forward_precision", fwd), ("backward_precision", bwd)):
             if val not in QCOMM_PRECISIONS:
@@ -127,6 +143,7 @@ def parse_compression_cfg(cfg: Mapping[str, Any]) -> CompressionSpec:
         backward=_direction(cfg["backward"], f"{where}.backward"),
         strategy=dict(cfg.get("strategy") or {}),
         strategy_file=cfg.get("strategy_file"),
+        cache_probe_rows=cache_probe_rows,
         **common,
     )
     if not spec.auto and (spec.strategy or spec.strategy_file):

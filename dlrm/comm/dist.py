@@ -27,6 +27,7 @@ from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingDist
 from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingDist
 from torchrec.distributed.types import Awaitable, NoWait
 
+from dlrm.comm.cache_probe import CacheProbe
 from dlrm.comm.codec import DirectionCodec
 from dlrm.comm.comm_ops import Blocks, CompressedA2AInfo, PooledA2ALayout, ReduceScatterLayout, compressed_all_to_all
 from dlrm.comm.ids import Region, chunk_ids
@@ -47,6 +48,7 @@ class CompressionRuntime:
     sample_every: int = 10
     name: str = "compressed"
     calibrating: bool = False  # compression=auto: training calls measure every option meanwhile
+    cache_probe: CacheProbe | None = None  # compression.stats.cache_probe (training forwards only)
 
     @property
     def codecs(self) -> dict[str, DirectionCodec]:
@@ -120,6 +122,7 @@ class CompressedDist:
             training=torch.is_grad_enabled(),
             stage=stage,
             calibrate={"forward", "backward"} if self.runtime.calibrating and torch.is_grad_enabled() else set(),
+            cache_probe=self.runtime.cache_probe if torch.is_grad_enabled() else None,
         )
 
 
