@@ -88,6 +88,11 @@ def test_probe_counts_rows_within_the_bound_of_what_the_receiver_decoded():
     assert stats.sums["forward/cache/held_rows"] == sum(h for h, _ in expected)
     assert stats.sums["forward/cache/hit_rows/f"] == sum(h for _, h in expected)
     assert 0 < stats.sums["forward/cache/hit_rows"] < stats.sums["forward/cache/held_rows"]
+    # the delta scheme holds the same ids (eviction follows ids alone), codes moved rows smaller,
+    # and what its destination would hold stays within the bound
+    assert stats.sums["forward/cache_delta/held_rows"] == stats.sums["forward/cache/held_rows"]
+    assert stats.sums["forward/cache_delta/cached_bytes"] < stats.sums["forward/cache/cached_bytes"]
+    assert stats.maxes["forward/cache_delta/max_error_over_bound"] <= 1 + 1e-4
     d = derive(stats.sums, stats.maxes)
     assert d["comm/forward/cache_hit"] == stats.sums["forward/cache/hit_rows"] / stats.sums["forward/cache/unique_rows"]
 
@@ -104,8 +109,9 @@ def test_probe_prices_unchanged_rows_at_about_a_bit():
     probe.observe(dc, chunk, ids, payload, ["f"], [dim], [eb], 1, stats)  # nothing moved: all hit
     second = stats.sums["forward/cache/cached_bytes"] - first
     assert first >= payload.numel() and stats.sums["forward/cache/hit_rows"] == 64
-    # a 64-bit bitmap plus the payload of one row (a block with no misses still carries one)
-    assert second == 64 / 8 + dc.encode(chunk[:1], [dim], [eb], ids[:1]).numel() < payload.numel() / 5
+    # a 64-bit bitmap plus the payload of one zero row (a block with no misses still carries one)
+    one_row = dc.encode(torch.zeros(1, dim), [dim], [eb], torch.full((1, 1), -1)).numel()
+    assert second == 64 / 8 + one_row < payload.numel() / 5
 
 
 def test_cache_probe_config_is_validated_by_key():
@@ -129,3 +135,4 @@ def test_probe_in_a_two_rank_run_measures_without_changing_training(tmp_path, tm
     assert plain["forward_ratio"] == probe["forward_ratio"] and "cache_probe_hit_share" not in plain
     assert 0 < probe["cache_probe_hit_share"] <= probe["cache_probe_held_share"] < 1
     assert probe["cache_probe_gain"] > 1 and probe["cache_probe_bytes_per_rank"] > 0
+    assert probe["cache_delta_probe_gain"] > 1

@@ -3,7 +3,8 @@
 ``python -m dlrm.bench.cache_probe_report RUN_DIR [RUN_DIR ...]`` prints, per run, a Markdown
 table by iteration range: the share of each batch's unique forward rows whose id the destination
 holds, the share it could keep (within the bound), and the forward ratio today and with the cache
-(raw bytes over wire bytes, the probed payloads replaced by what the cache would send). Ranges are
+(raw bytes over wire bytes, the probed payloads replaced by what the cache would send), for both
+schemes of :mod:`dlrm.comm.cache_probe` (moved rows sent whole, or as differences). Ranges are
 unions of log windows (``log_every``): choose ``log_every`` dividing 100.
 """
 
@@ -22,6 +23,8 @@ TAGS = {
     "hit": "comm/forward/cache/hit_rows",
     "payload": "comm/forward/cache/payload_bytes",
     "cached": "comm/forward/cache/cached_bytes",
+    "delta_hit": "comm/forward/cache_delta/hit_rows",
+    "delta_cached": "comm/forward/cache_delta/cached_bytes",
     "raw": "comm/forward/raw_bytes",
     "wire": "comm/forward/wire_bytes",
 }
@@ -62,6 +65,8 @@ def summarize(wins: Mapping[int, Mapping[str, float]], first: int, last: int) ->
         "hit": s["hit"] / u,
         "ratio": s["raw"] / s["wire"] if s["wire"] else float("nan"),
         "ratio_cached": s["raw"] / (s["wire"] - s["payload"] + s["cached"]) if s["wire"] else float("nan"),
+        "delta_hit": s["delta_hit"] / u,
+        "ratio_delta": s["raw"] / (s["wire"] - s["payload"] + s["delta_cached"]) if s["wire"] else float("nan"),
     }
 
 
@@ -72,21 +77,27 @@ def table(run_dir: Path) -> str:
     lines = [
         f"**{run_dir.name}** ({last} iterations, log windows of {step})",
         "",
-        "| iterations | ids held | within bound (hit) | forward ratio | with cache | gain |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| iterations | ids held | hit | forward ratio | cache | gain | delta: hit | cache + delta | gain |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for a, b in ranges(last):
         r = summarize(wins, a + step - 1, b)
         label = "whole run" if (a, b) == (1, last) else f"{a}-{b}"
-        gain = r["ratio_cached"] / r["ratio"]
         lines.append(
-            f"| {label} | {r['held']:.1%} | {r['hit']:.1%} | {r['ratio']:.1f}x | {r['ratio_cached']:.1f}x | {gain:.2f}x |"
+            f"| {label} | {r['held']:.1%} | {r['hit']:.1%} | {r['ratio']:.1f}x | {r['ratio_cached']:.1f}x "
+            f"| {r['ratio_cached'] / r['ratio']:.2f}x | {r['delta_hit']:.1%} | {r['ratio_delta']:.1f}x "
+            f"| {r['ratio_delta'] / r['ratio']:.2f}x |"
         )
     metrics = run_dir / "metrics.json"
     if metrics.exists():
         m = json.loads(metrics.read_text())
         mib = m.get("cache_probe_bytes_per_rank", 0.0) / 2**20
-        lines += ["", f"cache memory per rank at the end: {mib:.1f} MiB; test AUC {m.get('auc')}"]
+        worst = m.get("cache_delta_probe_max_error_over_bound")
+        lines += [
+            "",
+            f"cache memory per rank at the end: {mib:.1f} MiB; delta scheme's worst error/bound {worst}; "
+            f"test AUC {m.get('auc')}",
+        ]
     return "\n".join(lines)
 
 

@@ -104,17 +104,19 @@ def derive(sums: Mapping[str, float], maxes: Mapping[str, float]) -> dict[str, f
 
 
 def _cache_probe(sums: Mapping[str, float]) -> dict[str, float]:
-    """The row cache probe's shares (of a batch's unique rows, per destination) and byte gain."""
+    """The row cache probe's shares (of a batch's unique rows, per destination) and byte gain,
+    per scheme (``cache``, ``cache_delta``: :mod:`dlrm.comm.cache_probe`)."""
     out: dict[str, float] = {}
-    prefix = "forward/cache/unique_rows"
-    for k, unique in sums.items():
-        if k.startswith(prefix) and unique > 0:
-            tail = k[len(prefix) :]  # "" or "/<feature>"
-            out[f"comm/forward/cache_hit{tail}"] = sums.get(f"forward/cache/hit_rows{tail}", 0.0) / unique
-            out[f"comm/forward/cache_held{tail}"] = sums.get(f"forward/cache/held_rows{tail}", 0.0) / unique
-    cached = sums.get("forward/cache/cached_bytes", 0.0)
-    if cached > 0:
-        out["comm/forward/cache_gain"] = sums.get("forward/cache/payload_bytes", 0.0) / cached
+    for scheme in ("cache", "cache_delta"):
+        prefix = f"forward/{scheme}/unique_rows"
+        for k, unique in sums.items():
+            if k.startswith(prefix) and unique > 0:
+                tail = k[len(prefix) :]  # "" or "/<feature>"
+                out[f"comm/forward/{scheme}_hit{tail}"] = sums.get(f"forward/{scheme}/hit_rows{tail}", 0.0) / unique
+                out[f"comm/forward/{scheme}_held{tail}"] = sums.get(f"forward/{scheme}/held_rows{tail}", 0.0) / unique
+        cached = sums.get(f"forward/{scheme}/cached_bytes", 0.0)
+        if cached > 0:
+            out[f"comm/forward/{scheme}_gain"] = sums.get(f"forward/{scheme}/payload_bytes", 0.0) / cached
     return out
 
 
