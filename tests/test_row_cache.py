@@ -136,3 +136,25 @@ def test_probe_in_a_two_rank_run_measures_without_changing_training(tmp_path, tm
     assert 0 < probe["cache_probe_hit_share"] <= probe["cache_probe_held_share"] < 1
     assert probe["cache_probe_gain"] > 1 and probe["cache_probe_bytes_per_rank"] > 0
     assert probe["cache_delta_probe_gain"] > 1
+
+
+def test_every_held_row_stays_within_the_bound_of_its_exact_value_with_several_blocks():
+    eb, widths = 0.02, [4, 4, 4]
+    dc = DirectionCodec(DirectionSpec("lossy", params={"entropy": True}), "forward", fixed_bound(eb))
+    g = torch.Generator().manual_seed(3)
+    tables = torch.randn(3, 30, 4, generator=g)
+    probe, stats = CacheProbe(capacity_rows=24), CommStats()
+    for step in range(10):
+        ids = torch.randint(0, 30, (24, 3), generator=g)
+        tables[1] += 0.7 * eb * torch.randn(30, 4, generator=g)  # block 1 drifts, 0 and 2 stay
+        chunk = torch.cat([tables[k][ids[:, k]] for k in range(3)], dim=1)
+        bounds = [eb] * 3
+        payload = dc.encode(chunk, widths, bounds, ids)
+        probe.observe(dc, chunk, ids, payload, ["a", "b", "c"], widths, bounds, 1, stats)
+        for (scheme, _, _, k), mirror in probe.mirrors.items():
+            uid = torch.unique(ids[:, k])
+            held, rows = mirror.lookup(uid)
+            assert held.all() and len(mirror) <= 24, (scheme, k)  # this batch's ids were just sent
+            err = (rows - tables[k][uid]).abs().max()
+            assert err <= eb * (1 + 1e-5), (scheme, k, step, float(err))
+    assert stats.sums["forward/cache/hit_rows/a"] > stats.sums["forward/cache/hit_rows/b"]

@@ -92,9 +92,9 @@ class CacheProbe:
             coded, values = _code(dc, sends, sent_ids, widths, bounds)
             worst = 0.0
             for k, (mirror, uid, exact, fresh, moved) in enumerate(after):
-                n_fresh = int(fresh.sum())
+                n_fresh, n_moved = int(fresh.sum()), int(moved.sum())
                 if delta:  # the destination adds the decoded difference to what it holds
-                    new = values[k][n_fresh:] + mirror.rows(uid[moved])
+                    new = values[k][n_fresh : n_fresh + n_moved] + mirror.rows(uid[moved])
                     mirror.put(uid[moved], new)
                     worst = max(worst, _over_bound(new, exact[moved], bounds[k]))
                 mirror.put(uid[fresh], decoded[firsts[k][fresh], starts[k] : starts[k] + widths[k]])
