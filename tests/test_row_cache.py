@@ -73,7 +73,7 @@ def test_probe_counts_rows_within_the_bound_of_what_the_receiver_decoded():
     g = torch.Generator().manual_seed(1)
     table = torch.randn(60, dim, generator=g)
     steps = []
-    for step in range(12):
+    for _ in range(12):
         ids = torch.randint(0, 60, (40, 1), generator=g)
         # rows drift by 0.4 eb per step (drift accumulates past the bound unless compared with
         # the decoded value), a few jump
@@ -119,9 +119,9 @@ def test_cache_probe_config_is_validated_by_key():
     spec = parse_compression_cfg({**base, "stats": {"cache_probe": {"enabled": True, "capacity_rows": 10}}})
     assert spec.cache_probe_rows == 10
     assert parse_compression_cfg(base).cache_probe_rows is None
-    with pytest.raises(ValueError, match="compression.stats.cache_probe.capacity_rows"):
+    with pytest.raises(ValueError, match=r"compression\.stats\.cache_probe\.capacity_rows"):
         parse_compression_cfg({**base, "stats": {"cache_probe": {"enabled": True, "capacity_rows": -1}}})
-    with pytest.raises(ValueError, match="compression.stats.cache_probe"):
+    with pytest.raises(ValueError, match=r"compression\.stats\.cache_probe"):
         parse_compression_cfg({**base, "stats": {"cache_probe": {"enable": True}}})
 
 

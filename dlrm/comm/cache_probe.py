@@ -33,7 +33,6 @@ from compression.row_cache import RowCache
 from dlrm.comm.codec import DirectionCodec
 from dlrm.comm.stats import CommStats
 
-
 SCHEMES = ("cache", "cache_delta")
 
 
