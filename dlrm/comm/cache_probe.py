@@ -96,7 +96,9 @@ class CacheProbe:
                     new = values[k][n_fresh : n_fresh + n_moved] + mirror.rows(uid[moved])
                     mirror.put(uid[moved], new)
                     worst = max(worst, _over_bound(new, exact[moved], bounds[k]))
-                mirror.put(uid[fresh], decoded[firsts[k][fresh], starts[k] : starts[k] + widths[k]])
+                sent = decoded[firsts[k][fresh], starts[k] : starts[k] + widths[k]]
+                worst = max(worst, _over_bound(sent, exact[fresh], bounds[k]))
+                mirror.put(uid[fresh], sent)
                 mirror.touch(uid)  # ascending ids: the canonical order of the dedup plan
             stats.add(f"forward/{scheme}/payload_bytes", payload.numel())
             stats.add(f"forward/{scheme}/cached_bytes", coded + math.ceil(held_total / 8))  # + bitmap of held
