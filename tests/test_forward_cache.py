@@ -34,7 +34,7 @@ def test_receiver_decodes_within_the_bound_and_holds_what_the_sender_mirrors():
         if step == 7:
             chunk[3, 2] = float("nan")  # non-finite values travel exactly, whole
         bounds = [0.01, 0.01, 0.0 if step == 9 else 0.01]  # a zero bound: exact, no differences
-        payload, mine = sender.encode(dc, chunk, ids, feats, widths, bounds, dst=1)
+        payload, mine, _ = sender.encode(dc, chunk, ids, feats, widths, bounds, dst=1)
         got = receiver.decode(dc, payload, ids, feats, widths, src=0)
         assert torch.equal(got.nan_to_num(7.0), mine.nan_to_num(7.0))
         c = 0
@@ -50,3 +50,91 @@ def test_receiver_decodes_within_the_bound_and_holds_what_the_sender_mirrors():
         plain += dc.encode(chunk, widths, bounds, ids).numel()
         cached += payload.numel()
     assert cached < plain  # the cache pays on these drifting rows
+
+
+CACHED = {
+    "name": "lossy_cached",
+    "forward": {"codec": "lossy", "eb": 2e-3, "cache": {"enabled": True, "capacity_rows": 24}},
+    "backward": {"codec": "lossy", "eb": 1e-3},
+    "stats": {"sample_every": 1},
+}
+
+
+def _cached_training(rank: int, ws: int) -> dict:
+    import torch.distributed as dist
+    from test_comm import (
+        FEATURES,
+        batch,
+        build,
+        columns,
+        full_weights,
+        gather_weights,
+        grad_weights,
+        ours,
+        reference_out,
+    )
+
+    from dlrm.comm import comm_stats
+
+    sharder = ours(CACHED)
+    model = build(sharder, "tw_cw", ws, full_weights())
+    fc = sharder.runtime.forward_cache
+    worst = 0.0
+    for step in range(12):
+        w = gather_weights(model)
+        kjt = batch(rank, step % 3, 16)  # ids come back every 3 steps
+        out = model(kjt)
+        ref = reference_out(w, kjt)
+        for f in FEATURES:
+            err = float((out.detach()[:, columns(f)].double() - ref[:, columns(f)].double()).abs().max())
+            assert err <= 2e-3 * (1 + 1e-6), f"rank {rank} step {step} {f}: {err}"
+            worst = max(worst, err / 2e-3)
+        # every other step trains nothing, so rows come back unchanged (hits) as well as moved
+        scale = 1.0 if step % 2 == 0 else 0.0
+        (out * grad_weights(rank, step, 16) * scale).sum().backward()
+        # what every sender mirrors for a peer is what that peer holds from it
+        mine = {k: (c.ids(), c.rows(torch.tensor(c.ids(), dtype=torch.int64))) for k, c in fc.caches.items()}
+        everyone: list = [None] * ws
+        dist.all_gather_object(everyone, mine)
+        for (role, peer, f, k), (ids, rows) in mine.items():
+            if role == "send":
+                theirs = everyone[peer][("recv", rank, f, k)]
+                assert ids == theirs[0] and torch.equal(rows, theirs[1]), (step, f, k)
+                assert len(ids) <= 24
+    stats = comm_stats(model, reset=False)
+    # evaluation neither uses nor changes the caches
+    before = {k: c.ids() for k, c in fc.caches.items()}
+    with torch.no_grad():
+        model(batch(rank, 5, 16))
+    assert {k: c.ids() for k, c in fc.caches.items()} == before
+    return {"worst": worst, "stats": stats}
+
+
+def test_two_ranks_bound_held_and_mirrors_equal_caches_every_iteration():
+    from multiprocess import run_ranks
+
+    results = run_ranks(_cached_training, 2)
+    for r in results:
+        s = r["stats"]
+        assert r["worst"] > 0.1  # errors really there
+        # rows came back unchanged (hits) and moved (differences); evicted ones came back fresh
+        assert s["comm/forward/cache/hit_rows"] > 0 and s["comm/forward/cache/moved_rows"] > 0
+        assert s["comm/forward/cache/held_rows"] < s["comm/forward/cache/unique_rows"]
+        assert r["stats"]["comm/forward/max_error_over_bound"] <= 1.0
+        assert r["stats"]["comm/forward/cache_bytes"] > 0
+
+
+def test_cache_is_refused_where_it_cannot_apply():
+    import pytest
+
+    from dlrm.comm.config import parse_compression_cfg
+
+    base = {"forward": {"codec": "lossy"}, "backward": {"codec": "lossy"}}
+    on = {"enabled": True}
+    assert parse_compression_cfg({**base, "forward": {"codec": "lossy", "cache": on}}).forward.cache_rows == 0
+    with pytest.raises(ValueError, match=r"compression\.backward\.cache"):
+        parse_compression_cfg({**base, "backward": {"codec": "lossy", "cache": on}})
+    with pytest.raises(ValueError, match=r"compression\.forward\.cache needs"):
+        parse_compression_cfg({**base, "forward": {"codec": "fp16", "cache": on}})
+    with pytest.raises(ValueError, match=r"compression\.forward\.cache\.capacity_rows"):
+        parse_compression_cfg({**base, "forward": {"codec": "lossy", "cache": {"enabled": True, "capacity_rows": -2}}})

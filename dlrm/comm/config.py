@@ -23,7 +23,8 @@ QCOMM_PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 ALL_SHARDING_TYPES = ("data_parallel", "table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise")
 
 _TOP_KEYS = {"name", "kind", "forward", "backward", "qcomm", "stats", "sharding_types", "strategy", "strategy_file"}
-_DIR_KEYS = {"codec", "mode", "dedup", "params"}
+_DIR_KEYS = {"codec", "mode", "dedup", "params", "cache"}
+_CACHE_KEYS = {"enabled", "capacity_rows"}
 _STATS_KEYS = {"sample_every", "cache_probe"}
 _CACHE_PROBE_KEYS = {"enabled", "capacity_rows"}
 _QCOMM_KEYS = {"forward_precision", "backward_precision"}
@@ -37,6 +38,7 @@ class DirectionSpec:
     mode: str = "abs"  # how the policy's bound reads: absolute, or relative to each block's range
     dedup: bool = True  # forward: pass ids to the codec; backward: also sum duplicate-id gradients
     params: Mapping[str, Any] = field(default_factory=dict)
+    cache_rows: int | None = None  # forward row cache (dlrm.comm.forward_cache): capacity (0: unlimited); None: off
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,31 @@ def _direction(cfg: Any, where: str) -> DirectionSpec:
     params = cfg.get("params") or {}
     if not isinstance(params, Mapping):
         raise ValueError(f"{where}.params must be a mapping of codec keyword arguments, got {params!r}")
-    return DirectionSpec(codec=cfg["codec"], mode=mode, dedup=dedup, params=dict(params))
+    return DirectionSpec(codec=cfg["codec"], mode=mode, dedup=dedup, params=dict(params), cache_rows=_cache(cfg, where))
+
+
+def _cache(cfg: Mapping[str, Any], where: str) -> int | None:
+    """``<direction>.cache: {enabled, capacity_rows}``: the capacity when enabled, else None."""
+    cache = cfg.get("cache") or {}
+    key = f"{where}.cache"
+    if not isinstance(cache, Mapping):
+        raise ValueError(f"{key} must be a mapping {{enabled, capacity_rows}}, got {cache!r}")
+    check_keys(cache, _CACHE_KEYS, key)
+    enabled, capacity = cache.get("enabled", False), cache.get("capacity_rows", 0)
+    if not isinstance(enabled, bool):
+        raise ValueError(f"{key}.enabled must be true or false, got {enabled!r}")
+    if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0:
+        raise ValueError(f"{key}.capacity_rows must be an integer >= 0 (0: unlimited), got {capacity!r}")
+    if not enabled:
+        return None
+    if not where.endswith("forward"):
+        raise ValueError(f"{key}: the row cache applies to the forward all-to-all only")
+    if cfg["codec"] != "lossy" or not cfg.get("dedup", True):
+        raise ValueError(
+            f"{key} needs the error-bounded codec by id ({where}.codec: lossy, {where}.dedup: true), "
+            f"got codec {cfg['codec']!r}, dedup {cfg.get('dedup', True)!r}"
+        )
+    return capacity
 
 
 def parse_compression_cfg(cfg: Mapping[str, Any]) -> CompressionSpec:

@@ -65,11 +65,13 @@ class ForwardCache:
         widths: Sequence[int],
         bounds: Sequence[float],
         dst: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(payload for global rank ``dst``, the chunk as ``dst`` will decode it)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, int]]:
+        """(payload for global rank ``dst``, the chunk as ``dst`` will decode it, row counts:
+        ``unique_rows``, ``held_rows``, ``hit_rows``, ``moved_rows`` sent as differences)."""
         plan = plan_by_ids(ids)
         firsts = plan.first.split(plan.counts.tolist())
         flags, bits, sends, sent_ids, coded_bounds, steps = [], [], [], [], [], []
+        counts = dict.fromkeys(("unique_rows", "held_rows", "hit_rows", "moved_rows"), 0)
         c = 0
         for k, (f, w) in enumerate(zip(features, widths, strict=True)):
             rows = firsts[k]
@@ -89,6 +91,9 @@ class ForwardCache:
             sent_ids.append(torch.cat([uid[fresh], uid[moved]]))
             coded_bounds.append(room if delta else bounds[k])
             steps.append((cache, uid, hit, fresh, moved, cached, delta))
+            for name, n in (("unique_rows", uid.numel()), ("held_rows", held.sum()), ("hit_rows", hit.sum())):
+                counts[name] += int(n)
+            counts["moved_rows"] += int(moved.sum()) if delta else 0
             c += w
         inner = _code(dc, sends, sent_ids, widths, coded_bounds)
         values = _decode(dc, inner, sent_ids, widths)
@@ -100,7 +105,7 @@ class ForwardCache:
             c += widths[k]
         head = torch.tensor(flags, dtype=torch.uint8)
         packed = torch.from_numpy(np.packbits(torch.cat(bits).numpy().astype(np.uint8))) if bits else head[:0]
-        return torch.cat([head, packed, inner]), out
+        return torch.cat([head, packed, inner]), out, counts
 
     def decode(
         self,
