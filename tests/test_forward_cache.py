@@ -107,7 +107,13 @@ def _cached_training(rank: int, ws: int) -> dict:
     with torch.no_grad():
         model(batch(rank, 5, 16))
     assert {k: c.ids() for k, c in fc.caches.items()} == before
-    return {"worst": worst, "stats": stats}
+    # row-wise sharding sends partial sums (no ids): the option is refused, naming its key
+    try:
+        build(ours(CACHED), "mixed", ws, full_weights())
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    return {"worst": worst, "stats": stats, "refused": refused}
 
 
 def test_two_ranks_bound_held_and_mirrors_equal_caches_every_iteration():
@@ -122,6 +128,7 @@ def test_two_ranks_bound_held_and_mirrors_equal_caches_every_iteration():
         assert s["comm/forward/cache/held_rows"] < s["comm/forward/cache/unique_rows"]
         assert r["stats"]["comm/forward/max_error_over_bound"] <= 1.0
         assert r["stats"]["comm/forward/cache_bytes"] > 0
+        assert "compression.forward.cache cannot apply to row_wise" in r["refused"]
 
 
 def test_cache_is_refused_where_it_cannot_apply():
@@ -138,3 +145,20 @@ def test_cache_is_refused_where_it_cannot_apply():
         parse_compression_cfg({**base, "forward": {"codec": "fp16", "cache": on}})
     with pytest.raises(ValueError, match=r"compression\.forward\.cache\.capacity_rows"):
         parse_compression_cfg({**base, "forward": {"codec": "lossy", "cache": {"enabled": True, "capacity_rows": -2}}})
+
+
+def test_resumed_run_repeats_the_uninterrupted_one_with_the_cache(tmp_path, tmp_path_factory):
+    import json
+
+    from trainer_runs import losses, train
+
+    cache = tmp_path_factory.mktemp("cache")
+    full, part = tmp_path / "full", tmp_path / "part"
+    common = ["loss_log=true", "checkpoint.every=5", "sharding=table_wise", "compression.forward.cache.enabled=true"]
+    train(full, cache, [*common, "max_iterations=12"])
+    train(part, cache, [*common, "max_iterations=5"])
+    train(part, cache, [*common, "max_iterations=12", "resume=true"])
+    reference, resumed = losses(full), losses(part)
+    assert [resumed[i] for i in range(6, 13)] == [reference[i] for i in range(6, 13)]
+    metrics = json.loads((full / "metrics.json").read_text())
+    assert metrics["cache_bytes_per_rank"] > 0 and metrics["max_abs_error_seen"] > 0
