@@ -5,7 +5,8 @@ table by iteration range: the share of each batch's unique forward rows whose id
 holds, the share it could keep (within the bound), and the forward ratio today and with the cache
 (raw bytes over wire bytes, the probed payloads replaced by what the cache would send), for both
 schemes of :mod:`dlrm.comm.cache_probe` (moved rows sent whole, or as differences). Ranges are
-unions of log windows (``log_every``): choose ``log_every`` dividing 100.
+unions of log windows (``log_every``): choose ``log_every`` dividing 100. With ``--compare``, one
+line per run with or without ``compression.forward.cache`` (its real wire bytes).
 """
 
 from __future__ import annotations
@@ -101,10 +102,40 @@ def table(run_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def compare(run_dirs: Sequence[Path]) -> str:
+    """One line per run (with or without ``compression.forward.cache``): the forward ratio over
+    the training windows and over the whole run (evaluation included, which never uses the
+    cache), the worst forward error / bound of any window (``sample_every=1``: every chunk),
+    the test AUC, the caches' memory and the forward codec time (both ranks, per iteration)."""
+    lines = [
+        "| run | forward ratio (training) | forward ratio (run) | worst error / bound | test AUC | cache MiB/rank "
+        "| forward codec ms/iteration |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for d in run_dirs:
+        acc = EventAccumulator(str(d / "tensorboard"), size_guidance={"scalars": 0}).Reload()
+        raw = sum(e.value for e in acc.Scalars("comm/forward/raw_bytes"))
+        wire = sum(e.value for e in acc.Scalars("comm/forward/wire_bytes"))
+        worst = max(e.value for e in acc.Scalars("comm/forward/max_error_over_bound"))
+        codec_ms = sum(e.value for e in acc.Scalars("comm/forward/codec_ms"))
+        m = json.loads((d / "metrics.json").read_text())
+        mib = m.get("cache_bytes_per_rank", 0.0) / 2**20
+        lines.append(
+            f"| {d.name} | {raw / wire:.1f}x | {m['forward_ratio']:.1f}x | {worst:.7f} | {m['auc']:.4f} | {mib:.1f} "
+            f"| {codec_ms / max(m['iterations'], 1):.1f} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_dirs", nargs="+", type=Path)
-    for d in parser.parse_args(argv).run_dirs:
+    parser.add_argument("--compare", action="store_true", help="runs with/without the cache: one line each")
+    args = parser.parse_args(argv)
+    if args.compare:
+        print(compare(args.run_dirs))
+        return
+    for d in args.run_dirs:
         print(table(d) + "\n")
 
 
