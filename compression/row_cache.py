@@ -41,13 +41,16 @@ class RowCache:
         return held, rows
 
     def put(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        """Store ``rows`` under ``ids`` (new ids become the most recent; held ones keep their place)."""
-        for i, r in zip(ids.tolist(), range(ids.numel()), strict=True):
+        """Store ``rows`` under ``ids`` (unique; new ids become the most recent, held ones keep their place)."""
+        slots = []
+        for i in ids.tolist():
             slot = self._slot.get(i)
             if slot is None:
                 slot = self._free.pop() if self._free else self._grow()
                 self._slot[i] = slot
-            self._rows[slot] = rows[r]
+            slots.append(slot)
+        if slots:  # one copy (ids are unique: the dedup plan's)
+            self._rows[torch.tensor(slots, dtype=torch.int64)] = rows.to(self._rows.dtype)
 
     def touch(self, ids: torch.Tensor) -> None:
         """Make ``ids`` (those held) the most recent, in the given order, then evict the oldest
