@@ -125,7 +125,7 @@ class ForwardCache:
         looked = []
         for k, (f, w) in enumerate(zip(features, widths, strict=True)):
             uid = ids[firsts[k], k]
-            cache = self._cache("recv", src, f, k, w, torch.float32)
+            cache = self._cache("recv", src, f, k, w, torch.float32 if out is None else out.dtype)
             looked.append((cache, uid, *cache.lookup(uid)))
         n_held = sum(int(h.sum()) for _, _, h, _ in looked)
         n_bytes = (n_held + 7) // 8
