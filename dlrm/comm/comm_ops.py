@@ -28,7 +28,9 @@ import torch.distributed as dist
 from torch.autograd import Function
 from torchrec.distributed.comm_ops import Request, get_gradient_division
 
+from dlrm.comm.cache_probe import CacheProbe
 from dlrm.comm.codec import CompressedCommError, DirectionCodec
+from dlrm.comm.forward_cache import ForwardCache
 from dlrm.comm.ids import keep_first_duplicates, sum_duplicates
 from dlrm.comm.instrument import embedding_collective, on_the_wire
 from dlrm.comm.stats import CommStats
@@ -143,6 +145,8 @@ class CompressedA2AInfo:
     stage: str = "a2a"  # "a2a" or "reduce_scatter" (table-row-wise runs both, each with its own thresholds)
     # DCT-MP: per source peer, the entries its forward payload kept (receiver side)
     kept: dict[int, torch.Tensor] = field(default_factory=dict)
+    cache_probe: CacheProbe | None = None  # training forwards: measure what a row cache would save
+    forward_cache: ForwardCache | None = None  # training forwards: compression.forward.cache
 
     def send_ids(self, direction: str) -> list[torch.Tensor | None]:
         return self.fwd_send_ids if direction == "forward" else self.fwd_recv_ids
@@ -179,9 +183,12 @@ def _sample(
     stats: CommStats,
     d: str,
     thresholds: list[float] | None = None,
+    decoded: torch.Tensor | None = None,
 ) -> None:
-    """Sender-side sampling: decode our own payload for errors, encode each block alone for sizes."""
-    decoded = dc.codec.decode(payload, ids if dc.dedup else None)
+    """Sender-side sampling: decode our own payload (or take ``decoded``: what the row cache's
+    destination holds) for errors, encode each block alone for sizes."""
+    if decoded is None:
+        decoded = dc.codec.decode(payload, ids if dc.dedup else None)
     col_err = _nan_aware_abs_error(decoded.float(), chunk.float()).amax(dim=0) if chunk.shape[0] else None
     elt, c = chunk.element_size(), 0
     for k, (f, w) in enumerate(zip(blocks.features, blocks.widths, strict=True)):
@@ -211,6 +218,36 @@ def _count_raw(stats: CommStats, d: str, chunk: torch.Tensor, blocks: Blocks) ->
     for f, w in zip(blocks.features, blocks.widths, strict=True):
         stats.add(f"{d}/raw_bytes/{f}", chunk.shape[0] * w * elt)
     stats.add(f"{d}/raw_bytes", chunk.numel() * elt)
+
+
+def _cached(info: CompressedA2AInfo, d: str, ids: torch.Tensor | None) -> bool:
+    """Whether this chunk travels through the row cache (training forwards with ids; both sides
+    decide alike: they hold the same ids and training flag)."""
+    return d == "forward" and info.forward_cache is not None and ids is not None and info.codecs[d].dedup
+
+
+def _decode_cached(
+    info: CompressedA2AInfo,
+    dc: DirectionCodec,
+    payload: torch.Tensor,
+    ids: torch.Tensor | None,
+    blocks: Blocks,
+    peer: int,
+    me: int,
+    window: torch.Tensor | None,
+) -> torch.Tensor:
+    assert info.forward_cache is not None and ids is not None
+    src = info.global_ranks[peer]
+    try:
+        part = info.forward_cache.decode(dc, payload, ids, blocks.features, blocks.widths, src, out=window)
+    except Exception as e:  # name the transfer, keep the cause chained
+        raise CompressedCommError(
+            f"rank {info.global_ranks[me]} ({info.where}): cannot decode the row-cached forward payload "
+            f"({payload.numel()} bytes) from rank {src} carrying features {blocks.features} at iteration "
+            f"{info.iteration}: {type(e).__name__}: {e}"
+        ) from e
+    info.stats.maximum("forward/cache_bytes", info.forward_cache.nbytes)
+    return part
 
 
 def _a2a_name(info: CompressedA2AInfo, d: str) -> str:
@@ -284,15 +321,30 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
             if dc.forward_positions:  # DCT-MP: the derivative of the forward's thresholding
                 chunk = torch.where(info.kept[peer], chunk, torch.zeros((), dtype=chunk.dtype, device=chunk.device))
             thresholds = dc.thresholds(chunk, blocks.features, blocks.widths, info.iteration, info.training, info.stage)
-            payload = dc.encode(chunk, blocks.widths, bounds, ids, thresholds, blocks.features)
+            held: torch.Tensor | None = None  # with the row cache: the chunk as the peer decodes it
+            if _cached(info, d, ids) and bounds is not None:
+                assert info.forward_cache is not None and ids is not None
+                dst = info.global_ranks[peer]
+                fc = info.forward_cache
+                payload, held, counts = fc.encode(dc, chunk, ids, blocks.features, blocks.widths, bounds, dst)
+                for name, n in counts.items():
+                    stats.add(f"{d}/cache/{name}", n)
+                stats.maximum(f"{d}/cache_bytes", fc.nbytes)
+            else:
+                payload = dc.encode(chunk, blocks.widths, bounds, ids, thresholds, blocks.features)
             if d in info.calibrate:  # compression=auto: every option on this chunk (one peer per direction)
                 ts = time.perf_counter()
                 dc.samples.extend(dc.calibrate(chunk, blocks.features, blocks.widths, bounds, ids))
                 info.calibrate.discard(d)
                 sample_s += time.perf_counter() - ts
+            if d == "forward" and info.cache_probe is not None and ids is not None and dc.dedup and bounds:
+                ts = time.perf_counter()
+                dst = info.global_ranks[peer]
+                info.cache_probe.observe(dc, chunk, ids, payload, blocks.features, blocks.widths, bounds, dst, stats)
+                sample_s += time.perf_counter() - ts
             if sample:
                 ts = time.perf_counter()
-                _sample(dc, chunk, payload, blocks, bounds, ids, stats, d, thresholds)
+                _sample(dc, chunk, payload, blocks, bounds, ids, stats, d, thresholds, held)
                 sample = False
                 sample_s += time.perf_counter() - ts
             if ids is None:
@@ -379,6 +431,9 @@ def _receive(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, tr: _Transf
             )
         ids = ids_per_peer[peer]
         tables = sorted({info.feature_tables.get(f, f) for f in blocks.features})
+        if _cached(info, d, ids):
+            parts.append(_decode_cached(info, dc, payload, ids, blocks, peer, me, window))
+            continue
         part = dc.decode(
             payload,
             shape,

@@ -23,8 +23,10 @@ QCOMM_PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 ALL_SHARDING_TYPES = ("data_parallel", "table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise")
 
 _TOP_KEYS = {"name", "kind", "forward", "backward", "qcomm", "stats", "sharding_types", "strategy", "strategy_file"}
-_DIR_KEYS = {"codec", "mode", "dedup", "params"}
-_STATS_KEYS = {"sample_every"}
+_DIR_KEYS = {"codec", "mode", "dedup", "params", "cache"}
+_CACHE_KEYS = {"enabled", "capacity_rows"}
+_STATS_KEYS = {"sample_every", "cache_probe"}
+_CACHE_PROBE_KEYS = {"enabled", "capacity_rows"}
 _QCOMM_KEYS = {"forward_precision", "backward_precision"}
 
 
@@ -36,6 +38,7 @@ class DirectionSpec:
     mode: str = "abs"  # how the policy's bound reads: absolute, or relative to each block's range
     dedup: bool = True  # forward: pass ids to the codec; backward: also sum duplicate-id gradients
     params: Mapping[str, Any] = field(default_factory=dict)
+    cache_rows: int | None = None  # forward row cache (dlrm.comm.forward_cache): capacity (0: unlimited); None: off
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,9 @@ class CompressionSpec:
     qcomm_forward: str = "fp32"
     qcomm_backward: str = "fp32"
     sample_every: int = 10  # sender-side error and per-feature size sampling period (0: never)
+    # compression.stats.cache_probe: measure what a forward row cache would save (None: off);
+    # its value is the cache's capacity in rows per destination and table (0: unlimited)
+    cache_probe_rows: int | None = None
     sharding_types: tuple[str, ...] = ALL_SHARDING_TYPES
     # compression=auto (per_block codecs): when to calibrate and re-plan, or a strategy to replay
     strategy: Mapping[str, Any] = field(default_factory=dict)
@@ -80,7 +86,31 @@ def _direction(cfg: Any, where: str) -> DirectionSpec:
     params = cfg.get("params") or {}
     if not isinstance(params, Mapping):
         raise ValueError(f"{where}.params must be a mapping of codec keyword arguments, got {params!r}")
-    return DirectionSpec(codec=cfg["codec"], mode=mode, dedup=dedup, params=dict(params))
+    return DirectionSpec(codec=cfg["codec"], mode=mode, dedup=dedup, params=dict(params), cache_rows=_cache(cfg, where))
+
+
+def _cache(cfg: Mapping[str, Any], where: str) -> int | None:
+    """``<direction>.cache: {enabled, capacity_rows}``: the capacity when enabled, else None."""
+    cache = cfg.get("cache") or {}
+    key = f"{where}.cache"
+    if not isinstance(cache, Mapping):
+        raise ValueError(f"{key} must be a mapping {{enabled, capacity_rows}}, got {cache!r}")
+    check_keys(cache, _CACHE_KEYS, key)
+    enabled, capacity = cache.get("enabled", False), cache.get("capacity_rows", 0)
+    if not isinstance(enabled, bool):
+        raise ValueError(f"{key}.enabled must be true or false, got {enabled!r}")
+    if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0:
+        raise ValueError(f"{key}.capacity_rows must be an integer >= 0 (0: unlimited), got {capacity!r}")
+    if not enabled:
+        return None
+    if not where.endswith("forward"):
+        raise ValueError(f"{key}: the row cache applies to the forward all-to-all only")
+    if cfg["codec"] != "lossy" or not cfg.get("dedup", True):
+        raise ValueError(
+            f"{key} needs the error-bounded codec by id ({where}.codec: lossy, {where}.dedup: true), "
+            f"got codec {cfg['codec']!r}, dedup {cfg.get('dedup', True)!r}"
+        )
+    return capacity
 
 
 def parse_compression_cfg(cfg: Mapping[str, Any]) -> CompressionSpec:
@@ -99,11 +129,21 @@ def parse_compression_cfg(cfg: Mapping[str, Any]) -> CompressionSpec:
     sample_every = stats.get("sample_every", 10)
     if not isinstance(sample_every, int) or sample_every < 0:
         raise ValueError(f"{where}.stats.sample_every must be an integer >= 0, got {sample_every!r}")
+    probe = stats.get("cache_probe") or {}
+    check_keys(probe, _CACHE_PROBE_KEYS, f"{where}.stats.cache_probe")
+    enabled, capacity = probe.get("enabled", False), probe.get("capacity_rows", 0)
+    if not isinstance(enabled, bool):
+        raise ValueError(f"{where}.stats.cache_probe.enabled must be true or false, got {enabled!r}")
+    if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0:
+        raise ValueError(
+            f"{where}.stats.cache_probe.capacity_rows must be an integer >= 0 (0: unlimited), got {capacity!r}"
+        )
     types = cfg.get("sharding_types") or ALL_SHARDING_TYPES
     bad = [t for t in types if t not in ALL_SHARDING_TYPES]
     if bad:
         raise ValueError(f"{where}.sharding_types: {bad} not in {list(ALL_SHARDING_TYPES)}")
     common = dict(name=name, kind=kind, sample_every=sample_every, sharding_types=tuple(types))
+    cache_probe_rows = capacity if enabled else None
     if kind == "qcomm":
         if "forward" in cfg or "backward" in cfg:
             raise ValueError(
@@ -112,6 +152,8 @@ def parse_compression_cfg(cfg: Mapping[str, Any]) -> CompressionSpec:
             )
         q = cfg.get("qcomm") or {}
         check_keys(q, _QCOMM_KEYS, f"{where}.qcomm")
+        if enabled:
+            raise ValueError(f"{where}.stats.cache_probe needs our compressed path (kind: compressed), not kind qcomm")
         fwd, bwd = q.get("forward_precision", "fp32"), q.get("backward_precision", "fp32")
         for key, val in (("forward_precision", fwd), ("backward_precision", bwd)):
             if val not in QCOMM_PRECISIONS:
@@ -127,6 +169,7 @@ def parse_compression_cfg(cfg: Mapping[str, Any]) -> CompressionSpec:
         backward=_direction(cfg["backward"], f"{where}.backward"),
         strategy=dict(cfg.get("strategy") or {}),
         strategy_file=cfg.get("strategy_file"),
+        cache_probe_rows=cache_probe_rows,
         **common,
     )
     if not spec.auto and (spec.strategy or spec.strategy_file):

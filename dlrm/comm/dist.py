@@ -27,8 +27,10 @@ from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingDist
 from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingDist
 from torchrec.distributed.types import Awaitable, NoWait
 
+from dlrm.comm.cache_probe import CacheProbe
 from dlrm.comm.codec import DirectionCodec
 from dlrm.comm.comm_ops import Blocks, CompressedA2AInfo, PooledA2ALayout, ReduceScatterLayout, compressed_all_to_all
+from dlrm.comm.forward_cache import ForwardCache
 from dlrm.comm.ids import Region, chunk_ids
 from dlrm.comm.stats import CommStats
 
@@ -47,6 +49,8 @@ class CompressionRuntime:
     sample_every: int = 10
     name: str = "compressed"
     calibrating: bool = False  # compression=auto: training calls measure every option meanwhile
+    cache_probe: CacheProbe | None = None  # compression.stats.cache_probe (training forwards only)
+    forward_cache: ForwardCache | None = None  # compression.forward.cache (training forwards only)
 
     @property
     def codecs(self) -> dict[str, DirectionCodec]:
@@ -57,7 +61,11 @@ class CompressionRuntime:
         return self.forward.dedup or self.backward.dedup
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's codec state (DCT-MP thresholds), for its checkpoint."""
+        """This rank's codec state (DCT-MP thresholds), for its checkpoint. A checkpoint is also
+        where every rank's forward row caches start over (the pipeline is drained; a resumed run
+        starts empty too), so that a resumed run repeats an uninterrupted one exactly."""
+        if self.forward_cache is not None:
+            self.forward_cache.clear()
         return {d: c.state_dict() for d, c in self.codecs.items()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -120,6 +128,17 @@ class CompressedDist:
             training=torch.is_grad_enabled(),
             stage=stage,
             calibrate={"forward", "backward"} if self.runtime.calibrating and torch.is_grad_enabled() else set(),
+            cache_probe=self.runtime.cache_probe if torch.is_grad_enabled() else None,
+            forward_cache=self.runtime.forward_cache if torch.is_grad_enabled() else None,
+        )
+
+
+def _refuse_cache(runtime: CompressionRuntime, where: str) -> None:
+    if runtime.forward_cache is not None:
+        raise ValueError(
+            f"compression.forward.cache cannot apply to {where} sharding (its forward rows are partial "
+            "sums, not table rows with ids): keep it to table_wise, column_wise and table_column_wise "
+            "(compression.sharding_types) or disable it"
         )
 
 
@@ -259,6 +278,7 @@ class CompressedRwPooledEmbeddingDist(CompressedDist, RwPooledEmbeddingDist):
     ) -> None:
         super().__init__(pg, embedding_dims=embedding_dims)
         self._init_compressed(runtime, where, feature_tables)
+        _refuse_cache(runtime, where)
         self._blocks = Blocks(list(embedding_names), list(embedding_dims))
 
     def forward(
@@ -292,6 +312,7 @@ class CompressedTwRwPooledEmbeddingDist(CompressedDist, TwRwPooledEmbeddingDist)
     ) -> None:
         super().__init__(rank, cross_pg, intra_pg, dim_sum_per_node, emb_dim_per_node_per_feature, device=device)
         self._init_compressed(runtime, where, feature_tables)
+        _refuse_cache(runtime, where)
         self._node_blocks = [
             Blocks(list(n), list(d))
             for n, d in zip(embedding_names_per_node, emb_dim_per_node_per_feature, strict=True)

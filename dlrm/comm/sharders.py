@@ -9,10 +9,12 @@ from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_
 from torchrec.distributed.types import ModuleSharder
 
 from dlrm.comm.bounds import BoundFn
+from dlrm.comm.cache_probe import CacheProbe
 from dlrm.comm.codec import DirectionCodec
 from dlrm.comm.config import CompressionSpec, parse_compression_cfg
 from dlrm.comm.dist import CompressionRuntime
 from dlrm.comm.embeddingbag import CompressedEmbeddingBagCollectionSharder, StockEmbeddingBagCollectionSharder
+from dlrm.comm.forward_cache import ForwardCache
 
 
 def _qcomm_registry(spec: CompressionSpec) -> dict[str, Any] | None:
@@ -48,7 +50,26 @@ def build_sharders(
             "compression.backward.params.forward_positions sends gradients where the forward's threshold codec "
             f"kept entries, but compression.forward.codec is {spec.forward.codec!r} (use codec: threshold, keep: ...)"
         )
-    runtime = CompressionRuntime(forward=forward, backward=backward, sample_every=spec.sample_every, name=spec.name)
+    if spec.cache_probe_rows is not None and not (forward.bounded and forward.dedup):
+        raise ValueError(
+            "compression.stats.cache_probe measures the error-bounded forward path by id: it needs "
+            f"compression.forward.codec lossy (got {spec.forward.codec!r}) and compression.forward.dedup: true"
+        )
+    if spec.cache_probe_rows is not None and spec.forward.cache_rows is not None:
+        raise ValueError(
+            "compression.stats.cache_probe measures the cache-free forward path: disable it or "
+            "compression.forward.cache (which reports its own ratio)"
+        )
+    probe = None if spec.cache_probe_rows is None else CacheProbe(spec.cache_probe_rows)
+    cache = None if spec.forward.cache_rows is None else ForwardCache(spec.forward.cache_rows)
+    runtime = CompressionRuntime(
+        forward=forward,
+        backward=backward,
+        sample_every=spec.sample_every,
+        name=spec.name,
+        cache_probe=probe,
+        forward_cache=cache,
+    )
     return [
         CompressedEmbeddingBagCollectionSharder(runtime, fused_params=fused_params, sharding_types=spec.sharding_types)
     ]

@@ -94,11 +94,29 @@ def derive(sums: Mapping[str, float], maxes: Mapping[str, float]) -> dict[str, f
                 swire = sums.get(f"{d}/sampled_wire_bytes/{feature}", 0.0)
                 if swire > 0:
                     out[f"comm/{d}/ratio/{feature}"] = sraw / swire
+    out.update(_cache_probe(sums))
     if sums.get("dense/numel", 0.0) > 0:
         out["comm/dense/keep"] = sums.get("dense/kept", 0.0) / sums["dense/numel"]
     errs = [maxes[f"{d}/max_abs_error"] for d in DIRECTIONS if f"{d}/max_abs_error" in maxes]
     if errs:
         out["comm/max_abs_error_seen"] = max(errs)
+    return out
+
+
+def _cache_probe(sums: Mapping[str, float]) -> dict[str, float]:
+    """The row cache probe's shares (of a batch's unique rows, per destination) and byte gain,
+    per scheme (``cache``, ``cache_delta``: :mod:`dlrm.comm.cache_probe`)."""
+    out: dict[str, float] = {}
+    for scheme in ("cache", "cache_delta"):
+        prefix = f"forward/{scheme}/unique_rows"
+        for k, unique in sums.items():
+            if k.startswith(prefix) and unique > 0:
+                tail = k[len(prefix) :]  # "" or "/<feature>"
+                out[f"comm/forward/{scheme}_hit{tail}"] = sums.get(f"forward/{scheme}/hit_rows{tail}", 0.0) / unique
+                out[f"comm/forward/{scheme}_held{tail}"] = sums.get(f"forward/{scheme}/held_rows{tail}", 0.0) / unique
+        cached = sums.get(f"forward/{scheme}/cached_bytes", 0.0)
+        if cached > 0:
+            out[f"comm/forward/{scheme}_gain"] = sums.get(f"forward/{scheme}/payload_bytes", 0.0) / cached
     return out
 
 

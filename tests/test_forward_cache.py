@@ -1,0 +1,164 @@
+"""compression.forward.cache: the sender's mirror and the receiver's cache, codec level and in
+real 2-rank training runs."""
+
+from __future__ import annotations
+
+import torch
+
+from dlrm.comm import fixed_bound
+from dlrm.comm.codec import DirectionCodec
+from dlrm.comm.config import DirectionSpec
+from dlrm.comm.forward_cache import ForwardCache
+
+
+def _contents(fc: ForwardCache, role: str) -> dict:
+    return {
+        k[2:]: (c.ids(), c.rows(torch.tensor(c.ids(), dtype=torch.int64)))
+        for k, c in sorted(fc.caches.items())
+        if k[0] == role
+    }
+
+
+def test_receiver_decodes_within_the_bound_and_holds_what_the_sender_mirrors():
+    widths, feats = [8, 8, 4], ["a", "b", "c"]
+    dc = DirectionCodec(DirectionSpec("lossy", params={"entropy": True}), "forward", fixed_bound(0.01))
+    g = torch.Generator().manual_seed(0)
+    tables = [torch.randn(50, w, generator=g) for w in widths]
+    sender, receiver = ForwardCache(capacity_rows=16), ForwardCache(capacity_rows=16)
+    plain = cached = 0
+    for step in range(30):
+        ids = torch.randint(0, 50, (32, 3), generator=g)
+        tables[0] += 0.004 * torch.randn(50, 8, generator=g)  # a: mostly within the bound
+        tables[1] += 0.05 * torch.randn(50, 8, generator=g)  # b: mostly past it (differences)
+        chunk = torch.cat([t[ids[:, k]] for k, t in enumerate(tables)], dim=1)
+        if step == 7:
+            chunk[3, 2] = float("nan")  # non-finite values travel exactly, whole
+        bounds = [0.01, 0.01, 0.0 if step == 9 else 0.01]  # a zero bound: exact, no differences
+        payload, mine, _ = sender.encode(dc, chunk, ids, feats, widths, bounds, dst=1)
+        got = receiver.decode(dc, payload, ids, feats, widths, src=0)
+        assert torch.equal(got.nan_to_num(7.0), mine.nan_to_num(7.0))
+        c = 0
+        for k, w in enumerate(widths):
+            err = (got[:, c : c + w] - chunk[:, c : c + w]).abs().nan_to_num(0.0)
+            assert float(err.max()) <= bounds[k], (step, k)
+            c += w
+        assert _contents(sender, "send").keys() == _contents(receiver, "recv").keys()
+        for key, (sid, srows) in _contents(sender, "send").items():
+            rid, rrows = _contents(receiver, "recv")[key]
+            assert sid == rid and torch.equal(srows.nan_to_num(7.0), rrows.nan_to_num(7.0)), (step, key)
+            assert len(sid) <= 16
+        plain += dc.encode(chunk, widths, bounds, ids).numel()
+        cached += payload.numel()
+    assert cached < plain  # the cache pays on these drifting rows
+
+
+CACHED = {
+    "name": "lossy_cached",
+    "forward": {"codec": "lossy", "eb": 2e-3, "cache": {"enabled": True, "capacity_rows": 24}},
+    "backward": {"codec": "lossy", "eb": 1e-3},
+    "stats": {"sample_every": 1},
+}
+
+
+def _cached_training(rank: int, ws: int) -> dict:
+    import torch.distributed as dist
+    from test_comm import (
+        FEATURES,
+        batch,
+        build,
+        columns,
+        full_weights,
+        gather_weights,
+        grad_weights,
+        ours,
+        reference_out,
+    )
+
+    from dlrm.comm import comm_stats
+
+    sharder = ours(CACHED)
+    model = build(sharder, "tw_cw", ws, full_weights())
+    fc = sharder.runtime.forward_cache
+    worst = 0.0
+    for step in range(12):
+        w = gather_weights(model)
+        kjt = batch(rank, step % 3, 16)  # ids come back every 3 steps
+        out = model(kjt)
+        ref = reference_out(w, kjt)
+        for f in FEATURES:
+            err = float((out.detach()[:, columns(f)].double() - ref[:, columns(f)].double()).abs().max())
+            assert err <= 2e-3 * (1 + 1e-6), f"rank {rank} step {step} {f}: {err}"
+            worst = max(worst, err / 2e-3)
+        # every other step trains nothing, so rows come back unchanged (hits) as well as moved
+        scale = 1.0 if step % 2 == 0 else 0.0
+        (out * grad_weights(rank, step, 16) * scale).sum().backward()
+        # what every sender mirrors for a peer is what that peer holds from it
+        mine = {k: (c.ids(), c.rows(torch.tensor(c.ids(), dtype=torch.int64))) for k, c in fc.caches.items()}
+        everyone: list = [None] * ws
+        dist.all_gather_object(everyone, mine)
+        for (role, peer, f, k), (ids, rows) in mine.items():
+            if role == "send":
+                theirs = everyone[peer][("recv", rank, f, k)]
+                assert ids == theirs[0] and torch.equal(rows, theirs[1]), (step, f, k)
+                assert len(ids) <= 24
+    stats = comm_stats(model, reset=False)
+    # evaluation neither uses nor changes the caches
+    before = {k: c.ids() for k, c in fc.caches.items()}
+    with torch.no_grad():
+        model(batch(rank, 5, 16))
+    assert {k: c.ids() for k, c in fc.caches.items()} == before
+    # row-wise sharding sends partial sums (no ids): the option is refused, naming its key
+    try:
+        build(ours(CACHED), "mixed", ws, full_weights())
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    return {"worst": worst, "stats": stats, "refused": refused}
+
+
+def test_two_ranks_bound_held_and_mirrors_equal_caches_every_iteration():
+    from multiprocess import run_ranks
+
+    results = run_ranks(_cached_training, 2)
+    for r in results:
+        s = r["stats"]
+        assert r["worst"] > 0.1  # errors really there
+        # rows came back unchanged (hits) and moved (differences); evicted ones came back fresh
+        assert s["comm/forward/cache/hit_rows"] > 0 and s["comm/forward/cache/moved_rows"] > 0
+        assert s["comm/forward/cache/held_rows"] < s["comm/forward/cache/unique_rows"]
+        assert r["stats"]["comm/forward/max_error_over_bound"] <= 1.0
+        assert r["stats"]["comm/forward/cache_bytes"] > 0
+        assert "compression.forward.cache cannot apply to row_wise" in r["refused"]
+
+
+def test_cache_is_refused_where_it_cannot_apply():
+    import pytest
+
+    from dlrm.comm.config import parse_compression_cfg
+
+    base = {"forward": {"codec": "lossy"}, "backward": {"codec": "lossy"}}
+    on = {"enabled": True}
+    assert parse_compression_cfg({**base, "forward": {"codec": "lossy", "cache": on}}).forward.cache_rows == 0
+    with pytest.raises(ValueError, match=r"compression\.backward\.cache"):
+        parse_compression_cfg({**base, "backward": {"codec": "lossy", "cache": on}})
+    with pytest.raises(ValueError, match=r"compression\.forward\.cache needs"):
+        parse_compression_cfg({**base, "forward": {"codec": "fp16", "cache": on}})
+    with pytest.raises(ValueError, match=r"compression\.forward\.cache\.capacity_rows"):
+        parse_compression_cfg({**base, "forward": {"codec": "lossy", "cache": {"enabled": True, "capacity_rows": -2}}})
+
+
+def test_resumed_run_repeats_the_uninterrupted_one_with_the_cache(tmp_path, tmp_path_factory):
+    import json
+
+    from trainer_runs import losses, train
+
+    cache = tmp_path_factory.mktemp("cache")
+    full, part = tmp_path / "full", tmp_path / "part"
+    common = ["loss_log=true", "checkpoint.every=5", "sharding=table_wise", "compression.forward.cache.enabled=true"]
+    train(full, cache, [*common, "max_iterations=12"])
+    train(part, cache, [*common, "max_iterations=5"])
+    train(part, cache, [*common, "max_iterations=12", "resume=true"])
+    reference, resumed = losses(full), losses(part)
+    assert [resumed[i] for i in range(6, 13)] == [reference[i] for i in range(6, 13)]
+    metrics = json.loads((full / "metrics.json").read_text())
+    assert metrics["cache_bytes_per_rank"] > 0 and metrics["max_abs_error_seen"] > 0
