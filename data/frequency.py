@@ -19,6 +19,7 @@ id), and ``zipf_s`` is the exponent of a power law count ~ rank^-s fitted to all
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -111,6 +112,21 @@ def fit_zipf(sorted_counts: np.ndarray) -> float:
     x, y = np.log(ranks), np.log(counts[ranks - 1])
     slope = np.polyfit(x, y, 1)[0]
     return float(max(-slope, 0.0))
+
+
+def estimate_from_batches(batches: Iterable[Any], top_n: int = DEFAULT_TOP_N) -> tuple[list[FeatureFrequency], int]:
+    """Per-feature frequencies of the ids in ``batches`` (TorchRec ``Batch``es, one KJT key per
+    feature), for a dataset whose meta.json records none; returns them and the rows read."""
+    per_key: dict[str, list[np.ndarray]] = {}
+    rows = 0
+    for batch in batches:
+        kjt = batch.sparse_features
+        rows += kjt.stride()
+        for key, jt in kjt.to_dict().items():
+            per_key.setdefault(key, []).append(jt.values().numpy())
+    if not per_key:
+        raise ValueError("no batches to estimate id frequencies from")
+    return [FeatureFrequency.from_ids(np.concatenate(v), top_n) for v in per_key.values()], rows
 
 
 def frequency_meta(features: list[FeatureFrequency], source: str, top_n: int) -> dict[str, Any]:
