@@ -18,8 +18,8 @@ id), and ``zipf_s`` is the exponent of a power law count ~ rank^-s fitted to all
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np

@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from data.frequency import DEFAULT_TOP_N, FeatureFrequency, frequency_meta
 from data.layout import (
     DENSE_DTYPE,
     FORMAT_VERSION,
@@ -50,7 +51,6 @@ from data.layout import (
     sparse_dtype,
     write_meta,
 )
-from data.frequency import DEFAULT_TOP_N, FeatureFrequency, frequency_meta
 from data.passes import ParseOptions, Span, SpanRows, count_span, save_id_maps, write_span, write_span_from_saved
 from data.tsv import DEFAULT_BLOCK_BYTES, CriteoFormatError, line_spans
 from data.vocab import IdMap, ValueCounter
