@@ -18,7 +18,7 @@ id), and ``zipf_s`` is the exponent of a power law count ~ rank^-s fitted to all
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,7 +136,7 @@ def frequency_meta(features: list[FeatureFrequency], source: str, top_n: int) ->
     return {"source": source, "top_n": top_n, "features": [f.to_json() for f in features]}
 
 
-def read_frequency(meta: dict[str, Any]) -> list[FeatureFrequency] | None:
+def read_frequency(meta: Mapping[str, Any]) -> list[FeatureFrequency] | None:
     """Per-feature frequencies of a dataset's meta.json, or None when it records none."""
     entry = meta.get(FREQUENCY_KEY)
     if entry is None:
