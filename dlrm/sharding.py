@@ -22,7 +22,14 @@ SHARDING_TYPES = {
     "column_wise": ShardingType.COLUMN_WISE.value,
     "table_row_wise": ShardingType.TABLE_ROW_WISE.value,
     "table_column_wise": ShardingType.TABLE_COLUMN_WISE.value,
+    "data_parallel": ShardingType.DATA_PARALLEL.value,
 }
+
+
+def kernel_for(sharding_type: str) -> str:
+    """The compute kernel of a sharding type: TorchRec runs data-parallel tables only with the
+    dense kernel; every other type takes the fused one (the optimizer applied in the backward)."""
+    return "dense" if sharding_type == ShardingType.DATA_PARALLEL.value else "fused"
 
 
 def constraints_for(
@@ -31,17 +38,25 @@ def constraints_for(
     """Per-table constraints that pin the sharding type (and fused kernel) a config asks for."""
     kind = cfg["type"]
     if kind not in SHARDING_TYPES:
-        raise ValueError(f"sharding.type must be one of {sorted(SHARDING_TYPES)} (got {kind!r})")
+        choices = sorted([*SHARDING_TYPES, "comm_aware"])
+        raise ValueError(f"sharding.type must be one of {choices} (got {kind!r})")
     sharding_type = SHARDING_TYPES[kind]
     if sharding_type is None:
         return None
     min_partition = cfg.get("min_partition") or max(4, dim // 2)
     return {
         name: ParameterConstraints(
-            sharding_types=[sharding_type], compute_kernels=["fused"], min_partition=min_partition
+            sharding_types=[sharding_type],
+            compute_kernels=[kernel_for(sharding_type)],
+            min_partition=min_partition,
         )
         for name in table_names
     }
+
+
+def topology_args(env: DistEnv) -> dict[str, Any]:
+    """TorchRec Topology arguments of this run's ranks (memory caps left to the caller)."""
+    return {"world_size": env.world_size, "compute_device": env.device.type, "local_world_size": env.local_world_size}
 
 
 def shard_model(
@@ -53,17 +68,18 @@ def shard_model(
     table_names: Sequence[str],
     dim: int,
     data_parallel_wrapper: DataParallelWrapper | None = None,
+    planner: EmbeddingShardingPlanner | None = None,
 ) -> DistributedModelParallel:
     """Plan collectively (every rank gets rank 0's plan) and wrap the model in DMP; the dense part
-    goes through ``data_parallel_wrapper`` (TorchRec's default DDP wrapping when None)."""
-    planner = EmbeddingShardingPlanner(
-        topology=Topology(
-            world_size=env.world_size, compute_device=env.device.type, local_world_size=env.local_world_size
-        ),
-        batch_size=batch_size,
-        constraints=constraints_for(cfg, table_names, dim),
-        storage_reservation=FixedPercentageStorageReservation(percentage=0.05),
-    )
+    goes through ``data_parallel_wrapper`` (TorchRec's default DDP wrapping when None). A given
+    ``planner`` (sharding=comm_aware's) replaces the one ``cfg`` describes."""
+    if planner is None:
+        planner = EmbeddingShardingPlanner(
+            topology=Topology(**topology_args(env)),
+            batch_size=batch_size,
+            constraints=constraints_for(cfg, table_names, dim),
+            storage_reservation=FixedPercentageStorageReservation(percentage=0.05),
+        )
     plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
     return DistributedModelParallel(
         module=model, device=env.device, plan=plan, sharders=sharders, data_parallel_wrapper=data_parallel_wrapper

@@ -24,6 +24,7 @@ from dlrm.checkpoint import Checkpointer
 from dlrm.comm import comm_summary, compression_runtime, make_sharders, parse_compression_cfg, set_iteration
 from dlrm.comm.dense import CompressedDataParallelWrapper, DenseComm
 from dlrm.comm.dense_config import parse_dense_comm_cfg
+from dlrm.comm_aware import build_planner, log_plan, parse_placement_cfg
 from dlrm.config_checks import check_moved_keys
 from dlrm.datasets import RunData
 from dlrm.env import init_distributed, shutdown
@@ -38,6 +39,7 @@ from dlrm.run_dir import register_resolvers
 from dlrm.sharding import describe_plan, shard_model
 from dlrm.strategy import StrategyController, parse_strategy_cfg
 from dlrm.tb_logger import TensorBoardLogger
+from dlrm.wire import WireMeter, placements, wire_metrics
 
 log = logging.getLogger("dlrm.train")
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
@@ -55,6 +57,23 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
     apply_sparse_optimizer(model, cfg.optimizer)
     sharders = make_sharders(cfg.compression, bound_fn_forward=policy, bound_fn_backward=policy)
     dense = DenseComm(parse_dense_comm_cfg(cfg.dense_comm))  # the hook on DMP's DDP of the MLPs
+    memory_budget, estimate_batches = parse_placement_cfg(cfg.placement, cfg.sharding.type)
+    freqs, _ = data.frequency(cfg.batch_size, estimate_batches)  # id statistics, for the traffic model
+    planner, traffic = None, None
+    if cfg.sharding.type == "comm_aware":
+        planner, traffic = build_planner(
+            env,
+            cfg.sharding,
+            memory_budget,
+            spec,
+            compression_runtime(sharders),
+            dense.spec.hooked,
+            data.features,
+            freqs,
+            cfg.batch_size,
+            dim,
+            cfg.seed,
+        )
     model = shard_model(
         model,
         cfg.sharding,
@@ -64,7 +83,13 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
         table_names(data.features),
         dim,
         data_parallel_wrapper=CompressedDataParallelWrapper(dense),
+        planner=planner,
     )
+    tables = placements(model, dict(zip(table_names(data.features), data.num_embeddings, strict=True)), dim)
+    table_freqs = dict(zip(table_names(data.features), freqs, strict=True))
+    if traffic is not None and env.is_main:
+        log_plan(tables, traffic, table_freqs)
+    meter = WireMeter(sum(t.num_embeddings * t.dim for t in tables if t.kind == "data_parallel"), env.world_size)
     optimizer = build_optimizer(model, cfg.optimizer)
     schedule = WarmupDecayLR(optimizer, **cfg.lr_schedule)
     tb = TensorBoardLogger(run_dir / "tensorboard" if env.is_main else None)
@@ -139,12 +164,19 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
         schedule,
         progress.step,
         on_drained,
-        observers,
+        [meter, *observers],
     )
     progress.close()
     strategy.close()
     ckpt.save(state)
 
+    wire = wire_metrics(model, meter, spec, tables, table_freqs, env.world_size, cfg.batch_size, data.features)
+    if env.is_main and wire["wire_bytes_per_iteration"] is not None:
+        log.info(
+            "wire bytes per iteration (embedding path, all ranks): measured %.0f, predicted %.0f",
+            wire["wire_bytes_per_iteration"],
+            wire["predicted_wire_bytes_per_iteration"],
+        )
     test = evaluate(model, data.batches("test", cfg.eval_batch_size), env.device, "test")
     metrics = final_metrics(
         test,
@@ -157,6 +189,7 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
         world_size=env.world_size,
         compression=cfg.compression.name,
         sharding_plan=plan,
+        **wire,
         **strategy.metrics(),
     )
     tb.final(metrics, state.iteration, flat_config(cfg))

@@ -213,6 +213,29 @@ def _count_raw(stats: CommStats, d: str, chunk: torch.Tensor, blocks: Blocks) ->
     stats.add(f"{d}/raw_bytes", chunk.numel() * elt)
 
 
+def _count_distinct(
+    stats: CommStats, d: str, chunk: torch.Tensor, blocks: Blocks, ids: torch.Tensor | None, dedup: bool, payload: int
+) -> None:
+    """Sampled: the rows each block gives the codec (its distinct ids, or distinct rows by value,
+    when the codec dedups; else all rows), their fp32 bytes and the payload that carried them, so
+    that the codec's ratio on what it was given is known per mode (``ids``: chunks with single
+    ids; ``rows``: the rest, e.g. row-wise partial sums). dlrm/traffic.py predicts the rows."""
+    mode, total, c = ("ids" if ids is not None else "rows"), 0, 0
+    for k, (f, w) in enumerate(zip(blocks.features, blocks.widths, strict=True)):
+        if not dedup:
+            rows = chunk.shape[0]
+        elif ids is not None:
+            rows = int(torch.unique(ids[:, k]).numel())
+        else:
+            rows = int(torch.unique(chunk[:, c : c + w], dim=0).shape[0])
+        stats.add(f"{d}/sampled_chunks/{f}", 1)
+        stats.add(f"{d}/sampled_rows/{f}", rows)
+        total += rows * w * chunk.element_size()
+        c += w
+    stats.add(f"{d}/sampled_row_bytes/{mode}", total)
+    stats.add(f"{d}/sampled_payload_bytes/{mode}", payload)
+
+
 def _a2a_name(info: CompressedA2AInfo, d: str) -> str:
     return f"the {d} pooled-embedding all-to-all ({info.where}, iteration {info.iteration})"
 
@@ -293,6 +316,7 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
             if sample:
                 ts = time.perf_counter()
                 _sample(dc, chunk, payload, blocks, bounds, ids, stats, d, thresholds)
+                _count_distinct(stats, d, chunk, blocks, ids, dc.dedup, payload.numel())
                 sample = False
                 sample_s += time.perf_counter() - ts
             if ids is None:
