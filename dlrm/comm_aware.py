@@ -5,8 +5,8 @@ TorchRec's planner already searches what we need: its enumerator lists each tabl
 proposers and partitioner place shards on ranks within each rank's memory, and it keeps the plan
 whose slowest rank has the least total perf (``NoopPerfModel``). What it lacks is our traffic:
 its comm estimate knows neither our deduplication nor our codec. So the planner is TorchRec's,
-with :class:`CommAwarePerfEstimator` in place of its perf estimator (TorchRec's compute estimate
-plus :mod:`dlrm.traffic`'s bytes over the link measured at start-up) and ``ddr_cap``/``hbm_cap``
+with :class:`CommAwarePerfEstimator` in place of its perf estimator (:mod:`dlrm.traffic`'s bytes
+over the link measured at start-up, plus the memory traffic of the lookups) and ``ddr_cap``/``hbm_cap``
 set to ``placement.memory_budget``. :class:`KernelFilter` keeps each sharding type on the kernel
 our trainer runs it with (data-parallel: dense; the rest: fused).
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
-from torchrec.distributed.planner.shard_estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator
+from torchrec.distributed.planner.shard_estimators import EmbeddingStorageEstimator
 from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
 from torchrec.distributed.planner.types import Perf, ShardEstimator, ShardingOption
 from torchrec.distributed.types import ModuleSharder
@@ -33,30 +34,29 @@ from data.frequency import FeatureFrequency
 from dlrm.comm.codec import DirectionCodec
 from dlrm.comm.config import CompressionSpec, qcomm_ratios
 from dlrm.comm.dist import CompressionRuntime
-from dlrm.config_checks import check_keys
+from dlrm.config_checks import check_keys, number
 from dlrm.env import DistEnv
 from dlrm.model import table_names
 from dlrm.sharding import kernel_for, topology_args
 from dlrm.strategy import calibrate_link
-from dlrm.traffic import PATHS, Direction, Shard, TablePlacement, TrafficModel
+from dlrm.traffic import FP32, PATHS, Direction, Shard, TablePlacement, TrafficModel
 
 log = logging.getLogger("dlrm.comm_aware")
 CHOICES = ("data_parallel", "table_wise", "row_wise", "column_wise")
 
 
 class CommAwarePerfEstimator(ShardEstimator):
-    """Each shard's perf: TorchRec's compute estimate, and as comms the seconds its expected
-    bytes (input dist + forward; backward + data-parallel all-reduce) take on ``link``."""
+    """Each shard's perf: the seconds its expected bytes take on ``link`` (input dist + forward;
+    backward + data-parallel all-reduce) and the memory traffic of its lookups and updates at the
+    topology's memory bandwidth. TorchRec's own compute estimate is not used: it is tuned for
+    GPU kernels and puts ~3 ms per table and batch of 256 on this CPU (measured iterations take
+    ~15 ms for all 26 tables), which would drown the link in the comparison."""
 
     def __init__(
-        self,
-        topology: Topology,
-        constraints: dict[str, ParameterConstraints] | None,
-        traffic: TrafficModel,
-        freqs: Mapping[str, FeatureFrequency],
-        link: Link,
+        self, topology: Topology, traffic: TrafficModel, freqs: Mapping[str, FeatureFrequency], link: Link
     ) -> None:
-        self._compute = EmbeddingPerfEstimator(topology, constraints)
+        per_ms = topology.hbm_mem_bw if topology.compute_device == "cuda" else topology.ddr_mem_bw
+        self.mem_bw = 1e3 * per_ms  # TorchRec's bandwidths are bytes/ms; our perfs are seconds
         self.traffic, self.freqs, self.link = traffic, freqs, link
 
     def shard_bytes(self, kind: str, table: str, num_embeddings: int, row: int, rows: int, width: int) -> np.ndarray:
@@ -66,23 +66,30 @@ class CommAwarePerfEstimator(ShardEstimator):
         per_rank = self.traffic.table(one, self.freqs[table])
         return per_rank[0] if kind == "data_parallel" else per_rank.sum(axis=0)
 
-    def estimate(self, sharding_options: list[ShardingOption], sharder_map: Any = None) -> None:
-        self._compute.estimate(sharding_options, sharder_map)
+    def compute_bytes(self, kind: str, num_embeddings: int, rows: int, width: int) -> tuple[float, float]:
+        """Memory bytes a shard touches per iteration, forward and backward: the rows it looks up
+        and the pooled rows it writes (all ranks' samples; a data-parallel copy only its own rank's),
+        twice that in backward, plus a data-parallel table's dense gradient and update."""
+        b, ws = self.traffic.batch_size, self.traffic.world_size
+        if kind == "data_parallel":
+            fwd = 2.0 * b * width * FP32
+            return fwd, 2 * fwd + 3.0 * num_embeddings * width * FP32
+        share = rows / max(num_embeddings, 1) if kind == "row_wise" else 1.0
+        fwd = b * ws * width * FP32 * (1.0 + share)
+        return fwd, 2 * fwd
+
+    def estimate(self, sharding_options: list[ShardingOption], sharder_data_map: Any = None) -> None:
         bw = self.link.bytes_per_s
         for so in sharding_options:
+            n = so.tensor.shape[0]
             for shard in so.shards:
-                b = self.shard_bytes(
-                    so.sharding_type, so.name, so.tensor.shape[0], shard.offset[0], shard.size[0], shard.size[1]
-                )
-                fwd, bwd = b[PATHS.index("input")] + b[PATHS.index("forward")], b[2] + b[3]
-                old = shard.perf
-                assert old is not None
+                b = self.shard_bytes(so.sharding_type, so.name, n, shard.offset[0], shard.size[0], shard.size[1])
+                c_fwd, c_bwd = self.compute_bytes(so.sharding_type, n, shard.size[0], shard.size[1])
                 shard.perf = Perf(
-                    fwd_compute=old.fwd_compute,
-                    fwd_comms=fwd / bw,
-                    bwd_compute=old.bwd_compute,
-                    bwd_comms=bwd / bw,
-                    prefetch_compute=old.prefetch_compute,
+                    fwd_compute=c_fwd / self.mem_bw,
+                    fwd_comms=(b[PATHS.index("input")] + b[PATHS.index("forward")]) / bw,
+                    bwd_compute=c_bwd / self.mem_bw,
+                    bwd_comms=(b[PATHS.index("backward")] + b[PATHS.index("allreduce")]) / bw,
                 )
 
 
@@ -156,7 +163,7 @@ def comm_aware_planner(
         for t in table_names
     }
     estimators: list[ShardEstimator] = [
-        CommAwarePerfEstimator(topology, constraints, traffic, freqs, link),
+        CommAwarePerfEstimator(topology, traffic, freqs, link),
         EmbeddingStorageEstimator(topology, constraints),
     ]
     return EmbeddingShardingPlanner(
@@ -168,32 +175,42 @@ def comm_aware_planner(
     )
 
 
-_PLACEMENT_KEYS = {"memory_budget", "estimate_batches"}
+_PLACEMENT_KEYS = {"memory_budget", "estimate_batches", "link_mbit"}
 
 
-def parse_placement_cfg(cfg: Mapping[str, Any], sharding_type: str) -> tuple[int | None, int]:
-    """(memory_budget in bytes or None, estimate_batches) of the ``placement`` group, checked."""
+@dataclass(frozen=True)
+class PlacementSpec:
+    """The ``placement`` group's keys that this module reads."""
+
+    memory_budget: int | None = None  # bytes per rank for the comm_aware planner (None: the device's)
+    estimate_batches: int = 16  # batches to estimate id frequencies from when meta.json has none
+    link_mbit: float | None = None  # the link the comm_aware planner prices bytes with (None: timed)
+
+
+def parse_placement_cfg(cfg: Mapping[str, Any], sharding_type: str) -> PlacementSpec:
+    """The ``placement`` group, checked; keys only comm_aware reads are refused with other shardings."""
     where = "placement"
     check_keys(cfg, _PLACEMENT_KEYS, where)
-    budget = cfg.get("memory_budget")
-    if budget is not None:
-        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
-            raise ValueError(f"{where}.memory_budget must be a number of bytes > 0 or null, got {budget!r}")
-        if sharding_type != "comm_aware":
+    for key in ("memory_budget", "link_mbit"):
+        if cfg.get(key) is not None and sharding_type != "comm_aware":
             raise ValueError(
-                f"{where}.memory_budget caps the comm_aware planner; sharding.type is {sharding_type!r} "
-                "(use sharding=comm_aware, or drop the budget)"
+                f"{where}.{key} only applies to sharding=comm_aware (sharding.type is {sharding_type!r}); "
+                "use sharding=comm_aware or leave it null"
             )
+    budget = cfg.get("memory_budget")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0):
+        raise ValueError(f"{where}.memory_budget must be a number of bytes > 0 or null, got {budget!r}")
     k = cfg.get("estimate_batches", 16)
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"{where}.estimate_batches must be an integer >= 1, got {k!r}")
-    return (None if budget is None else int(budget)), k
+    link = None if cfg.get("link_mbit") is None else number(cfg, "link_mbit", where, positive=True)
+    return PlacementSpec(None if budget is None else int(budget), k, link)
 
 
 def build_planner(
     env: DistEnv,
     sharding_cfg: Mapping[str, Any],
-    memory_budget: int | None,
+    placement: PlacementSpec,
     spec: CompressionSpec,
     runtime: CompressionRuntime | None,
     dense_hooked: bool,
@@ -203,11 +220,12 @@ def build_planner(
     dim: int,
     seed: int,
 ) -> tuple[EmbeddingShardingPlanner, TrafficModel]:
-    """The comm_aware planner of a run, and the traffic model it plans with: the link timed now
-    (a collective), the forward codec's ratio calibrated on a first-forward-like chunk (the
-    gradients' ratio is not known before training: taken equal)."""
+    """The comm_aware planner of a run, and the traffic model it plans with: the link given
+    (``placement.link_mbit``) or timed now (a collective), the forward codec's ratio calibrated
+    on a first-forward-like chunk (the gradients' ratio is not known before training: taken equal)."""
     names = table_names(features)
-    link = calibrate_link(env)
+    link = calibrate_link(env) if placement.link_mbit is None else Link(placement.link_mbit * 1e6 / 8)
+    memory_budget = placement.memory_budget
     if runtime is not None:
         ratio = calibrate_ratio(runtime.forward, features, freqs, batch_size, dim, seed)
         fwd = Direction(dedup=runtime.forward.dedup, ratio_ids=ratio, ratio_rows=ratio)

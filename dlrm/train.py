@@ -57,14 +57,14 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
     apply_sparse_optimizer(model, cfg.optimizer)
     sharders = make_sharders(cfg.compression, bound_fn_forward=policy, bound_fn_backward=policy)
     dense = DenseComm(parse_dense_comm_cfg(cfg.dense_comm))  # the hook on DMP's DDP of the MLPs
-    memory_budget, estimate_batches = parse_placement_cfg(cfg.placement, cfg.sharding.type)
-    freqs, _ = data.frequency(cfg.batch_size, estimate_batches)  # id statistics, for the traffic model
+    placement = parse_placement_cfg(cfg.placement, cfg.sharding.type)
+    freqs, _ = data.frequency(cfg.batch_size, placement.estimate_batches)  # id statistics, for the traffic model
     planner, traffic = None, None
     if cfg.sharding.type == "comm_aware":
         planner, traffic = build_planner(
             env,
             cfg.sharding,
-            memory_budget,
+            placement,
             spec,
             compression_runtime(sharders),
             dense.spec.hooked,
