@@ -57,7 +57,7 @@ class WireMeter:
 
     def __init__(self, dp_numel: int, world_size: int) -> None:
         self.allreduce_per_step = ring_allreduce_bytes(dp_numel, world_size) if world_size > 1 else 0.0
-        self.sent = dict.fromkeys(PATHS, 0.0)
+        self.train: dict[str, float] = {}  # run-total keys (forward/raw_bytes, ...) over training only
         self.iterations = 0
         self._start: dict[str, float] = {}
 
@@ -66,35 +66,42 @@ class WireMeter:
 
     def step_end(self, model: torch.nn.Module) -> None:
         self.iterations += 1
-        self.sent["allreduce"] += self.allreduce_per_step
 
     def segment_end(self, model: torch.nn.Module) -> None:
-        now = run_totals(model)
-        for path, key in _A2A_KEYS.items():
-            self.sent[path] += now.get(key, 0.0) - self._start.get(key, 0.0)
+        for k, v in run_totals(model).items():
+            self.train[k] = self.train.get(k, 0.0) + v - self._start.get(k, 0.0)
 
-    def per_rank(self) -> np.ndarray:
-        """``[world_size, len(PATHS)]`` bytes per iteration sent by each rank (a collective)."""
-        mine = [self.sent[p] / max(self.iterations, 1) for p in PATHS]
-        if not dist.is_initialized():
-            return np.array([mine])
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
-        return np.array(gathered)
+    def gather(self) -> tuple[np.ndarray, dict[str, float]]:
+        """``[world_size, len(PATHS)]`` bytes per iteration each rank sent, and the training
+        totals summed over ranks (a collective)."""
+        sent = {p: self.train.get(key, 0.0) for p, key in _A2A_KEYS.items()}
+        sent["allreduce"] = self.allreduce_per_step * self.iterations
+        mine = ([sent[p] / max(self.iterations, 1) for p in PATHS], self.train)
+        gathered: list[Any] = [mine]
+        if dist.is_initialized():
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, mine)
+        totals: dict[str, float] = {}
+        for _, train in gathered:
+            for k, v in train.items():
+                totals[k] = totals.get(k, 0.0) + v
+        return np.array([g[0] for g in gathered]), totals
 
 
-def measured_directions(sums: Mapping[str, float], world_size: int, dedup: Mapping[str, bool]) -> dict[str, Direction]:
-    """Each direction's codec ratio as this run measured it (run totals of all ranks): sampled
-    chunks give it per mode; without samples (e.g. compression=none) the ratio of all payloads."""
+def measured_directions(
+    sampled: Mapping[str, float], train: Mapping[str, float], world_size: int, dedup: Mapping[str, bool]
+) -> dict[str, Direction]:
+    """Each direction's codec ratio on the rows it is given, as this run measured it (all ranks):
+    raw / payload bytes over every training call, times the share of the raw rows the codec was
+    given in the sampled chunks of each mode (1 without samples, e.g. compression=none)."""
     out = {}
     for d in ("forward", "backward"):
-        calls = sums.get(f"{d}/calls", 0.0)
-        payload = sums.get(f"{d}/wire_bytes", 0.0) - 8 * (world_size - 1) * calls
-        overall = sums.get(f"{d}/raw_bytes", 0.0) / payload if payload > 0 else 1.0
+        payload = train.get(f"{d}/wire_bytes", 0.0) - 8 * (world_size - 1) * train.get(f"{d}/calls", 0.0)
+        overall = train.get(f"{d}/raw_bytes", 0.0) / payload if payload > 0 else 1.0
         ratios = {}
         for mode in ("ids", "rows"):
-            rows, pay = sums.get(f"{d}/sampled_row_bytes/{mode}", 0.0), sums.get(f"{d}/sampled_payload_bytes/{mode}", 0)
-            ratios[mode] = rows / pay if pay > 0 else overall
+            chunk = sampled.get(f"{d}/sampled_chunk_bytes/{mode}", 0.0)
+            ratios[mode] = overall * sampled.get(f"{d}/sampled_given_bytes/{mode}", 0.0) / chunk if chunk else overall
         out[d] = Direction(dedup=dedup[d], ratio_ids=ratios["ids"], ratio_rows=ratios["rows"])
     return out
 
@@ -151,12 +158,12 @@ def wire_metrics(
 ) -> dict[str, Any]:
     """:func:`wire_report` of this run (a collective); None values for TorchRec's QComms path,
     whose collectives count no bytes."""
-    measured = meter.per_rank()
+    measured, train = meter.gather()
     sums = run_sums_all_ranks(model)
     if spec.kind != "compressed" or spec.forward is None or spec.backward is None:
         return {"wire_bytes_per_iteration": None, "predicted_wire_bytes_per_iteration": None}
     dedup = {"forward": spec.forward.dedup, "backward": spec.backward.dedup}
-    dirs = measured_directions(sums, world_size, dedup)
+    dirs = measured_directions(sums, train, world_size, dedup)
     traffic = TrafficModel(world_size, batch_size, forward=dirs["forward"], backward=dirs["backward"])
     features_of = dict(zip(table_names(features), features, strict=True))
     distinct = measured_distinct(sums) if dedup["forward"] else {}

@@ -214,13 +214,13 @@ def _count_raw(stats: CommStats, d: str, chunk: torch.Tensor, blocks: Blocks) ->
 
 
 def _count_distinct(
-    stats: CommStats, d: str, chunk: torch.Tensor, blocks: Blocks, ids: torch.Tensor | None, dedup: bool, payload: int
+    stats: CommStats, d: str, chunk: torch.Tensor, blocks: Blocks, ids: torch.Tensor | None, dedup: bool
 ) -> None:
     """Sampled: the rows each block gives the codec (its distinct ids, or distinct rows by value,
-    when the codec dedups; else all rows), their fp32 bytes and the payload that carried them, so
-    that the codec's ratio on what it was given is known per mode (``ids``: chunks with single
-    ids; ``rows``: the rest, e.g. row-wise partial sums). dlrm/traffic.py predicts the rows."""
-    mode, total, c = ("ids" if ids is not None else "rows"), 0, 0
+    when the codec dedups; else all its rows) and their fp32 bytes against the chunk's, per mode
+    (``ids``: chunks with single ids; ``rows``: the rest, e.g. row-wise partial sums), so that
+    dlrm/wire.py knows the codec's ratio on what it is given. dlrm/traffic.py predicts the rows."""
+    mode, given, c = ("ids" if ids is not None else "rows"), 0, 0
     for k, (f, w) in enumerate(zip(blocks.features, blocks.widths, strict=True)):
         if not dedup:
             rows = chunk.shape[0]
@@ -230,10 +230,10 @@ def _count_distinct(
             rows = int(torch.unique(chunk[:, c : c + w], dim=0).shape[0])
         stats.add(f"{d}/sampled_chunks/{f}", 1)
         stats.add(f"{d}/sampled_rows/{f}", rows)
-        total += rows * w * chunk.element_size()
+        given += rows * w * chunk.element_size()
         c += w
-    stats.add(f"{d}/sampled_row_bytes/{mode}", total)
-    stats.add(f"{d}/sampled_payload_bytes/{mode}", payload)
+    stats.add(f"{d}/sampled_given_bytes/{mode}", given)
+    stats.add(f"{d}/sampled_chunk_bytes/{mode}", chunk.numel() * chunk.element_size())
 
 
 def _a2a_name(info: CompressedA2AInfo, d: str) -> str:
@@ -316,7 +316,7 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
             if sample:
                 ts = time.perf_counter()
                 _sample(dc, chunk, payload, blocks, bounds, ids, stats, d, thresholds)
-                _count_distinct(stats, d, chunk, blocks, ids, dc.dedup, payload.numel())
+                _count_distinct(stats, d, chunk, blocks, ids, dc.dedup)
                 sample = False
                 sample_s += time.perf_counter() - ts
             if ids is None:
