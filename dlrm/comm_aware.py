@@ -74,7 +74,7 @@ class CommAwarePerfEstimator(ShardEstimator):
         if kind == "data_parallel":
             fwd = 2.0 * b * width * FP32
             return fwd, 2 * fwd + 3.0 * num_embeddings * width * FP32
-        share = rows / max(num_embeddings, 1) if kind == "row_wise" else 1.0
+        share = rows / max(num_embeddings, 1) if kind in ("row_wise", "table_row_wise") else 1.0
         fwd = b * ws * width * FP32 * (1.0 + share)
         return fwd, 2 * fwd
 

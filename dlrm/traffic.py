@@ -91,7 +91,7 @@ class TrafficModel:
         if t.kind == "data_parallel":
             out[:, 3] = 2 * (ws - 1) / ws * t.num_embeddings * t.dim * FP32
             return out
-        if t.kind == "row_wise":
+        if t.kind in ("row_wise", "table_row_wise"):  # one host: table-row-wise is row-wise
             mass, distinct = self._row_ranges(t, freq)
             for j, s in enumerate(t.shards):
                 for r in range(ws):
