@@ -47,6 +47,15 @@ def placements(model: DistributedModelParallel, num_embeddings: Mapping[str, int
     return out
 
 
+def embedding_bytes_per_rank(tables: Sequence[TablePlacement], world_size: int) -> list[int]:
+    """fp32 table bytes each rank holds (a data-parallel table on every rank; no optimizer state)."""
+    out = [0] * world_size
+    for t in tables:
+        for s in t.shards:
+            out[s.rank] += s.rows * s.width * 4
+    return out
+
+
 def _rank_of(placement: Any) -> int:
     """The rank of a shard placement (TorchRec's ``rank:R/device``)."""
     return int(placement.rank())
@@ -161,10 +170,15 @@ def wire_metrics(
     measured, train = meter.gather()
     sums = run_sums_all_ranks(model)
     if spec.kind != "compressed" or spec.forward is None or spec.backward is None:
-        return {"wire_bytes_per_iteration": None, "predicted_wire_bytes_per_iteration": None}
+        return {
+            "wire_bytes_per_iteration": None,
+            "predicted_wire_bytes_per_iteration": None,
+            "embedding_bytes_per_rank": embedding_bytes_per_rank(tables, world_size),
+        }
     dedup = {"forward": spec.forward.dedup, "backward": spec.backward.dedup}
     dirs = measured_directions(sums, train, world_size, dedup)
     traffic = TrafficModel(world_size, batch_size, forward=dirs["forward"], backward=dirs["backward"])
     features_of = dict(zip(table_names(features), features, strict=True))
     distinct = measured_distinct(sums) if dedup["forward"] else {}
-    return wire_report(measured, tables, freqs, traffic, distinct, features_of)
+    report = wire_report(measured, tables, freqs, traffic, distinct, features_of)
+    return {**report, "embedding_bytes_per_rank": embedding_bytes_per_rank(tables, world_size)}
