@@ -24,7 +24,7 @@ from dlrm.checkpoint import Checkpointer
 from dlrm.comm import comm_summary, compression_runtime, make_sharders, parse_compression_cfg, set_iteration
 from dlrm.comm.dense import CompressedDataParallelWrapper, DenseComm
 from dlrm.comm.dense_config import parse_dense_comm_cfg
-from dlrm.comm_aware import build_planner, log_plan, parse_placement_cfg
+from dlrm.comm_aware import build_planner, log_plan
 from dlrm.config_checks import check_moved_keys
 from dlrm.datasets import RunData
 from dlrm.env import init_distributed, shutdown
@@ -33,6 +33,7 @@ from dlrm.loop import LoopPlan, StepObserver, Stepper, TrainState, evaluate, tak
 from dlrm.metrics import final_metrics, write_metrics_json
 from dlrm.model import build_model, table_names
 from dlrm.optim import WarmupDecayLR, apply_sparse_optimizer, build_optimizer
+from dlrm.placement_config import parse_placement_cfg
 from dlrm.policy import bounded_directions, policy_for_run, table_stats
 from dlrm.progress import Progress
 from dlrm.run_dir import register_resolvers

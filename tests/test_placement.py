@@ -23,7 +23,8 @@ from data.frequency import FeatureFrequency, estimate_from_batches
 from data.loader import criteo_batches
 from data.preprocess import prepare_sample
 from dlrm.comm import fixed_bound, make_sharders
-from dlrm.comm_aware import CHOICES, comm_aware_planner, parse_placement_cfg
+from dlrm.comm_aware import CHOICES, comm_aware_planner
+from dlrm.placement_config import parse_placement_cfg
 from dlrm.traffic import Direction, TrafficModel
 
 SYNTHETIC = [
