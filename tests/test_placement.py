@@ -24,6 +24,7 @@ from data.loader import criteo_batches
 from data.preprocess import prepare_sample
 from dlrm.comm import fixed_bound, make_sharders
 from dlrm.comm_aware import CHOICES, comm_aware_planner
+from dlrm.datasets import RunData
 from dlrm.placement_config import parse_placement_cfg
 from dlrm.traffic import Direction, TrafficModel
 
@@ -163,3 +164,15 @@ def test_predicted_wire_bytes_and_distinct_ids_match_the_run(tmp_path, cache, sh
         assert m["wire_bytes_by_path"]["allreduce"] > 0
         log = (run_dir / "train_rank0.log").read_text()
         assert "comm_aware: rank 0 predicted" in log and "comm_aware: rank 1 predicted" in log
+
+
+def test_the_trainer_estimates_frequencies_from_its_first_batches_when_meta_has_none(tmp_path, caplog):
+    d = prepare_sample(tmp_path / "sample")
+    info = json.loads((d / "meta.json").read_text())
+    recorded = RunData(d, info, {"train": ["train"]}, 0, 1, 0).frequency(100, 3)
+    assert recorded[1] == "counted" and recorded[0][0].lookups == 8000  # meta.json's, all stems
+    del info["frequency"]
+    with caplog.at_level("INFO", logger="dlrm.datasets"):
+        freqs, source = RunData(d, info, {"train": ["train"]}, 0, 1, 0).frequency(100, 3)
+    assert source == "batches" and freqs[0].lookups == 300
+    assert "records no id frequencies: estimated from the first 3 training batches (300 rows)" in caplog.text
