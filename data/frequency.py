@@ -18,6 +18,7 @@ id), and ``zipf_s`` is the exponent of a power law count ~ rank^-s fitted to all
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,6 +114,21 @@ def fit_zipf(sorted_counts: np.ndarray) -> float:
     return float(max(-slope, 0.0))
 
 
+def estimate_from_batches(batches: Iterable[Any], top_n: int = DEFAULT_TOP_N) -> tuple[list[FeatureFrequency], int]:
+    """Per-feature frequencies of the ids in ``batches`` (TorchRec ``Batch``es, one KJT key per
+    feature), for a dataset whose meta.json records none; returns them and the rows read."""
+    per_key: dict[str, list[np.ndarray]] = {}
+    rows = 0
+    for batch in batches:
+        kjt = batch.sparse_features
+        rows += kjt.stride()
+        for key, jt in kjt.to_dict().items():
+            per_key.setdefault(key, []).append(jt.values().numpy())
+    if not per_key:
+        raise ValueError("no batches to estimate id frequencies from")
+    return [FeatureFrequency.from_ids(np.concatenate(v), top_n) for v in per_key.values()], rows
+
+
 def frequency_meta(features: list[FeatureFrequency], source: str, top_n: int) -> dict[str, Any]:
     """The ``meta.json`` entry for per-feature frequencies."""
     if source not in SOURCES:
@@ -120,7 +136,7 @@ def frequency_meta(features: list[FeatureFrequency], source: str, top_n: int) ->
     return {"source": source, "top_n": top_n, "features": [f.to_json() for f in features]}
 
 
-def read_frequency(meta: dict[str, Any]) -> list[FeatureFrequency] | None:
+def read_frequency(meta: Mapping[str, Any]) -> list[FeatureFrequency] | None:
     """Per-feature frequencies of a dataset's meta.json, or None when it records none."""
     entry = meta.get(FREQUENCY_KEY)
     if entry is None:

@@ -29,11 +29,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
+
+from data.frequency import DEFAULT_TOP_N, FeatureFrequency, frequency_meta
 from data.layout import (
     DENSE_DTYPE,
     FORMAT_VERSION,
     LABEL_DTYPE,
     META,
+    MISSING_ID,
     NUM_DENSE,
     NUM_SPARSE,
     DatasetError,
@@ -88,6 +92,7 @@ def preprocess(
     extra_meta: dict[str, Any] | None = None,
     workers: int = 1,
     span_bytes: int = DEFAULT_SPAN_BYTES,
+    top_ids: int = DEFAULT_TOP_N,
 ) -> dict[str, Any]:
     """Convert Criteo TSV ``files`` into a dataset directory ``out_dir``; return its meta.json.
 
@@ -97,11 +102,15 @@ def preprocess(
     when complete; an existing dataset there is kept unless ``overwrite``. ``workers`` processes
     share each pass, a file being cut into spans of whole lines of at most ``span_bytes`` (a
     worker's memory depends on the span and block sizes); the arrays do not depend on either.
+    meta.json's ``frequency`` holds each feature's ``top_ids`` hottest ids and its tail summary
+    (``data/frequency.py``), from the same counts.
     """
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
     if frequency_threshold < 0 or max_ind_range < 0:
         raise ValueError("frequency_threshold and max_ind_range must be >= 0")
+    if top_ids < 0:
+        raise ValueError(f"top_ids must be >= 0, got {top_ids}")
     if workers < 1 or span_bytes < 1:
         raise ValueError(f"workers and span_bytes must be >= 1, got {workers} and {span_bytes}")
     if not files:
@@ -140,6 +149,12 @@ def preprocess(
                 reserved_rare=frequency_threshold > 0,
             )
             meta["distinct_values"] = counted.distinct
+            total_rows = sum(int(f["rows"]) for f in counted.infos)
+            freqs = [
+                id_frequency(m, v, c, total_rows, top_ids)
+                for m, (v, c) in zip(counted.id_maps, counted.value_counts, strict=True)
+            ]
+            meta["frequency"] = frequency_meta(freqs, "counted", top_ids)
             meta["bad_rows"] = {"count": counted.bad_count, "first": counted.bad_first}
             meta["seconds"] = {"count_pass": round(t1 - t0, 3), "write_pass": round(time.perf_counter() - t1, 3)}
             meta.update(extra_meta or {})
@@ -155,6 +170,7 @@ class _Counted:
     infos: list[dict[str, Any]]
     parts: list[SpanRows]
     id_maps: list[IdMap]
+    value_counts: list[tuple[np.ndarray, np.ndarray]]  # per feature: sorted raw values, their counts
     distinct: list[int]
     bad_count: int
     bad_first: list[str]
@@ -211,10 +227,22 @@ def _count_pass(
         infos,
         parts,
         [IdMap.from_counts(values, n, threshold) for values, n in results_by_feature],
+        results_by_feature,
         [len(values) for values, _ in results_by_feature],
         bad_count,
         bad_first,
     )
+
+
+def id_frequency(
+    id_map: IdMap, values: np.ndarray, counts: np.ndarray, rows: int, top_n: int = DEFAULT_TOP_N
+) -> FeatureFrequency:
+    """A feature's id frequencies from its raw value counts: values map to ids as in the arrays
+    (rare values pool on the rare id), and the ``rows`` minus the counted values are missing (id 0)."""
+    ids = id_map(values, np.zeros(len(values), dtype=bool))
+    uniq, inverse = np.unique(np.append(ids, MISSING_ID), return_inverse=True)
+    summed = np.bincount(inverse, weights=np.append(counts, rows - int(counts.sum()))).astype(np.int64)
+    return FeatureFrequency.from_counts(uniq, summed, top_n)
 
 
 def _write_pass(
@@ -277,6 +305,7 @@ def _sample_matches(meta: dict[str, Any]) -> bool:
     return (
         meta.get("sample") == SAMPLE_DIR.name
         and meta.get("options") == {"frequency_threshold": 0, "max_ind_range": 0, "skip_bad_rows": False}
+        and "frequency" in meta  # older copies lack the id frequencies
         and list(files) == list(SAMPLE_STEMS)
         and all(files[s]["bytes"] == (SAMPLE_DIR / f"{s}.tsv").stat().st_size for s in SAMPLE_STEMS)
     )
@@ -339,6 +368,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="read size per block; bounds the parser's memory",
     )
     p.add_argument("--workers", type=int, default=1, help="processes sharing each pass (same output for any number)")
+    p.add_argument(
+        "--top-ids",
+        type=int,
+        default=DEFAULT_TOP_N,
+        help="ids per feature whose counts meta.json's frequency keeps exactly (the tail is summarised)",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="print only errors")
     a = p.parse_args(argv)
     try:
@@ -353,6 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             block_bytes=max(int(a.block_mb * 2**20), 1 << 10),
             verbose=not a.quiet,
             workers=a.workers,
+            top_ids=a.top_ids,
         )
     except (CriteoFormatError, DatasetError, FileExistsError, FileNotFoundError, ValueError) as e:
         print(f"dlrm-preprocess: error: {e}", file=sys.stderr)

@@ -9,6 +9,7 @@ dense features plus a random effect per id on a dozen features, its intercept ca
 ``positive_rate``; its own AUC on the generated rows (the ceiling a model can reach) is stored
 in meta.json. Rows are generated in chunks seeded by (seed, stem, chunk), so any size streams in
 flat memory and a stem's rows do not depend on which other stems are generated.
+meta.json's ``frequency`` counts the ids written (all stems), as the preprocessor does.
 ``write_tsv`` writes the same rows as raw Criteo TSV (hex hashes), to exercise the preprocessor.
 """
 
@@ -26,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from data.frequency import DEFAULT_TOP_N, FeatureFrequency, frequency_meta
 from data.layout import (
     DENSE_DTYPE,
     LABEL_DTYPE,
@@ -39,6 +41,7 @@ from data.layout import (
     transform_dense,
     write_meta,
 )
+from data.vocab import ValueCounter
 
 STATS_PATH = Path(__file__).resolve().parent / "criteo_stats.json"
 CHUNK_ROWS = 1 << 16
@@ -277,6 +280,7 @@ def generate(
     positive_rate: float = 0.25,
     overwrite: bool = False,
     chunk_rows: int = CHUNK_ROWS,
+    top_ids: int = DEFAULT_TOP_N,
 ) -> dict[str, Any]:
     """Write a synthetic dataset (stems -> row counts) in the preprocessor's format; return meta."""
     if not rows or any(int(n) < 0 for n in rows.values()):
@@ -284,6 +288,7 @@ def generate(
     model = HiddenModel.build(seed, max_cardinality, zipf_range, positive_rate)
     ids_dtype = sparse_dtype(model.num_embeddings)
     files, hidden = [], {}
+    counters = [ValueCounter() for _ in range(NUM_SPARSE)]
     with atomic_dataset_dir(out_dir, overwrite=overwrite) as tmp:
         for stem, n in rows.items():
             writers = [
@@ -296,6 +301,8 @@ def generate(
             for dense, ids, _, labels, logit in _stem_chunks(model, stem, n, chunk_rows):
                 writers[0].write(transform_dense(dense))
                 writers[1].write(ids)
+                for f, counter in enumerate(counters):
+                    counter.add(ids[:, f])
                 writers[2].write(labels)
                 acc.add(logit, labels)
                 positives += int(labels.sum())
@@ -317,6 +324,8 @@ def generate(
             "intercept": round(model.intercept, 5),
             "hidden_model": hidden,
         }
+        freqs = [FeatureFrequency.from_counts(*c.result(), top_n=top_ids) for c in counters]
+        meta["frequency"] = frequency_meta(freqs, "synthetic", top_ids)
         write_meta(tmp, meta)
     return meta
 

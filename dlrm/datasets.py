@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -12,10 +14,13 @@ from typing import Any
 
 import torch.distributed as dist
 
+from data.frequency import FeatureFrequency, estimate_from_batches, read_frequency
 from data.loader import CriteoBatches, criteo_batches, dataset_info, parse_stem
 from data.preprocess import prepare_sample
 from dlrm.comm.timeout import named_collective
 from dlrm.env import DistEnv
+
+log = logging.getLogger("dlrm.datasets")
 
 
 def _cache_dir(cfg: Mapping[str, Any], what: str, options: Mapping[str, Any]) -> Path:
@@ -43,7 +48,7 @@ def prepare_data(cfg: Mapping[str, Any], env: DistEnv) -> Path:
     elif name == "synthetic":
         options = {k: cfg[k] for k in ("rows", "max_cardinality", "seed", "positive_rate")}
         options["rows"] = dict(options["rows"])
-        path = _cache_dir(cfg, "synthetic", options)
+        path = _cache_dir(cfg, "synthetic", {**options, "v": 2})  # v2: meta.json records id frequencies
         from data.synthetic import generate
 
         def build() -> None:
@@ -109,6 +114,27 @@ class RunData:
     @property
     def num_dense(self) -> int:
         return len(self.info["dense_features"])
+
+    def frequency(self, batch_size: int, estimate_batches: int) -> tuple[list[FeatureFrequency], str]:
+        """Per-feature id frequencies and where they come from: meta.json's, or (when it records
+        none) estimated from this rank's first ``estimate_batches`` training batches."""
+        try:
+            recorded = read_frequency(self.info)
+        except ValueError as e:
+            raise ValueError(f"{self.path}: {e}") from e
+        if recorded is not None:
+            return recorded, str(self.info["frequency"]["source"])
+        first = itertools.islice(iter(self.batches("train", batch_size)), estimate_batches)
+        freqs, rows = estimate_from_batches(first)
+        log.info(
+            "%s records no id frequencies: estimated from the first %d training batches (%d rows) "
+            "of rank %d (placement.estimate_batches)",
+            self.path,
+            estimate_batches,
+            rows,
+            self.rank,
+        )
+        return freqs, "batches"
 
     def batches(
         self, split: str, batch_size: int, epoch: int = 0, start: int = 0, shuffle: bool = False

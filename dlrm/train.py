@@ -24,6 +24,7 @@ from dlrm.checkpoint import Checkpointer
 from dlrm.comm import comm_summary, compression_runtime, make_sharders, parse_compression_cfg, set_iteration
 from dlrm.comm.dense import CompressedDataParallelWrapper, DenseComm
 from dlrm.comm.dense_config import parse_dense_comm_cfg
+from dlrm.comm_aware import build_planner, log_plan
 from dlrm.config_checks import check_moved_keys
 from dlrm.datasets import RunData
 from dlrm.env import init_distributed, shutdown
@@ -32,6 +33,7 @@ from dlrm.loop import LoopPlan, StepObserver, Stepper, TrainState, evaluate, tak
 from dlrm.metrics import final_metrics, write_metrics_json
 from dlrm.model import build_model, table_names
 from dlrm.optim import WarmupDecayLR, apply_sparse_optimizer, build_optimizer
+from dlrm.placement_config import parse_placement_cfg
 from dlrm.policy import bounded_directions, policy_for_run, table_stats
 from dlrm.precision import embedding_bytes_per_rank, parse_precision_cfg
 from dlrm.progress import Progress
@@ -39,6 +41,7 @@ from dlrm.run_dir import register_resolvers
 from dlrm.sharding import describe_plan, shard_model
 from dlrm.strategy import StrategyController, parse_strategy_cfg
 from dlrm.tb_logger import TensorBoardLogger
+from dlrm.wire import WireMeter, placements, wire_metrics
 
 log = logging.getLogger("dlrm.train")
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
@@ -67,6 +70,24 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
         cfg.compression, bound_fn_forward=policy, bound_fn_backward=policy, fused_params=precision.fused_params
     )
     dense = DenseComm(parse_dense_comm_cfg(cfg.dense_comm))  # the hook on DMP's DDP of the MLPs
+    placement = parse_placement_cfg(cfg.placement, cfg.sharding.type)
+    freqs, _ = data.frequency(cfg.batch_size, placement.estimate_batches)  # id statistics, for the traffic model
+    planner, traffic = None, None
+    if cfg.sharding.type == "comm_aware":
+        planner, traffic = build_planner(
+            env,
+            cfg.sharding,
+            placement,
+            spec,
+            compression_runtime(sharders),
+            dense.spec.hooked,
+            data.features,
+            freqs,
+            cfg.batch_size,
+            dim,
+            cfg.seed,
+            fused_only=precision.fused_only,
+        )
     model = shard_model(
         model,
         cfg.sharding,
@@ -77,7 +98,13 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
         dim,
         data_parallel_wrapper=CompressedDataParallelWrapper(dense),
         fused_only=precision.fused_only,
+        planner=planner,
     )
+    tables = placements(model, dict(zip(table_names(data.features), data.num_embeddings, strict=True)), dim)
+    table_freqs = dict(zip(table_names(data.features), freqs, strict=True))
+    if traffic is not None and env.is_main:
+        log_plan(tables, traffic, table_freqs)
+    meter = WireMeter(sum(t.num_embeddings * t.dim for t in tables if t.kind == "data_parallel"), env.world_size)
     optimizer = build_optimizer(model, cfg.optimizer)
     schedule = WarmupDecayLR(optimizer, **cfg.lr_schedule)
     tb = TensorBoardLogger(run_dir / "tensorboard" if env.is_main else None)
@@ -152,12 +179,19 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
         schedule,
         progress.step,
         on_drained,
-        observers,
+        [meter, *observers],
     )
     progress.close()
     strategy.close()
     ckpt.save(state)
 
+    wire = wire_metrics(model, meter, spec, tables, table_freqs, env.world_size, cfg.batch_size, data.features)
+    if env.is_main and wire["wire_bytes_per_iteration"] is not None:
+        log.info(
+            "wire bytes per iteration (embedding path, all ranks): measured %.0f, predicted %.0f",
+            wire["wire_bytes_per_iteration"],
+            wire["predicted_wire_bytes_per_iteration"],
+        )
     test = evaluate(model, data.batches("test", cfg.eval_batch_size), env.device, "test")
     metrics = final_metrics(
         test,
@@ -172,6 +206,7 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
         sharding_plan=plan,
         precision={"embeddings": precision.embeddings, "dense": precision.dense},
         embedding_bytes_per_rank=embedding_bytes_per_rank(model),
+        **wire,
         **strategy.metrics(),
     )
     tb.final(metrics, state.iteration, flat_config(cfg))

@@ -300,6 +300,15 @@ def test_probe_counts_the_pooled_all_to_all_bytes_of_a_real_run(tmp_path, cache)
     assert r.a2a_ms["forward"] > 0 and r.a2a_ms["backward"] > 0 and 0 < r.a2a_share < 1
     # the all-reduced dense MLPs: bottom 13-32-16, top (16 + 27*26/2)-32-1
     assert r.dense_params == (13 * 32 + 32 + 32 * 16 + 16) + ((16 + 351) * 32 + 32 + 32 + 1)
+    # metrics.json's wire bytes (the trainer's own counters) are what the probe saw each rank send
+    # in all its all-to-alls: the input dist and its splits, both pooled ones and their size words
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    for rank in (0, 1):
+        steps = json.loads((tmp_path / f"probe_rank{rank}.json").read_text())["steps"]
+        keys = ("a2a/forward/bytes", "a2a/backward/bytes", "other_a2a/bytes")
+        seen = sum(s.get(k, 0.0) for s in steps for k in keys) / len(steps)
+        assert metrics["wire_bytes_per_rank"][rank] == pytest.approx(seen, rel=1e-9)
+    assert metrics["predicted_wire_bytes_per_iteration"] == pytest.approx(metrics["wire_bytes_per_iteration"], rel=0.1)
 
 
 # ---------------------------------------------------------------- the driver, for real

@@ -344,3 +344,36 @@ def test_line_spans_cut_at_line_starts_and_cover_the_file(tmp_path, tail):
         assert all(a < b and b == c for (a, b), (c, _) in itertools.pairwise(spans))  # contiguous, non-empty
         assert {a for a, _ in spans} <= starts
     assert len(line_spans(path, 40)) >= 4
+
+
+def _independent_frequency(ids_by_stem: dict[str, np.ndarray], feature: int) -> list[tuple[int, int]]:
+    """(id, count) of one feature over every stem, most frequent first, ties by id (plain Counter)."""
+    counts = Counter(int(i) for ids in ids_by_stem.values() for i in ids[:, feature])
+    return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+
+
+@pytest.mark.parametrize("threshold", [0, 3])
+def test_frequency_statistics_equal_an_independent_count_of_the_real_rows(tmp_path, sample_rows, threshold):
+    out = tmp_path / "d"
+    preprocess([SAMPLE_DIR / f"{s}.tsv" for s in STEMS], out, frequency_threshold=threshold, top_ids=7)
+    meta = json.loads((out / "meta.json").read_text())
+    ids, _ = expected_ids(sample_rows, threshold)
+    freq = meta["frequency"]
+    assert (freq["source"], freq["top_n"], len(freq["features"])) == ("counted", 7, 26)
+    for f, entry in enumerate(freq["features"]):
+        ranked = _independent_frequency(ids, f)
+        assert entry["lookups"] == sum(len(r) for r in sample_rows.values())
+        assert entry["distinct"] == len(ranked)
+        assert entry["singletons"] == sum(1 for _, c in ranked if c == 1)
+        assert entry["top_ids"] == [i for i, _ in ranked[:7]]
+        assert entry["top_counts"] == [c for _, c in ranked[:7]]
+
+
+def test_cli_top_ids(tmp_path):
+    assert (
+        main(["--format", "kaggle", "--out", str(tmp_path / "d"), "--top-ids", "3", "-q", str(SAMPLE_DIR / "dev.tsv")])
+        == 0
+    )
+    meta = json.loads((tmp_path / "d" / "meta.json").read_text())
+    assert all(len(f["top_ids"]) == min(3, f["distinct"]) for f in meta["frequency"]["features"])
+    assert max(len(f["top_ids"]) for f in meta["frequency"]["features"]) == 3

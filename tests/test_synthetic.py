@@ -150,3 +150,21 @@ def test_loader_reads_synthetic_data_and_cli(tmp_path, capsys):
     assert len((tmp_path / "tsv" / "day_0.tsv").read_text().splitlines()) == 20
     with pytest.raises(SystemExit):
         main(["--out", str(tmp_path / "x"), "--rows", "train:10"])
+
+
+def test_recorded_frequency_counts_the_written_ids(synth):
+    d, meta = synth
+    sparse = np.concatenate([load(d, s)[1] for s in ("train", "test")]).astype(np.int64)
+    freq = meta["frequency"]
+    assert freq["source"] == "synthetic" and len(freq["features"]) == 26
+    for f in (0, 2, 8):
+        counts = np.bincount(sparse[:, f])
+        seen = np.flatnonzero(counts)
+        order = seen[np.lexsort((seen, -counts[seen]))]
+        entry = freq["features"][f]
+        assert (entry["lookups"], entry["distinct"]) == (len(sparse), len(seen))
+        n = len(entry["top_ids"])
+        assert entry["top_ids"] == order[:n].tolist() and entry["top_counts"] == counts[order[:n]].tolist()
+        # the fitted exponent of the big tables is near the generator's (log-spaced fit over the whole range)
+        if f == 2:
+            assert abs(entry["zipf_s"] - meta["synthetic"]["zipf_exponents"][f]) < 0.3

@@ -16,7 +16,7 @@ from dlrm.comm.config import CompressionSpec, qcomm_ratios
 from dlrm.comm.dense import DenseComm
 from dlrm.comm.dist import CompressedDist
 from dlrm.comm.embeddingbag import CompressedShardedEmbeddingBagCollection
-from dlrm.comm.stats import derive, merge
+from dlrm.comm.stats import CommStats, derive, merge
 
 
 def compressed_dists(model: torch.nn.Module) -> list[CompressedDist]:
@@ -28,10 +28,16 @@ def compressed_dists(model: torch.nn.Module) -> list[CompressedDist]:
     return found
 
 
+def input_stats(model: torch.nn.Module) -> list[CommStats]:
+    """The input (KJT) all-to-all counters of every compressed sharded EBC inside ``model``."""
+    return [m.input_stats for m in model.modules() if isinstance(m, CompressedShardedEmbeddingBagCollection)]
+
+
 def _collect(
     model: torch.nn.Module, reset: bool, run: bool = False, dense: DenseComm | None = None
 ) -> tuple[dict, dict]:
-    sources = [d.stats for d in compressed_dists(model)] + ([dense.stats] if dense is not None else [])
+    sources = [d.stats for d in compressed_dists(model)] + input_stats(model)
+    sources += [dense.stats] if dense is not None else []
     state = merge(s.state(run) for s in sources)
     if reset:
         for s in sources:
@@ -52,6 +58,12 @@ def run_totals(model: torch.nn.Module, dense: DenseComm | None = None) -> dict[s
     without resetting anything or communicating (for probes that difference them per step)."""
     sums, _ = _collect(model, reset=False, run=True, dense=dense)
     return {k: v for k, v in sums.items() if k.count("/") == 1}
+
+
+def run_sums_all_ranks(model: torch.nn.Module, group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """Every run-total sum of all ranks, per-feature and sampled keys included (a collective)."""
+    sums, _ = _all_ranks(_collect(model, reset=False, run=True), group)
+    return sums
 
 
 def comm_stats(model: torch.nn.Module, reset: bool = True, dense: DenseComm | None = None) -> dict[str, float]:

@@ -250,6 +250,29 @@ def _decode_cached(
     return part
 
 
+def _count_distinct(
+    stats: CommStats, d: str, chunk: torch.Tensor, blocks: Blocks, ids: torch.Tensor | None, dedup: bool
+) -> None:
+    """Sampled: the rows each block gives the codec (its distinct ids, or distinct rows by value,
+    when the codec dedups; else all its rows) and their fp32 bytes against the chunk's, per mode
+    (``ids``: chunks with single ids; ``rows``: the rest, e.g. row-wise partial sums), so that
+    dlrm/wire.py knows the codec's ratio on what it is given. dlrm/traffic.py predicts the rows."""
+    mode, given, c = ("ids" if ids is not None else "rows"), 0, 0
+    for k, (f, w) in enumerate(zip(blocks.features, blocks.widths, strict=True)):
+        if not dedup:
+            rows = chunk.shape[0]
+        elif ids is not None:
+            rows = int(torch.unique(ids[:, k]).numel())
+        else:
+            rows = int(torch.unique(chunk[:, c : c + w], dim=0).shape[0])
+        stats.add(f"{d}/sampled_chunks/{f}", 1)
+        stats.add(f"{d}/sampled_rows/{f}", rows)
+        given += rows * w * chunk.element_size()
+        c += w
+    stats.add(f"{d}/sampled_given_bytes/{mode}", given)
+    stats.add(f"{d}/sampled_chunk_bytes/{mode}", chunk.numel() * chunk.element_size())
+
+
 def _a2a_name(info: CompressedA2AInfo, d: str) -> str:
     return f"the {d} pooled-embedding all-to-all ({info.where}, iteration {info.iteration})"
 
@@ -345,6 +368,7 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
             if sample:
                 ts = time.perf_counter()
                 _sample(dc, chunk, payload, blocks, bounds, ids, stats, d, thresholds, held)
+                _count_distinct(stats, d, chunk, blocks, ids, dc.dedup)
                 sample = False
                 sample_s += time.perf_counter() - ts
             if ids is None:

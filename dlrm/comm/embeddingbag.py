@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torchrec.distributed.dist_data import KJTAllToAll
 from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingInfo
 from torchrec.distributed.embedding_types import KJTList
 from torchrec.distributed.embeddingbag import (
@@ -29,6 +30,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from dlrm.comm.config import ALL_SHARDING_TYPES
 from dlrm.comm.dist import REGISTRY_KEY, CompressedDist, CompressionRuntime
 from dlrm.comm.sharding import COMPRESSED_SHARDINGS
+from dlrm.comm.stats import CommStats
 
 
 class CompressedShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
@@ -69,6 +71,31 @@ class CompressedShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self._pre_a2a_kjts: list[KeyedJaggedTensor | None] = [None] * len(self._input_dists)
         for i, input_dist in enumerate(self._input_dists):
             input_dist.register_forward_pre_hook(self._stash_hook(i))
+            for m in input_dist.modules():
+                if isinstance(m, KJTAllToAll):
+                    m.register_forward_pre_hook(self._count_input)
+
+    @property
+    def input_stats(self) -> CommStats:
+        """``input/wire_bytes`` and ``input/calls``: what this module's KJT all-to-alls send."""
+        if not hasattr(self, "_input_stats"):
+            self._input_stats = CommStats()
+        return self._input_stats
+
+    def _count_input(self, module: KJTAllToAll, args: tuple) -> None:
+        """Bytes this rank's KJT all-to-all sends to other ranks: each tensor's (lengths, values)
+        splits for the peers, and the splits exchange before it (one int64 per tensor and the
+        stride, per peer), as TorchRec's KJTAllToAllSplitsAwaitable sends them."""
+        kjt: KeyedJaggedTensor = args[0]
+        ws, me = module._pg.size(), module._pg.rank()
+        if ws == 1:
+            return
+        sent = 0
+        for splits, t in zip(kjt.dist_splits(module._splits), kjt.dist_tensors(), strict=True):
+            sent += sum(n for p, n in enumerate(splits) if p != me) * t.element_size()
+        words = len(kjt.dist_labels()) + (0 if kjt.variable_stride_per_key() else 1)
+        self.input_stats.add("input/wire_bytes", sent + 8 * words * (ws - 1))
+        self.input_stats.add("input/calls", 1)
 
     def _stash_hook(self, i: int):
         def hook(module: nn.Module, args: tuple) -> None:
