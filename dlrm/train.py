@@ -27,6 +27,7 @@ from dlrm.comm.dense_config import parse_dense_comm_cfg
 from dlrm.config_checks import check_moved_keys
 from dlrm.datasets import RunData
 from dlrm.env import init_distributed, shutdown
+from dlrm.hot_sync import PendingHotGradients
 from dlrm.launch import check_launch_keys, launch_ranks, module_of, objectives, rank_source, submitit_rendezvous
 from dlrm.loop import LoopPlan, StepObserver, Stepper, TrainState, evaluate, take, train
 from dlrm.metrics import final_metrics, write_metrics_json
@@ -34,6 +35,8 @@ from dlrm.model import build_model, table_names
 from dlrm.optim import WarmupDecayLR, apply_sparse_optimizer, build_optimizer
 from dlrm.policy import bounded_directions, policy_for_run, table_stats
 from dlrm.progress import Progress
+from dlrm.hot_choice import parse_placement_cfg
+from dlrm.replication import setup_replication
 from dlrm.run_dir import register_resolvers
 from dlrm.sharding import describe_plan, shard_model
 from dlrm.strategy import StrategyController, parse_strategy_cfg
@@ -65,7 +68,14 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
         dim,
         data_parallel_wrapper=CompressedDataParallelWrapper(dense),
     )
-    optimizer = build_optimizer(model, cfg.optimizer)
+    placement = parse_placement_cfg(cfg.get("placement"), len(data.features))
+    replication = setup_replication(placement, model, data, cfg.optimizer, cfg.compression.name, cfg.batch_size, dim)
+    optimizer = build_optimizer(model, cfg.optimizer, [replication.optimizer] if replication else [])
+
+    def batches(split: str, batch_size: int, *position: Any) -> Any:  # hot ids split off when replicated
+        out = data.batches(split, batch_size, *position)
+        return replication.split.batches(out) if replication else out
+
     schedule = WarmupDecayLR(optimizer, **cfg.lr_schedule)
     tb = TensorBoardLogger(run_dir / "tensorboard" if env.is_main else None)
     plan = describe_plan(model)
@@ -88,7 +98,11 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
         optimizer,
         {"lr_schedule": schedule, "policy": policy, "strategy": strategy if strategy.active else None},
         keep=cfg.checkpoint.keep,
-        rank_parts={"dense_comm": dense, "compression": compression_runtime(sharders)},
+        rank_parts={
+            "dense_comm": dense,
+            "compression": compression_runtime(sharders),
+            "hot_rows": PendingHotGradients(replication.optimizer) if replication else None,
+        },
     )
     state = ckpt.resume(cfg.resume)
     set_iteration(model, state.iteration)  # the policies' iteration continues where it was
@@ -122,7 +136,7 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
 
     def on_drained(s: TrainState) -> None:
         if loop.eval_due(s):
-            val = data.batches("val", cfg.eval_batch_size)
+            val = batches("val", cfg.eval_batch_size)
             last_val.update(evaluate(model, take(iter(val), cfg.limit_eval_batches), env.device, "val"))
             tb.scalars({f"eval/{k}": v for k, v in last_val.items() if k != "samples"}, s.iteration)
             if env.is_main:
@@ -134,7 +148,7 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
         state,
         loop,
         Stepper(model, optimizer, env.device, pipelined=cfg.pipeline),
-        lambda epoch, start: data.batches("train", cfg.batch_size, epoch, start, cfg.data.shuffle),
+        lambda epoch, start: batches("train", cfg.batch_size, epoch, start, cfg.data.shuffle),
         global_batch,
         schedule,
         progress.step,
@@ -145,7 +159,8 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
     strategy.close()
     ckpt.save(state)
 
-    test = evaluate(model, data.batches("test", cfg.eval_batch_size), env.device, "test")
+    test = evaluate(model, batches("test", cfg.eval_batch_size), env.device, "test")
+    hot_metrics = replication.metrics(state.samples_seen // global_batch) if replication else {}
     metrics = final_metrics(
         test,
         last_val,
@@ -158,6 +173,7 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
         compression=cfg.compression.name,
         sharding_plan=plan,
         **strategy.metrics(),
+        **hot_metrics,
     )
     tb.final(metrics, state.iteration, flat_config(cfg))
     if env.is_main:

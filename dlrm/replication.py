@@ -1,0 +1,180 @@
+"""Set up hot-row replication for a run (``placement.hot_rows``): find each feature's hottest ids
+(meta.json's frequency statistics, else the first training batches), choose how many to replicate
+per table within the memory budget, install the replicas and their optimizer in the sharded model.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torchrec.distributed.model_parallel import get_unwrapped_module
+from torchrec.distributed.types import ShardingType
+
+from data.frequency import DEFAULT_TOP_N, FeatureFrequency, read_frequency
+from data.loader import criteo_batches
+from dlrm.datasets import RunData
+from dlrm.hot_choice import NOMINAL_RATIO, STATE_BYTES_PER_ROW, PlacementSpec, choose_auto
+from dlrm.hot_rows import HotSplit, install
+from dlrm.hot_sync import HotRowOptimizer
+from dlrm.model import table_names
+
+log = logging.getLogger(__name__)
+ESTIMATE_BATCHES = 50  # global batches read to estimate frequencies when meta.json has none
+
+
+def feature_frequencies(data: RunData, global_batch: int, top_n: int) -> list[FeatureFrequency]:
+    """The dataset's recorded statistics, or an estimate from its first training batches (the same
+    on every rank: they all read the first global batches in file order)."""
+    recorded = read_frequency(dict(data.info))
+    if recorded is not None:
+        if len(recorded) != len(data.features):
+            raise ValueError(f"{data.path}/meta.json: frequency has {len(recorded)} features, the data has {len(data.features)}")
+        return recorded
+    batches = criteo_batches(data.path, data.splits["train"], global_batch, 0, 1, shuffle=False, seed=0)
+    seen: dict[str, list[torch.Tensor]] = {f: [] for f in data.features}
+    for i, batch in enumerate(batches):
+        if i == ESTIMATE_BATCHES:
+            break
+        for f, jt in batch.sparse_features.to_dict().items():
+            seen[f].append(jt.values())
+    log.info(
+        "%s/meta.json records no id frequencies: hot rows estimated from the first %d training batches of %d rows",
+        data.path,
+        min(ESTIMATE_BATCHES, len(batches)),
+        global_batch,
+    )
+    return [FeatureFrequency.from_ids(torch.cat(seen[f]).numpy(), top_n) for f in data.features]
+
+
+def embedding_bytes_per_rank(model: torch.nn.Module, rule: str, dim: int) -> list[int]:
+    """Bytes of each rank's table shards and their optimizer state (a collective)."""
+    ebc = get_unwrapped_module(model).model.sparse_arch.embedding_bag_collection
+    mine = 0
+    for w in ebc.state_dict().values():
+        for shard in w.local_shards() if hasattr(w, "local_shards") else []:
+            rows, cols = shard.tensor.shape
+            mine += rows * cols * shard.tensor.element_size() + rows * STATE_BYTES_PER_ROW[rule](cols)
+    if not dist.is_initialized():
+        return [mine]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    return [int(b) for b in out]
+
+
+def data_parallel_tables(model: torch.nn.Module) -> set[str]:
+    """Tables the plan already keeps whole on every rank (no all-to-all to save)."""
+    plan = getattr(model, "plan", None)
+    modules = plan.plan.values() if plan is not None else []
+    return {t for m in modules for t, ps in m.items() if ps.sharding_type == ShardingType.DATA_PARALLEL.value}
+
+
+@dataclass
+class Replication:
+    """What the trainer holds: the batch split, the replicas' optimizer, a summary for metrics.json."""
+
+    split: HotSplit
+    optimizer: HotRowOptimizer
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    def metrics(self, iterations: int) -> dict[str, Any]:
+        sent = torch.tensor([float(self.optimizer.sent_bytes)])
+        if dist.is_initialized():
+            dist.all_reduce(sent)
+        per_iteration = float(sent) / iterations if iterations else 0.0
+        return {"hot_rows": {**self.summary, "sync_bytes_per_iteration": per_iteration}}
+
+
+def choose_sizes(
+    spec: PlacementSpec,
+    tables: Sequence[str],
+    freqs: Sequence[FeatureFrequency],
+    *,
+    lookups: int,
+    world: int,
+    dim: int,
+    ratio: float,
+    row_bytes: int,
+    free_bytes: float,
+) -> dict[str, int]:
+    """table -> rows to replicate (tables with none left out), from a number, a list or auto."""
+    if spec.hot_rows == "auto":
+        chosen = choose_auto(tables, freqs, lookups, world, dim, ratio, spec.sync_every, row_bytes, free_bytes)
+        return {t: p.hot for t, p in chosen.items()}
+    wanted = spec.hot_rows if isinstance(spec.hot_rows, list) else [int(spec.hot_rows)] * len(tables)
+    sizes = {}
+    for t, f, h in zip(tables, freqs, wanted, strict=True):
+        if h > len(f.top_ids):
+            log.warning("placement.hot_rows: %s has %d known hot ids, replicating those (asked for %d)", t, len(f.top_ids), h)
+        if min(h, len(f.top_ids)):
+            sizes[t] = min(h, len(f.top_ids))
+    need = sum(sizes.values()) * row_bytes
+    if need > free_bytes:
+        raise ValueError(
+            f"placement.hot_rows={spec.hot_rows} needs {need} bytes per rank for replicas, but placement.memory_budget "
+            f"leaves {free_bytes:.0f} after the sharded tables: lower hot_rows, use auto, or raise the budget"
+        )
+    return sizes
+
+
+def setup_replication(
+    spec: PlacementSpec,
+    model: torch.nn.Module,
+    data: RunData,
+    optimizer_cfg: Mapping[str, Any],
+    compression: str,
+    batch_size: int,
+    dim: int,
+) -> Replication | None:
+    """Replicate the chosen hot rows in the sharded ``model`` (None when none are chosen)."""
+    if not spec.enabled:
+        return None
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rule = str(optimizer_cfg["sparse"]["name"])
+    if rule not in STATE_BYTES_PER_ROW:
+        raise ValueError(f"placement.hot_rows needs optimizer.sparse.name in {sorted(STATE_BYTES_PER_ROW)}, got {rule!r}")
+    row_bytes = 4 * dim + STATE_BYTES_PER_ROW[rule](dim)
+    explicit = max(spec.hot_rows) if isinstance(spec.hot_rows, list) else spec.hot_rows
+    top_n = max(DEFAULT_TOP_N, explicit if isinstance(explicit, int) else 0)
+    freqs = feature_frequencies(data, batch_size * world, top_n)
+    used = embedding_bytes_per_rank(model, rule, dim)
+    free = float("inf") if spec.memory_budget is None else spec.memory_budget - max(used)
+    tables = table_names(data.features)
+    ratio = NOMINAL_RATIO.get(compression, 1.0)
+    sizes = choose_sizes(
+        spec, tables, freqs, lookups=batch_size, world=world, dim=dim, ratio=ratio, row_bytes=row_bytes, free_bytes=free
+    )
+    for t in data_parallel_tables(model) & set(sizes):
+        log.info("placement.hot_rows: %s is data_parallel (already on every rank), not replicated", t)
+        del sizes[t]
+    if not sizes:
+        log.info("placement.hot_rows=%s: no table replicated", spec.hot_rows)
+        return None
+    hot_ids = {
+        f: torch.from_numpy(np.asarray(freq.top_ids[: sizes[t]]))
+        for f, t, freq in zip(data.features, tables, freqs, strict=True)
+        if t in sizes
+    }
+    replicas = install(model, hot_ids, dim)
+    sparse = optimizer_cfg["sparse"]
+    optimizer = HotRowOptimizer(
+        {f"hot.{f}": w for f, w in replicas.weights.items()},
+        rule,
+        lr=float(sparse["lr"]),
+        eps=float(sparse.get("eps", 1e-8)),
+        sync_every=spec.sync_every,
+    )
+    replica_bytes = sum(sizes.values()) * row_bytes
+    summary = {
+        "tables": sizes,
+        "sync_every": spec.sync_every,
+        "replica_bytes_per_rank": replica_bytes,
+        "embedding_bytes_per_rank": [u + replica_bytes for u in used],
+    }
+    log.info("hot-row replication: %s", summary)
+    return Replication(HotSplit(hot_ids), optimizer, summary)
