@@ -3,17 +3,19 @@
 For a table with per-lookup id probabilities p (hottest first) and ``B`` lookups per rank and
 iteration, replicating the ``H`` hottest ids changes the bytes all ranks send per iteration by::
 
-    saved = (W-1) * [U_H(B) * 4D * (1/r_fwd + 1/r_bwd) + B * P_H * 8]     (both all-to-alls, ids)
-    sync  = W * (W-1) * U_H(kB) * (4D + 8) / k                           (touched rows, all-gathered)
+    saved = (W-1) * [R_H * 4D / r * (each direction) + B * P_H * 8]    (both all-to-alls, the ids)
+    sync  = W * (W-1) * U_H(kB) * (4D + 8) / k                          (touched rows, all-gathered)
 
 where U_H(n) = sum_{i<H} 1 - (1 - p_i)^n is the expected number of distinct hot ids among n
-lookups, P_H = sum_{i<H} p_i, r the codec's ratio, W the ranks and k ``placement.sync_every``. Each
-rank's lookups find a table's rows on another rank with probability (W-1)/W, and the all-to-all
-sends each distinct id's row once per destination: the rows saved are the hot rows a rank would
-have fetched, the ids saved are every hot lookup. The sync sends exact fp32 rows, so replication
-pays only where hot lookups repeat within a batch (skewed tables) or where the sync is amortised
-over k iterations; ``auto`` picks per table the H with the largest positive saving, within
-``placement.memory_budget`` bytes per rank, and logs why a table gets none.
+lookups, P_H = sum_{i<H} p_i, R_H the hot rows a direction would have sent (U_H(B) where the
+codec sends one row per distinct id, ``dedup``; B * P_H where it sends one per lookup, as stock
+TorchRec does under ``compression=none``), r the codec's ratio, W the ranks and k
+``placement.sync_every``. A rank finds a table's rows on another rank with probability (W-1)/W.
+The sync sends exact fp32 rows, so where the all-to-all already dedups and compresses, replication
+pays only for hot ids that repeat within a batch, or by amortising the sync over k iterations.
+``auto`` picks per table the H with the largest positive saving within ``placement.memory_budget``
+bytes per rank, and logs why a table gets none. The model prices bytes, not time: on a link fast
+enough that bytes do not matter it still replicates where bytes are saved.
 """
 
 from __future__ import annotations
@@ -33,7 +35,11 @@ ID_BYTES = 8
 # Nominal compression ratios of each codec for the model (the lossy codec's depends on the data
 # and the bound; 4x is typical of the dual policy on Criteo-like tables, see README).
 NOMINAL_RATIO = {"none": 1.0, "fp16": 2.0, "bf16": 2.0, "qcomm_fp16": 2.0, "qcomm_int8": 4.0, "lossy": 4.0}
-STATE_BYTES_PER_ROW = {"sgd": lambda d: 0, "adagrad": lambda d: 4 * d, "rowwise_adagrad": lambda d: 4}
+STATE_BYTES_PER_ROW = {
+    "sgd": lambda d: 0,
+    "adagrad": lambda d: 4 * d,
+    "rowwise_adagrad": lambda d: 4,
+}  # per row of width d
 
 
 @dataclass(frozen=True)
@@ -54,7 +60,9 @@ def parse_placement_cfg(cfg: Mapping[str, Any] | None, num_tables: int) -> Place
     hot = cfg.get("hot_rows") or 0
     if isinstance(hot, list):
         if len(hot) != num_tables or any(isinstance(h, bool) or not isinstance(h, int) or h < 0 for h in hot):
-            raise ValueError(f"placement.hot_rows as a list needs {num_tables} integers >= 0 (one per table), got {hot}")
+            raise ValueError(
+                f"placement.hot_rows as a list needs {num_tables} integers >= 0 (one per table), got {hot}"
+            )
         hot = hot if any(hot) else 0
     elif hot != "auto" and (isinstance(hot, bool) or not isinstance(hot, int) or hot < 0):
         raise ValueError(f"placement.hot_rows must be an integer >= 0, a list of them per table, or auto (got {hot!r})")
@@ -65,6 +73,22 @@ def parse_placement_cfg(cfg: Mapping[str, Any] | None, num_tables: int) -> Place
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0):
         raise ValueError(f"placement.memory_budget must be a number of bytes per rank > 0, or null (got {budget!r})")
     return PlacementSpec(hot, k, None if budget is None else int(budget))
+
+
+@dataclass(frozen=True)
+class Wire:
+    """What the embedding all-to-alls of a run send: per-rank lookups of a table per iteration,
+    ranks, row width, the codec's ratio and whether each direction sends one row per distinct id
+    (``dedup``) or one per lookup (stock TorchRec, ``compression=none``)."""
+
+    lookups: int
+    world: int
+    dim: int
+    ratio: float = 1.0
+    dedup_forward: bool = False
+    dedup_backward: bool = False
+    sync_every: int = 1
+    row_bytes: int = 0  # memory per replicated row and rank: weight and optimizer state
 
 
 @dataclass(frozen=True)
@@ -81,16 +105,16 @@ class Pricing:
         return self.saved - self.sync
 
 
-def price(
-    freq: FeatureFrequency, hot: int, lookups: int, world: int, dim: int, ratio: float, sync_every: int, row_bytes: int
-) -> Pricing:
+def price(freq: FeatureFrequency, hot: int, w: Wire) -> Pricing:
     """The model of the module docstring for the ``hot`` hottest ids of one table."""
-    p = freq.probabilities()[:hot]
-    distinct = float(-np.expm1(lookups * np.log1p(-np.minimum(p, 1 - 1e-12))).sum())
-    distinct_k = float(-np.expm1(sync_every * lookups * np.log1p(-np.minimum(p, 1 - 1e-12))).sum())
-    saved = (world - 1) * (distinct * 4 * dim * 2 / ratio + lookups * float(p.sum()) * ID_BYTES)
-    sync = world * (world - 1) * distinct_k * (4 * dim + ID_BYTES) / sync_every
-    return Pricing(hot, saved, sync, hot * row_bytes)
+    p = np.minimum(freq.probabilities()[:hot], 1 - 1e-12)
+    distinct = float(-np.expm1(w.lookups * np.log1p(-p)).sum())
+    distinct_k = float(-np.expm1(w.sync_every * w.lookups * np.log1p(-p)).sum())
+    hot_lookups = w.lookups * float(p.sum())
+    rows = sum(distinct if dedup else hot_lookups for dedup in (w.dedup_forward, w.dedup_backward))
+    saved = (w.world - 1) * (rows * 4 * w.dim / w.ratio + hot_lookups * ID_BYTES)
+    sync = w.world * (w.world - 1) * distinct_k * (4 * w.dim + ID_BYTES) / w.sync_every
+    return Pricing(hot, saved, sync, hot * w.row_bytes)
 
 
 def candidates(freq: FeatureFrequency) -> list[int]:
@@ -100,43 +124,38 @@ def candidates(freq: FeatureFrequency) -> list[int]:
 
 
 def choose_auto(
-    tables: Sequence[str],
-    freqs: Sequence[FeatureFrequency],
-    lookups: int,
-    world: int,
-    dim: int,
-    ratio: float,
-    sync_every: int,
-    row_bytes: int,
-    free_bytes: float,
+    tables: Sequence[str], freqs: Sequence[FeatureFrequency], wire: Wire, free_bytes: float, verbose: bool = True
 ) -> dict[str, Pricing]:
     """Per table the priced size with the largest positive net saving; tables are served in order
     of their best saving per byte while ``free_bytes`` (of the memory budget) lasts."""
-    best: dict[str, list[Pricing]] = {}
-    for t, f in zip(tables, freqs, strict=True):
-        best[t] = [price(f, h, lookups, world, dim, ratio, sync_every, row_bytes) for h in candidates(f)]
+    priced = {t: [price(f, h, wire) for h in candidates(f) if h] for t, f in zip(tables, freqs, strict=True)}
     chosen: dict[str, Pricing] = {}
-    order = sorted(tables, key=lambda t: -max((q.net / max(q.memory, 1) for q in best[t]), default=0.0))
+    order = sorted(tables, key=lambda t: -max((q.net / max(q.memory, 1) for q in priced[t]), default=0.0))
     for t in order:
-        fits = [q for q in best[t] if q.memory <= free_bytes and q.net > 0]
-        top = max(best[t], key=lambda q: q.net)
+        fits = [q for q in priced[t] if q.memory <= free_bytes and q.net > 0]
         if not fits:
-            why = (
-                f"no size pays (at H={top.hot} the sync costs {top.sync:.0f} B/iteration for {top.saved:.0f} saved)"
-                if top.net <= 0
-                else f"the memory budget is spent ({free_bytes:.0f} B left, H={top.hot} needs {top.memory})"
-            )
-            log.info("placement.hot_rows=auto: %s not replicated: %s", t, why)
+            top = max(priced[t], key=lambda q: q.net, default=None)
+            if top is None:
+                why = "no frequency statistics name a hot id"
+            elif top.net <= 0:
+                why = (
+                    f"no size pays (best H={top.hot}: saves {top.saved:.0f} B/iteration, sync costs {top.sync:.0f})"
+                )
+            else:
+                why = f"the memory budget is spent ({free_bytes:.0f} B left, H={top.hot} needs {top.memory})"
+            if verbose:
+                log.info("placement.hot_rows=auto: %s not replicated: %s", t, why)
             continue
         pick = max(fits, key=lambda q: q.net)
         chosen[t] = pick
         free_bytes -= pick.memory
-        log.info(
-            "placement.hot_rows=auto: %s replicates %d rows: saves %.0f B/iteration, sync %.0f, %d B per rank",
-            t,
-            pick.hot,
-            pick.saved,
-            pick.sync,
-            pick.memory,
-        )
+        if verbose:
+            log.info(
+                "placement.hot_rows=auto: %s replicates %d rows: saves %.0f B/iteration, sync %.0f, %d B per rank",
+                t,
+                pick.hot,
+                pick.saved,
+                pick.sync,
+                pick.memory,
+            )
     return chosen

@@ -13,7 +13,7 @@ trains, and the one a checkpoint keeps (DCP writes a tensor replicated on every 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -103,7 +103,7 @@ class HotSparseArch(torch.nn.Module):
 
     def __init__(self, sparse_arch: torch.nn.Module, hot: HotRows) -> None:
         super().__init__()
-        self.embedding_bag_collection = sparse_arch.embedding_bag_collection
+        self.embedding_bag_collection = cast(torch.nn.Module, sparse_arch.embedding_bag_collection)
         self.hot = hot
         self.D, self.F = sparse_arch.D, sparse_arch.F
 

@@ -102,7 +102,8 @@ class HotRowOptimizer(KeyedOptimizer):
             dist.all_gather(out, packed)
         self.sent_bytes += (world - 1) * (packed.numel() * 4 + ID_BYTES)  # padded rows and the count
         return [
-            (o[: int(c), :2].contiguous().view(torch.int64).flatten(), o[: int(c), 2:]) for o, c in zip(out, counts, strict=True)
+            (o[: int(c), :2].contiguous().view(torch.int64).flatten(), o[: int(c), 2:])
+            for o, c in zip(out, counts, strict=True)
         ]
 
     def _apply(self, p: torch.Tensor, sel: torch.Tensor, g: torch.Tensor, lr: float, eps: float) -> None:

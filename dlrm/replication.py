@@ -19,7 +19,7 @@ from torchrec.distributed.types import ShardingType
 from data.frequency import DEFAULT_TOP_N, FeatureFrequency, read_frequency
 from data.loader import criteo_batches
 from dlrm.datasets import RunData
-from dlrm.hot_choice import NOMINAL_RATIO, STATE_BYTES_PER_ROW, PlacementSpec, choose_auto
+from dlrm.hot_choice import NOMINAL_RATIO, STATE_BYTES_PER_ROW, PlacementSpec, Wire, choose_auto
 from dlrm.hot_rows import HotSplit, install
 from dlrm.hot_sync import HotRowOptimizer
 from dlrm.model import table_names
@@ -34,7 +34,9 @@ def feature_frequencies(data: RunData, global_batch: int, top_n: int) -> list[Fe
     recorded = read_frequency(dict(data.info))
     if recorded is not None:
         if len(recorded) != len(data.features):
-            raise ValueError(f"{data.path}/meta.json: frequency has {len(recorded)} features, the data has {len(data.features)}")
+            raise ValueError(
+                f"{data.path}/meta.json: frequency has {len(recorded)} features, the data has {len(data.features)}"
+            )
         return recorded
     batches = criteo_batches(data.path, data.splits["train"], global_batch, 0, 1, shuffle=False, seed=0)
     seen: dict[str, list[torch.Tensor]] = {f: [] for f in data.features}
@@ -43,12 +45,13 @@ def feature_frequencies(data: RunData, global_batch: int, top_n: int) -> list[Fe
             break
         for f, jt in batch.sparse_features.to_dict().items():
             seen[f].append(jt.values())
-    log.info(
-        "%s/meta.json records no id frequencies: hot rows estimated from the first %d training batches of %d rows",
-        data.path,
-        min(ESTIMATE_BATCHES, len(batches)),
-        global_batch,
-    )
+    if is_main():
+        log.info(
+            "%s/meta.json records no id frequencies: hot rows estimated from the first %d training batches of %d rows",
+            data.path,
+            min(ESTIMATE_BATCHES, len(batches)),
+            global_batch,
+        )
     return [FeatureFrequency.from_ids(torch.cat(seen[f]).numpy(), top_n) for f in data.features]
 
 
@@ -65,6 +68,31 @@ def embedding_bytes_per_rank(model: torch.nn.Module, rule: str, dim: int) -> lis
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, mine)
     return [int(b) for b in out]
+
+
+def is_main() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def wire_of(
+    compression: Mapping[str, Any], batch_size: int, world: int, dim: int, sync_every: int, row_bytes: int
+) -> Wire:
+    """The all-to-all's traffic shape for the cost model, from the ``compression`` config group."""
+    name = str(compression["name"])
+
+    def dedup(direction: str) -> bool:
+        return name != "none" and bool((compression.get(direction) or {}).get("dedup", False))
+
+    return Wire(
+        lookups=batch_size,
+        world=world,
+        dim=dim,
+        ratio=NOMINAL_RATIO.get(name, 1.0),
+        dedup_forward=dedup("forward"),
+        dedup_backward=dedup("backward"),
+        sync_every=sync_every,
+        row_bytes=row_bytes,
+    )
 
 
 def data_parallel_tables(model: torch.nn.Module) -> set[str]:
@@ -94,26 +122,23 @@ def choose_sizes(
     spec: PlacementSpec,
     tables: Sequence[str],
     freqs: Sequence[FeatureFrequency],
-    *,
-    lookups: int,
-    world: int,
-    dim: int,
-    ratio: float,
-    row_bytes: int,
+    wire: Wire,
     free_bytes: float,
 ) -> dict[str, int]:
     """table -> rows to replicate (tables with none left out), from a number, a list or auto."""
     if spec.hot_rows == "auto":
-        chosen = choose_auto(tables, freqs, lookups, world, dim, ratio, spec.sync_every, row_bytes, free_bytes)
+        chosen = choose_auto(tables, freqs, wire, free_bytes, verbose=is_main())
         return {t: p.hot for t, p in chosen.items()}
     wanted = spec.hot_rows if isinstance(spec.hot_rows, list) else [int(spec.hot_rows)] * len(tables)
     sizes = {}
     for t, f, h in zip(tables, freqs, wanted, strict=True):
-        if h > len(f.top_ids):
-            log.warning("placement.hot_rows: %s has %d known hot ids, replicating those (asked for %d)", t, len(f.top_ids), h)
+        if h > len(f.top_ids) and is_main():
+            log.warning(
+                "placement.hot_rows: %s has %d known hot ids, replicating those (asked for %d)", t, len(f.top_ids), h
+            )
         if min(h, len(f.top_ids)):
             sizes[t] = min(h, len(f.top_ids))
-    need = sum(sizes.values()) * row_bytes
+    need = sum(sizes.values()) * wire.row_bytes
     if need > free_bytes:
         raise ValueError(
             f"placement.hot_rows={spec.hot_rows} needs {need} bytes per rank for replicas, but placement.memory_budget "
@@ -127,7 +152,7 @@ def setup_replication(
     model: torch.nn.Module,
     data: RunData,
     optimizer_cfg: Mapping[str, Any],
-    compression: str,
+    compression: Mapping[str, Any],
     batch_size: int,
     dim: int,
 ) -> Replication | None:
@@ -137,7 +162,9 @@ def setup_replication(
     world = dist.get_world_size() if dist.is_initialized() else 1
     rule = str(optimizer_cfg["sparse"]["name"])
     if rule not in STATE_BYTES_PER_ROW:
-        raise ValueError(f"placement.hot_rows needs optimizer.sparse.name in {sorted(STATE_BYTES_PER_ROW)}, got {rule!r}")
+        raise ValueError(
+            f"placement.hot_rows needs optimizer.sparse.name in {sorted(STATE_BYTES_PER_ROW)}, got {rule!r}"
+        )
     row_bytes = 4 * dim + STATE_BYTES_PER_ROW[rule](dim)
     explicit = max(spec.hot_rows) if isinstance(spec.hot_rows, list) else spec.hot_rows
     top_n = max(DEFAULT_TOP_N, explicit if isinstance(explicit, int) else 0)
@@ -145,15 +172,15 @@ def setup_replication(
     used = embedding_bytes_per_rank(model, rule, dim)
     free = float("inf") if spec.memory_budget is None else spec.memory_budget - max(used)
     tables = table_names(data.features)
-    ratio = NOMINAL_RATIO.get(compression, 1.0)
-    sizes = choose_sizes(
-        spec, tables, freqs, lookups=batch_size, world=world, dim=dim, ratio=ratio, row_bytes=row_bytes, free_bytes=free
-    )
+    wire = wire_of(compression, batch_size, world, dim, spec.sync_every, row_bytes)
+    sizes = choose_sizes(spec, tables, freqs, wire, free)
     for t in data_parallel_tables(model) & set(sizes):
-        log.info("placement.hot_rows: %s is data_parallel (already on every rank), not replicated", t)
+        if is_main():
+            log.info("placement.hot_rows: %s is data_parallel (already on every rank), not replicated", t)
         del sizes[t]
     if not sizes:
-        log.info("placement.hot_rows=%s: no table replicated", spec.hot_rows)
+        if is_main():
+            log.info("placement.hot_rows=%s: no table replicated", spec.hot_rows)
         return None
     hot_ids = {
         f: torch.from_numpy(np.asarray(freq.top_ids[: sizes[t]]))
@@ -176,5 +203,6 @@ def setup_replication(
         "replica_bytes_per_rank": replica_bytes,
         "embedding_bytes_per_rank": [u + replica_bytes for u in used],
     }
-    log.info("hot-row replication: %s", summary)
+    if is_main():
+        log.info("hot-row replication: %s", summary)
     return Replication(HotSplit(hot_ids), optimizer, summary)

@@ -27,6 +27,7 @@ from dlrm.comm.dense_config import parse_dense_comm_cfg
 from dlrm.config_checks import check_moved_keys
 from dlrm.datasets import RunData
 from dlrm.env import init_distributed, shutdown
+from dlrm.hot_choice import parse_placement_cfg
 from dlrm.hot_sync import PendingHotGradients
 from dlrm.launch import check_launch_keys, launch_ranks, module_of, objectives, rank_source, submitit_rendezvous
 from dlrm.loop import LoopPlan, StepObserver, Stepper, TrainState, evaluate, take, train
@@ -35,7 +36,6 @@ from dlrm.model import build_model, table_names
 from dlrm.optim import WarmupDecayLR, apply_sparse_optimizer, build_optimizer
 from dlrm.policy import bounded_directions, policy_for_run, table_stats
 from dlrm.progress import Progress
-from dlrm.hot_choice import parse_placement_cfg
 from dlrm.replication import setup_replication
 from dlrm.run_dir import register_resolvers
 from dlrm.sharding import describe_plan, shard_model
@@ -69,7 +69,7 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
         data_parallel_wrapper=CompressedDataParallelWrapper(dense),
     )
     placement = parse_placement_cfg(cfg.get("placement"), len(data.features))
-    replication = setup_replication(placement, model, data, cfg.optimizer, cfg.compression.name, cfg.batch_size, dim)
+    replication = setup_replication(placement, model, data, cfg.optimizer, cfg.compression, cfg.batch_size, dim)
     optimizer = build_optimizer(model, cfg.optimizer, [replication.optimizer] if replication else [])
 
     def batches(split: str, batch_size: int, *position: Any) -> Any:  # hot ids split off when replicated
