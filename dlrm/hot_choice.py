@@ -138,9 +138,7 @@ def choose_auto(
             if top is None:
                 why = "no frequency statistics name a hot id"
             elif top.net <= 0:
-                why = (
-                    f"no size pays (best H={top.hot}: saves {top.saved:.0f} B/iteration, sync costs {top.sync:.0f})"
-                )
+                why = f"no size pays (best H={top.hot}: saves {top.saved:.0f} B/iteration, sync costs {top.sync:.0f})"
             else:
                 why = f"the memory budget is spent ({free_bytes:.0f} B left, H={top.hot} needs {top.memory})"
             if verbose:

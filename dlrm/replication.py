@@ -6,6 +6,7 @@ per table within the memory budget, install the replicas and their optimizer in 
 from __future__ import annotations
 
 import logging
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,11 +112,22 @@ class Replication:
     summary: dict[str, Any] = field(default_factory=dict)
 
     def metrics(self, iterations: int) -> dict[str, Any]:
-        sent = torch.tensor([float(self.optimizer.sent_bytes)])
+        """The summary with every rank's sync bytes per iteration (summed) and a crc32 of each rank's
+        replicas (equal digests: identical replicas). A collective."""
+        weights = torch.cat([p.detach().flatten() for p in self.optimizer.params.values()])
+        mine = (self.optimizer.sent_bytes, zlib.crc32(weights.numpy().tobytes()))
+        ranks: list[Any] = [mine]
         if dist.is_initialized():
-            dist.all_reduce(sent)
-        per_iteration = float(sent) / iterations if iterations else 0.0
-        return {"hot_rows": {**self.summary, "sync_bytes_per_iteration": per_iteration}}
+            ranks = [None] * dist.get_world_size()
+            dist.all_gather_object(ranks, mine)
+        sent = sum(r[0] for r in ranks)
+        return {
+            "hot_rows": {
+                **self.summary,
+                "sync_bytes_per_iteration": sent / iterations if iterations else 0.0,
+                "replica_digest_per_rank": [r[1] for r in ranks],
+            }
+        }
 
 
 def choose_sizes(

@@ -1,0 +1,222 @@
+"""Hot-row replication (placement.hot_rows): the split of a batch, the replicas' synchronisation on
+real gloo ranks, the choice of sizes, and real 2-rank training runs (same losses as without
+replication, exact resume, the memory budget)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torchrec.datasets.utils import Batch
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from trainer_runs import losses, train
+
+from data.frequency import FeatureFrequency
+from dlrm.hot_choice import Wire, choose_auto, parse_placement_cfg, price
+from dlrm.hot_rows import HOT_SUFFIX, HotSplit
+from dlrm.hot_sync import HotRowOptimizer
+from dlrm.replication import choose_sizes
+
+# --- the data path -------------------------------------------------------------------------------
+
+
+def test_hot_plus_cold_pooled_rows_equal_the_whole_bags():
+    torch.manual_seed(0)
+    table = torch.randn(50, 4)
+    lengths = torch.tensor([1, 3, 0, 2, 1, 4], dtype=torch.int32)
+    values = torch.tensor([7, 7, 3, 9, 1, 7, 3, 7, 9, 9, 0])
+    kjt = KeyedJaggedTensor(keys=["a", "b"], values=values, lengths=lengths, stride=3)
+    hot_ids = torch.tensor([7, 9, 42])  # slot 0 is id 7; 42 never occurs
+    batch = Batch(dense_features=torch.zeros(3, 1), sparse_features=kjt, labels=torch.zeros(3))
+    split = HotSplit({"b": hot_ids})(batch).sparse_features
+    assert split.keys() == ["a", "b", "b" + HOT_SUFFIX]
+    parts, whole = split.to_dict(), kjt.to_dict()
+    assert torch.equal(parts["a"].values(), whole["a"].values())
+
+    def pooled(rows: torch.Tensor, jt) -> torch.Tensor:
+        bag = torch.nn.EmbeddingBag.from_pretrained(rows, mode="sum")
+        return bag(jt.values(), jt.offsets()[:-1])
+
+    cold, hot = parts["b"], parts["b" + HOT_SUFFIX]
+    assert not set(cold.values().tolist()) & {7, 9}
+    assert torch.allclose(pooled(table, cold) + pooled(table[hot_ids], hot), pooled(table, whole["b"]))
+
+
+# --- the replicas' optimizer ------------------------------------------------------------------
+
+ROWS, DIM, LR, STEPS = 6, 4, 0.05, 3
+
+
+def _grads(rank: int, step: int) -> torch.Tensor:
+    """Each rank's dense gradient at a step: rows 0-2 on both ranks, row 3+rank on one, row 5 never."""
+    g = torch.Generator().manual_seed(100 * step + rank)
+    out = torch.randn(ROWS, DIM, generator=g)
+    out[5] = 0
+    out[4 - rank] = 0  # rank 0 touches row 3, rank 1 row 4
+    return out
+
+
+def _train_replicas(rule: str, sync_every: int, steps: int) -> torch.Tensor:
+    """One process stands in for both ranks: it steps with their mean gradient (the gloo sum across
+    ranks is checked by the training runs below, whose replicas must agree bit for bit)."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(ROWS, DIM))
+    opt = HotRowOptimizer({"hot.f": w}, rule, lr=LR, eps=1e-8, sync_every=sync_every)
+    for step in range(steps):
+        grad = (_grads(0, step) + _grads(1, step)) / 2
+        touched = grad.abs().sum(1).nonzero().flatten()
+        w.grad = torch.sparse_coo_tensor(touched.unsqueeze(0), grad[touched], (ROWS, DIM))
+        opt.step()
+        w.grad = None
+    return w.detach().clone()
+
+
+def _reference(rule: str, mean_grads: list[torch.Tensor]) -> torch.Tensor:
+    """TorchRec's and torch's own optimizers on the ranks' mean gradient (TorchRec divides by the
+    world size in its backward all-to-all)."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(ROWS, DIM))
+    make = {
+        "sgd": lambda: torch.optim.SGD([w], lr=LR),
+        "adagrad": lambda: torch.optim.Adagrad([w], lr=LR, eps=1e-8),
+        "rowwise_adagrad": lambda: RowWiseAdagrad([w], lr=LR, eps=1e-8),
+    }[rule]()
+    for g in mean_grads:
+        w.grad = g.clone()
+        make.step()
+    return w.detach()
+
+
+@pytest.mark.parametrize("rule", ["sgd", "adagrad", "rowwise_adagrad"])
+def test_replica_updates_follow_the_embedding_optimizer_on_the_mean_gradient(rule):
+    got = _train_replicas(rule, 1, STEPS)
+    expected = _reference(rule, [(_grads(0, s) + _grads(1, s)) / 2 for s in range(STEPS)])
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+    torch.manual_seed(0)
+    assert torch.equal(got[5], torch.randn(ROWS, DIM)[5])  # a row no rank touched never moves
+
+
+def test_sync_every_k_applies_the_accumulated_gradient_once_per_k_steps():
+    got = _train_replicas("rowwise_adagrad", 2, STEPS)  # one sync after step 2, step 3 still pending
+    summed = sum((_grads(0, s) + _grads(1, s)) / 2 for s in range(2))
+    torch.testing.assert_close(got, _reference("rowwise_adagrad", [summed]), rtol=1e-6, atol=1e-7)
+
+
+# --- choosing the sizes --------------------------------------------------------------------------
+
+
+def _freq(weights: np.ndarray, lookups: int = 1_000_000) -> FeatureFrequency:
+    counts = np.maximum(np.round(weights / weights.sum() * lookups), 1).astype(np.int64)
+    return FeatureFrequency.from_counts(np.arange(len(counts)), counts, top_n=256)
+
+
+def test_expected_distinct_hot_ids_match_sampled_batches():
+    freq = _freq(np.arange(1, 5001, dtype=np.float64) ** -1.1)
+    rng = np.random.default_rng(0)
+    p = freq.probabilities()
+    batch, hot = 512, 64
+    draws = [np.unique(rng.choice(len(p), size=batch, p=p / p.sum())) for _ in range(300)]
+    measured = np.mean([(d < hot).sum() for d in draws])
+    wire = Wire(lookups=batch, world=2, dim=16, dedup_forward=True, dedup_backward=True)
+    q = price(freq, hot, wire)
+    # saved = (W-1) * distinct * 4D * 2 + ids: recover distinct from the priced bytes
+    predicted = (q.saved - batch * p[:hot].sum() * 8) / (4 * 16 * 2)
+    assert predicted == pytest.approx(measured, rel=0.05)
+
+
+def test_auto_replicates_skewed_tables_not_flat_ones_and_says_why(caplog):
+    zipf, flat = _freq(np.arange(1, 20001, dtype=np.float64) ** -1.2), _freq(np.ones(20000))
+    wire = Wire(lookups=2048, world=2, dim=64, ratio=4.0, dedup_forward=True, dedup_backward=True, row_bytes=260)
+    with caplog.at_level(logging.INFO, logger="dlrm.hot_choice"):
+        chosen = choose_auto(["t_zipf", "t_flat"], [zipf, flat], wire, free_bytes=float("inf"))
+    assert set(chosen) == {"t_zipf"} and chosen["t_zipf"].hot > 0
+    assert "t_flat not replicated: no size pays" in caplog.text
+
+
+def test_auto_stays_within_the_memory_budget():
+    tables = [f"t{i}" for i in range(4)]
+    freqs = [_freq(np.arange(1, 20001, dtype=np.float64) ** -s) for s in (1.0, 1.1, 1.2, 1.3)]
+    wire = Wire(lookups=2048, world=2, dim=64, row_bytes=260)
+    free = 40 * 260
+    chosen = choose_auto(tables, freqs, wire, free_bytes=free, verbose=False)
+    unbounded = choose_auto(tables, freqs, wire, free_bytes=float("inf"), verbose=False)
+    assert 0 < sum(q.memory for q in chosen.values()) <= free < sum(q.memory for q in unbounded.values())
+
+
+@pytest.mark.parametrize(
+    "cfg, key",
+    [({"hot_rows": -1}, "placement.hot_rows"), ({"hot_rows": [1, 2]}, "placement.hot_rows"),
+     ({"sync_every": 0}, "placement.sync_every"), ({"memory_budget": "big"}, "placement.memory_budget"),
+     ({"hot_row": 4}, "unknown key")],
+)  # fmt: skip
+def test_bad_placement_config_names_the_key(cfg, key):
+    with pytest.raises(ValueError, match=key):
+        parse_placement_cfg(cfg, num_tables=3)
+
+
+# --- real 2-rank training runs -------------------------------------------------------------------
+
+ITERS, STOP = 12, 7
+COMMON = ["compression=none", "sharding=table_wise", "loss_log=true", f"max_iterations={ITERS}"]
+ROW_BYTES = 16 * 4 + 4  # SMALL's embedding_dim=16, row-wise Adagrad's one float of state per row
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    root, cache = tmp_path_factory.mktemp("hot"), tmp_path_factory.mktemp("cache")
+    out = {name: root / name for name in ("base", "hot", "k3", "k3_resumed")}
+    train(out["base"], cache, COMMON)
+    train(out["hot"], cache, [*COMMON, "placement.hot_rows=16"])
+    used = max(_metrics(out["hot"])["embedding_bytes_per_rank"]) - _metrics(out["hot"])["replica_bytes_per_rank"]
+    budget = used + 20 * ROW_BYTES  # room for 20 replicated rows: less than auto wants at compression=none
+    k3 = [*COMMON, "placement.hot_rows=auto", "placement.sync_every=3", f"placement.memory_budget={budget}"]
+    train(out["k3"], cache, k3)
+    train(out["k3_resumed"], cache, [*k3, f"max_iterations={STOP}", "checkpoint.every=1"])
+    train(out["k3_resumed"], cache, [*k3, "resume=true"])
+    out["budget"] = root / "budget.txt"
+    out["budget"].write_text(str(budget))
+    return out
+
+
+def _metrics(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())["hot_rows"]
+
+
+def test_replication_with_sync_every_1_trains_as_without(runs):
+    base, hot = losses(runs["base"]), losses(runs["hot"])
+    assert sorted(hot) == list(range(1, ITERS + 1))
+    np.testing.assert_allclose([hot[i] for i in hot], [base[i] for i in hot], rtol=1e-5, atol=1e-6)
+    m = _metrics(runs["hot"])
+    digests = m["replica_digest_per_rank"]  # crc32 of every replica's bytes, gathered from each rank
+    assert len(digests) == 2 and digests[0] == digests[1]
+    assert len(m["tables"]) == 26 and m["sync_bytes_per_iteration"] > 0
+    assert m["replica_bytes_per_rank"] == sum(m["tables"].values()) * ROW_BYTES
+
+
+def test_resume_with_pending_replica_gradients_is_exact(runs):
+    # stopped at 7 (one step into a cycle of 3): the pending gradients travel in the checkpoint
+    full, resumed = losses(runs["k3"]), losses(runs["k3_resumed"])
+    assert [resumed[i] for i in range(1, ITERS + 1)] == [full[i] for i in range(1, ITERS + 1)]
+    base = losses(runs["base"])
+    assert any(full[i] != pytest.approx(base[i], rel=1e-4) for i in range(4, ITERS + 1))  # stale rows: other math
+
+
+def test_auto_keeps_embeddings_and_replicas_within_the_memory_budget(runs):
+    m, budget = _metrics(runs["k3"]), int(runs["budget"].read_text())
+    assert m["tables"] and max(m["embedding_bytes_per_rank"]) <= budget
+    assert len(set(m["replica_digest_per_rank"])) == 1  # identical replicas also with sync_every=3
+    assert 0 < m["replica_bytes_per_rank"] <= 20 * ROW_BYTES
+
+
+def test_explicit_hot_rows_beyond_the_memory_budget_is_refused():
+    spec = parse_placement_cfg({"hot_rows": 64, "memory_budget": 10**6}, num_tables=2)
+    freqs = [_freq(np.arange(1, 1001, dtype=np.float64) ** -1.0)] * 2
+    wire = Wire(lookups=512, world=2, dim=16, row_bytes=ROW_BYTES)
+    assert choose_sizes(spec, ["t0", "t1"], freqs, wire, free_bytes=128 * ROW_BYTES) == {"t0": 64, "t1": 64}
+    with pytest.raises(ValueError, match=r"placement.hot_rows=64 needs .* placement.memory_budget"):
+        choose_sizes(spec, ["t0", "t1"], freqs, wire, free_bytes=128 * ROW_BYTES - 1)
