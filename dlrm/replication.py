@@ -202,7 +202,7 @@ def setup_replication(
     replicas = install(model, hot_ids, dim)
     sparse = optimizer_cfg["sparse"]
     optimizer = HotRowOptimizer(
-        {f"hot.{f}": w for f, w in replicas.weights.items()},
+        {f"model.sparse_arch.hot.weights.{f}": w for f, w in replicas.weights.items()},  # as the model names them
         rule,
         lr=float(sparse["lr"]),
         eps=float(sparse.get("eps", 1e-8)),

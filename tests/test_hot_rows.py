@@ -7,10 +7,13 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from run_artifacts import checkpoint_tensors, flatten
+from torch.distributed.checkpoint import FileSystemReader
 from torchrec.datasets.utils import Batch
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -19,7 +22,7 @@ from trainer_runs import losses, train
 from data.frequency import FeatureFrequency
 from dlrm.hot_choice import Wire, choose_auto, parse_placement_cfg, price
 from dlrm.hot_rows import HOT_SUFFIX, HotSplit
-from dlrm.hot_sync import HotRowOptimizer
+from dlrm.hot_sync import HotRowOptimizer, PendingHotGradients
 from dlrm.replication import choose_sizes
 
 # --- the data path -------------------------------------------------------------------------------
@@ -66,14 +69,17 @@ def _train_replicas(rule: str, sync_every: int, steps: int) -> torch.Tensor:
     ranks is checked by the training runs below, whose replicas must agree bit for bit)."""
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(ROWS, DIM))
-    opt = HotRowOptimizer({"hot.f": w}, rule, lr=LR, eps=1e-8, sync_every=sync_every)
-    for step in range(steps):
+    _step(HotRowOptimizer({"hot.f": w}, rule, lr=LR, eps=1e-8, sync_every=sync_every), w, range(steps))
+    return w.detach().clone()
+
+
+def _step(opt: HotRowOptimizer, w: torch.nn.Parameter, steps: range) -> None:
+    for step in steps:
         grad = (_grads(0, step) + _grads(1, step)) / 2
         touched = grad.abs().sum(1).nonzero().flatten()
         w.grad = torch.sparse_coo_tensor(touched.unsqueeze(0), grad[touched], (ROWS, DIM))
         opt.step()
         w.grad = None
-    return w.detach().clone()
 
 
 def _reference(rule: str, mean_grads: list[torch.Tensor]) -> torch.Tensor:
@@ -99,6 +105,20 @@ def test_replica_updates_follow_the_embedding_optimizer_on_the_mean_gradient(rul
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
     torch.manual_seed(0)
     assert torch.equal(got[5], torch.randn(ROWS, DIM)[5])  # a row no rank touched never moves
+
+
+def test_pending_gradients_survive_a_checkpoint_between_syncs():
+    uninterrupted = _train_replicas("rowwise_adagrad", 3, 5)
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(ROWS, DIM))
+    before = HotRowOptimizer({"hot.f": w}, "rowwise_adagrad", lr=LR, eps=1e-8, sync_every=3)
+    _step(before, w, range(4))  # one sync after step 3, step 4 pending
+    saved = {k: v for k, v in before.state_dict().items()}, PendingHotGradients(before).state_dict()
+    after = HotRowOptimizer({"hot.f": w}, "rowwise_adagrad", lr=LR, eps=1e-8, sync_every=3)
+    after.load_state_dict(saved[0])
+    PendingHotGradients(after).load_state_dict(saved[1])
+    _step(after, w, range(4, 5))
+    assert torch.equal(w.detach(), uninterrupted)
 
 
 def test_sync_every_k_applies_the_accumulated_gradient_once_per_k_steps():
@@ -161,25 +181,35 @@ def test_bad_placement_config_names_the_key(cfg, key):
 
 # --- real 2-rank training runs -------------------------------------------------------------------
 
-ITERS, STOP = 12, 7
+ITERS, STOP, ROOM = 12, 7, 20
 COMMON = ["compression=none", "sharding=table_wise", "loss_log=true", f"max_iterations={ITERS}"]
 ROW_BYTES = 16 * 4 + 4  # SMALL's embedding_dim=16, row-wise Adagrad's one float of state per row
 
 
+def _table_bytes_per_rank(base: Path, cache: Path) -> list[int]:
+    """Each rank's table rows (weights and row-wise Adagrad state), from the base run's plan and
+    the dataset's table sizes."""
+    (meta,) = cache.glob("criteo_sample-*/meta.json")
+    info = json.loads(meta.read_text())
+    rows = {f"t_{f}": n for f, n in zip(info["sparse_features"], info["num_embeddings"], strict=True)}
+    plan = json.loads((base / "metrics.json").read_text())["sharding_plan"]
+    per_rank = [0, 0]
+    for table, where in plan.items():
+        per_rank[int(where.split("ranks=[")[1].rstrip("]"))] += rows[table] * ROW_BYTES
+    return per_rank
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
+def runs(tmp_path_factory) -> dict[str, Any]:
     root, cache = tmp_path_factory.mktemp("hot"), tmp_path_factory.mktemp("cache")
-    out = {name: root / name for name in ("base", "hot", "k3", "k3_resumed")}
+    out: dict[str, Any] = {name: root / name for name in ("base", "hot", "resumed")}
     train(out["base"], cache, COMMON)
-    train(out["hot"], cache, [*COMMON, "placement.hot_rows=16"])
-    used = max(_metrics(out["hot"])["embedding_bytes_per_rank"]) - _metrics(out["hot"])["replica_bytes_per_rank"]
-    budget = used + 20 * ROW_BYTES  # room for 20 replicated rows: less than auto wants at compression=none
-    k3 = [*COMMON, "placement.hot_rows=auto", "placement.sync_every=3", f"placement.memory_budget={budget}"]
-    train(out["k3"], cache, k3)
-    train(out["k3_resumed"], cache, [*k3, f"max_iterations={STOP}", "checkpoint.every=1"])
-    train(out["k3_resumed"], cache, [*k3, "resume=true"])
-    out["budget"] = root / "budget.txt"
-    out["budget"].write_text(str(budget))
+    out["tables"] = _table_bytes_per_rank(out["base"], cache)
+    out["budget"] = max(out["tables"]) + ROOM * ROW_BYTES  # fewer rows than auto wants at compression=none
+    hot = [*COMMON, "placement.hot_rows=auto", f"placement.memory_budget={out['budget']}", "checkpoint.every=1"]
+    train(out["hot"], cache, hot)
+    train(out["resumed"], cache, [*hot, f"max_iterations={STOP}"])
+    train(out["resumed"], cache, [*hot, "resume=true"])
     return out
 
 
@@ -194,23 +224,36 @@ def test_replication_with_sync_every_1_trains_as_without(runs):
     m = _metrics(runs["hot"])
     digests = m["replica_digest_per_rank"]  # crc32 of every replica's bytes, gathered from each rank
     assert len(digests) == 2 and digests[0] == digests[1]
-    assert len(m["tables"]) == 26 and m["sync_bytes_per_iteration"] > 0
-    assert m["replica_bytes_per_rank"] == sum(m["tables"].values()) * ROW_BYTES
+    assert m["tables"] and m["sync_bytes_per_iteration"] > 0
 
 
-def test_resume_with_pending_replica_gradients_is_exact(runs):
-    # stopped at 7 (one step into a cycle of 3): the pending gradients travel in the checkpoint
-    full, resumed = losses(runs["k3"]), losses(runs["k3_resumed"])
+def test_auto_keeps_tables_and_replicas_within_the_memory_budget(runs):
+    m, replicas = _metrics(runs["hot"]), sum(_metrics(runs["hot"])["tables"].values()) * ROW_BYTES
+    assert m["replica_bytes_per_rank"] == replicas and 0 < replicas <= ROOM * ROW_BYTES
+    assert m["embedding_bytes_per_rank"] == [t + replicas for t in runs["tables"]]
+    assert max(m["embedding_bytes_per_rank"]) <= runs["budget"]
+
+
+def test_resume_restores_replicas_and_their_optimizer_exactly(runs):
+    full, resumed = losses(runs["hot"]), losses(runs["resumed"])
     assert [resumed[i] for i in range(1, ITERS + 1)] == [full[i] for i in range(1, ITERS + 1)]
-    base = losses(runs["base"])
-    assert any(full[i] != pytest.approx(base[i], rel=1e-4) for i in range(4, ITERS + 1))  # stale rows: other math
+    # and the replicas and their row-wise Adagrad state end where the uninterrupted run's do (to the
+    # last-bit noise that the trainer's collectives leave between any two runs)
+    ends = [flatten(checkpoint_tensors(runs[r] / "checkpoints" / f"step-{ITERS}")) for r in ("hot", "resumed")]
+    hot_keys = [k for k in ends[0] if "sparse_arch.hot.weights" in k]
+    assert len(hot_keys) == 2 * len(_metrics(runs["hot"])["tables"])  # each weight and its momentum
+    for k in hot_keys:
+        torch.testing.assert_close(ends[1][k], ends[0][k], rtol=1e-5, atol=1e-7)
 
 
-def test_auto_keeps_embeddings_and_replicas_within_the_memory_budget(runs):
-    m, budget = _metrics(runs["k3"]), int(runs["budget"].read_text())
-    assert m["tables"] and max(m["embedding_bytes_per_rank"]) <= budget
-    assert len(set(m["replica_digest_per_rank"])) == 1  # identical replicas also with sync_every=3
-    assert 0 < m["replica_bytes_per_rank"] <= 20 * ROW_BYTES
+def test_a_checkpoint_keeps_one_copy_of_the_replicas(runs):
+    step = runs["hot"] / "checkpoints" / f"step-{ITERS}"
+    metadata = FileSystemReader(str(step)).read_metadata()
+    weights = [k for k in metadata.storage_data if ".sparse_arch.hot.weights." in k.fqn]
+    assert len(weights) == 2 * len(_metrics(runs["hot"])["tables"])  # each weight and its momentum, once
+    # every byte of the rank files is an indexed item: no rank wrote a second copy beside the one indexed
+    stored = sum(p.stat().st_size for p in step.glob("*.distcp"))
+    assert stored == sum(info.length for info in metadata.storage_data.values())
 
 
 def test_explicit_hot_rows_beyond_the_memory_budget_is_refused():
