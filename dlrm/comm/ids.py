@@ -3,8 +3,9 @@
 A chunk's block (one feature) can travel deduplicated by id when every bag in it holds at most
 one id and no weight: its pooled row is then the table row of that id, so equal ids mean equal
 rows; an empty bag (e.g. a hot id served by a local replica, dlrm/hot_rows.py) pools to zero and
-takes the id :data:`EMPTY_BAG`, shared by every empty bag. Sender and receiver decide this independently from the same bags (the receiver sent them
-in the input all-to-all), so they always agree and no flag travels. A chunk is sent by id only
+takes the id :data:`EMPTY_BAG`, shared by every empty bag. Sender and receiver decide this
+independently from the same bags (the receiver sent them in the input all-to-all), so they always
+agree and no flag travels. A chunk is sent by id only
 when all its blocks qualify (one payload per peer); otherwise the codec dedups by value.
 """
 
@@ -15,7 +16,6 @@ from typing import NamedTuple
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
 
 EMPTY_BAG = -1  # the id of an empty bag: its pooled row is zero, like every other empty bag's
 
