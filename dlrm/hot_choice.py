@@ -7,15 +7,16 @@ iteration, replicating the ``H`` hottest ids changes the bytes all ranks send pe
     sync  = W * (W-1) * U_H(kB) * (4D + 8) / k                          (touched rows, all-gathered)
 
 where U_H(n) = sum_{i<H} 1 - (1 - p_i)^n is the expected number of distinct hot ids among n
-lookups, P_H = sum_{i<H} p_i, R_H the hot rows a direction would have sent (U_H(B) where the
-codec sends one row per distinct id, ``dedup``; B * P_H where it sends one per lookup, as stock
-TorchRec does under ``compression=none``), r the codec's ratio, W the ranks and k
-``placement.sync_every``. A rank finds a table's rows on another rank with probability (W-1)/W.
-The sync sends exact fp32 rows, so where the all-to-all already dedups and compresses, replication
-pays only for hot ids that repeat within a batch, or by amortising the sync over k iterations.
-``auto`` picks per table the H with the largest positive saving within ``placement.memory_budget``
-bytes per rank, and logs why a table gets none. The model prices bytes, not time: on a link fast
-enough that bytes do not matter it still replicates where bytes are saved.
+lookups, P_H = sum_{i<H} p_i, R_H the hot rows a direction no longer sends: U_H(B) where the
+codec sends one row per distinct id (``dedup``), none where it sends one row per bag, empty or
+not (stock TorchRec, ``compression=none``: there only the ids of the input all-to-all shrink),
+r the codec's ratio, W the ranks and k ``placement.sync_every``. A rank finds a table's rows on
+another rank with probability (W-1)/W. The sync sends exact fp32 rows, so replication pays only
+where hot ids repeat within a batch enough for their ids to outweigh the sync of their rows, or
+where the sync is amortised over k iterations. ``auto`` picks per table the H with the largest
+positive saving within ``placement.memory_budget`` bytes per rank, and logs why a table gets none.
+The model prices bytes, not time: on a link fast enough that bytes do not matter it still
+replicates where bytes are saved.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def parse_placement_cfg(cfg: Mapping[str, Any] | None, num_tables: int) -> Place
 class Wire:
     """What the embedding all-to-alls of a run send: per-rank lookups of a table per iteration,
     ranks, row width, the codec's ratio and whether each direction sends one row per distinct id
-    (``dedup``) or one per lookup (stock TorchRec, ``compression=none``)."""
+    (``dedup``) or one per bag (stock TorchRec, ``compression=none``)."""
 
     lookups: int
     world: int
@@ -111,7 +112,7 @@ def price(freq: FeatureFrequency, hot: int, w: Wire) -> Pricing:
     distinct = float(-np.expm1(w.lookups * np.log1p(-p)).sum())
     distinct_k = float(-np.expm1(w.sync_every * w.lookups * np.log1p(-p)).sum())
     hot_lookups = w.lookups * float(p.sum())
-    rows = sum(distinct if dedup else hot_lookups for dedup in (w.dedup_forward, w.dedup_backward))
+    rows = distinct * (w.dedup_forward + w.dedup_backward)  # a bag emptied by replication still travels
     saved = (w.world - 1) * (rows * 4 * w.dim / w.ratio + hot_lookups * ID_BYTES)
     sync = w.world * (w.world - 1) * distinct_k * (4 * w.dim + ID_BYTES) / w.sync_every
     return Pricing(hot, saved, sync, hot * w.row_bytes)

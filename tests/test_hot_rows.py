@@ -161,7 +161,7 @@ def test_auto_replicates_skewed_tables_not_flat_ones_and_says_why(caplog):
 def test_auto_stays_within_the_memory_budget():
     tables = [f"t{i}" for i in range(4)]
     freqs = [_freq(np.arange(1, 20001, dtype=np.float64) ** -s) for s in (1.0, 1.1, 1.2, 1.3)]
-    wire = Wire(lookups=2048, world=2, dim=64, row_bytes=260)
+    wire = Wire(lookups=2048, world=2, dim=64, dedup_forward=True, dedup_backward=True, row_bytes=260)
     free = 40 * 260
     chosen = choose_auto(tables, freqs, wire, free_bytes=free, verbose=False)
     unbounded = choose_auto(tables, freqs, wire, free_bytes=float("inf"), verbose=False)
@@ -181,7 +181,7 @@ def test_bad_placement_config_names_the_key(cfg, key):
 
 # --- real 2-rank training runs -------------------------------------------------------------------
 
-ITERS, STOP, ROOM = 12, 7, 20
+ITERS, STOP, ROOM = 12, 7, 8
 COMMON = ["compression=none", "sharding=table_wise", "loss_log=true", f"max_iterations={ITERS}"]
 ROW_BYTES = 16 * 4 + 4  # SMALL's embedding_dim=16, row-wise Adagrad's one float of state per row
 
