@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from data.frequency import FeatureFrequency, estimate_from_batches, read_frequency
+from data.frequency import DEFAULT_TOP_N, FeatureFrequency, estimate_from_batches, read_frequency
 from data.loader import CriteoBatches, criteo_batches, dataset_info, parse_stem
 from data.preprocess import prepare_sample
 from dlrm.comm.timeout import named_collective
@@ -115,25 +115,30 @@ class RunData:
     def num_dense(self) -> int:
         return len(self.info["dense_features"])
 
-    def frequency(self, batch_size: int, estimate_batches: int) -> tuple[list[FeatureFrequency], str]:
+    def frequency(
+        self, batch_size: int, estimate_batches: int, top_n: int = DEFAULT_TOP_N
+    ) -> tuple[list[FeatureFrequency], str]:
         """Per-feature id frequencies and where they come from: meta.json's, or (when it records
-        none) estimated from this rank's first ``estimate_batches`` training batches."""
+        none) estimated from the first ``estimate_batches`` global training batches (``batch_size``
+        rows per rank), read alike on every rank so that all of them agree on the hot ids."""
         try:
             recorded = read_frequency(self.info)
         except ValueError as e:
             raise ValueError(f"{self.path}: {e}") from e
         if recorded is not None:
             return recorded, str(self.info["frequency"]["source"])
-        first = itertools.islice(iter(self.batches("train", batch_size)), estimate_batches)
-        freqs, rows = estimate_from_batches(first)
-        log.info(
-            "%s records no id frequencies: estimated from the first %d training batches (%d rows) "
-            "of rank %d (placement.estimate_batches)",
-            self.path,
-            estimate_batches,
-            rows,
-            self.rank,
+        everyone = criteo_batches(
+            self.path, self.splits["train"], batch_size * self.world_size, 0, 1, shuffle=False, seed=0
         )
+        freqs, rows = estimate_from_batches(itertools.islice(iter(everyone), estimate_batches), top_n)
+        if self.rank == 0:
+            log.info(
+                "%s records no id frequencies: estimated from the first %d training batches (%d rows) "
+                "(placement.estimate_batches)",
+                self.path,
+                estimate_batches,
+                rows,
+            )
         return freqs, "batches"
 
     def batches(

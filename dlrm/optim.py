@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
-from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
@@ -31,17 +31,21 @@ def apply_sparse_optimizer(model: torch.nn.Module, cfg: Mapping[str, Any]) -> No
     apply_optimizer_in_backward(SPARSE_OPTIMIZERS[name], params, _kwargs(name, cfg["sparse"]))
 
 
-def build_optimizer(model: torch.nn.Module, cfg: Mapping[str, Any]) -> CombinedOptimizer:
-    """The sharded model's fused optimizer combined with the dense one (one object to step/save)."""
+def build_optimizer(
+    model: torch.nn.Module, cfg: Mapping[str, Any], extra: Sequence[KeyedOptimizer] = ()
+) -> CombinedOptimizer:
+    """The sharded model's fused optimizer combined with the dense one (one object to step/save);
+    ``extra`` optimizers (e.g. of replicated hot rows) own their parameters, the dense one the rest."""
     name = cfg["dense"]["name"]
     if name not in DENSE_OPTIMIZERS:
         raise ValueError(f"optimizer.dense.name must be one of {sorted(DENSE_OPTIMIZERS)} (got {name!r})")
     dense_cls, kwargs = DENSE_OPTIMIZERS[name], _kwargs(name, cfg["dense"])
+    owned = {id(p) for o in extra for p in o.params.values()}
     dense = KeyedOptimizerWrapper(
-        dict(in_backward_optimizer_filter(model.named_parameters())),
+        {n: p for n, p in in_backward_optimizer_filter(model.named_parameters()) if id(p) not in owned},
         lambda params: dense_cls(params, **kwargs),
     )
-    return CombinedOptimizer([model.fused_optimizer, dense])
+    return CombinedOptimizer([model.fused_optimizer, dense, *extra])
 
 
 class WarmupDecayLR:

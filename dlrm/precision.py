@@ -70,10 +70,11 @@ def parse_precision_cfg(cfg: Mapping[str, Any] | None) -> PrecisionSpec:
 
 
 def embedding_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the embedding-table rows this rank holds (its shards; replicated tables whole)."""
+    """Bytes of the embedding-table rows this rank holds (its shards; replicated tables whole; the
+    replicas of hot rows, dlrm/hot_rows.py)."""
     total = 0
     for name, tensor in model.state_dict().items():
-        if "embedding_bags" not in name:
+        if "embedding_bags" not in name and ".hot.weights." not in name:
             continue
         if isinstance(tensor, ShardedTensor):
             total += sum(s.tensor.numel() * s.tensor.element_size() for s in tensor.local_shards())

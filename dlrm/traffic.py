@@ -28,7 +28,7 @@ import numpy as np
 
 from data.frequency import FeatureFrequency
 
-PATHS = ("input", "forward", "backward", "allreduce")
+PATHS = ("input", "forward", "backward", "allreduce", "replica_sync")  # the last measured only (dlrm/wire.py)
 FP32 = 4
 
 

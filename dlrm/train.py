@@ -28,6 +28,7 @@ from dlrm.comm_aware import build_planner, log_plan
 from dlrm.config_checks import check_moved_keys
 from dlrm.datasets import RunData
 from dlrm.env import init_distributed, shutdown
+from dlrm.hot_sync import PendingHotGradients
 from dlrm.launch import check_launch_keys, launch_ranks, module_of, objectives, rank_source, submitit_rendezvous
 from dlrm.loop import LoopPlan, StepObserver, Stepper, TrainState, evaluate, take, train
 from dlrm.metrics import final_metrics, write_metrics_json
@@ -37,6 +38,7 @@ from dlrm.placement_config import parse_placement_cfg
 from dlrm.policy import bounded_directions, policy_for_run, table_stats
 from dlrm.precision import embedding_bytes_per_rank, parse_precision_cfg
 from dlrm.progress import Progress
+from dlrm.replication import setup_replication
 from dlrm.run_dir import register_resolvers
 from dlrm.sharding import describe_plan, shard_model
 from dlrm.strategy import StrategyController, parse_strategy_cfg
@@ -70,8 +72,9 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
         cfg.compression, bound_fn_forward=policy, bound_fn_backward=policy, fused_params=precision.fused_params
     )
     dense = DenseComm(parse_dense_comm_cfg(cfg.dense_comm))  # the hook on DMP's DDP of the MLPs
-    placement = parse_placement_cfg(cfg.placement, cfg.sharding.type)
-    freqs, _ = data.frequency(cfg.batch_size, placement.estimate_batches)  # id statistics, for the traffic model
+    placement = parse_placement_cfg(cfg.placement, cfg.sharding.type, len(data.features))
+    # id statistics, for the traffic model and hot-row replication
+    freqs, _ = data.frequency(cfg.batch_size, placement.estimate_batches, placement.top_n)
     planner, traffic = None, None
     if cfg.sharding.type == "comm_aware":
         planner, traffic = build_planner(
@@ -104,8 +107,20 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
     table_freqs = dict(zip(table_names(data.features), freqs, strict=True))
     if traffic is not None and env.is_main:
         log_plan(tables, traffic, table_freqs)
-    meter = WireMeter(sum(t.num_embeddings * t.dim for t in tables if t.kind == "data_parallel"), env.world_size)
-    optimizer = build_optimizer(model, cfg.optimizer)
+    replication = setup_replication(
+        placement, model, data.features, freqs, cfg.optimizer, cfg.compression, cfg.batch_size, dim
+    )
+    meter = WireMeter(
+        sum(t.num_embeddings * t.dim for t in tables if t.kind == "data_parallel"),
+        env.world_size,
+        (lambda: replication.optimizer.sent_bytes) if replication else None,
+    )
+    optimizer = build_optimizer(model, cfg.optimizer, [replication.optimizer] if replication else [])
+
+    def batches(split: str, batch_size: int, *position: Any) -> Any:  # hot ids split off when replicated
+        out = data.batches(split, batch_size, *position)
+        return replication.split.batches(out) if replication else out
+
     schedule = WarmupDecayLR(optimizer, **cfg.lr_schedule)
     tb = TensorBoardLogger(run_dir / "tensorboard" if env.is_main else None)
     plan = describe_plan(model)
@@ -128,7 +143,11 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
         optimizer,
         {"lr_schedule": schedule, "policy": policy, "strategy": strategy if strategy.active else None},
         keep=cfg.checkpoint.keep,
-        rank_parts={"dense_comm": dense, "compression": compression_runtime(sharders)},
+        rank_parts={
+            "dense_comm": dense,
+            "compression": compression_runtime(sharders),
+            "hot_rows": PendingHotGradients(replication.optimizer) if replication else None,
+        },
     )
     state = ckpt.resume(cfg.resume)
     set_iteration(model, state.iteration)  # the policies' iteration continues where it was
@@ -162,7 +181,7 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
 
     def on_drained(s: TrainState) -> None:
         if loop.eval_due(s):
-            val = data.batches("val", cfg.eval_batch_size)
+            val = batches("val", cfg.eval_batch_size)
             last_val.update(evaluate(model, take(iter(val), cfg.limit_eval_batches), env.device, "val"))
             tb.scalars({f"eval/{k}": v for k, v in last_val.items() if k != "samples"}, s.iteration)
             if env.is_main:
@@ -174,7 +193,7 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
         state,
         loop,
         Stepper(model, optimizer, env.device, pipelined=cfg.pipeline),
-        lambda epoch, start: data.batches("train", cfg.batch_size, epoch, start, cfg.data.shuffle),
+        lambda epoch, start: batches("train", cfg.batch_size, epoch, start, cfg.data.shuffle),
         global_batch,
         schedule,
         progress.step,
@@ -192,7 +211,8 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
             wire["wire_bytes_per_iteration"],
             wire["predicted_wire_bytes_per_iteration"],
         )
-    test = evaluate(model, data.batches("test", cfg.eval_batch_size), env.device, "test")
+    test = evaluate(model, batches("test", cfg.eval_batch_size), env.device, "test")
+    hot_metrics = replication.metrics(state.samples_seen // global_batch) if replication else {}
     metrics = final_metrics(
         test,
         last_val,
@@ -208,6 +228,7 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
         embedding_bytes_per_rank=embedding_bytes_per_rank(model),
         **wire,
         **strategy.metrics(),
+        **hot_metrics,
     )
     tb.final(metrics, state.iteration, flat_config(cfg))
     if env.is_main:

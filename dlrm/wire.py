@@ -5,13 +5,14 @@ Measured (:class:`WireMeter`, a :class:`dlrm.loop.StepObserver`): over training 
 exchange (``input``), the compressed pooled-embedding all-to-alls with their size exchanges
 (``forward``, ``backward``), and the ring all-reduce DDP runs on the whole gradient of every
 data-parallel table (``allreduce``; counted from the gradient's size, as the dense channel counts
-its buckets). Predicted: :mod:`dlrm.traffic` on the run's plan, id frequencies and the codec
-ratios this run measured.
+its buckets), and the gradient all-gather of replicated hot rows (``replica_sync``, which the
+prediction leaves out: dlrm/hot_choice.py prices it when choosing the rows). Predicted:
+:mod:`dlrm.traffic` on the run's plan, id frequencies and the codec ratios this run measured.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,7 @@ from dlrm.model import table_names
 from dlrm.traffic import PATHS, Direction, Shard, TablePlacement, TrafficModel, by_path
 
 _A2A_KEYS = {"input": "input/wire_bytes", "forward": "forward/wire_bytes", "backward": "backward/wire_bytes"}
+_SYNC_KEY = "replica_sync/wire_bytes"
 
 
 def placements(model: DistributedModelParallel, num_embeddings: Mapping[str, int], dim: int) -> list[TablePlacement]:
@@ -55,20 +57,27 @@ def _rank_of(placement: Any) -> int:
 class WireMeter:
     """Counts this rank's embedding-path bytes inside training segments (see the module doc)."""
 
-    def __init__(self, dp_numel: int, world_size: int) -> None:
+    def __init__(self, dp_numel: int, world_size: int, sync_bytes: Callable[[], float] | None = None) -> None:
         self.allreduce_per_step = ring_allreduce_bytes(dp_numel, world_size) if world_size > 1 else 0.0
+        self.sync_bytes = sync_bytes  # this rank's replica-sync bytes so far (hot-row replication)
         self.train: dict[str, float] = {}  # run-total keys (forward/raw_bytes, ...) over training only
         self.iterations = 0
         self._start: dict[str, float] = {}
 
+    def _totals(self, model: torch.nn.Module) -> dict[str, float]:
+        totals = run_totals(model)
+        if self.sync_bytes is not None:
+            totals[_SYNC_KEY] = float(self.sync_bytes())
+        return totals
+
     def segment_start(self, model: torch.nn.Module) -> None:
-        self._start = run_totals(model)
+        self._start = self._totals(model)
 
     def step_end(self, model: torch.nn.Module) -> None:
         self.iterations += 1
 
     def segment_end(self, model: torch.nn.Module) -> None:
-        for k, v in run_totals(model).items():
+        for k, v in self._totals(model).items():
             self.train[k] = self.train.get(k, 0.0) + v - self._start.get(k, 0.0)
 
     def gather(self) -> tuple[np.ndarray, dict[str, float]]:
@@ -76,6 +85,7 @@ class WireMeter:
         totals summed over ranks (a collective)."""
         sent = {p: self.train.get(key, 0.0) for p, key in _A2A_KEYS.items()}
         sent["allreduce"] = self.allreduce_per_step * self.iterations
+        sent["replica_sync"] = self.train.get(_SYNC_KEY, 0.0)
         mine = ([sent[p] / max(self.iterations, 1) for p in PATHS], self.train)
         gathered: list[Any] = [mine]
         if dist.is_initialized():

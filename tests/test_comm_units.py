@@ -13,7 +13,7 @@ from torchrec import KeyedJaggedTensor
 
 from dlrm.comm.comm_ops import Blocks, PooledA2ALayout, ReduceScatterLayout
 from dlrm.comm.config import parse_compression_cfg
-from dlrm.comm.ids import Region, chunk_ids, keep_first_duplicates, sum_duplicates
+from dlrm.comm.ids import EMPTY_BAG, Region, chunk_ids, keep_first_duplicates, sum_duplicates
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "compression"
 
@@ -137,13 +137,14 @@ def kjt(lengths: list[list[int]], values: list[int], weights: bool = False) -> K
     )
 
 
-def test_chunk_ids_gives_ids_only_where_every_bag_holds_one_id():
+def test_chunk_ids_gives_ids_only_where_every_bag_holds_at_most_one_id():
     # 2 keys, stride 4: key 0 is single-valued; key 1 has an empty bag at position 2
     k = kjt([[1, 1, 1, 1], [1, 1, 0, 1]], [10, 11, 12, 13, 20, 21, 23])
     got = chunk_ids(k, [Region(0, 1, 0, 4), Region(0, 2, 0, 2), Region(0, 2, 2, 2), Region(1, 1, 3, 1)])
     assert torch.equal(got[0], torch.tensor([[10], [11], [12], [13]]))
     assert torch.equal(got[1], torch.tensor([[10, 20], [11, 21]]))
-    assert got[2] is None  # the empty bag: pooled row is 0, not a table row
+    assert torch.equal(got[2], torch.tensor([[12, EMPTY_BAG], [13, 23]]))  # the empty bag pools to 0: its own id
+    assert chunk_ids(kjt([[2, 1]], [5, 6, 7]), [Region(0, 1, 0, 2)]) == [None]  # a bag of two ids
     assert torch.equal(got[3], torch.tensor([[23]]))
     assert chunk_ids(kjt([[1, 1]], [1, 2], weights=True), [Region(0, 1, 0, 2)]) == [None]  # weighted
 

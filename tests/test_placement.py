@@ -70,13 +70,18 @@ def test_estimate_from_batches_counts_every_id_of_the_first_batches(tmp_path):
 
 
 def test_placement_keys_are_checked():
-    assert parse_placement_cfg({"memory_budget": None, "estimate_batches": 4}, "table_wise").estimate_batches == 4
+    assert parse_placement_cfg({"memory_budget": None, "estimate_batches": 4}, "table_wise", 3).estimate_batches == 4
+    assert parse_placement_cfg({"memory_budget": 10**9, "hot_rows": 8}, "table_wise", 3).memory_budget == 10**9
     with pytest.raises(ValueError, match=r"placement.memory_budget only applies to sharding=comm_aware"):
-        parse_placement_cfg({"memory_budget": 10**9}, "table_wise")
+        parse_placement_cfg({"memory_budget": 10**9}, "table_wise", 3)
+    with pytest.raises(ValueError, match=r"placement.link_mbit only applies to sharding=comm_aware"):
+        parse_placement_cfg({"link_mbit": 200}, "table_wise", 3)
+    with pytest.raises(ValueError, match=r"placement.sync_every=4 has no effect without placement.hot_rows"):
+        parse_placement_cfg({"sync_every": 4}, "comm_aware", 3)
     with pytest.raises(ValueError, match=r"placement.estimate_batches must be an integer >= 1"):
-        parse_placement_cfg({"estimate_batches": 0}, "comm_aware")
+        parse_placement_cfg({"estimate_batches": 0}, "comm_aware", 3)
     with pytest.raises(ValueError, match=r"placement: unknown key\(s\) \['budget'\]"):
-        parse_placement_cfg({"budget": 1}, "comm_aware")
+        parse_placement_cfg({"budget": 1}, "comm_aware", 3)
 
 
 def _plan(budget: int | None):

@@ -1,9 +1,11 @@
 """Row ids for the codec: which chunks are single-valued, their ids, and duplicate-id gradients.
 
-A chunk's block (one feature) can travel deduplicated by id when every bag in it holds exactly
+A chunk's block (one feature) can travel deduplicated by id when every bag in it holds at most
 one id and no weight: its pooled row is then the table row of that id, so equal ids mean equal
-rows. Sender and receiver decide this independently from the same bags (the receiver sent them
-in the input all-to-all), so they always agree and no flag travels. A chunk is sent by id only
+rows; an empty bag (e.g. a hot id served by a local replica, dlrm/hot_rows.py) pools to zero and
+takes the id :data:`EMPTY_BAG`, shared by every empty bag. Sender and receiver decide this
+independently from the same bags (the receiver sent them in the input all-to-all), so they always
+agree and no flag travels. A chunk is sent by id only
 when all its blocks qualify (one payload per peer); otherwise the codec dedups by value.
 """
 
@@ -14,6 +16,8 @@ from typing import NamedTuple
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+EMPTY_BAG = -1  # the id of an empty bag: its pooled row is zero, like every other empty bag's
 
 
 class Region(NamedTuple):
@@ -26,8 +30,8 @@ class Region(NamedTuple):
 
 
 def chunk_ids(kjt: KeyedJaggedTensor | None, regions: Sequence[Region]) -> list[torch.Tensor | None]:
-    """Per region: int64 ids ``[count, n_keys]``, or None unless every bag of the region holds
-    exactly one unweighted id (one host sync for all regions).
+    """Per region: int64 ids ``[count, n_keys]`` (:data:`EMPTY_BAG` for an empty bag), or None
+    unless every bag of the region holds at most one unweighted id (one host sync for all regions).
 
     ``kjt`` is feature-major with a fixed stride (TorchRec's layout for non-VBE batches).
     """
@@ -36,7 +40,7 @@ def chunk_ids(kjt: KeyedJaggedTensor | None, regions: Sequence[Region]) -> list[
     stride = kjt.stride()
     lengths = kjt.lengths().view(-1, stride)
     checks = [
-        (lengths[r.key_start : r.key_start + r.n_keys, r.bag_start : r.bag_start + r.count] == 1).all() for r in regions
+        (lengths[r.key_start : r.key_start + r.n_keys, r.bag_start : r.bag_start + r.count] <= 1).all() for r in regions
     ]
     single = torch.stack(checks).tolist()
     offsets, values, dev = kjt.offsets(), kjt.values(), lengths.device
@@ -47,7 +51,9 @@ def chunk_ids(kjt: KeyedJaggedTensor | None, regions: Sequence[Region]) -> list[
             continue
         keys = torch.arange(r.key_start, r.key_start + r.n_keys, device=dev)
         bags = keys[None, :] * stride + r.bag_start + torch.arange(r.count, device=dev)[:, None]
-        out.append(values[offsets[bags]].long())  # [count, n_keys]: the single id of each bag
+        first = offsets[bags].clamp(max=max(values.numel() - 1, 0))
+        ids = values[first].long() if values.numel() else torch.zeros_like(first)
+        out.append(torch.where(lengths.flatten()[bags] == 1, ids, EMPTY_BAG))  # [count, n_keys]
     return out
 
 

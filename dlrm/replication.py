@@ -1,0 +1,191 @@
+"""Set up hot-row replication for a run (``placement.hot_rows``): from each feature's hottest ids
+(the run's frequency statistics: meta.json's, else the first training batches), choose how many to replicate
+per table within the memory budget, install the replicas and their optimizer in the sharded model.
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torchrec.distributed.model_parallel import get_unwrapped_module
+from torchrec.distributed.types import ShardingType
+
+from data.frequency import FeatureFrequency
+from dlrm.comm.timeout import named_collective
+from dlrm.hot_choice import NOMINAL_RATIO, STATE_BYTES_PER_ROW, Wire, choose_auto
+from dlrm.hot_rows import HotSplit, install
+from dlrm.hot_sync import HotRowOptimizer
+from dlrm.model import table_names
+from dlrm.placement_config import PlacementSpec
+
+log = logging.getLogger(__name__)
+
+
+def table_memory_per_rank(model: torch.nn.Module, rule: str) -> list[int]:
+    """Bytes of each rank's table shards and their optimizer state (a collective)."""
+    ebc = get_unwrapped_module(model).model.sparse_arch.embedding_bag_collection
+    mine = 0
+    for w in ebc.state_dict().values():
+        for shard in w.local_shards() if hasattr(w, "local_shards") else []:
+            rows, cols = shard.tensor.shape
+            mine += rows * cols * shard.tensor.element_size() + rows * STATE_BYTES_PER_ROW[rule](cols)
+    if not dist.is_initialized():
+        return [mine]
+    out: list[Any] = [None] * dist.get_world_size()
+    with named_collective("the all-gather of every rank's table memory (placement.hot_rows)"):
+        dist.all_gather_object(out, mine)
+    return [int(b) for b in out]
+
+
+def is_main() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def wire_of(
+    compression: Mapping[str, Any], batch_size: int, world: int, dim: int, sync_every: int, row_bytes: int
+) -> Wire:
+    """The all-to-all's traffic shape for the cost model, from the ``compression`` config group."""
+    name = str(compression["name"])
+
+    def dedup(direction: str) -> bool:
+        return name != "none" and bool((compression.get(direction) or {}).get("dedup", False))
+
+    return Wire(
+        lookups=batch_size,
+        world=world,
+        dim=dim,
+        ratio=NOMINAL_RATIO.get(name, 1.0),
+        dedup_forward=dedup("forward"),
+        dedup_backward=dedup("backward"),
+        sync_every=sync_every,
+        row_bytes=row_bytes,
+    )
+
+
+def data_parallel_tables(model: torch.nn.Module) -> set[str]:
+    """Tables the plan already keeps whole on every rank (no all-to-all to save)."""
+    plan = getattr(model, "plan", None)
+    modules = plan.plan.values() if plan is not None else []
+    return {t for m in modules for t, ps in m.items() if ps.sharding_type == ShardingType.DATA_PARALLEL.value}
+
+
+@dataclass
+class Replication:
+    """What the trainer holds: the batch split, the replicas' optimizer, a summary for metrics.json."""
+
+    split: HotSplit
+    optimizer: HotRowOptimizer
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    def metrics(self, iterations: int) -> dict[str, Any]:
+        """The summary with every rank's sync bytes per iteration (summed) and a crc32 of each rank's
+        replicas (equal digests: identical replicas). A collective."""
+        weights = torch.cat([p.detach().flatten() for p in self.optimizer.params.values()])
+        mine = (self.optimizer.sent_bytes, zlib.crc32(weights.numpy().tobytes()))
+        ranks: list[Any] = [mine]
+        if dist.is_initialized():
+            ranks = [None] * dist.get_world_size()
+            dist.all_gather_object(ranks, mine)
+        sent = sum(r[0] for r in ranks)
+        return {
+            "hot_rows": {
+                **self.summary,
+                "sync_bytes_per_iteration": sent / iterations if iterations else 0.0,
+                "replica_digest_per_rank": [r[1] for r in ranks],
+            }
+        }
+
+
+def choose_sizes(
+    spec: PlacementSpec,
+    tables: Sequence[str],
+    freqs: Sequence[FeatureFrequency],
+    wire: Wire,
+    free_bytes: float,
+) -> dict[str, int]:
+    """table -> rows to replicate (tables with none left out), from a number, a list or auto."""
+    if spec.hot_rows == "auto":
+        chosen = choose_auto(tables, freqs, wire, free_bytes, verbose=is_main())
+        return {t: p.hot for t, p in chosen.items()}
+    wanted = spec.hot_rows if isinstance(spec.hot_rows, list) else [int(spec.hot_rows)] * len(tables)
+    sizes = {}
+    for t, f, h in zip(tables, freqs, wanted, strict=True):
+        if h > len(f.top_ids) and is_main():
+            log.warning(
+                "placement.hot_rows: %s has %d known hot ids, replicating those (asked for %d)", t, len(f.top_ids), h
+            )
+        if min(h, len(f.top_ids)):
+            sizes[t] = min(h, len(f.top_ids))
+    need = sum(sizes.values()) * wire.row_bytes
+    if need > free_bytes:
+        raise ValueError(
+            f"placement.hot_rows={spec.hot_rows} needs {need} bytes per rank for replicas, but placement.memory_budget "
+            f"leaves {free_bytes:.0f} after the sharded tables: lower hot_rows, use auto, or raise the budget"
+        )
+    return sizes
+
+
+def setup_replication(
+    spec: PlacementSpec,
+    model: torch.nn.Module,
+    features: Sequence[str],
+    freqs: Sequence[FeatureFrequency],
+    optimizer_cfg: Mapping[str, Any],
+    compression: Mapping[str, Any],
+    batch_size: int,
+    dim: int,
+) -> Replication | None:
+    """Replicate the chosen hot rows in the sharded ``model`` (None when none are chosen)."""
+    if not spec.replicates:
+        return None
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rule = str(optimizer_cfg["sparse"]["name"])
+    if rule not in STATE_BYTES_PER_ROW:
+        raise ValueError(
+            f"placement.hot_rows needs optimizer.sparse.name in {sorted(STATE_BYTES_PER_ROW)}, got {rule!r}"
+        )
+    row_bytes = 4 * dim + STATE_BYTES_PER_ROW[rule](dim)
+    used = table_memory_per_rank(model, rule)
+    free = float("inf") if spec.memory_budget is None else spec.memory_budget - max(used)
+    tables = table_names(features)
+    wire = wire_of(compression, batch_size, world, dim, spec.sync_every, row_bytes)
+    sizes = choose_sizes(spec, tables, freqs, wire, free)
+    for t in data_parallel_tables(model) & set(sizes):
+        if is_main():
+            log.info("placement.hot_rows: %s is data_parallel (already on every rank), not replicated", t)
+        del sizes[t]
+    if not sizes:
+        if is_main():
+            log.info("placement.hot_rows=%s: no table replicated", spec.hot_rows)
+        return None
+    hot_ids = {
+        f: torch.from_numpy(np.asarray(freq.top_ids[: sizes[t]]))
+        for f, t, freq in zip(features, tables, freqs, strict=True)
+        if t in sizes
+    }
+    replicas = install(model, hot_ids, dim)
+    sparse = optimizer_cfg["sparse"]
+    optimizer = HotRowOptimizer(
+        {f"model.sparse_arch.hot.weights.{f}": w for f, w in replicas.weights.items()},  # as the model names them
+        rule,
+        lr=float(sparse["lr"]),
+        eps=float(sparse.get("eps", 1e-8)),
+        sync_every=spec.sync_every,
+    )
+    replica_bytes = sum(sizes.values()) * row_bytes
+    summary = {
+        "tables": sizes,
+        "sync_every": spec.sync_every,
+        "replica_bytes_per_rank": replica_bytes,
+        "memory_bytes_per_rank": [u + replica_bytes for u in used],  # tables, their state and replicas
+    }
+    if is_main():
+        log.info("hot-row replication: %s", summary)
+    return Replication(HotSplit(hot_ids), optimizer, summary)
