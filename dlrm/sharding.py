@@ -61,6 +61,16 @@ def constraints_for(
     }
 
 
+def check_supported(cfg: Mapping[str, Any], supported: Sequence[str]) -> None:
+    """A sharding type the config pins must be one the compression's sharder handles."""
+    pinned = SHARDING_TYPES.get(cfg["type"])
+    if pinned is not None and pinned not in supported:
+        raise ValueError(
+            f"sharding.type={cfg['type']} is not among the sharding types this compression supports "
+            f"(compression.sharding_types: {list(supported)}); pick one of those or another compression"
+        )
+
+
 def topology_args(env: DistEnv) -> dict[str, Any]:
     """TorchRec Topology arguments of this run's ranks (memory caps left to the caller)."""
     return {"world_size": env.world_size, "compute_device": env.device.type, "local_world_size": env.local_world_size}

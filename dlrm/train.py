@@ -40,7 +40,7 @@ from dlrm.precision import embedding_bytes_per_rank, parse_precision_cfg
 from dlrm.progress import Progress
 from dlrm.replication import setup_replication
 from dlrm.run_dir import register_resolvers
-from dlrm.sharding import describe_plan, shard_model
+from dlrm.sharding import check_supported, describe_plan, shard_model
 from dlrm.strategy import StrategyController, parse_strategy_cfg
 from dlrm.tb_logger import TensorBoardLogger
 from dlrm.wire import WireMeter, placements, wire_metrics
@@ -91,6 +91,7 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
             cfg.seed,
             fused_only=precision.fused_only,
         )
+    check_supported(cfg.sharding, spec.sharding_types)
     model = shard_model(
         model,
         cfg.sharding,

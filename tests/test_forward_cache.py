@@ -107,13 +107,7 @@ def _cached_training(rank: int, ws: int) -> dict:
     with torch.no_grad():
         model(batch(rank, 5, 16))
     assert {k: c.ids() for k, c in fc.caches.items()} == before
-    # row-wise sharding sends partial sums (no ids): the option is refused, naming its key
-    try:
-        build(ours(CACHED), "mixed", ws, full_weights())
-        refused = ""
-    except ValueError as e:
-        refused = str(e)
-    return {"worst": worst, "stats": stats, "refused": refused}
+    return {"worst": worst, "stats": stats}
 
 
 def test_two_ranks_bound_held_and_mirrors_equal_caches_every_iteration():
@@ -128,13 +122,13 @@ def test_two_ranks_bound_held_and_mirrors_equal_caches_every_iteration():
         assert s["comm/forward/cache/held_rows"] < s["comm/forward/cache/unique_rows"]
         assert r["stats"]["comm/forward/max_error_over_bound"] <= 1.0
         assert r["stats"]["comm/forward/cache_bytes"] > 0
-        assert "compression.forward.cache cannot apply to row_wise" in r["refused"]
 
 
 def test_cache_is_refused_where_it_cannot_apply():
     import pytest
 
     from dlrm.comm.config import parse_compression_cfg
+    from dlrm.sharding import check_supported
 
     base = {"forward": {"codec": "lossy"}, "backward": {"codec": "lossy"}}
     on = {"enabled": True}
@@ -143,6 +137,16 @@ def test_cache_is_refused_where_it_cannot_apply():
         parse_compression_cfg({**base, "backward": {"codec": "lossy", "cache": on}})
     with pytest.raises(ValueError, match=r"compression\.forward\.cache needs"):
         parse_compression_cfg({**base, "forward": {"codec": "fp16", "cache": on}})
+    # row-wise sharding sends partial sums (no ids): the planner is kept off it, a config that
+    # names it is refused, naming the keys
+    cached = {**base, "forward": {"codec": "lossy", "cache": on}}
+    spec = parse_compression_cfg(cached)
+    assert "table_wise" in spec.sharding_types and not {"row_wise", "table_row_wise"} & set(spec.sharding_types)
+    with pytest.raises(ValueError, match=r"compression\.forward\.cache cannot apply to \['row_wise'\]"):
+        parse_compression_cfg({**cached, "sharding_types": ["table_wise", "row_wise"]})
+    with pytest.raises(ValueError, match=r"sharding\.type=row_wise is not among .*compression\.sharding_types"):
+        check_supported({"type": "row_wise"}, spec.sharding_types)
+    check_supported({"type": "planner"}, spec.sharding_types)
     with pytest.raises(ValueError, match=r"compression\.forward\.cache\.capacity_rows"):
         parse_compression_cfg({**base, "forward": {"codec": "lossy", "cache": {"enabled": True, "capacity_rows": -2}}})
 

@@ -11,7 +11,7 @@ Two kinds of config exist (see `configs/compression/`):
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dlrm.config_checks import MOVED, check_keys, plain_config
@@ -21,6 +21,7 @@ MODES = ("abs", "rel")
 QCOMM_PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 # Sharding types our sharder may let the planner choose; RW/TWRW are allowed on CPU too.
 ALL_SHARDING_TYPES = ("data_parallel", "table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise")
+ROW_SUM_SHARDING_TYPES = ("row_wise", "table_row_wise")  # forward rows are partial sums (reduce-scatter)
 
 _TOP_KEYS = {"name", "kind", "forward", "backward", "qcomm", "stats", "sharding_types", "strategy", "strategy_file"}
 _DIR_KEYS = {"codec", "mode", "dedup", "params", "cache"}
@@ -176,6 +177,14 @@ def parse_compression_cfg(cfg: Mapping[str, Any]) -> CompressionSpec:
         raise ValueError(
             f"{where}.strategy and {where}.strategy_file only apply to compression=auto (per_block codecs)"
         )
+    if spec.forward.cache_rows is not None:  # the row cache holds table rows by id: no partial sums
+        cut = [t for t in spec.sharding_types if t in ROW_SUM_SHARDING_TYPES]
+        if cut and cfg.get("sharding_types"):
+            raise ValueError(
+                f"{where}.forward.cache cannot apply to {cut} sharding (their forward rows are partial sums, not "
+                f"table rows with ids): drop them from {where}.sharding_types or disable the cache"
+            )
+        spec = replace(spec, sharding_types=tuple(t for t in spec.sharding_types if t not in cut))
     return spec
 
 
