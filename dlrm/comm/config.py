@@ -177,7 +177,7 @@ def parse_compression_cfg(cfg: Mapping[str, Any]) -> CompressionSpec:
         raise ValueError(
             f"{where}.strategy and {where}.strategy_file only apply to compression=auto (per_block codecs)"
         )
-    if spec.forward.cache_rows is not None:  # the row cache holds table rows by id: no partial sums
+    if spec.forward is not None and spec.forward.cache_rows is not None:  # table rows by id: no partial sums
         cut = [t for t in spec.sharding_types if t in ROW_SUM_SHARDING_TYPES]
         if cut and cfg.get("sharding_types"):
             raise ValueError(
