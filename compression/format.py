@@ -209,6 +209,8 @@ def view_as(section: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tenso
     item = dtype.itemsize
     if section.numel() % item:
         raise PayloadError(f"{what}: {section.numel()} bytes is not a whole number of {dtype}")
+    if section.numel() == 0:  # an empty slice reports data_ptr 0 whatever its offset: view() would refuse it
+        return torch.empty(0, dtype=dtype, device=section.device)
     if section.data_ptr() % item:
         section = section.clone()
     return section.view(dtype)

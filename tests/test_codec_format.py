@@ -102,3 +102,17 @@ def test_sections_survive_an_unaligned_payload_view():
     buf = torch.zeros(payload.numel() + 3, dtype=torch.uint8)
     buf[3:] = payload
     assert torch.equal(codec.decode(buf[3:]), codec.decode(payload))
+
+
+@pytest.mark.parametrize("offset", [1, 2, 3, 5])
+def test_an_empty_section_at_any_offset_reads_as_empty(offset):
+    from compression.format import view_as
+
+    buf = torch.arange(16, dtype=torch.uint8)
+    for dtype in (torch.float32, torch.int64, torch.int16):
+        assert view_as(buf[offset:offset], dtype, "empty").shape == (0,)
+        # a full section at the same odd offset still reads its bytes (copied to align)
+        n = dtype.itemsize
+        assert torch.equal(
+            view_as(buf[offset : offset + n], dtype, "one"), buf[offset : offset + n].clone().view(dtype)
+        )
