@@ -195,7 +195,9 @@ def load(
 
 class Stateful(Protocol):
     """Training state beside the model and optimizer: the LR schedule and policy (JSON-able, one
-    copy for all ranks), the dense-gradient hook (tensors, one per rank)."""
+    copy for all ranks), the dense-gradient hook (tensors, one per rank). A part of the first kind
+    may also define ``check_resumable(saved, step_dir)``, called before any tensor is loaded, to
+    refuse a checkpoint the run cannot continue (e.g. other replicated hot rows)."""
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -229,6 +231,11 @@ class Checkpointer:
         last = self._newest_intact(mode) if mode else None
         if last is None:
             return TrainState()
+        saved_parts = json.loads((last / "train_state.json").read_text())
+        for name, part in self.parts.items():  # before any tensor is read: a part may refuse the checkpoint
+            check = getattr(part, "check_resumable", None)
+            if check is not None:
+                check(saved_parts.get(name), last)
         with named_collective(f"loading checkpoint {last}"):
             saved, mine = load(last, self.model, self.optimizer, self.env.rank, self.env.world_size, self.env.device)
         for name, part in self.parts.items():

@@ -31,6 +31,7 @@ from dlrm import serving
 from dlrm.checkpoint import LATEST, complete_steps
 from dlrm.datasets import RunData
 from dlrm.env import DistEnv
+from dlrm.hot_rows import fold_into_tables
 from dlrm.metrics import Evaluator
 from dlrm.model import build_dlrm, embedding_configs
 from dlrm.precision_search import PlanEvaluator, costliest_tables, search_plan
@@ -74,6 +75,11 @@ def load_dlrm_state(step_dir: Path) -> dict[str, torch.Tensor]:
     return {key[len(MODEL_PREFIX) :]: t for key, t in state.items()}
 
 
+def hot_ids_of(step_dir: Path) -> dict[str, list[int]]:
+    """The ids a run replicated (placement.hot_rows), as its train_state.json records them."""
+    return dict(json.loads((step_dir / "train_state.json").read_text()).get("hot_ids") or {})
+
+
 def trained_model(cfg: DictConfig, data: RunData, state: Mapping[str, torch.Tensor]) -> DLRM:
     """The run's DLRM on CPU with fp32 tables (fp16-trained rows widened exactly) and its MLPs."""
     configs = embedding_configs(data.features, data.num_embeddings, int(cfg.model.embedding_dim))
@@ -115,7 +121,8 @@ def export(args: argparse.Namespace) -> dict[str, Any]:
     cfg = run_config(run_dir)
     step_dir = Path(args.checkpoint) if args.checkpoint else checkpoint_step(run_dir, cfg)
     data = RunData.from_config(cfg.data, DistEnv(0, 1, 0, 1, torch.device("cpu"), "gloo"), int(cfg.seed))
-    trained = trained_model(cfg, data, load_dlrm_state(step_dir))
+    state = fold_into_tables(load_dlrm_state(step_dir), hot_ids_of(step_dir), str(step_dir))
+    trained = trained_model(cfg, data, state)
     tables = [c.name for c in trained.sparse_arch.embedding_bag_collection.embedding_bag_configs()]
     plan = parse_plan(args, tables)
     batches = list(data.batches("test", args.batch_size))

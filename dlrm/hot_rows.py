@@ -7,12 +7,14 @@ model's sparse arch adds the replica's pooled rows to the sharded table's: with 
 pooled embedding of a bag is the sum over its ids, so hot pooled + cold pooled is exactly the
 bag's embedding (for single-valued Criteo features exactly one of the two is an empty bag).
 The sharded table keeps its own (unused, stale) copy of the hot rows; the replica is the one that
-trains, and the one a checkpoint keeps (DCP writes a tensor replicated on every rank once).
+trains, and the one a checkpoint keeps (DCP writes a tensor replicated on every rank once), with the
+replicated ids in train_state.json (:class:`dlrm.replication.HotIdsRecord`); dlrm-export folds the
+replicas back into their tables (:func:`fold_into_tables`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import cast
 
 import torch
@@ -113,6 +115,30 @@ class HotSparseArch(torch.nn.Module):
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         return self.hot(features, self.embedding_bag_collection(features))
+
+
+REPLICA_PREFIX = "sparse_arch.hot.weights."  # a replica's key in DLRM's state dict
+
+
+def fold_into_tables(
+    state: Mapping[str, torch.Tensor], hot_ids: Mapping[str, Sequence[int]], where: str
+) -> dict[str, torch.Tensor]:
+    """A DLRM state dict with each replica's trained rows written over its table's stale copy of
+    them, replicas dropped: the state of the plain DLRM the run trained (tables widened to fp32,
+    the replicas' precision). ``where`` names the checkpoint in errors."""
+    replicas = {k[len(REPLICA_PREFIX) :]: v for k, v in state.items() if k.startswith(REPLICA_PREFIX)}
+    if set(replicas) != set(hot_ids):
+        raise ValueError(
+            f"{where} holds replicas of features {sorted(replicas)} but its train_state.json records hot ids of "
+            f"{sorted(hot_ids)} (a checkpoint written before the hot ids were recorded cannot be exported)"
+        )
+    out = {k: v for k, v in state.items() if not k.startswith(REPLICA_PREFIX)}
+    for f, ids in hot_ids.items():
+        (table,) = table_names([f])
+        key = f"sparse_arch.embedding_bag_collection.embedding_bags.{table}.weight"
+        out[key] = out[key].float().clone()
+        out[key][torch.as_tensor(list(ids), dtype=torch.int64)] = replicas[f].float()
+    return out
 
 
 def install(model: torch.nn.Module, hot_ids: Mapping[str, torch.Tensor], dim: int) -> HotRows:

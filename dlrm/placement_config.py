@@ -46,6 +46,11 @@ def parse_placement_cfg(cfg: Mapping[str, Any] | None, sharding_type: str, num_t
         hot = hot if any(hot) else 0
     elif hot != "auto" and (isinstance(hot, bool) or not isinstance(hot, int) or hot < 0):
         raise ValueError(f"{where}.hot_rows must be an integer >= 0, a list of them per table, or auto (got {hot!r})")
+    if hot != 0 and sharding_type == "data_parallel":
+        raise ValueError(
+            f"{where}.hot_rows has no effect under sharding.type=data_parallel (every table is already whole on "
+            "every rank, so no id crosses the network); set it to 0 or pick another sharding"
+        )
     k = cfg.get("sync_every", 1)
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"{where}.sync_every must be an integer >= 1 (got {k!r})")

@@ -9,6 +9,7 @@ import logging
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,7 @@ from torchrec.distributed.model_parallel import get_unwrapped_module
 from torchrec.distributed.types import ShardingType
 
 from data.frequency import FeatureFrequency
+from dlrm.checkpoint import CheckpointError
 from dlrm.comm.timeout import named_collective
 from dlrm.hot_choice import NOMINAL_RATIO, STATE_BYTES_PER_ROW, Wire, choose_auto
 from dlrm.hot_rows import HotSplit, install
@@ -29,13 +31,15 @@ log = logging.getLogger(__name__)
 
 
 def table_memory_per_rank(model: torch.nn.Module, rule: str) -> list[int]:
-    """Bytes of each rank's table shards and their optimizer state (a collective)."""
+    """Bytes of each rank's table shards and their optimizer state (a collective); a data_parallel
+    table (a plain tensor) is whole on every rank."""
     ebc = get_unwrapped_module(model).model.sparse_arch.embedding_bag_collection
     mine = 0
     for w in ebc.state_dict().values():
-        for shard in w.local_shards() if hasattr(w, "local_shards") else []:
-            rows, cols = shard.tensor.shape
-            mine += rows * cols * shard.tensor.element_size() + rows * STATE_BYTES_PER_ROW[rule](cols)
+        pieces = [s.tensor for s in w.local_shards()] if hasattr(w, "local_shards") else [w]
+        for piece in pieces:
+            rows, cols = piece.shape
+            mine += rows * cols * piece.element_size() + rows * STATE_BYTES_PER_ROW[rule](cols)
     if not dist.is_initialized():
         return [mine]
     out: list[Any] = [None] * dist.get_world_size()
@@ -78,8 +82,10 @@ def data_parallel_tables(model: torch.nn.Module) -> set[str]:
 
 @dataclass
 class Replication:
-    """What the trainer holds: the batch split, the replicas' optimizer, a summary for metrics.json."""
+    """What the trainer holds: the replicated ids (feature -> ids, hottest first), the batch split,
+    the replicas' optimizer, a summary for metrics.json."""
 
+    hot_ids: dict[str, torch.Tensor]
     split: HotSplit
     optimizer: HotRowOptimizer
     summary: dict[str, Any] = field(default_factory=dict)
@@ -101,6 +107,36 @@ class Replication:
                 "replica_digest_per_rank": [r[1] for r in ranks],
             }
         }
+
+
+class HotIdsRecord:
+    """The replicated ids (feature -> ids, hottest first; empty without replication), kept in
+    train_state.json: a resume must replicate the same ids (the checkpoint's replica tensors are
+    rows of exactly those), and dlrm-export writes the trained replicas back over their tables' rows."""
+
+    def __init__(self, replication: Replication | None) -> None:
+        hot_ids = replication.hot_ids if replication else {}
+        self.ids = {f: [int(i) for i in ids] for f, ids in hot_ids.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.ids)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        return  # nothing to restore: check_resumable compared them before any tensor was read
+
+    def check_resumable(self, saved: Mapping[str, Any] | None, step_dir: Path) -> None:
+        """Refuse a checkpoint written with other replicated ids (a checkpoint from before this
+        record existed counts as none)."""
+        theirs = {f: [int(i) for i in ids] for f, ids in (saved or {}).items()}
+        if theirs == self.ids:
+            return
+        counts = [{f: len(ids) for f, ids in d.items()} or "none" for d in (theirs, self.ids)]
+        why = " (as many rows, other ids: the id statistics differ)" if counts[0] == counts[1] else ""
+        raise CheckpointError(
+            f"checkpoint {step_dir} replicates hot rows {counts[0]} but this run replicates {counts[1]}{why}: "
+            "resume with the placement.hot_rows (and data, placement.estimate_batches) the checkpoint was written "
+            "with, or start a new run (resume=false)"
+        )
 
 
 def choose_sizes(
@@ -188,4 +224,4 @@ def setup_replication(
     }
     if is_main():
         log.info("hot-row replication: %s", summary)
-    return Replication(HotSplit(hot_ids), optimizer, summary)
+    return Replication(hot_ids, HotSplit(hot_ids), optimizer, summary)

@@ -61,9 +61,14 @@ def constraints_for(
     }
 
 
-def check_supported(cfg: Mapping[str, Any], supported: Sequence[str]) -> None:
-    """A sharding type the config pins must be one the compression's sharder handles."""
+def check_supported(
+    cfg: Mapping[str, Any], supported: Sequence[str], excluded: Mapping[str, str] | None = None
+) -> None:
+    """A sharding type the config pins must be one the compression's sharder handles; ``excluded``
+    names the setting that rules a type out (type -> why), for the error."""
     pinned = SHARDING_TYPES.get(cfg["type"])
+    if pinned is not None and pinned in (excluded or {}):
+        raise ValueError(f"sharding.type={cfg['type']} cannot be used with {(excluded or {})[pinned]}")
     if pinned is not None and pinned not in supported:
         raise ValueError(
             f"sharding.type={cfg['type']} is not among the sharding types this compression supports "

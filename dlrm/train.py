@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dlrm.checkpoint import Checkpointer
 from dlrm.comm import comm_summary, compression_runtime, make_sharders, parse_compression_cfg, set_iteration
+from dlrm.comm.config import excluded_sharding_types
 from dlrm.comm.dense import CompressedDataParallelWrapper, DenseComm
 from dlrm.comm.dense_config import parse_dense_comm_cfg
 from dlrm.comm_aware import build_planner, log_plan
@@ -38,7 +39,7 @@ from dlrm.placement_config import parse_placement_cfg
 from dlrm.policy import bounded_directions, policy_for_run, table_stats
 from dlrm.precision import embedding_bytes_per_rank, parse_precision_cfg
 from dlrm.progress import Progress
-from dlrm.replication import setup_replication
+from dlrm.replication import HotIdsRecord, setup_replication
 from dlrm.run_dir import register_resolvers
 from dlrm.sharding import check_supported, describe_plan, shard_model
 from dlrm.strategy import StrategyController, parse_strategy_cfg
@@ -91,7 +92,7 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
             cfg.seed,
             fused_only=precision.fused_only,
         )
-    check_supported(cfg.sharding, spec.sharding_types)
+    check_supported(cfg.sharding, spec.sharding_types, excluded_sharding_types(spec))
     model = shard_model(
         model,
         cfg.sharding,
@@ -142,7 +143,12 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
         env,
         model,
         optimizer,
-        {"lr_schedule": schedule, "policy": policy, "strategy": strategy if strategy.active else None},
+        {
+            "lr_schedule": schedule,
+            "policy": policy,
+            "strategy": strategy if strategy.active else None,
+            "hot_ids": HotIdsRecord(replication),
+        },
         keep=cfg.checkpoint.keep,
         rank_parts={
             "dense_comm": dense,

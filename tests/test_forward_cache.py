@@ -127,7 +127,7 @@ def test_two_ranks_bound_held_and_mirrors_equal_caches_every_iteration():
 def test_cache_is_refused_where_it_cannot_apply():
     import pytest
 
-    from dlrm.comm.config import parse_compression_cfg
+    from dlrm.comm.config import excluded_sharding_types, parse_compression_cfg
     from dlrm.sharding import check_supported
 
     base = {"forward": {"codec": "lossy"}, "backward": {"codec": "lossy"}}
@@ -144,9 +144,11 @@ def test_cache_is_refused_where_it_cannot_apply():
     assert "table_wise" in spec.sharding_types and not {"row_wise", "table_row_wise"} & set(spec.sharding_types)
     with pytest.raises(ValueError, match=r"compression\.forward\.cache cannot apply to \['row_wise'\]"):
         parse_compression_cfg({**cached, "sharding_types": ["table_wise", "row_wise"]})
+    with pytest.raises(ValueError, match=r"sharding\.type=row_wise cannot be used with compression\.forward\.cache"):
+        check_supported({"type": "row_wise"}, spec.sharding_types, excluded_sharding_types(spec))
     with pytest.raises(ValueError, match=r"sharding\.type=row_wise is not among .*compression\.sharding_types"):
-        check_supported({"type": "row_wise"}, spec.sharding_types)
-    check_supported({"type": "planner"}, spec.sharding_types)
+        check_supported({"type": "row_wise"}, ("table_wise",))
+    check_supported({"type": "planner"}, spec.sharding_types, excluded_sharding_types(spec))
     with pytest.raises(ValueError, match=r"compression\.forward\.cache\.capacity_rows"):
         parse_compression_cfg({**base, "forward": {"codec": "lossy", "cache": {"enabled": True, "capacity_rows": -2}}})
 

@@ -269,3 +269,44 @@ def test_explicit_hot_rows_beyond_the_memory_budget_is_refused():
     assert choose_sizes(spec, ["t0", "t1"], freqs, wire, free_bytes=128 * ROW_BYTES) == {"t0": 64, "t1": 64}
     with pytest.raises(ValueError, match=r"placement.hot_rows=64 needs .* placement.memory_budget"):
         choose_sizes(spec, ["t0", "t1"], freqs, wire, free_bytes=128 * ROW_BYTES - 1)
+
+
+def test_export_serves_the_trained_replicas_not_the_tables_stale_rows(runs, tmp_path):
+    from dlrm.export import hot_ids_of, load_dlrm_state, main
+
+    step = runs["hot"] / "checkpoints" / f"step-{ITERS}"
+    hot_ids, state = hot_ids_of(step), load_dlrm_state(step)
+    assert {f: len(ids) for f, ids in hot_ids.items()} == {
+        f.removeprefix("t_"): n for f, n in _metrics(runs["hot"])["tables"].items()
+    }
+    # the tables' own copies of the hot rows are stale: they never trained
+    f = next(iter(hot_ids))
+    stale = state[f"sparse_arch.embedding_bag_collection.embedding_bags.t_{f}.weight"][hot_ids[f]]
+    assert not torch.equal(stale.float(), state[f"sparse_arch.hot.weights.{f}"])
+    main([str(runs["hot"]), "--out", str(tmp_path), "--precision", "fp32"])
+    got = json.loads((tmp_path / "export.json").read_text())
+    trained = json.loads((runs["hot"] / "metrics.json").read_text())
+    # the fp32 model rebuilt from the checkpoint scores the test split as the trainer did (replicas and all)
+    assert got["fp32_auc"] == pytest.approx(trained["auc"], abs=1e-6) and got["auc"] == got["fp32_auc"]
+
+
+def test_resume_with_other_hot_rows_is_refused_naming_the_key(runs, tmp_path):
+    import shutil
+
+    from dlrm.checkpoint import CheckpointError
+    from dlrm.replication import HotIdsRecord
+
+    # a checkpoint with replicas, resumed without them: refused before any tensor is read
+    run_dir = tmp_path / "run"
+    shutil.copytree(runs["hot"] / "checkpoints", run_dir / "checkpoints")
+    proc = train(run_dir, tmp_path / "cache", [*COMMON, "resume=true"], check=False)
+    assert proc.returncode != 0 and "placement.hot_rows" in proc.stderr, proc.stderr[-2000:]
+    assert "this run replicates none" in proc.stderr
+    # as many rows of other ids (other statistics), or other counts: refused too
+    record = HotIdsRecord(None)
+    record.ids = {"a": [3, 1]}
+    with pytest.raises(CheckpointError, match=r"as many rows, other ids.*placement\.hot_rows"):
+        record.check_resumable({"a": [1, 3]}, Path("step-4"))
+    with pytest.raises(CheckpointError, match=r"replicates hot rows \{'a': 3\} but this run replicates \{'a': 2\}"):
+        record.check_resumable({"a": [3, 1, 2]}, Path("step-4"))
+    record.check_resumable({"a": [3, 1]}, Path("step-4"))

@@ -82,6 +82,8 @@ def test_placement_keys_are_checked():
         parse_placement_cfg({"estimate_batches": 0}, "comm_aware", 3)
     with pytest.raises(ValueError, match=r"placement: unknown key\(s\) \['budget'\]"):
         parse_placement_cfg({"budget": 1}, "comm_aware", 3)
+    with pytest.raises(ValueError, match=r"placement.hot_rows has no effect under sharding.type=data_parallel"):
+        parse_placement_cfg({"hot_rows": "auto"}, "data_parallel", 3)
 
 
 def _plan(budget: int | None):

@@ -188,6 +188,17 @@ def parse_compression_cfg(cfg: Mapping[str, Any]) -> CompressionSpec:
     return spec
 
 
+def excluded_sharding_types(spec: CompressionSpec) -> dict[str, str]:
+    """Sharding types a setting of ``spec`` rules out, and why (naming the key), for errors."""
+    if spec.forward is not None and spec.forward.cache_rows is not None:
+        why = (
+            "compression.forward.cache.enabled=true (its forward rows are partial sums, not table rows with ids): "
+            "disable the cache or pick table_wise, column_wise or table_column_wise"
+        )
+        return dict.fromkeys(ROW_SUM_SHARDING_TYPES, why)
+    return {}
+
+
 # Wire bytes per fp32 value of TorchRec's QComms codecs; INT8 row-wise adds an fp32 scale and bias
 # per 32-value row (fbgemm's default row_dim), hence 1 + 8/32.
 _QCOMM_BYTES_PER_VALUE = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.25}
