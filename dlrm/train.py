@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dlrm.checkpoint import Checkpointer
 from dlrm.comm import comm_summary, compression_runtime, make_sharders, parse_compression_cfg, set_iteration
-from dlrm.comm.config import excluded_sharding_types
+from dlrm.comm.config import CompressionSpec, excluded_sharding_types
 from dlrm.comm.dense import CompressedDataParallelWrapper, DenseComm
 from dlrm.comm.dense_config import parse_dense_comm_cfg
 from dlrm.comm_aware import build_planner, log_plan
@@ -35,7 +35,7 @@ from dlrm.loop import LoopPlan, StepObserver, Stepper, TrainState, evaluate, tak
 from dlrm.metrics import final_metrics, write_metrics_json
 from dlrm.model import build_model, table_names
 from dlrm.optim import WarmupDecayLR, apply_sparse_optimizer, build_optimizer
-from dlrm.placement_config import parse_placement_cfg
+from dlrm.placement_config import PlacementSpec, parse_placement_cfg
 from dlrm.policy import bounded_directions, policy_for_run, table_stats
 from dlrm.precision import embedding_bytes_per_rank, parse_precision_cfg
 from dlrm.progress import Progress
@@ -49,6 +49,20 @@ from dlrm.wire import WireMeter, placements, wire_metrics
 log = logging.getLogger("dlrm.train")
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 register_resolvers()
+
+
+def refuse_host_only(device: torch.device, spec: CompressionSpec, placement: PlacementSpec) -> None:
+    """Hot-row replication, the forward row cache and its probe keep their state on the host (numpy
+    arrays, CPU buffers, gloo-sized collectives): refuse them on an accelerator, naming the keys."""
+    cache = spec.forward is not None and spec.forward.cache_rows is not None
+    used = {
+        "placement.hot_rows": placement.replicates,
+        "compression.forward.cache.enabled": cache,
+        "compression.stats.cache_probe.enabled": spec.cache_probe_rows is not None,
+    }
+    on = [key for key, is_on in used.items() if is_on]
+    if device.type != "cpu" and on:
+        raise ValueError(f"{', '.join(on)}: CPU runs only so far (this run is on {device}); turn it off")
 
 
 def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) -> dict[str, Any]:
@@ -74,6 +88,7 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
     )
     dense = DenseComm(parse_dense_comm_cfg(cfg.dense_comm))  # the hook on DMP's DDP of the MLPs
     placement = parse_placement_cfg(cfg.placement, cfg.sharding.type, len(data.features))
+    refuse_host_only(env.device, spec, placement)
     # id statistics, for the traffic model and hot-row replication
     freqs, _ = data.frequency(cfg.batch_size, placement.estimate_batches, placement.top_n)
     planner, traffic = None, None
