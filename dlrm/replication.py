@@ -20,6 +20,7 @@ from torchrec.distributed.types import ShardingType
 
 from data.frequency import FeatureFrequency
 from dlrm.checkpoint import CheckpointError
+from dlrm.comm.config import parse_compression_cfg
 from dlrm.comm.timeout import named_collective
 from dlrm.hot_choice import NOMINAL_RATIO, STATE_BYTES_PER_ROW, Wire, choose_auto
 from dlrm.hot_rows import HotSplit, install
@@ -55,11 +56,14 @@ def is_main() -> bool:
 def wire_of(
     compression: Mapping[str, Any], batch_size: int, world: int, dim: int, sync_every: int, row_bytes: int
 ) -> Wire:
-    """The all-to-all's traffic shape for the cost model, from the ``compression`` config group."""
+    """The all-to-all's traffic shape for the cost model, from the ``compression`` config group
+    (read as the trainer reads it: ``dedup`` defaults to true; the stock QComms path has none)."""
     name = str(compression["name"])
+    spec = parse_compression_cfg(compression)
 
     def dedup(direction: str) -> bool:
-        return name != "none" and bool((compression.get(direction) or {}).get("dedup", False))
+        codec = getattr(spec, direction)
+        return spec.kind == "compressed" and codec is not None and codec.dedup
 
     return Wire(
         lookups=batch_size,

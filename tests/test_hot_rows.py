@@ -310,3 +310,17 @@ def test_resume_with_other_hot_rows_is_refused_naming_the_key(runs, tmp_path):
     with pytest.raises(CheckpointError, match=r"replicates hot rows \{'a': 3\} but this run replicates \{'a': 2\}"):
         record.check_resumable({"a": [3, 1, 2]}, Path("step-4"))
     record.check_resumable({"a": [3, 1]}, Path("step-4"))
+
+
+@pytest.mark.parametrize(
+    "name, dedup", [("none", (False, False)), ("lossy", (True, True)), ("fp16", (True, True)), ("qcomm_fp16", (0, 0))]
+)
+def test_auto_prices_the_all_to_all_as_the_trainer_runs_it(name, dedup):
+    from omegaconf import OmegaConf
+
+    from dlrm.replication import wire_of
+
+    # the shipped config groups, as Hydra composes them (fp16's forward leaves dedup at its default)
+    group = OmegaConf.load(Path(__file__).resolve().parents[1] / "configs" / "compression" / f"{name}.yaml")
+    wire = wire_of(OmegaConf.to_container(group), batch_size=256, world=2, dim=16, sync_every=1, row_bytes=68)
+    assert (wire.dedup_forward, wire.dedup_backward) == tuple(bool(d) for d in dedup)
