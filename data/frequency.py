@@ -29,6 +29,12 @@ DEFAULT_TOP_N = 1024
 SOURCES = ("counted", "synthetic", "batches")
 
 
+def seen_probability(p: np.ndarray, lookups: float) -> np.ndarray:
+    """Per id of probability ``p``: the chance it occurs among ``lookups`` independent draws,
+    1 - (1 - p)^lookups (summed: the expected number of distinct ids), stable for tiny p."""
+    return -np.expm1(lookups * np.log1p(-np.minimum(p, 1.0 - 1e-12)))
+
+
 @dataclass(frozen=True)
 class FeatureFrequency:
     """One feature's id frequencies: the top ids exactly, the tail by its size and power law."""
@@ -81,8 +87,7 @@ class FeatureFrequency:
     def expected_distinct(self, lookups: int, skip_top: int = 0) -> float:
         """E[distinct ids] among ``lookups`` independent draws: sum_i 1 - (1 - p_i)^lookups, over ids
         past the ``skip_top`` hottest (those served elsewhere, e.g. replicated)."""
-        p = self.probabilities()[skip_top:]
-        return float(-np.expm1(lookups * np.log1p(-np.minimum(p, 1.0 - 1e-12))).sum())
+        return float(seen_probability(self.probabilities()[skip_top:], lookups).sum())
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from data.frequency import FeatureFrequency
+from data.frequency import FeatureFrequency, seen_probability
 
 PATHS = ("input", "forward", "backward", "allreduce", "replica_sync")  # the last measured only (dlrm/wire.py)
 FP32 = 4
@@ -120,7 +120,7 @@ class TrafficModel:
         tail_mass = max(1.0 - float(p.sum()), 0.0)
         tail_rows = max(t.num_embeddings - len(p), 1)
         tail_distinct = self.distinct(freq, skip_top=len(p))
-        top_distinct = -np.expm1(self.batch_size * np.log1p(-np.minimum(p, 1 - 1e-12)))
+        top_distinct = seen_probability(p, self.batch_size)
         mass, distinct = [], []
         for s in t.shards:
             inside = (freq.top_ids >= s.row) & (freq.top_ids < s.row + s.rows)
