@@ -24,7 +24,7 @@ from dlrm.hot_choice import Wire, choose_auto, price
 from dlrm.hot_rows import HOT_SUFFIX, HotSplit
 from dlrm.hot_sync import HotRowOptimizer, PendingHotGradients
 from dlrm.placement_config import parse_placement_cfg
-from dlrm.replication import choose_sizes
+from dlrm.replication import choose_sizes, wire_of
 
 # --- the data path -------------------------------------------------------------------------------
 
@@ -167,6 +167,18 @@ def test_auto_stays_within_the_memory_budget():
     chosen = choose_auto(tables, freqs, wire, free_bytes=free, verbose=False)
     unbounded = choose_auto(tables, freqs, wire, free_bytes=float("inf"), verbose=False)
     assert 0 < sum(q.memory for q in chosen.values()) <= free < sum(q.memory for q in unbounded.values())
+
+
+def test_the_coded_sync_is_priced_at_its_nominal_ratio_with_int32_slots_and_replicates_more():
+    freq = _freq(np.arange(1, 20001, dtype=np.float64) ** -1.2)
+    lossy = {"name": "lossy", "forward": {"dedup": True}, "backward": {"dedup": True}}
+    exact = wire_of(lossy, 2048, 2, 64, 1, 260)
+    coded = wire_of(lossy, 2048, 2, 64, 1, 260, sync_codec="backward")
+    assert (coded.sync_ratio, coded.sync_slot_bytes, exact.sync_ratio, exact.sync_slot_bytes) == (4.0, 4, 1.0, 8)
+    q_e, q_c = price(freq, 64, exact), price(freq, 64, coded)
+    assert q_c.saved == q_e.saved and q_c.sync / q_e.sync == pytest.approx((4 * 64 / 4 + 4) / (4 * 64 + 8))
+    hot = [choose_auto(["t"], [freq], w, float("inf"), verbose=False)["t"].hot for w in (exact, coded)]
+    assert hot[1] > hot[0]
 
 
 @pytest.mark.parametrize(
