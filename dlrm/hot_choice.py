@@ -4,14 +4,18 @@ For a table with per-lookup id probabilities p (hottest first) and ``B`` lookups
 iteration, replicating the ``H`` hottest ids changes the bytes all ranks send per iteration by::
 
     saved = (W-1) * [R_H * 4D / r * (each direction) + B * P_H * 8]    (both all-to-alls, the ids)
-    sync  = W * (W-1) * U_H(kB) * (4D + 8) / k                          (touched rows, all-gathered)
+    sync  = W * (W-1) * U_H(kB) * (4D / s + b) / k                      (touched rows, all-gathered)
 
 where U_H(n) = sum_{i<H} 1 - (1 - p_i)^n is the expected number of distinct hot ids among n
 lookups, P_H = sum_{i<H} p_i, R_H the hot rows a direction no longer sends: U_H(B) where the
 codec sends one row per distinct id (``dedup``), none where it sends one row per bag, empty or
 not (stock TorchRec, ``compression=none``: there only the ids of the input all-to-all shrink),
-r the codec's ratio, W the ranks and k ``placement.sync_every``. A rank finds a table's rows on
-another rank with probability (W-1)/W. The sync sends exact fp32 rows, so replication pays only
+r the codec's ratio, W the ranks and k ``placement.sync_every``; s and b are the sync's ratio on
+the rows and bytes per slot: 1 and 8 for the exact sync (fp32 rows, int64 slots), and with
+``placement.sync_codec=backward`` a nominal 4 (SYNC_CODEC_RATIO: conservative, under the ratio
+runs measure, metrics.json ``hot_rows.sync_row_ratio``: 23-25x in the README's 200 Mbit runs) and 4 (an int32 slot, the
+wider of the two widths the wire uses; payload headers are not priced). A rank finds a table's rows on
+another rank with probability (W-1)/W. With the exact sync replication pays only
 where hot ids repeat within a batch enough for their ids to outweigh the sync of their rows, or
 where the sync is amortised over k iterations. ``auto`` picks per table the H with the largest
 positive saving within ``placement.memory_budget`` bytes per rank, and logs why a table gets none.
@@ -34,6 +38,10 @@ ID_BYTES = 8
 # Nominal compression ratios of each codec for the model (the lossy codec's depends on the data
 # and the bound; 4x is typical of the dual policy on Criteo-like tables, see README).
 NOMINAL_RATIO = {"none": 1.0, "fp16": 2.0, "bf16": 2.0, "qcomm_fp16": 2.0, "qcomm_int8": 4.0, "lossy": 4.0}
+# The coded sync's nominal ratio on the rows it sends (placement.sync_codec=backward): a
+# conservative figure, under the measured one (metrics.json hot_rows.sync_row_ratio)
+SYNC_CODEC_RATIO = 4.0
+SYNC_CODEC_SLOT_BYTES = 4
 STATE_BYTES_PER_ROW = {
     "sgd": lambda d: 0,
     "adagrad": lambda d: 4 * d,
@@ -55,6 +63,8 @@ class Wire:
     dedup_backward: bool = False
     sync_every: int = 1
     row_bytes: int = 0  # memory per replicated row and rank: weight and optimizer state
+    sync_ratio: float = 1.0  # the replica sync's ratio on its rows (1: exact fp32)
+    sync_slot_bytes: int = ID_BYTES  # bytes per slot id in the replica sync
 
 
 @dataclass(frozen=True)
@@ -79,7 +89,7 @@ def price(freq: FeatureFrequency, hot: int, w: Wire) -> Pricing:
     hot_lookups = w.lookups * float(p.sum())
     rows = distinct * (w.dedup_forward + w.dedup_backward)  # a bag emptied by replication still travels
     saved = (w.world - 1) * (rows * 4 * w.dim / w.ratio + hot_lookups * ID_BYTES)
-    sync = w.world * (w.world - 1) * distinct_k * (4 * w.dim + ID_BYTES) / w.sync_every
+    sync = w.world * (w.world - 1) * distinct_k * (4 * w.dim / w.sync_ratio + w.sync_slot_bytes) / w.sync_every
     return Pricing(hot, saved, sync, hot * w.row_bytes)
 
 

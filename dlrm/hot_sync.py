@@ -8,6 +8,12 @@ TorchRec divides them; an all-gather of each rank's touched rows, added in rank 
 rank computes the same bits) and applies the same
 update rule (FBGEMM's exact SGD, Adagrad or row-wise Adagrad) to the rows touched anywhere.
 
+With ``placement.sync_codec=backward`` each rank's touched rows travel coded by
+:class:`dlrm.hot_wire.SyncWire` (the backward all-to-all's codec and bound, slots as int16/int32,
+no padding); every rank decodes every rank's payload, its own included, and sums them in rank
+order, so the replicas stay identical while each summed gradient is within the ranks' bounds of
+the exact sum.
+
 With ``sync_every=k > 1`` the gradients of k iterations are accumulated and applied together:
 replicas stay identical, but lookups see rows up to k-1 updates old (bounded staleness, a change
 of the optimisation math that a user opts into).
@@ -24,6 +30,7 @@ from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec.optim.keyed import KeyedOptimizer
 
 from dlrm.comm.timeout import named_collective
+from dlrm.hot_wire import SyncWire
 
 RULES = ("sgd", "adagrad", "rowwise_adagrad")
 ID_BYTES = 8  # an int64 on the wire (a row's slot, a count)
@@ -32,7 +39,15 @@ ID_BYTES = 8  # an int64 on the wire (a row's slot, a count)
 class HotRowOptimizer(KeyedOptimizer):
     """The optimizer of the replicated rows (``params``: name -> [H, D] weight with a sparse grad)."""
 
-    def __init__(self, params: Mapping[str, torch.nn.Parameter], rule: str, lr: float, eps: float, sync_every: int):
+    def __init__(
+        self,
+        params: Mapping[str, torch.nn.Parameter],
+        rule: str,
+        lr: float,
+        eps: float,
+        sync_every: int,
+        wire: SyncWire | None = None,
+    ):
         if rule not in RULES:
             raise ValueError(f"hot-row replication supports optimizer.sparse.name in {RULES} (got {rule!r})")
         state: dict[Any, Any] = {}
@@ -43,7 +58,7 @@ class HotRowOptimizer(KeyedOptimizer):
                 state[p] = {"momentum": torch.zeros(p.shape[0], dtype=p.dtype, device=p.device)}
         group = {"params": list(params.values()), "lr": lr, "eps": eps}
         super().__init__(dict(params), state, [group])
-        self.rule, self.sync_every = rule, int(sync_every)
+        self.rule, self.sync_every, self.wire = rule, int(sync_every), wire  # wire None: the exact sync
         self.names = list(params)
         self.pending = {n: torch.zeros_like(p) for n, p in params.items()}  # gradients not yet applied
         self.touched = {n: torch.zeros(p.shape[0], dtype=torch.bool, device=p.device) for n, p in params.items()}
@@ -72,11 +87,15 @@ class HotRowOptimizer(KeyedOptimizer):
         """All-gather every rank's touched rows (slots across all tables), sum in rank order, update."""
         params = [self.params[n] for n in self.names]
         bases = torch.tensor([0] + [p.shape[0] for p in params]).cumsum(0).tolist()
-        slots = torch.cat([self.touched[n].nonzero().flatten() + b for n, b in zip(self.names, bases, strict=False)])
-        rows = torch.cat([self.pending[n][self.touched[n]] for n in self.names])
-        total = torch.zeros(bases[-1], params[0].shape[1], dtype=rows.dtype)
+        slots = [self.touched[n].nonzero().flatten() + b for n, b in zip(self.names, bases, strict=False)]
+        rows = [self.pending[n][self.touched[n]] for n in self.names]
+        total = torch.zeros(bases[-1], params[0].shape[1], dtype=params[0].dtype)
         hit = torch.zeros(bases[-1], dtype=torch.bool)
-        for s, r in self._gather(slots, rows):
+        if self.wire is None:
+            gathered = self._gather(torch.cat(slots), torch.cat(rows))
+        else:
+            gathered = self._gather_coded(slots, rows)
+        for s, r in gathered:
             total.index_add_(0, s, r)
             hit[s] = True
         lr, eps = self.param_groups[0]["lr"], self.param_groups[0]["eps"]
@@ -105,6 +124,26 @@ class HotRowOptimizer(KeyedOptimizer):
             (o[: int(c), :2].contiguous().view(torch.int64).flatten(), o[: int(c), 2:])
             for o, c in zip(out, counts, strict=True)
         ]
+
+    def _gather_coded(
+        self, slots: list[torch.Tensor], rows: list[torch.Tensor]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every rank's decoded (slots, rows), in rank order, this rank's own payload decoded too:
+        the sizes all-gathered, then each rank's bytes to every rank unpadded (all_to_all_single of
+        the payload repeated per destination: a variable-size all-gather)."""
+        assert self.wire is not None
+        payload = self.wire.encode(slots, rows, self.steps - 1)  # the iteration of the last step synced
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return [self.wire.decode(payload, 0)]
+        world, n = dist.get_world_size(), int(payload.numel())
+        with named_collective("the coded hot-row gradient exchange (placement.sync_codec=backward)"):
+            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+            dist.all_gather(sizes, torch.tensor([n]))
+            recv = [int(c) for c in sizes]
+            out = torch.empty(sum(recv), dtype=torch.uint8)
+            dist.all_to_all_single(out, payload.repeat(world), recv, [n] * world)
+        self.sent_bytes += (world - 1) * (n + ID_BYTES)  # the payload and its size to every peer
+        return [self.wire.decode(p, src) for src, p in enumerate(out.split(recv))]
 
     def _apply(self, p: torch.Tensor, sel: torch.Tensor, g: torch.Tensor, lr: float, eps: float) -> None:
         """FBGEMM's exact update of rows ``sel`` of ``p`` with their summed gradient ``g``."""

@@ -10,7 +10,8 @@ from typing import Any
 from data.frequency import DEFAULT_TOP_N
 from dlrm.config_checks import check_keys, number, plain_config
 
-_PLACEMENT_KEYS = {"memory_budget", "estimate_batches", "link_mbit", "hot_rows", "sync_every"}
+_PLACEMENT_KEYS = {"memory_budget", "estimate_batches", "link_mbit", "hot_rows", "sync_every", "sync_codec"}
+SYNC_CODECS = ("exact", "backward")
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,7 @@ class PlacementSpec:
     link_mbit: float | None = None  # the link the comm_aware planner prices bytes with (None: timed)
     hot_rows: int | list[int] | str = 0  # ids replicated on every rank: N, N per table, or auto (0: off)
     sync_every: int = 1  # replica gradients summed every k iterations
+    sync_codec: str = "exact"  # the replica gradient sync: exact fp32, or the backward all-to-all's codec
 
     @property
     def replicates(self) -> bool:
@@ -56,6 +58,13 @@ def parse_placement_cfg(cfg: Mapping[str, Any] | None, sharding_type: str, num_t
         raise ValueError(f"{where}.sync_every must be an integer >= 1 (got {k!r})")
     if k > 1 and hot == 0:
         raise ValueError(f"{where}.sync_every={k} has no effect without {where}.hot_rows; set hot_rows or leave it 1")
+    codec = cfg.get("sync_codec", "exact")
+    if codec not in SYNC_CODECS:
+        raise ValueError(f"{where}.sync_codec must be one of {', '.join(SYNC_CODECS)} (got {codec!r})")
+    if codec != "exact" and hot == 0:
+        raise ValueError(
+            f"{where}.sync_codec={codec} has no effect without {where}.hot_rows; set hot_rows or leave it exact"
+        )
     if cfg.get("link_mbit") is not None and sharding_type != "comm_aware":
         raise ValueError(
             f"{where}.link_mbit only applies to sharding=comm_aware (sharding.type is {sharding_type!r}); "
@@ -73,4 +82,4 @@ def parse_placement_cfg(cfg: Mapping[str, Any] | None, sharding_type: str, num_t
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"{where}.estimate_batches must be an integer >= 1, got {n!r}")
     link = None if cfg.get("link_mbit") is None else number(cfg, "link_mbit", where, positive=True)
-    return PlacementSpec(None if budget is None else int(budget), n, link, hot, k)
+    return PlacementSpec(None if budget is None else int(budget), n, link, hot, k, codec)

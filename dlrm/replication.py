@@ -20,11 +20,21 @@ from torchrec.distributed.types import ShardingType
 
 from data.frequency import FeatureFrequency
 from dlrm.checkpoint import CheckpointError
+from dlrm.comm.codec import DirectionCodec
 from dlrm.comm.config import parse_compression_cfg
 from dlrm.comm.timeout import named_collective
-from dlrm.hot_choice import NOMINAL_RATIO, STATE_BYTES_PER_ROW, Wire, choose_auto
+from dlrm.hot_choice import (
+    ID_BYTES,
+    NOMINAL_RATIO,
+    STATE_BYTES_PER_ROW,
+    SYNC_CODEC_RATIO,
+    SYNC_CODEC_SLOT_BYTES,
+    Wire,
+    choose_auto,
+)
 from dlrm.hot_rows import HotSplit, install
 from dlrm.hot_sync import HotRowOptimizer
+from dlrm.hot_wire import SyncWire
 from dlrm.model import table_names
 from dlrm.placement_config import PlacementSpec
 
@@ -54,10 +64,17 @@ def is_main() -> bool:
 
 
 def wire_of(
-    compression: Mapping[str, Any], batch_size: int, world: int, dim: int, sync_every: int, row_bytes: int
+    compression: Mapping[str, Any],
+    batch_size: int,
+    world: int,
+    dim: int,
+    sync_every: int,
+    row_bytes: int,
+    sync_codec: str = "exact",
 ) -> Wire:
-    """The all-to-all's traffic shape for the cost model, from the ``compression`` config group
-    (read as the trainer reads it: ``dedup`` defaults to true; the stock QComms path has none)."""
+    """The all-to-all's and the replica sync's traffic shape for the cost model, from the
+    ``compression`` config group (read as the trainer reads it: ``dedup`` defaults to true; the
+    stock QComms path has none) and ``placement.sync_codec``."""
     name = str(compression["name"])
     spec = parse_compression_cfg(compression)
 
@@ -74,6 +91,8 @@ def wire_of(
         dedup_backward=dedup("backward"),
         sync_every=sync_every,
         row_bytes=row_bytes,
+        sync_ratio=SYNC_CODEC_RATIO if sync_codec == "backward" else 1.0,
+        sync_slot_bytes=SYNC_CODEC_SLOT_BYTES if sync_codec == "backward" else ID_BYTES,
     )
 
 
@@ -95,19 +114,23 @@ class Replication:
     summary: dict[str, Any] = field(default_factory=dict)
 
     def metrics(self, iterations: int) -> dict[str, Any]:
-        """The summary with every rank's sync bytes per iteration (summed) and a crc32 of each rank's
-        replicas (equal digests: identical replicas). A collective."""
+        """The summary with every rank's sync bytes per iteration (summed), the sync's ratio on
+        its rows (fp32 bytes / coded bytes, all ranks; 1 for the exact sync) and a crc32 of each
+        rank's replicas (equal digests: identical replicas). A collective."""
         weights = torch.cat([p.detach().flatten() for p in self.optimizer.params.values()])
-        mine = (self.optimizer.sent_bytes, zlib.crc32(weights.numpy().tobytes()))
+        wire = self.optimizer.wire
+        coded = (wire.raw_row_bytes, wire.coded_row_bytes) if wire is not None else (0, 0)
+        mine = (self.optimizer.sent_bytes, zlib.crc32(weights.numpy().tobytes()), *coded)
         ranks: list[Any] = [mine]
         if dist.is_initialized():
             ranks = [None] * dist.get_world_size()
             dist.all_gather_object(ranks, mine)
-        sent = sum(r[0] for r in ranks)
+        sent, raw, coded = (sum(r[i] for r in ranks) for i in (0, 2, 3))
         return {
             "hot_rows": {
                 **self.summary,
                 "sync_bytes_per_iteration": sent / iterations if iterations else 0.0,
+                "sync_row_ratio": (raw / coded if coded else None) if wire is not None else 1.0,
                 "replica_digest_per_rank": [r[1] for r in ranks],
             }
         }
@@ -181,10 +204,19 @@ def setup_replication(
     compression: Mapping[str, Any],
     batch_size: int,
     dim: int,
+    backward_codec: DirectionCodec | None = None,
 ) -> Replication | None:
-    """Replicate the chosen hot rows in the sharded ``model`` (None when none are chosen)."""
+    """Replicate the chosen hot rows in the sharded ``model`` (None when none are chosen);
+    ``backward_codec`` (the backward all-to-all's) codes the sync with ``sync_codec=backward``."""
     if not spec.replicates:
         return None
+    if spec.sync_codec == "backward" and (backward_codec is None or not backward_codec.bounded):
+        what = "none of ours" if backward_codec is None else f"codec {backward_codec.spec.codec!r}"
+        raise ValueError(
+            f"placement.sync_codec=backward codes the replica sync with compression.backward's error-bounded "
+            f"codec, but compression={compression['name']} has {what} there: use compression=lossy (or auto), "
+            "or placement.sync_codec=exact"
+        )
     world = dist.get_world_size() if dist.is_initialized() else 1
     rule = str(optimizer_cfg["sparse"]["name"])
     if rule not in STATE_BYTES_PER_ROW:
@@ -195,7 +227,7 @@ def setup_replication(
     used = table_memory_per_rank(model, rule)
     free = float("inf") if spec.memory_budget is None else spec.memory_budget - max(used)
     tables = table_names(features)
-    wire = wire_of(compression, batch_size, world, dim, spec.sync_every, row_bytes)
+    wire = wire_of(compression, batch_size, world, dim, spec.sync_every, row_bytes, spec.sync_codec)
     sizes = choose_sizes(spec, tables, freqs, wire, free)
     for t in data_parallel_tables(model) & set(sizes):
         if is_main():
@@ -212,17 +244,23 @@ def setup_replication(
     }
     replicas = install(model, hot_ids, dim)
     sparse = optimizer_cfg["sparse"]
+    coded = None
+    if spec.sync_codec == "backward":
+        assert backward_codec is not None  # checked above
+        coded = SyncWire(backward_codec, list(replicas.weights), [len(w) for w in replicas.weights.values()], dim)
     optimizer = HotRowOptimizer(
         {f"model.sparse_arch.hot.weights.{f}": w for f, w in replicas.weights.items()},  # as the model names them
         rule,
         lr=float(sparse["lr"]),
         eps=float(sparse.get("eps", 1e-8)),
         sync_every=spec.sync_every,
+        wire=coded,
     )
     replica_bytes = sum(sizes.values()) * row_bytes
     summary = {
         "tables": sizes,
         "sync_every": spec.sync_every,
+        "sync_codec": spec.sync_codec,
         "replica_bytes_per_rank": replica_bytes,
         "memory_bytes_per_rank": [u + replica_bytes for u in used],  # tables, their state and replicas
     }

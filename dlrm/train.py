@@ -124,8 +124,17 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
     table_freqs = dict(zip(table_names(data.features), freqs, strict=True))
     if traffic is not None and env.is_main:
         log_plan(tables, traffic, table_freqs)
+    runtime = compression_runtime(sharders)
     replication = setup_replication(
-        placement, model, data.features, freqs, cfg.optimizer, cfg.compression, cfg.batch_size, dim
+        placement,
+        model,
+        data.features,
+        freqs,
+        cfg.optimizer,
+        cfg.compression,
+        cfg.batch_size,
+        dim,
+        backward_codec=runtime.backward if runtime is not None else None,
     )
     meter = WireMeter(
         sum(t.num_embeddings * t.dim for t in tables if t.kind == "data_parallel"),
