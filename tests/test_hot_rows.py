@@ -171,7 +171,7 @@ def test_auto_stays_within_the_memory_budget():
 
 def test_the_coded_sync_is_priced_at_its_nominal_ratio_with_int32_slots_and_replicates_more():
     freq = _freq(np.arange(1, 20001, dtype=np.float64) ** -1.2)
-    lossy = {"name": "lossy", "forward": {"dedup": True}, "backward": {"dedup": True}}
+    lossy = {"name": "lossy", "forward": {"codec": "lossy"}, "backward": {"codec": "lossy"}}
     exact = wire_of(lossy, 2048, 2, 64, 1, 260)
     coded = wire_of(lossy, 2048, 2, 64, 1, 260, sync_codec="backward")
     assert (coded.sync_ratio, coded.sync_slot_bytes, exact.sync_ratio, exact.sync_slot_bytes) == (4.0, 4, 1.0, 8)
