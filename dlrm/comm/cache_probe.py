@@ -92,14 +92,15 @@ class CacheProbe:
             worst = 0.0
             for k, (mirror, uid, exact, fresh, moved) in enumerate(after):
                 n_fresh, n_moved = int(fresh.sum()), int(moved.sum())
+                held_now = mirror.rows(uid)  # hits keep what is held
                 if delta:  # the destination adds the decoded difference to what it holds
-                    new = values[k][n_fresh : n_fresh + n_moved] + mirror.rows(uid[moved])
-                    mirror.put(uid[moved], new)
+                    new = values[k][n_fresh : n_fresh + n_moved] + held_now[moved]
+                    held_now[moved] = new
                     worst = max(worst, _over_bound(new, exact[moved], bounds[k]))
                 sent = decoded[firsts[k][fresh], starts[k] : starts[k] + widths[k]]
                 worst = max(worst, _over_bound(sent, exact[fresh], bounds[k]))
-                mirror.put(uid[fresh], sent)
-                mirror.touch(uid)  # ascending ids: the canonical order of the dedup plan
+                held_now[fresh] = sent
+                mirror.store(uid, held_now)  # every id of the batch becomes the most recent
             stats.add(f"forward/{scheme}/payload_bytes", payload.numel())
             stats.add(f"forward/{scheme}/cached_bytes", coded + math.ceil(held_total / 8))  # + bitmap of held
             stats.maximum(f"forward/{scheme}/max_error_over_bound", worst)
