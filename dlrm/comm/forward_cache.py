@@ -22,6 +22,7 @@ rank (:meth:`ForwardCache.clear`), so a resumed run matches an uninterrupted one
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -77,30 +78,33 @@ class ForwardCache:
             rows = firsts[k]
             uid = ids[rows, k]
             cache = self._cache("send", dst, f, k, w, chunk.dtype)
-            held, cached = cache.lookup(uid)
+            slots, held = cache.find(uid)
+            cached = cache.gather(slots)
             exact = chunk[rows, c : c + w]
-            err = (exact - cached).abs().amax(dim=1) if w else exact.new_zeros(rows.numel())
-            hit = held & (err <= bounds[k])  # NaN errors (non-finite rows) are not hits
+            # NaN compares false: a row with a NaN (exact or held) is never a hit
+            hit = held & ((exact - cached).abs() <= bounds[k]).all(dim=1)
             moved = held & ~hit
-            room = _delta_bound(exact, cached[held], bounds[k])
-            delta = bool(moved.any()) and room > 0
+            room = _delta_bound(exact[moved], cached[moved], bounds[k])
+            delta = room > 0 and bool(moved.any())
             fresh = ~held
             flags.append(int(delta))
             bits.append(moved[held])
             sends.append(torch.cat([exact[fresh], exact[moved] - cached[moved] if delta else exact[moved]]))
             sent_ids.append(torch.cat([uid[fresh], uid[moved]]))
             coded_bounds.append(room if delta else bounds[k])
-            steps.append((cache, uid, hit, fresh, moved, cached, delta))
-            for name, n in (("unique_rows", uid.numel()), ("held_rows", held.sum()), ("hit_rows", hit.sum())):
-                counts[name] += int(n)
-            counts["moved_rows"] += int(moved.sum()) if delta else 0
+            steps.append((cache, uid, slots, fresh, moved, cached, delta))
+            n_held, n_hit = int(held.sum()), int(hit.sum())
+            counts["unique_rows"] += uid.numel()
+            counts["held_rows"] += n_held
+            counts["hit_rows"] += n_hit
+            counts["moved_rows"] += n_held - n_hit if delta else 0
             c += w
         inner = _code(dc, sends, sent_ids, widths, coded_bounds)
         values = _decode(dc, inner, sent_ids, widths)
         out = chunk.new_empty(chunk.shape)
         c = 0
-        for k, (cache, uid, hit, fresh, moved, cached, delta) in enumerate(steps):
-            unique = _apply(cache, uid, hit, fresh, moved, cached, delta, values[k])
+        for k, (cache, uid, slots, fresh, moved, cached, delta) in enumerate(steps):
+            unique = _apply(cache, uid, slots, fresh, moved, cached, delta, values[k])
             out[:, c : c + widths[k]] = unique[plan.inverse[k]] if plan.inverse is not None else unique
             c += widths[k]
         head = torch.tensor(flags, dtype=torch.uint8)
@@ -126,44 +130,49 @@ class ForwardCache:
         for k, (f, w) in enumerate(zip(features, widths, strict=True)):
             uid = ids[firsts[k], k]
             cache = self._cache("recv", src, f, k, w, torch.float32 if out is None else out.dtype)
-            looked.append((cache, uid, *cache.lookup(uid)))
-        n_held = sum(int(h.sum()) for _, _, h, _ in looked)
+            slots, held = cache.find(uid)
+            looked.append((cache, uid, slots, held))
+        n_held = sum(int(h.sum()) for *_, h in looked)
         n_bytes = (n_held + 7) // 8
         bits = torch.from_numpy(np.unpackbits(payload[nb : nb + n_bytes].numpy())[:n_held].astype(bool))
         inner = payload[nb + n_bytes :].clone()  # aligned (format.view_as fails on an empty misaligned section)
         sent_ids, steps, at = [], [], 0
-        for (cache, uid, held, cached), flag in zip(looked, flags, strict=True):
+        for (cache, uid, slots, held), flag in zip(looked, flags, strict=True):
             h = int(held.sum())
             moved = torch.zeros_like(held)
             moved[held] = bits[at : at + h]
             at += h
             fresh = ~held
             sent_ids.append(torch.cat([uid[fresh], uid[moved]]))
-            steps.append((cache, uid, held & ~moved, fresh, moved, cached, bool(flag)))
+            steps.append((cache, uid, slots, fresh, moved, cache.gather(slots), bool(flag)))
         values = _decode(dc, inner, sent_ids, widths)
         rows = ids.shape[0]
         if out is None:
             out = torch.empty(rows, sum(widths), dtype=torch.float32)
         c = 0
-        for k, (cache, uid, hit, fresh, moved, cached, delta) in enumerate(steps):
-            unique = _apply(cache, uid, hit, fresh, moved, cached, delta, values[k])
+        for k, (cache, uid, slots, fresh, moved, cached, delta) in enumerate(steps):
+            unique = _apply(cache, uid, slots, fresh, moved, cached, delta, values[k])
             out[:, c : c + widths[k]] = unique[plan.inverse[k]] if plan.inverse is not None else unique
             c += widths[k]
         return out
 
 
 def _delta_bound(exact: torch.Tensor, held: torch.Tensor, bound: float) -> float:
-    """The bound for differences: ``bound`` less what fp32 rounding of ``exact - held`` and of
-    ``held + decoded`` can add (at most ~2.5 eps x the largest magnitude; 4 taken)."""
-    m = max(float(exact.abs().max()) if exact.numel() else 0.0, float(held.abs().max()) if held.numel() else 0.0)
+    """The bound for the differences ``exact - held`` of moved rows: ``bound`` less what fp32
+    rounding of ``exact - held`` and of ``held + decoded`` can add (at most ~2.5 eps x the largest
+    magnitude; 4 taken). Negative (send whole) where any value is non-finite: a NaN or inf
+    difference cannot restore the exact value."""
+    if exact.numel() == 0:
+        return bound
+    m = float(torch.maximum(exact.abs().amax(), held.abs().amax()))  # NaN-propagating, unlike max()
     room = bound - 4 * EPS * m
-    return room if room == room else -1.0  # NaN (non-finite values): no room
+    return room if math.isfinite(room) else -1.0
 
 
 def _apply(
     cache: RowCache,
     uid: torch.Tensor,
-    hit: torch.Tensor,
+    slots: torch.Tensor,
     fresh: torch.Tensor,
     moved: torch.Tensor,
     cached: torch.Tensor,
@@ -171,14 +180,14 @@ def _apply(
     values: torch.Tensor,
 ) -> torch.Tensor:
     """The unique rows as decoded (held for hits, decoded for fresh, held + difference for
-    moved), stored the same way on both sides; then every id of the batch is touched."""
+    moved), stored the same way on both sides (which makes every id of the batch the most
+    recent). ``cached`` (the held rows, gathered for this call) becomes the result."""
     n_fresh, n_moved = int(fresh.sum()), int(moved.sum())
-    unique = cached.clone()
+    unique = cached
     unique[fresh] = values[:n_fresh]
     moved_rows = values[n_fresh : n_fresh + n_moved]
-    unique[moved] = cached[moved] + moved_rows if delta else moved_rows
-    cache.put(uid[~hit], unique[~hit])
-    cache.touch(uid)  # ascending ids: the dedup plan's canonical order
+    unique[moved] = unique[moved] + moved_rows if delta else moved_rows
+    cache.store(uid, unique, slots)
     return unique
 
 
