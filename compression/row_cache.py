@@ -50,28 +50,34 @@ class RowCache:
         index = self._ids.nbytes + self._slots.nbytes + self._ticks.nbytes + self._free.nbytes
         return self._rows.numel() * self._rows.element_size() + index
 
-    def find(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def find(self, ids: torch.Tensor | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """(slots int64 [n]: the row holding each id, -1 where not held; held bool [n])."""
-        slots = self._find(_host_ids(ids))
+        slots = self._find(_host(ids))
         return torch.from_numpy(slots), torch.from_numpy(slots >= 0)
 
-    def gather(self, slots: torch.Tensor) -> torch.Tensor:
+    def gather(self, slots: torch.Tensor | np.ndarray) -> torch.Tensor:
         """Rows [n, dim] at ``slots`` (from :meth:`find`); zeros where a slot is -1."""
-        held = slots >= 0
+        s = _host(slots)
         if self._rows.shape[0] == 0:
-            return self._rows.new_zeros(slots.numel(), self.dim)
-        rows = self._rows.index_select(0, slots.clamp(min=0))
-        return rows.masked_fill_(~held.unsqueeze(1), 0)
+            return self._rows.new_zeros(s.size, self.dim)
+        held = s >= 0
+        if held.all():
+            return self._rows[torch.from_numpy(s)]
+        rows = self._rows.new_zeros(s.size, self.dim)
+        rows[torch.from_numpy(held)] = self._rows[torch.from_numpy(s[held])]
+        return rows
 
-    def store(self, ids: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor | None = None) -> None:
+    def store(
+        self, ids: torch.Tensor | np.ndarray, rows: torch.Tensor, slots: torch.Tensor | np.ndarray | None = None
+    ) -> None:
         """Hold ``rows`` [n, dim] under ``ids`` (unique), making them the most recent, then evict
         past the capacity (module docstring). ``slots``: :meth:`find`'s answer for these ids, if
         nothing changed the cache since (saves the search)."""
-        q = _host_ids(ids)
+        q = _host(ids)
         if q.size == 0:
             return
         self._clock += 1
-        s = self._find(q) if slots is None else slots.numpy().copy()
+        s = self._find(q) if slots is None else _host(slots).copy()
         held = s >= 0
         self._ticks[s[held]] = self._clock
         new = np.flatnonzero(~held)
@@ -127,10 +133,14 @@ class RowCache:
         self._free = self._free[: self._free.size - k]
         s[where] = got
         self._ticks[got] = self._clock
-        order = np.argsort(new_ids, kind="stable")
-        at = np.searchsorted(self._ids, new_ids[order])
-        self._ids = np.insert(self._ids, at, new_ids[order])
-        self._slots = np.insert(self._slots, at, got[order])
+        order = np.argsort(new_ids)
+        at = np.searchsorted(self._ids, new_ids[order]) + np.arange(k)  # places in the merged index
+        ids, slots = np.empty(self._ids.size + k, dtype=np.int64), np.empty(self._ids.size + k, dtype=np.int64)
+        old = np.ones(ids.size, dtype=bool)
+        old[at] = False
+        ids[at], slots[at] = new_ids[order], got[order]
+        ids[old], slots[old] = self._ids, self._slots
+        self._ids, self._slots = ids, slots
 
     def _grow(self, need: int) -> None:
         n = self._rows.shape[0]
@@ -154,5 +164,8 @@ def _smallest(ticks: np.ndarray, k: int) -> np.ndarray:
     return np.argpartition(key, k - 1)[:k]
 
 
-def _host_ids(ids: torch.Tensor) -> np.ndarray:
-    return ids.detach().reshape(-1).to("cpu", torch.int64).numpy()
+def _host(x: torch.Tensor | np.ndarray) -> np.ndarray:
+    """int64 host array of ids or slots."""
+    if isinstance(x, np.ndarray):
+        return x.reshape(-1).astype(np.int64, copy=False)
+    return x.detach().reshape(-1).to("cpu", torch.int64).numpy()
