@@ -43,7 +43,7 @@ class ReferenceLRU:
         self.capacity, self.rows = capacity, OrderedDict()
 
     def store(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        for i, r in sorted(zip(ids.tolist(), rows.unbind(0)), key=lambda p: p[0]):
+        for i, r in sorted(zip(ids.tolist(), rows.unbind(0), strict=True), key=lambda p: p[0]):
             self.rows[i] = r.clone()
             self.rows.move_to_end(i)
         while self.capacity and len(self.rows) > self.capacity:
@@ -148,16 +148,19 @@ def test_probe_counts_rows_within_the_bound_of_what_the_receiver_decoded():
         payload = dc.encode(chunk, [dim], [eb], ids)
         probe.observe(dc, chunk, ids, payload, ["f"], [dim], [eb], 1, stats)
     expected = _brute_force_hits(steps, eb, lambda c, i: dc.codec.decode(dc.encode(c, [dim], [eb], i), i))
-    assert stats.sums["forward/cache/held_rows"] == sum(h for h, _ in expected)
-    assert stats.sums["forward/cache/hit_rows/f"] == sum(h for _, h in expected)
-    assert 0 < stats.sums["forward/cache/hit_rows"] < stats.sums["forward/cache/held_rows"]
+    assert stats.sums["forward/cache_probe/held_rows"] == sum(h for h, _ in expected)
+    assert stats.sums["forward/cache_probe/hit_rows/f"] == sum(h for _, h in expected)
+    assert 0 < stats.sums["forward/cache_probe/hit_rows"] < stats.sums["forward/cache_probe/held_rows"]
     # the delta scheme holds the same ids (eviction follows ids alone), codes moved rows smaller,
     # and what its destination would hold stays within the bound
-    assert stats.sums["forward/cache_delta/held_rows"] == stats.sums["forward/cache/held_rows"]
-    assert stats.sums["forward/cache_delta/cached_bytes"] < stats.sums["forward/cache/cached_bytes"]
-    assert stats.maxes["forward/cache_delta/max_error_over_bound"] <= 1 + 1e-4
+    assert stats.sums["forward/cache_delta_probe/held_rows"] == stats.sums["forward/cache_probe/held_rows"]
+    assert stats.sums["forward/cache_delta_probe/cached_bytes"] < stats.sums["forward/cache_probe/cached_bytes"]
+    assert stats.maxes["forward/cache_delta_probe/max_error_over_bound"] <= 1 + 1e-4
     d = derive(stats.sums, stats.maxes)
-    assert d["comm/forward/cache_hit"] == stats.sums["forward/cache/hit_rows"] / stats.sums["forward/cache/unique_rows"]
+    assert (
+        d["comm/forward/cache_probe_hit"]
+        == stats.sums["forward/cache_probe/hit_rows"] / stats.sums["forward/cache_probe/unique_rows"]
+    )
 
 
 def test_probe_prices_unchanged_rows_at_about_a_bit():
@@ -168,10 +171,10 @@ def test_probe_prices_unchanged_rows_at_about_a_bit():
     probe, stats = CacheProbe(capacity_rows=64), CommStats()
     payload = dc.encode(chunk, [dim], [eb], ids)
     probe.observe(dc, chunk, ids, payload, ["f"], [dim], [eb], 1, stats)
-    first = stats.sums["forward/cache/cached_bytes"]
+    first = stats.sums["forward/cache_probe/cached_bytes"]
     probe.observe(dc, chunk, ids, payload, ["f"], [dim], [eb], 1, stats)  # nothing moved: all hit
-    second = stats.sums["forward/cache/cached_bytes"] - first
-    assert first >= payload.numel() and stats.sums["forward/cache/hit_rows"] == 64
+    second = stats.sums["forward/cache_probe/cached_bytes"] - first
+    assert first >= payload.numel() and stats.sums["forward/cache_probe/hit_rows"] == 64
     # a 64-bit bitmap plus the payload of one zero row (a block with no misses still carries one)
     one_row = dc.encode(torch.zeros(1, dim), [dim], [eb], torch.full((1, 1), -1)).numel()
     assert second == 64 / 8 + one_row < payload.numel() / 5
@@ -220,4 +223,4 @@ def test_every_held_row_stays_within_the_bound_of_its_exact_value_with_several_b
             assert held.all() and len(mirror) <= 24, (scheme, k)  # this batch's ids were just sent
             err = (rows - tables[k][uid]).abs().max()
             assert err <= eb * (1 + 1e-5), (scheme, k, step, float(err))
-    assert stats.sums["forward/cache/hit_rows/a"] > stats.sums["forward/cache/hit_rows/b"]
+    assert stats.sums["forward/cache_probe/hit_rows/a"] > stats.sums["forward/cache_probe/hit_rows/b"]

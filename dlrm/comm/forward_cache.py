@@ -22,6 +22,7 @@ rank (:meth:`ForwardCache.clear`), so a resumed run matches an uninterrupted one
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -69,7 +70,8 @@ class ForwardCache:
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, int]]:
         """(payload for global rank ``dst``, the chunk as ``dst`` will decode it, row counts:
         ``unique_rows``, ``held_rows``, ``hit_rows``, ``moved_rows`` sent as differences)."""
-        x, firsts, inverse, idn = _unpack(chunk.detach(), ids)
+        firsts, inverse, idn = _unpack(ids)
+        x = chunk.detach().numpy()
         flags, bits, sends, sent_ids, coded_bounds, steps = [], [], [], [], [], []
         counts = dict.fromkeys(("unique_rows", "held_rows", "hit_rows", "moved_rows"), 0)
         c = 0
@@ -119,7 +121,7 @@ class ForwardCache:
         """The chunk global rank ``src`` sent (into ``out`` if given), updating our caches alike."""
         if out is None:
             out = torch.empty(ids.shape[0], sum(widths), dtype=torch.float32)
-        _, firsts, inverse, idn = _unpack(None, ids)
+        firsts, inverse, idn = _unpack(ids)
         nb = len(widths)
         raw = payload.numpy()
         flags = raw[:nb].tolist()
@@ -146,15 +148,13 @@ class ForwardCache:
         return out
 
 
-def _unpack(
-    chunk: torch.Tensor | None, ids: torch.Tensor
-) -> tuple[np.ndarray | None, list[np.ndarray], np.ndarray | None, np.ndarray]:
-    """Host views: the chunk, each block's first rows of its unique ids (ascending ids: the dedup
+def _unpack(ids: torch.Tensor) -> tuple[list[np.ndarray], np.ndarray | None, np.ndarray]:
+    """Host views: each block's first rows of its unique ids (ascending ids: the dedup
     plan's canonical order), the plan's inverse [n_blocks, rows] (None: identity), the ids."""
     plan = plan_by_ids(ids)
     firsts = np.split(plan.first.numpy(), np.cumsum(plan.counts.numpy())[:-1])
     inverse = None if plan.inverse is None else plan.inverse.numpy()
-    return None if chunk is None else chunk.numpy(), firsts, inverse, ids.numpy()
+    return firsts, inverse, ids.numpy()
 
 
 def _look(cache: RowCache, uid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -176,7 +176,11 @@ def _delta_bound(exact: np.ndarray, held: np.ndarray, bound: float) -> float:
 
 
 def _finish(
-    steps: Sequence[tuple], values: Sequence[np.ndarray], inverse: np.ndarray | None, widths: Sequence[int], out: np.ndarray
+    steps: Sequence[tuple],
+    values: Sequence[np.ndarray],
+    inverse: np.ndarray | None,
+    widths: Sequence[int],
+    out: np.ndarray,
 ) -> None:
     """Per block: the unique rows as decoded (held for hits, decoded for fresh, held +
     difference for moved), stored the same way on both sides (which makes every id of the batch
@@ -224,9 +228,11 @@ def _code(
     return dc.encode(torch.from_numpy(cols), widths, bounds, torch.from_numpy(ids))
 
 
-def _decode(dc: DirectionCodec, inner: torch.Tensor, sent_ids: Sequence[np.ndarray], widths: Sequence[int]) -> list[np.ndarray]:
+def _decode(
+    dc: DirectionCodec, inner: torch.Tensor, sent_ids: Sequence[np.ndarray], widths: Sequence[int]
+) -> list[np.ndarray]:
     """Each block's decoded rows of :func:`_code`'s payload (both sides rebuild the same ids)."""
     _, ids = _padded_ids(sent_ids)
     rows = dc.codec.decode(inner, torch.from_numpy(ids)).numpy()
     starts = np.cumsum([0, *widths])
-    return [rows[:, a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
+    return [rows[:, a:b] for a, b in itertools.pairwise(starts)]
