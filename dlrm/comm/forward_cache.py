@@ -16,8 +16,12 @@ its unique ids in ascending order:
 Payload: one flag byte per block (1: moved rows travel as differences), the bits of every held
 id (packed), then one lossy payload of each block's fresh rows then moved rows, with ids
 ``fresh ++ moved`` (padded, see :func:`_code`). Only
-training forwards use the caches (evaluation sends as today); a checkpoint clears them on every
-rank (:meth:`ForwardCache.clear`), so a resumed run matches an uninterrupted one bit for bit.
+training forwards use the caches (evaluation sends as today); saving or loading a checkpoint
+clears them on every rank (:meth:`ForwardCache.clear`, through
+``CompressionRuntime.start_over``), so a resumed run matches an uninterrupted one bit for bit.
+
+Each block is classified, merged and stored in a few whole-array operations on host (numpy)
+views of the chunk: the cache path runs on CPU tensors.
 """
 
 from __future__ import annotations
