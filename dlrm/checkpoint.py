@@ -18,7 +18,7 @@ import logging
 import random
 import shutil
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -218,8 +218,10 @@ class Checkpointer:
         parts: Mapping[str, Stateful | None],
         keep: int = 2,
         rank_parts: Mapping[str, Stateful | None] | None = None,
+        on_checkpoint: Sequence[Callable[[], None]] = (),
     ) -> None:
         self.root, self.env, self.model, self.optimizer, self.keep = root, env, model, optimizer, keep
+        self.on_checkpoint = list(on_checkpoint)  # run on every rank at each save and at a resume
         self.parts = {name: part for name, part in parts.items() if part is not None}
         self.rank_parts = {name: part for name, part in (rank_parts or {}).items() if part is not None}
 
@@ -242,6 +244,8 @@ class Checkpointer:
             part.load_state_dict(saved.get(name, {}))
         for name, part in self.rank_parts.items():
             part.load_state_dict(mine.get(name, {}))
+        for hook in self.on_checkpoint:
+            hook()
         state = TrainState(iteration=saved["iteration"], epoch=saved["epoch"], batch_in_epoch=saved["batch_in_epoch"])
         if self.env.is_main:
             log.info(
@@ -284,6 +288,8 @@ class Checkpointer:
 
     def save(self, state: TrainState) -> Path:
         """Checkpoint ``state`` (a collective: every rank calls it)."""
+        for hook in self.on_checkpoint:
+            hook()
         train_state = {
             **state.position(),
             "world_size": self.env.world_size,

@@ -179,6 +179,8 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
             "compression": compression_runtime(sharders),
             "hot_rows": PendingHotGradients(replication.optimizer) if replication else None,
         },
+        # the forward row caches start over at each checkpoint, on every rank (resume is exact)
+        on_checkpoint=[runtime.start_over] if (runtime := compression_runtime(sharders)) is not None else [],
     )
     state = ckpt.resume(cfg.resume)
     set_iteration(model, state.iteration)  # the policies' iteration continues where it was

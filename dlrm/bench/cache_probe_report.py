@@ -19,13 +19,13 @@ from pathlib import Path
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 TAGS = {
-    "unique": "comm/forward/cache/unique_rows",
-    "held": "comm/forward/cache/held_rows",
-    "hit": "comm/forward/cache/hit_rows",
-    "payload": "comm/forward/cache/payload_bytes",
-    "cached": "comm/forward/cache/cached_bytes",
-    "delta_hit": "comm/forward/cache_delta/hit_rows",
-    "delta_cached": "comm/forward/cache_delta/cached_bytes",
+    "unique": "comm/forward/cache_probe/unique_rows",
+    "held": "comm/forward/cache_probe/held_rows",
+    "hit": "comm/forward/cache_probe/hit_rows",
+    "payload": "comm/forward/cache_probe/payload_bytes",
+    "cached": "comm/forward/cache_probe/cached_bytes",
+    "delta_hit": "comm/forward/cache_delta_probe/hit_rows",
+    "delta_cached": "comm/forward/cache_delta_probe/cached_bytes",
     "raw": "comm/forward/raw_bytes",
     "wire": "comm/forward/wire_bytes",
 }

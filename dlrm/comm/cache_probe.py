@@ -15,7 +15,7 @@ today; ``cache_delta`` sends its difference from the held value instead (same bo
 differences quantise to small integers, which the entropy coder packs tighter), the destination
 holding held + decoded difference. Nothing changes on the wire: this only measures.
 
-Statistics per scheme (``forward/<scheme>/...``, see :mod:`dlrm.comm.stats`): ``unique_rows``,
+Statistics per scheme (``forward/<scheme>_probe/...``, see :mod:`dlrm.comm.stats`): ``unique_rows``,
 ``held_rows``, ``hit_rows`` (also per feature), ``payload_bytes`` (what was sent for the probed
 chunks), ``cached_bytes`` (what the scheme would send), ``max_error_over_bound`` (what the
 destination would hold against the exact rows) and ``mirror_bytes``.
@@ -34,6 +34,12 @@ from dlrm.comm.codec import DirectionCodec
 from dlrm.comm.stats import CommStats
 
 SCHEMES = ("cache", "cache_delta")
+
+
+def prefix(scheme: str) -> str:
+    """Statistics prefix of a scheme (``forward/cache_probe``, ``forward/cache_delta_probe``): the
+    built row cache owns ``forward/cache/...``."""
+    return f"forward/{scheme}_probe"
 
 
 class CacheProbe:
@@ -86,24 +92,25 @@ class CacheProbe:
                 n_held, n_hit = int(held.sum()), int(hit.sum())
                 held_total += n_held
                 for name, v in (("unique_rows", rows.numel()), ("held_rows", n_held), ("hit_rows", n_hit)):
-                    stats.add(f"forward/{scheme}/{name}/{f}", v)
-                    stats.add(f"forward/{scheme}/{name}", v)
+                    stats.add(f"{prefix(scheme)}/{name}/{f}", v)
+                    stats.add(f"{prefix(scheme)}/{name}", v)
             coded, values = _code(dc, sends, sent_ids, widths, bounds)
             worst = 0.0
             for k, (mirror, uid, exact, fresh, moved) in enumerate(after):
                 n_fresh, n_moved = int(fresh.sum()), int(moved.sum())
+                held_now = mirror.rows(uid)  # hits keep what is held
                 if delta:  # the destination adds the decoded difference to what it holds
-                    new = values[k][n_fresh : n_fresh + n_moved] + mirror.rows(uid[moved])
-                    mirror.put(uid[moved], new)
+                    new = values[k][n_fresh : n_fresh + n_moved] + held_now[moved]
+                    held_now[moved] = new
                     worst = max(worst, _over_bound(new, exact[moved], bounds[k]))
                 sent = decoded[firsts[k][fresh], starts[k] : starts[k] + widths[k]]
                 worst = max(worst, _over_bound(sent, exact[fresh], bounds[k]))
-                mirror.put(uid[fresh], sent)
-                mirror.touch(uid)  # ascending ids: the canonical order of the dedup plan
-            stats.add(f"forward/{scheme}/payload_bytes", payload.numel())
-            stats.add(f"forward/{scheme}/cached_bytes", coded + math.ceil(held_total / 8))  # + bitmap of held
-            stats.maximum(f"forward/{scheme}/max_error_over_bound", worst)
-            stats.maximum(f"forward/{scheme}/mirror_bytes", self.nbytes(scheme))
+                held_now[fresh] = sent
+                mirror.store(uid, held_now)  # every id of the batch becomes the most recent
+            stats.add(f"{prefix(scheme)}/payload_bytes", payload.numel())
+            stats.add(f"{prefix(scheme)}/cached_bytes", coded + math.ceil(held_total / 8))  # + bitmap of held
+            stats.maximum(f"{prefix(scheme)}/max_error_over_bound", worst)
+            stats.maximum(f"{prefix(scheme)}/mirror_bytes", self.nbytes(scheme))
 
 
 def _over_bound(held: torch.Tensor, exact: torch.Tensor, bound: float) -> float:

@@ -105,15 +105,17 @@ def comm_summary(
         "backward_ratio": d.get("comm/backward/ratio", 1.0),
         "max_abs_error_seen": d.get("comm/max_abs_error_seen", 0.0),
     }
-    if "comm/forward/cache_bytes" in d:  # compression.forward.cache: the largest rank's caches
+    if "comm/forward/cache_bytes" in d:  # compression.forward.cache: the largest rank's allocation
         out["cache_bytes_per_rank"] = d["comm/forward/cache_bytes"]
-    for scheme in ("cache", "cache_delta"):  # compression.stats.cache_probe
+        out["cache_hit_share"] = d.get("comm/forward/cache_hit", 0.0)
+        out["cache_held_share"] = d.get("comm/forward/cache_held", 0.0)
+    for scheme in ("cache_probe", "cache_delta_probe"):  # compression.stats.cache_probe
         if f"comm/forward/{scheme}_hit" in d:
-            out[f"{scheme}_probe_hit_share"] = d[f"comm/forward/{scheme}_hit"]
-            out[f"{scheme}_probe_held_share"] = d[f"comm/forward/{scheme}_held"]
-            out[f"{scheme}_probe_gain"] = d.get(f"comm/forward/{scheme}_gain", 1.0)
-            out[f"{scheme}_probe_bytes_per_rank"] = d.get(f"comm/forward/{scheme}/mirror_bytes", 0.0)
-            out[f"{scheme}_probe_max_error_over_bound"] = d.get(f"comm/forward/{scheme}/max_error_over_bound", 0.0)
+            out[f"{scheme}_hit_share"] = d[f"comm/forward/{scheme}_hit"]
+            out[f"{scheme}_held_share"] = d[f"comm/forward/{scheme}_held"]
+            out[f"{scheme}_gain"] = d.get(f"comm/forward/{scheme}_gain", 1.0)
+            out[f"{scheme}_bytes_per_rank"] = d.get(f"comm/forward/{scheme}/mirror_bytes", 0.0)
+            out[f"{scheme}_max_error_over_bound"] = d.get(f"comm/forward/{scheme}/max_error_over_bound", 0.0)
     if spec is not None and spec.kind == "qcomm":
         out.update(qcomm_ratios(spec))
     if dense is not None:

@@ -61,12 +61,15 @@ class CompressionRuntime:
         return self.forward.dedup or self.backward.dedup
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's codec state (DCT-MP thresholds), for its checkpoint. A checkpoint is also
-        where every rank's forward row caches start over (the pipeline is drained; a resumed run
-        starts empty too), so that a resumed run repeats an uninterrupted one exactly."""
+        """This rank's codec state (DCT-MP thresholds), for its checkpoint (no side effects)."""
+        return {d: c.state_dict() for d, c in self.codecs.items()}
+
+    def start_over(self) -> None:
+        """Forget the forward row caches. The checkpointer calls it on every rank when it saves or
+        loads a checkpoint (the pipeline is drained there), so a resumed run, which starts empty,
+        repeats an uninterrupted one exactly."""
         if self.forward_cache is not None:
             self.forward_cache.clear()
-        return {d: c.state_dict() for d, c in self.codecs.items()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         for d, c in self.codecs.items():

@@ -104,10 +104,12 @@ def derive(sums: Mapping[str, float], maxes: Mapping[str, float]) -> dict[str, f
 
 
 def _cache_probe(sums: Mapping[str, float]) -> dict[str, float]:
-    """The row cache probe's shares (of a batch's unique rows, per destination) and byte gain,
-    per scheme (``cache``, ``cache_delta``: :mod:`dlrm.comm.cache_probe`)."""
+    """Shares of a batch's unique forward rows (per destination) whose id is held and that were
+    hits, and the byte gain: for the built row cache (``comm/forward/cache_hit``, ``cache_held``:
+    :mod:`dlrm.comm.forward_cache`) and per scheme of the probe (``cache_probe_*``,
+    ``cache_delta_probe_*``: :mod:`dlrm.comm.cache_probe`)."""
     out: dict[str, float] = {}
-    for scheme in ("cache", "cache_delta"):
+    for scheme in ("cache", "cache_probe", "cache_delta_probe"):
         prefix = f"forward/{scheme}/unique_rows"
         for k, unique in sums.items():
             if k.startswith(prefix) and unique > 0:
