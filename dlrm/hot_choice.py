@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from data.frequency import FeatureFrequency
+from data.frequency import FeatureFrequency, seen_probability
 
 log = logging.getLogger(__name__)
 ID_BYTES = 8
@@ -84,8 +84,8 @@ class Pricing:
 def price(freq: FeatureFrequency, hot: int, w: Wire) -> Pricing:
     """The model of the module docstring for the ``hot`` hottest ids of one table."""
     p = np.minimum(freq.probabilities()[:hot], 1 - 1e-12)
-    distinct = float(-np.expm1(w.lookups * np.log1p(-p)).sum())
-    distinct_k = float(-np.expm1(w.sync_every * w.lookups * np.log1p(-p)).sum())
+    distinct = float(seen_probability(p, w.lookups).sum())
+    distinct_k = float(seen_probability(p, w.sync_every * w.lookups).sum())
     hot_lookups = w.lookups * float(p.sum())
     rows = distinct * (w.dedup_forward + w.dedup_backward)  # a bag emptied by replication still travels
     saved = (w.world - 1) * (rows * 4 * w.dim / w.ratio + hot_lookups * ID_BYTES)
