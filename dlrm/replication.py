@@ -21,7 +21,7 @@ from torchrec.distributed.types import ShardingType
 from data.frequency import FeatureFrequency
 from dlrm.checkpoint import CheckpointError
 from dlrm.comm.codec import DirectionCodec
-from dlrm.comm.config import parse_compression_cfg
+from dlrm.comm.config import CompressionSpec
 from dlrm.comm.timeout import named_collective
 from dlrm.hot_choice import (
     ID_BYTES,
@@ -64,7 +64,7 @@ def is_main() -> bool:
 
 
 def wire_of(
-    compression: Mapping[str, Any],
+    compression: CompressionSpec,
     batch_size: int,
     world: int,
     dim: int,
@@ -72,21 +72,18 @@ def wire_of(
     row_bytes: int,
     sync_codec: str = "exact",
 ) -> Wire:
-    """The all-to-all's and the replica sync's traffic shape for the cost model, from the
-    ``compression`` config group (read as the trainer reads it: ``dedup`` defaults to true; the
-    stock QComms path has none) and ``placement.sync_codec``."""
-    name = str(compression["name"])
-    spec = parse_compression_cfg(compression)
+    """The all-to-all's and the replica sync's traffic shape for the cost model, from the run's
+    parsed ``compression`` group (the stock QComms path dedups nothing) and ``placement.sync_codec``."""
 
     def dedup(direction: str) -> bool:
-        codec = getattr(spec, direction)
-        return spec.kind == "compressed" and codec is not None and codec.dedup
+        codec = getattr(compression, direction)
+        return compression.kind == "compressed" and codec is not None and codec.dedup
 
     return Wire(
         lookups=batch_size,
         world=world,
         dim=dim,
-        ratio=NOMINAL_RATIO.get(name, 1.0),
+        ratio=NOMINAL_RATIO.get(compression.name, 1.0),
         dedup_forward=dedup("forward"),
         dedup_backward=dedup("backward"),
         sync_every=sync_every,
@@ -201,7 +198,7 @@ def setup_replication(
     features: Sequence[str],
     freqs: Sequence[FeatureFrequency],
     optimizer_cfg: Mapping[str, Any],
-    compression: Mapping[str, Any],
+    compression: CompressionSpec,
     batch_size: int,
     dim: int,
     backward_codec: DirectionCodec | None = None,
@@ -214,7 +211,7 @@ def setup_replication(
         what = "none of ours" if backward_codec is None else f"codec {backward_codec.spec.codec!r}"
         raise ValueError(
             f"placement.sync_codec=backward codes the replica sync with compression.backward's error-bounded "
-            f"codec, but compression={compression['name']} has {what} there: use compression=lossy (or auto), "
+            f"codec, but compression={compression.name} has {what} there: use compression=lossy (or auto), "
             "or placement.sync_codec=exact"
         )
     world = dist.get_world_size() if dist.is_initialized() else 1

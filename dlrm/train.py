@@ -91,6 +91,7 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
     refuse_host_only(env.device, spec, placement)
     # id statistics, for the traffic model and hot-row replication
     freqs, _ = data.frequency(cfg.batch_size, placement.estimate_batches, placement.top_n)
+    runtime = compression_runtime(sharders)  # None on TorchRec's QComms path
     planner, traffic = None, None
     if cfg.sharding.type == "comm_aware":
         planner, traffic = build_planner(
@@ -98,7 +99,7 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
             cfg.sharding,
             placement,
             spec,
-            compression_runtime(sharders),
+            runtime,
             dense.spec.hooked,
             data.features,
             freqs,
@@ -124,14 +125,13 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
     table_freqs = dict(zip(table_names(data.features), freqs, strict=True))
     if traffic is not None and env.is_main:
         log_plan(tables, traffic, table_freqs)
-    runtime = compression_runtime(sharders)
     replication = setup_replication(
         placement,
         model,
         data.features,
         freqs,
         cfg.optimizer,
-        cfg.compression,
+        spec,
         cfg.batch_size,
         dim,
         backward_codec=runtime.backward if runtime is not None else None,
@@ -157,7 +157,7 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
     strategy = StrategyController(
         parse_strategy_cfg(spec.strategy, spec.strategy_file),
         env,
-        compression_runtime(sharders) if spec.auto else None,
+        runtime if spec.auto else None,
         dense if dense.spec.name == "auto" else None,
         run_dir,
         tb.text if env.is_main else None,
@@ -176,11 +176,11 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
         keep=cfg.checkpoint.keep,
         rank_parts={
             "dense_comm": dense,
-            "compression": compression_runtime(sharders),
+            "compression": runtime,
             "hot_rows": PendingHotGradients(replication.optimizer) if replication else None,
         },
         # the forward row caches start over at each checkpoint, on every rank (resume is exact)
-        on_checkpoint=[runtime.start_over] if (runtime := compression_runtime(sharders)) is not None else [],
+        on_checkpoint=[runtime.start_over] if runtime is not None else [],
     )
     state = ckpt.resume(cfg.resume)
     set_iteration(model, state.iteration)  # the policies' iteration continues where it was

@@ -20,6 +20,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from trainer_runs import losses, train
 
 from data.frequency import FeatureFrequency
+from dlrm.comm.config import parse_compression_cfg
 from dlrm.hot_choice import Wire, choose_auto, price
 from dlrm.hot_rows import HOT_SUFFIX, HotSplit
 from dlrm.hot_sync import HotRowOptimizer, PendingHotGradients
@@ -172,8 +173,8 @@ def test_auto_stays_within_the_memory_budget():
 def test_the_coded_sync_is_priced_at_its_nominal_ratio_with_int32_slots_and_replicates_more():
     freq = _freq(np.arange(1, 20001, dtype=np.float64) ** -1.2)
     lossy = {"name": "lossy", "forward": {"codec": "lossy"}, "backward": {"codec": "lossy"}}
-    exact = wire_of(lossy, 2048, 2, 64, 1, 260)
-    coded = wire_of(lossy, 2048, 2, 64, 1, 260, sync_codec="backward")
+    exact = wire_of(parse_compression_cfg(lossy), 2048, 2, 64, 1, 260)
+    coded = wire_of(parse_compression_cfg(lossy), 2048, 2, 64, 1, 260, sync_codec="backward")
     assert (coded.sync_ratio, coded.sync_slot_bytes, exact.sync_ratio, exact.sync_slot_bytes) == (4.0, 4, 1.0, 8)
     q_e, q_c = price(freq, 64, exact), price(freq, 64, coded)
     assert q_c.saved == q_e.saved and q_c.sync / q_e.sync == pytest.approx((4 * 64 / 4 + 4) / (4 * 64 + 8))
@@ -334,7 +335,7 @@ def test_auto_prices_the_all_to_all_as_the_trainer_runs_it(name, dedup):
 
     # the shipped config groups, as Hydra composes them (fp16's forward leaves dedup at its default)
     group = OmegaConf.load(Path(__file__).resolve().parents[1] / "configs" / "compression" / f"{name}.yaml")
-    wire = wire_of(OmegaConf.to_container(group), batch_size=256, world=2, dim=16, sync_every=1, row_bytes=68)
+    wire = wire_of(parse_compression_cfg(group), batch_size=256, world=2, dim=16, sync_every=1, row_bytes=68)
     assert (wire.dedup_forward, wire.dedup_backward) == tuple(bool(d) for d in dedup)
 
 

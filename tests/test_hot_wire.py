@@ -13,7 +13,7 @@ from multiprocess import run_ranks
 
 from dlrm.comm.bounds import fixed_bound
 from dlrm.comm.codec import DirectionCodec
-from dlrm.comm.config import DirectionSpec
+from dlrm.comm.config import CompressionSpec, DirectionSpec
 from dlrm.hot_sync import HotRowOptimizer
 from dlrm.hot_wire import HotWireError, SyncWire
 from dlrm.placement_config import PlacementSpec, parse_placement_cfg
@@ -102,7 +102,8 @@ def test_sync_codec_backward_needs_an_error_bounded_backward_codec():
     spec = PlacementSpec(hot_rows=4, sync_codec="backward")
     opt = {"sparse": {"name": "rowwise_adagrad", "lr": 0.1}}
     with pytest.raises(ValueError, match=r"placement.sync_codec=backward .* compression=none"):
-        setup_replication(spec, torch.nn.Module(), [], [], opt, {"name": "none"}, 64, DIM, backward_codec=None)
+        none = CompressionSpec(name="none")
+        setup_replication(spec, torch.nn.Module(), [], [], opt, none, 64, DIM, backward_codec=None)
 
 
 # --- the sync on 2 gloo ranks ----------------------------------------------------------------------
