@@ -28,7 +28,7 @@ from dlrm.comm.dense_config import parse_dense_comm_cfg
 from dlrm.comm_aware import build_planner, log_plan
 from dlrm.config_checks import check_moved_keys
 from dlrm.datasets import RunData
-from dlrm.env import init_distributed, shutdown
+from dlrm.env import exit_without_teardown, init_distributed, shutdown
 from dlrm.hot_sync import PendingHotGradients
 from dlrm.launch import check_launch_keys, launch_ranks, module_of, objectives, rank_source, submitit_rendezvous
 from dlrm.loop import LoopPlan, StepObserver, Stepper, TrainState, evaluate, take, train
@@ -337,6 +337,7 @@ def hydra_main(run_fn: Any = run) -> Any:
 def main() -> None:
     check_moved_keys(sys.argv[1:])
     hydra_main(run)()
+    exit_without_teardown()
 
 
 if __name__ == "__main__":

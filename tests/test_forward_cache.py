@@ -109,6 +109,16 @@ def test_a_chunk_with_zero_rows_passes_and_changes_no_cache():
             assert after.keys() == before.keys() and all(after[k][0] == before[k][0] for k in after)
 
 
+def test_a_chunk_that_is_not_fp32_is_refused_naming_the_key():
+    import pytest
+
+    dc = DirectionCodec(DirectionSpec("lossy", params={"entropy": True}), "forward", fixed_bound(0.01))
+    ids = torch.arange(6).reshape(3, 2)
+    for dtype in (torch.bfloat16, torch.float16):
+        with pytest.raises(TypeError, match=r"compression\.forward\.cache"):
+            ForwardCache().encode(dc, torch.zeros(3, 8, dtype=dtype), ids, ["a", "b"], [4, 4], [0.01] * 2, 1)
+
+
 def _allocated(fc: ForwardCache) -> int:
     """Every tensor and array the caches hold, summed apart from RowCache.nbytes."""
     return sum(

@@ -39,6 +39,7 @@ from torchrec.distributed import comm_ops as torchrec_comm_ops
 from dlrm.comm.collect import run_totals
 from dlrm.comm.dense import dense_comm_of
 from dlrm.comm.instrument import current, embedding_collective
+from dlrm.env import exit_without_teardown
 
 OUT_ENV = "DLRM_NETPROBE_OUT"
 PASSES = ("forward", "backward")
@@ -266,6 +267,7 @@ def main() -> None:
         raise
     finally:
         write(Path(out), error)
+    exit_without_teardown()
 
 
 if __name__ == "__main__":

@@ -74,6 +74,11 @@ class ForwardCache:
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, int]]:
         """(payload for global rank ``dst``, the chunk as ``dst`` will decode it, row counts:
         ``unique_rows``, ``held_rows``, ``hit_rows``, ``moved_rows`` sent as differences)."""
+        if chunk.dtype != torch.float32:  # _delta_bound's rounding margin is fp32's, and numpy has no bf16
+            raise TypeError(
+                f"compression.forward.cache needs fp32 pooled embeddings, got a {chunk.dtype} chunk "
+                "(turn the cache off for this run)"
+            )
         firsts, inverse, idn = _unpack(ids)
         x = chunk.detach().numpy()
         flags, bits, sends, sent_ids, coded_bounds, steps = [], [], [], [], [], []
