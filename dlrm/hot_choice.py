@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from data.frequency import FeatureFrequency, seen_probability
+from dlrm.traffic import ID_BYTES, HotSync
 
 log = logging.getLogger(__name__)
-ID_BYTES = 8
 # Nominal compression ratios of each codec for the model (the lossy codec's depends on the data
 # and the bound; 4x is typical of the dual policy on Criteo-like tables, see README).
 NOMINAL_RATIO = {"none": 1.0, "fp16": 2.0, "bf16": 2.0, "qcomm_fp16": 2.0, "qcomm_int8": 4.0, "lossy": 4.0}
@@ -61,10 +61,8 @@ class Wire:
     ratio: float = 1.0
     dedup_forward: bool = False
     dedup_backward: bool = False
-    sync_every: int = 1
     row_bytes: int = 0  # memory per replicated row and rank: weight and optimizer state
-    sync_ratio: float = 1.0  # the replica sync's ratio on its rows (1: exact fp32)
-    sync_slot_bytes: int = ID_BYTES  # bytes per slot id in the replica sync
+    sync: HotSync = field(default_factory=HotSync)  # the replica sync (default: exact, every iteration)
 
 
 @dataclass(frozen=True)
@@ -85,11 +83,11 @@ def price(freq: FeatureFrequency, hot: int, w: Wire) -> Pricing:
     """The model of the module docstring for the ``hot`` hottest ids of one table."""
     p = np.minimum(freq.probabilities()[:hot], 1 - 1e-12)
     distinct = float(seen_probability(p, w.lookups).sum())
-    distinct_k = float(seen_probability(p, w.sync_every * w.lookups).sum())
+    distinct_k = float(seen_probability(p, w.sync.every * w.lookups).sum())
     hot_lookups = w.lookups * float(p.sum())
     rows = distinct * (w.dedup_forward + w.dedup_backward)  # a bag emptied by replication still travels
     saved = (w.world - 1) * (rows * 4 * w.dim / w.ratio + hot_lookups * ID_BYTES)
-    sync = w.world * (w.world - 1) * distinct_k * (4 * w.dim / w.sync_ratio + w.sync_slot_bytes) / w.sync_every
+    sync = w.world * (w.world - 1) * distinct_k * w.sync.row_bytes(w.dim) / w.sync.every
     return Pricing(hot, saved, sync, hot * w.row_bytes)
 
 

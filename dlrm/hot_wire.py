@@ -36,6 +36,7 @@ MAGIC, VERSION = b"HRW1", 1
 _PREFIX = struct.Struct("<4sBBHII")
 _PART = struct.Struct("<II")
 INT16_SLOTS = 1 << 15  # int16 slot ids hold 0..32767
+HEADER_BYTES = _PREFIX.size + _PART.size  # a payload's framing with one bound class
 
 
 class HotWireError(ValueError):

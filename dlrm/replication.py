@@ -24,7 +24,6 @@ from dlrm.comm.codec import DirectionCodec
 from dlrm.comm.config import CompressionSpec
 from dlrm.comm.timeout import named_collective
 from dlrm.hot_choice import (
-    ID_BYTES,
     NOMINAL_RATIO,
     STATE_BYTES_PER_ROW,
     SYNC_CODEC_RATIO,
@@ -34,9 +33,10 @@ from dlrm.hot_choice import (
 )
 from dlrm.hot_rows import HotSplit, install
 from dlrm.hot_sync import HotRowOptimizer
-from dlrm.hot_wire import SyncWire
+from dlrm.hot_wire import HEADER_BYTES, SyncWire
 from dlrm.model import table_names
 from dlrm.placement_config import PlacementSpec
+from dlrm.traffic import HotSync
 
 log = logging.getLogger(__name__)
 
@@ -86,10 +86,12 @@ def wire_of(
         ratio=NOMINAL_RATIO.get(compression.name, 1.0),
         dedup_forward=dedup("forward"),
         dedup_backward=dedup("backward"),
-        sync_every=sync_every,
         row_bytes=row_bytes,
-        sync_ratio=SYNC_CODEC_RATIO if sync_codec == "backward" else 1.0,
-        sync_slot_bytes=SYNC_CODEC_SLOT_BYTES if sync_codec == "backward" else ID_BYTES,
+        sync=(
+            HotSync(sync_every, SYNC_CODEC_RATIO, SYNC_CODEC_SLOT_BYTES)
+            if sync_codec == "backward"
+            else HotSync(sync_every)
+        ),
     )
 
 
@@ -131,6 +133,14 @@ class Replication:
                 "replica_digest_per_rank": [r[1] for r in ranks],
             }
         }
+
+    def sync_traffic(self, row_ratio: float | None) -> HotSync:
+        """The replica sync as :mod:`dlrm.traffic` prices it, at the row ratio this run measured
+        (metrics.json ``hot_rows.sync_row_ratio``)."""
+        every, wire = self.optimizer.sync_every, self.optimizer.wire
+        if wire is None:
+            return HotSync(every=every)
+        return HotSync(every=every, row_ratio=row_ratio or 1.0, slot_bytes=wire.width, prefix_bytes=HEADER_BYTES)
 
 
 class HotIdsRecord:

@@ -13,7 +13,13 @@ dedups by id (comm_ops: forward rows by id, backward gradients summed per id), s
   range j] + 1 zero row); backward r -> j: the whole ``B x dim`` gradient (its rows differ);
 * data-parallel: no all-to-all, a ring all-reduce of the whole table gradient;
 * per collective: the size exchange (8 bytes per peer and direction) of framed payloads, and the
-  input dist's splits exchange (one int64 per tensor and the stride, per peer).
+  input dist's splits exchange (one int64 per tensor and the stride, per peer);
+* hot-row replication (``hot``: table -> H, the H hottest ids served by local replicas): the
+  input dist carries only the cold lookups (``B * (1 - P_H)`` ids, still ``B`` lengths), a
+  deduplicated chunk the cold ids' distinct rows (the top H skipped) plus one zero row shared by
+  the bags replication emptied, and each rank sends every peer, every ``k`` iterations, the
+  replica rows its ``k * B`` lookups touched (E = sum_{i<H} 1 - (1 - p_i)^{kB}) with their slots
+  (:class:`HotSync`).
 
 ``ratio`` is the codec's: fp32 bytes of the rows it is given / payload bytes (1 for
 ``compression=none`` less its framing), measured in the run (or calibrated before it).
@@ -28,8 +34,9 @@ import numpy as np
 
 from data.frequency import FeatureFrequency, seen_probability
 
-PATHS = ("input", "forward", "backward", "allreduce", "replica_sync")  # the last measured only (dlrm/wire.py)
+PATHS = ("input", "forward", "backward", "allreduce", "replica_sync")
 FP32 = 4
+ID_BYTES = 8  # an int64 count or size word
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,24 @@ class Direction:
     framed: bool = True
 
 
+@dataclass(frozen=True)
+class HotSync:
+    """How replicas of hot rows synchronise (dlrm/hot_sync.py): every ``every`` iterations each rank
+    sends every peer the rows it touched, ``row_ratio`` (fp32 bytes / coded bytes, payload headers
+    included) and ``slot_bytes`` per row's slot, a ``prefix_bytes`` header, and an int64 size. The
+    exact sync: fp32 rows with int64 slots (1, 8, no prefix; padded to the largest rank's count,
+    which the model takes as the mean)."""
+
+    every: int = 1
+    row_ratio: float = 1.0
+    slot_bytes: int = ID_BYTES
+    prefix_bytes: int = 0
+
+    def row_bytes(self, dim: int) -> float:
+        """Bytes of one touched row of width ``dim`` and its slot."""
+        return dim * FP32 / self.row_ratio + self.slot_bytes
+
+
 @dataclass
 class TrafficModel:
     """Bytes each rank sends per iteration, by path, for ``world_size`` ranks of ``batch_size``."""
@@ -74,6 +99,8 @@ class TrafficModel:
     index_bytes: tuple[int, int] = (8, 4)  # element sizes of a KJT's values and lengths
     forward: Direction = field(default_factory=lambda: Direction(dedup=True))
     backward: Direction = field(default_factory=lambda: Direction(dedup=True))
+    hot: Mapping[str, int] = field(default_factory=dict)  # table -> replicated hot rows (placement.hot_rows)
+    sync: HotSync = field(default_factory=HotSync)
     _distinct: dict[tuple[int, int], float] = field(default_factory=dict)
 
     def distinct(self, freq: FeatureFrequency, skip_top: int = 0) -> float:
@@ -83,11 +110,21 @@ class TrafficModel:
             self._distinct[key] = freq.expected_distinct(self.batch_size, skip_top)
         return self._distinct[key]
 
+    def chunk_rows(self, table: str, freq: FeatureFrequency) -> float:
+        """E[rows] of a deduplicated chunk of a table-wise ``table``: its distinct ids, less the
+        replicated ones, and the zero row of emptied bags (there when any of the B lookups is hot)."""
+        h = self.hot.get(table, 0)
+        if not h:
+            return self.distinct(freq)
+        p_hot = float(freq.top_probabilities()[:h].sum())
+        return self.distinct(freq, skip_top=h) + 1 - (1 - p_hot) ** self.batch_size
+
     def table(self, t: TablePlacement, freq: FeatureFrequency) -> np.ndarray:
         """float64 ``[world_size, len(PATHS)]``: what each rank sends for table ``t``."""
         ws, b = self.world_size, self.batch_size
         out = np.zeros((ws, len(PATHS)))
         val_b, len_b = self.index_bytes
+        cold = 1 - float(freq.top_probabilities()[: self.hot.get(t.name, 0)].sum())  # lookups left to send
         if t.kind == "data_parallel":
             out[:, 3] = 2 * (ws - 1) / ws * t.num_embeddings * t.dim * FP32
             return out
@@ -102,25 +139,28 @@ class TrafficModel:
                     out[s.rank, 1] += fwd_rows * s.width * FP32 / self.forward.ratio_rows
                     out[r, 2] += b * s.width * FP32 / self.backward.ratio_rows
             return out
-        rows_f = self.distinct(freq) if self.forward.dedup else b
-        rows_b = self.distinct(freq) if self.backward.dedup else b
+        rows_f = self.chunk_rows(t.name, freq) if self.forward.dedup else b
+        rows_b = self.chunk_rows(t.name, freq) if self.backward.dedup else b
         for s in t.shards:
             for r in range(ws):
                 if r == s.rank:
                     continue
-                out[r, 0] += b * (val_b + len_b)
+                out[r, 0] += b * len_b + b * cold * val_b
                 out[s.rank, 1] += rows_f * s.width * FP32 / self.forward.ratio_ids
                 out[r, 2] += rows_b * s.width * FP32 / self.backward.ratio_ids
         return out
 
     def _row_ranges(self, t: TablePlacement, freq: FeatureFrequency) -> tuple[list[float], list[float]]:
         """Per row range: the probability mass of its ids and E[distinct ids] of it in a batch. Top
-        ids fall where they are; the tail spreads over the rows that are not top ids."""
+        ids fall where they are (replicated ones nowhere); the tail spreads over the rows that are
+        not top ids."""
         p = freq.top_probabilities()
         tail_mass = max(1.0 - float(p.sum()), 0.0)
         tail_rows = max(t.num_embeddings - len(p), 1)
         tail_distinct = self.distinct(freq, skip_top=len(p))
         top_distinct = seen_probability(p, self.batch_size)
+        h = self.hot.get(t.name, 0)
+        p, top_distinct = np.concatenate([np.zeros(h), p[h:]]), np.concatenate([np.zeros(h), top_distinct[h:]])
         mass, distinct = [], []
         for s in t.shards:
             inside = (freq.top_ids >= s.row) & (freq.top_ids < s.row + s.rows)
@@ -147,7 +187,21 @@ class TrafficModel:
         out = self.overhead(t.kind for t in tables)
         for t in tables:
             out += self.table(t, freqs[t.name])
+        out[:, PATHS.index("replica_sync")] += self.replica_sync(tables, freqs)
         return out
+
+    def replica_sync(self, tables: Iterable[TablePlacement], freqs: Mapping[str, FeatureFrequency]) -> float:
+        """Bytes each rank sends per iteration to synchronise the replicas of ``hot`` rows."""
+        s, ws = self.sync, self.world_size
+        hot = [(t, self.hot[t.name]) for t in tables if self.hot.get(t.name)]
+        if not hot:
+            return 0.0
+        lookups = s.every * self.batch_size  # per rank between two syncs
+        row_bytes = 0.0
+        for t, h in hot:
+            touched = float(seen_probability(freqs[t.name].top_probabilities()[:h], lookups).sum())
+            row_bytes += touched * s.row_bytes(t.dim)
+        return (ws - 1) * (row_bytes + s.prefix_bytes + ID_BYTES) / s.every
 
 
 def by_path(per_rank: np.ndarray) -> dict[str, float]:

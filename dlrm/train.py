@@ -237,7 +237,14 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
     strategy.close()
     ckpt.save(state)
 
-    wire = wire_metrics(model, meter, spec, tables, table_freqs, env.world_size, cfg.batch_size, data.features)
+    hot_metrics = replication.metrics(state.samples_seen // global_batch) if replication else {}
+    hot_traffic = {}
+    if replication:
+        ratio = hot_metrics["hot_rows"]["sync_row_ratio"]
+        hot_traffic = {"hot": replication.summary["tables"], "sync": replication.sync_traffic(ratio)}
+    wire = wire_metrics(
+        model, meter, spec, tables, table_freqs, env.world_size, cfg.batch_size, data.features, **hot_traffic
+    )
     if env.is_main and wire["wire_bytes_per_iteration"] is not None:
         log.info(
             "wire bytes per iteration (embedding path, all ranks): measured %.0f, predicted %.0f",
@@ -245,7 +252,6 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
             wire["predicted_wire_bytes_per_iteration"],
         )
     test = evaluate(model, batches("test", cfg.eval_batch_size), env.device, "test")
-    hot_metrics = replication.metrics(state.samples_seen // global_batch) if replication else {}
     metrics = final_metrics(
         test,
         last_val,

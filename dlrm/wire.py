@@ -5,9 +5,9 @@ Measured (:class:`WireMeter`, a :class:`dlrm.loop.StepObserver`): over training 
 exchange (``input``), the compressed pooled-embedding all-to-alls with their size exchanges
 (``forward``, ``backward``), and the ring all-reduce DDP runs on the whole gradient of every
 data-parallel table (``allreduce``; counted from the gradient's size, as the dense channel counts
-its buckets), and the gradient all-gather of replicated hot rows (``replica_sync``, which the
-prediction leaves out: dlrm/hot_choice.py prices it when choosing the rows). Predicted:
-:mod:`dlrm.traffic` on the run's plan, id frequencies and the codec ratios this run measured.
+its buckets), and the gradient exchange of replicated hot rows (``replica_sync``). Predicted:
+:mod:`dlrm.traffic` on the run's plan, id frequencies, replicated rows and the codec ratios this
+run measured (the all-to-alls' and the replica sync's).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dlrm.comm.collect import run_sums_all_ranks, run_totals
 from dlrm.comm.config import CompressionSpec
 from dlrm.comm.dense import ring_allreduce_bytes
 from dlrm.model import table_names
-from dlrm.traffic import PATHS, Direction, Shard, TablePlacement, TrafficModel, by_path
+from dlrm.traffic import PATHS, Direction, HotSync, Shard, TablePlacement, TrafficModel, by_path
 
 _A2A_KEYS = {"input": "input/wire_bytes", "forward": "forward/wire_bytes", "backward": "backward/wire_bytes"}
 _SYNC_KEY = "replica_sync/wire_bytes"
@@ -142,7 +142,7 @@ def wire_report(
         f = features_of[t.name]
         if f in distinct_measured and t.kind in ("table_wise", "column_wise", "table_column_wise"):
             distinct[t.name] = {
-                "predicted": round(model.distinct(freqs[t.name]), 2),
+                "predicted": round(model.chunk_rows(t.name, freqs[t.name]), 2),
                 "measured": round(distinct_measured[f], 2),
             }
     return {
@@ -165,16 +165,25 @@ def wire_metrics(
     world_size: int,
     batch_size: int,
     features: Sequence[str],
+    hot: Mapping[str, int] | None = None,
+    sync: HotSync | None = None,
 ) -> dict[str, Any]:
     """:func:`wire_report` of this run (a collective); None values for TorchRec's QComms path,
-    whose collectives count no bytes."""
+    whose collectives count no bytes. ``hot``: table -> replicated rows, synchronised as ``sync``."""
     measured, train = meter.gather()
     sums = run_sums_all_ranks(model)
     if spec.kind != "compressed" or spec.forward is None or spec.backward is None:
         return {"wire_bytes_per_iteration": None, "predicted_wire_bytes_per_iteration": None}
     dedup = {"forward": spec.forward.dedup, "backward": spec.backward.dedup}
     dirs = measured_directions(sums, train, world_size, dedup)
-    traffic = TrafficModel(world_size, batch_size, forward=dirs["forward"], backward=dirs["backward"])
+    traffic = TrafficModel(
+        world_size,
+        batch_size,
+        forward=dirs["forward"],
+        backward=dirs["backward"],
+        hot=hot or {},
+        sync=sync or HotSync(),
+    )
     features_of = dict(zip(table_names(features), features, strict=True))
     distinct = measured_distinct(sums) if dedup["forward"] else {}
     return wire_report(measured, tables, freqs, traffic, distinct, features_of)

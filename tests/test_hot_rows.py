@@ -175,7 +175,8 @@ def test_the_coded_sync_is_priced_at_its_nominal_ratio_with_int32_slots_and_repl
     lossy = {"name": "lossy", "forward": {"codec": "lossy"}, "backward": {"codec": "lossy"}}
     exact = wire_of(parse_compression_cfg(lossy), 2048, 2, 64, 1, 260)
     coded = wire_of(parse_compression_cfg(lossy), 2048, 2, 64, 1, 260, sync_codec="backward")
-    assert (coded.sync_ratio, coded.sync_slot_bytes, exact.sync_ratio, exact.sync_slot_bytes) == (4.0, 4, 1.0, 8)
+    assert (coded.sync.row_ratio, coded.sync.slot_bytes) == (4.0, 4)
+    assert (exact.sync.row_ratio, exact.sync.slot_bytes) == (1.0, 8)
     q_e, q_c = price(freq, 64, exact), price(freq, 64, coded)
     assert q_c.saved == q_e.saved and q_c.sync / q_e.sync == pytest.approx((4 * 64 / 4 + 4) / (4 * 64 + 8))
     hot = [choose_auto(["t"], [freq], w, float("inf"), verbose=False)["t"].hot for w in (exact, coded)]
@@ -342,6 +343,7 @@ def test_auto_prices_the_all_to_all_as_the_trainer_runs_it(name, dedup):
 # --- the coded replica sync (placement.sync_codec=backward) in real 2-rank runs -----------------
 
 LOSSY = ["compression=lossy", "sharding=table_wise", "loss_log=true", f"max_iterations={ITERS}", "placement.hot_rows=8"]
+LOSSY += ["compression.stats.sample_every=1"]  # every chunk's rows counted, for the distinct-id predictions
 
 
 @pytest.fixture(scope="module")
@@ -368,3 +370,25 @@ def test_coded_sync_trains_close_to_the_exact_sync_with_identical_replicas(coded
     assert m["sync_row_ratio"] > 1 and m["sync_bytes_per_iteration"] < e["sync_bytes_per_iteration"]
     by_path = json.loads((coded_runs["backward"] / "metrics.json").read_text())["wire_bytes_by_path"]
     assert by_path["replica_sync"] == pytest.approx(m["sync_bytes_per_iteration"])
+
+
+def _assert_predicted_wire_bytes_match(run_dir: Path) -> None:
+    """metrics.json's traffic model (with only cold ids in the all-to-alls, the emptied bags' zero
+    row, and the replica sync) against the bytes the run counted on the wire: each path within 10%."""
+    m = json.loads((run_dir / "metrics.json").read_text())
+    measured, predicted = m["wire_bytes_by_path"], m["predicted_wire_bytes_by_path"]
+    assert measured["replica_sync"] > 0
+    for path in measured:
+        assert predicted[path] == pytest.approx(measured[path], rel=0.1, abs=100), path
+    assert m["predicted_wire_bytes_per_iteration"] == pytest.approx(m["wire_bytes_per_iteration"], rel=0.1)
+    for table, d in m["distinct_ids_per_chunk"].items():  # a few rows per chunk: half a row of slack
+        assert d["predicted"] == pytest.approx(d["measured"], rel=0.1, abs=0.5), table
+
+
+@pytest.mark.parametrize("sync", ["exact", "backward"])
+def test_predicted_wire_bytes_count_cold_ids_and_the_coded_or_exact_sync(coded_runs, sync):
+    _assert_predicted_wire_bytes_match(coded_runs[sync])
+
+
+def test_predicted_wire_bytes_of_uncompressed_replication_match(runs):
+    _assert_predicted_wire_bytes_match(runs["hot"])
