@@ -84,7 +84,7 @@ class FeatureFrequency:
         weights = np.arange(len(top) + 1, self.distinct + 1, dtype=np.float64) ** -self.zipf_s
         return np.concatenate([top, weights * (tail_mass / weights.sum())])
 
-    def expected_distinct(self, lookups: int, skip_top: int = 0) -> float:
+    def expected_distinct(self, lookups: float, skip_top: int = 0) -> float:
         """E[distinct ids] among ``lookups`` independent draws: sum_i 1 - (1 - p_i)^lookups, over ids
         past the ``skip_top`` hottest (those served elsewhere, e.g. replicated)."""
         return float(seen_probability(self.probabilities()[skip_top:], lookups).sum())

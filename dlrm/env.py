@@ -83,14 +83,15 @@ def shutdown() -> None:
 
 
 def exit_without_teardown() -> NoReturn:
-    """End a rank whose results are all written (metrics, TensorBoard, checkpoints, logs) without
-    the interpreter's teardown.
+    """End the process once its run succeeded and every result is written (metrics, TensorBoard,
+    checkpoints, logs), without the interpreter's teardown.
 
-    Collective threads outlive ``destroy_process_group`` (TorchRec's modules still hold the group)
-    and may take the GIL while the interpreter finalizes, which aborts the process after a
-    successful run: "terminate called without an active exception", SIGABRT, and torchrun reports
-    the run failed (seen once in CI on rank 1; torch's ``destroy_process_group`` notes the same
-    hazard for hooks). Nothing of ours waits for the teardown, so it is skipped.
+    A CI run had a rank abort after a successful run ("terminate called without an active
+    exception", SIGABRT, so torchrun reported the run failed). Not reproduced; the suspected cause
+    is a collective's thread outliving ``destroy_process_group`` (TorchRec's modules still hold the
+    group) and taking the GIL while the interpreter finalizes, a hazard torch's own
+    ``destroy_process_group`` notes for hooks. Nothing of ours waits for the teardown, so it is
+    skipped. A failed run raises before this and exits non-zero as before.
     """
     logging.shutdown()
     sys.stdout.flush()

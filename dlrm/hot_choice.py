@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from data.frequency import FeatureFrequency, seen_probability
-from dlrm.traffic import ID_BYTES, HotSync
+from dlrm.traffic import ID_BYTES, ReplicaSync
 
 log = logging.getLogger(__name__)
 # Nominal compression ratios of each codec for the model (the lossy codec's depends on the data
@@ -62,7 +62,7 @@ class Wire:
     dedup_forward: bool = False
     dedup_backward: bool = False
     row_bytes: int = 0  # memory per replicated row and rank: weight and optimizer state
-    sync: HotSync = field(default_factory=HotSync)  # the replica sync (default: exact, every iteration)
+    sync: ReplicaSync = field(default_factory=ReplicaSync)  # the replica sync (default: exact, every iteration)
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def price(freq: FeatureFrequency, hot: int, w: Wire) -> Pricing:
     """The model of the module docstring for the ``hot`` hottest ids of one table."""
     p = np.minimum(freq.probabilities()[:hot], 1 - 1e-12)
     distinct = float(seen_probability(p, w.lookups).sum())
-    distinct_k = float(seen_probability(p, w.sync.every * w.lookups).sum())
+    distinct_k = float(w.sync.touched(p, w.lookups).sum())
     hot_lookups = w.lookups * float(p.sum())
     rows = distinct * (w.dedup_forward + w.dedup_backward)  # a bag emptied by replication still travels
     saved = (w.world - 1) * (rows * 4 * w.dim / w.ratio + hot_lookups * ID_BYTES)

@@ -31,9 +31,9 @@ from torchrec.optim.keyed import KeyedOptimizer
 
 from dlrm.comm.timeout import named_collective
 from dlrm.hot_wire import SyncWire
+from dlrm.traffic import ID_BYTES
 
 RULES = ("sgd", "adagrad", "rowwise_adagrad")
-ID_BYTES = 8  # an int64 on the wire (a row's slot, a count)
 
 
 class HotRowOptimizer(KeyedOptimizer):

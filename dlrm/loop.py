@@ -29,6 +29,7 @@ class TrainState:
     batch_in_epoch: int = 0
     train_seconds: float = 0.0  # wall time inside training segments (not evaluation or saving)
     samples_seen: int = 0  # global samples trained in this process (not before a resume)
+    rank_samples: int = 0  # this rank's samples trained in this process (a short last batch counted as it is)
 
     def position(self) -> dict[str, int]:
         """The part a checkpoint keeps (the clocks restart with the process)."""
@@ -154,7 +155,7 @@ def train(
         if state.batch_in_epoch >= plan.steps_per_epoch:
             state.epoch, state.batch_in_epoch = state.epoch + 1, 0
         stop = plan.next_stop(state)
-        segment = take(iter(batches(state.epoch, state.batch_in_epoch)), stop - state.iteration)
+        segment = counted(take(iter(batches(state.epoch, state.batch_in_epoch)), stop - state.iteration), state)
         for o in observers:
             o.segment_start(model)
         before, t0 = state.iteration, time.perf_counter()
@@ -190,3 +191,10 @@ def evaluate(
 
 def take(iterator: Iterator[Any], n: int | None) -> Iterator[Any]:
     return iterator if n is None else itertools.islice(iterator, n)
+
+
+def counted(batches: Iterator[Any], state: TrainState) -> Iterator[Any]:
+    """``batches``, adding each one's samples to ``state.rank_samples`` as it is taken."""
+    for batch in batches:
+        state.rank_samples += len(batch.labels)
+        yield batch

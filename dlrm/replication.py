@@ -36,7 +36,7 @@ from dlrm.hot_sync import HotRowOptimizer
 from dlrm.hot_wire import HEADER_BYTES, SyncWire
 from dlrm.model import table_names
 from dlrm.placement_config import PlacementSpec
-from dlrm.traffic import HotSync
+from dlrm.traffic import ReplicaSync
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +88,9 @@ def wire_of(
         dedup_backward=dedup("backward"),
         row_bytes=row_bytes,
         sync=(
-            HotSync(sync_every, SYNC_CODEC_RATIO, SYNC_CODEC_SLOT_BYTES)
+            ReplicaSync(sync_every, SYNC_CODEC_RATIO, SYNC_CODEC_SLOT_BYTES, padded=False)
             if sync_codec == "backward"
-            else HotSync(sync_every)
+            else ReplicaSync(sync_every)
         ),
     )
 
@@ -134,13 +134,13 @@ class Replication:
             }
         }
 
-    def sync_traffic(self, row_ratio: float | None) -> HotSync:
+    def sync_traffic(self, row_ratio: float | None) -> ReplicaSync:
         """The replica sync as :mod:`dlrm.traffic` prices it, at the row ratio this run measured
         (metrics.json ``hot_rows.sync_row_ratio``)."""
         every, wire = self.optimizer.sync_every, self.optimizer.wire
         if wire is None:
-            return HotSync(every=every)
-        return HotSync(every=every, row_ratio=row_ratio or 1.0, slot_bytes=wire.width, prefix_bytes=HEADER_BYTES)
+            return ReplicaSync(every=every)
+        return ReplicaSync(every, row_ratio or 1.0, wire.width, HEADER_BYTES, padded=False)
 
 
 class HotIdsRecord:

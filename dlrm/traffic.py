@@ -19,7 +19,7 @@ dedups by id (comm_ops: forward rows by id, backward gradients summed per id), s
   deduplicated chunk the cold ids' distinct rows (the top H skipped) plus one zero row shared by
   the bags replication emptied, and each rank sends every peer, every ``k`` iterations, the
   replica rows its ``k * B`` lookups touched (E = sum_{i<H} 1 - (1 - p_i)^{kB}) with their slots
-  (:class:`HotSync`).
+  (:class:`ReplicaSync`).
 
 ``ratio`` is the codec's: fp32 bytes of the rows it is given / payload bytes (1 for
 ``compression=none`` less its framing), measured in the run (or calibrated before it).
@@ -27,8 +27,10 @@ dedups by id (comm_ops: forward rows by id, backward gradients summed per id), s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from statistics import NormalDist
 
 import numpy as np
 
@@ -36,7 +38,7 @@ from data.frequency import FeatureFrequency, seen_probability
 
 PATHS = ("input", "forward", "backward", "allreduce", "replica_sync")
 FP32 = 4
-ID_BYTES = 8  # an int64 count or size word
+ID_BYTES = 8  # an int64 on the wire: an id, a count, a size word
 
 
 @dataclass(frozen=True)
@@ -73,21 +75,27 @@ class Direction:
 
 
 @dataclass(frozen=True)
-class HotSync:
-    """How replicas of hot rows synchronise (dlrm/hot_sync.py): every ``every`` iterations each rank
-    sends every peer the rows it touched, ``row_ratio`` (fp32 bytes / coded bytes, payload headers
-    included) and ``slot_bytes`` per row's slot, a ``prefix_bytes`` header, and an int64 size. The
-    exact sync: fp32 rows with int64 slots (1, 8, no prefix; padded to the largest rank's count,
-    which the model takes as the mean)."""
+class ReplicaSync:
+    """How the replicas of hot rows synchronise (dlrm/hot_sync.py): every ``every`` iterations each
+    rank sends every peer the rows its lookups touched since the last sync, each with its slot, and
+    an int64 size. Exact (the defaults): fp32 rows and int64 slots, padded to the largest rank's
+    count (``padded``). Coded: ``row_ratio`` = fp32 bytes / the codec payloads' bytes (their own
+    headers included), ``slot_bytes`` per slot, and ``prefix_bytes`` of framing (dlrm/hot_wire.py)."""
 
     every: int = 1
     row_ratio: float = 1.0
     slot_bytes: int = ID_BYTES
     prefix_bytes: int = 0
+    padded: bool = True
 
     def row_bytes(self, dim: int) -> float:
         """Bytes of one touched row of width ``dim`` and its slot."""
         return dim * FP32 / self.row_ratio + self.slot_bytes
+
+    def touched(self, p_hot: np.ndarray, lookups: float) -> np.ndarray:
+        """Per replicated id (probabilities ``p_hot``): the chance that one rank's ``lookups`` per
+        iteration touch it between two syncs."""
+        return seen_probability(p_hot, self.every * lookups)
 
 
 @dataclass
@@ -95,12 +103,12 @@ class TrafficModel:
     """Bytes each rank sends per iteration, by path, for ``world_size`` ranks of ``batch_size``."""
 
     world_size: int
-    batch_size: int  # per rank
+    batch_size: float  # lookups per rank and table (the mean batch trained, for a finished run)
     index_bytes: tuple[int, int] = (8, 4)  # element sizes of a KJT's values and lengths
     forward: Direction = field(default_factory=lambda: Direction(dedup=True))
     backward: Direction = field(default_factory=lambda: Direction(dedup=True))
     hot: Mapping[str, int] = field(default_factory=dict)  # table -> replicated hot rows (placement.hot_rows)
-    sync: HotSync = field(default_factory=HotSync)
+    sync: ReplicaSync = field(default_factory=ReplicaSync)
     _distinct: dict[tuple[int, int], float] = field(default_factory=dict)
 
     def distinct(self, freq: FeatureFrequency, skip_top: int = 0) -> float:
@@ -110,21 +118,25 @@ class TrafficModel:
             self._distinct[key] = freq.expected_distinct(self.batch_size, skip_top)
         return self._distinct[key]
 
+    def hot_mass(self, table: str, freq: FeatureFrequency) -> float:
+        """The share of ``table``'s lookups that its replicas serve (0 without replication)."""
+        return float(freq.top_probabilities()[: self.hot.get(table, 0)].sum())
+
     def chunk_rows(self, table: str, freq: FeatureFrequency) -> float:
-        """E[rows] of a deduplicated chunk of a table-wise ``table``: its distinct ids, less the
-        replicated ones, and the zero row of emptied bags (there when any of the B lookups is hot)."""
+        """E[rows] of a deduplicated chunk of a table- or column-wise ``table``: its distinct ids,
+        less the replicated ones, and the one zero row of emptied bags (when any lookup is hot)."""
         h = self.hot.get(table, 0)
         if not h:
             return self.distinct(freq)
-        p_hot = float(freq.top_probabilities()[:h].sum())
-        return self.distinct(freq, skip_top=h) + 1 - (1 - p_hot) ** self.batch_size
+        any_hot = seen_probability(np.array([self.hot_mass(table, freq)]), self.batch_size)
+        return self.distinct(freq, skip_top=h) + float(any_hot[0])
 
     def table(self, t: TablePlacement, freq: FeatureFrequency) -> np.ndarray:
         """float64 ``[world_size, len(PATHS)]``: what each rank sends for table ``t``."""
         ws, b = self.world_size, self.batch_size
         out = np.zeros((ws, len(PATHS)))
         val_b, len_b = self.index_bytes
-        cold = 1 - float(freq.top_probabilities()[: self.hot.get(t.name, 0)].sum())  # lookups left to send
+        cold = 1 - self.hot_mass(t.name, freq)  # the share of lookups still sent
         if t.kind == "data_parallel":
             out[:, 3] = 2 * (ws - 1) / ws * t.num_embeddings * t.dim * FP32
             return out
@@ -160,7 +172,8 @@ class TrafficModel:
         tail_distinct = self.distinct(freq, skip_top=len(p))
         top_distinct = seen_probability(p, self.batch_size)
         h = self.hot.get(t.name, 0)
-        p, top_distinct = np.concatenate([np.zeros(h), p[h:]]), np.concatenate([np.zeros(h), top_distinct[h:]])
+        p, top_distinct = p.copy(), top_distinct.copy()
+        p[:h] = top_distinct[:h] = 0.0
         mass, distinct = [], []
         for s in t.shards:
             inside = (freq.top_ids >= s.row) & (freq.top_ids < s.row + s.rows)
@@ -175,9 +188,9 @@ class TrafficModel:
         ws = self.world_size
         out = np.zeros((ws, len(PATHS)))
         for _ in set(kinds) - {"data_parallel"}:
-            out[:, 0] += 8 * 3 * (ws - 1)  # lengths, values, stride
-            out[:, 1] += 8 * (ws - 1) if self.forward.framed else 0
-            out[:, 2] += 8 * (ws - 1) if self.backward.framed else 0
+            out[:, 0] += ID_BYTES * 3 * (ws - 1)  # lengths, values, stride
+            out[:, 1] += ID_BYTES * (ws - 1) if self.forward.framed else 0
+            out[:, 2] += ID_BYTES * (ws - 1) if self.backward.framed else 0
         return out
 
     def plan(self, tables: Iterable[TablePlacement], freqs: Mapping[str, FeatureFrequency]) -> np.ndarray:
@@ -196,11 +209,15 @@ class TrafficModel:
         hot = [(t, self.hot[t.name]) for t in tables if self.hot.get(t.name)]
         if not hot:
             return 0.0
-        lookups = s.every * self.batch_size  # per rank between two syncs
-        row_bytes = 0.0
+        rows = variance = row_bytes = 0.0
         for t, h in hot:
-            touched = float(seen_probability(freqs[t.name].top_probabilities()[:h], lookups).sum())
-            row_bytes += touched * s.row_bytes(t.dim)
+            q = s.touched(freqs[t.name].top_probabilities()[:h], self.batch_size)
+            rows += float(q.sum())
+            variance += float((q * (1 - q)).sum())
+            row_bytes += float(q.sum()) * s.row_bytes(t.dim)
+        if s.padded:  # every rank sends the largest count: E[max of ws ~normal counts] (Blom's approximation)
+            extra = math.sqrt(variance) * NormalDist().inv_cdf((ws - 0.375) / (ws + 0.25))
+            row_bytes *= (rows + max(extra, 0.0)) / rows
         return (ws - 1) * (row_bytes + s.prefix_bytes + ID_BYTES) / s.every
 
 

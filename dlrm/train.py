@@ -238,12 +238,17 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
     ckpt.save(state)
 
     hot_metrics = replication.metrics(state.samples_seen // global_batch) if replication else {}
-    hot_traffic = {}
-    if replication:
-        ratio = hot_metrics["hot_rows"]["sync_row_ratio"]
-        hot_traffic = {"hot": replication.summary["tables"], "sync": replication.sync_traffic(ratio)}
     wire = wire_metrics(
-        model, meter, spec, tables, table_freqs, env.world_size, cfg.batch_size, data.features, **hot_traffic
+        model,
+        meter,
+        spec,
+        tables,
+        table_freqs,
+        env.world_size,
+        state.rank_samples / max(meter.iterations, 1),  # the batch trained: a short last one included
+        data.features,
+        hot=replication.summary["tables"] if replication else None,
+        sync=replication.sync_traffic(hot_metrics["hot_rows"]["sync_row_ratio"]) if replication else None,
     )
     if env.is_main and wire["wire_bytes_per_iteration"] is not None:
         log.info(

@@ -25,7 +25,7 @@ from dlrm.comm.collect import run_sums_all_ranks, run_totals
 from dlrm.comm.config import CompressionSpec
 from dlrm.comm.dense import ring_allreduce_bytes
 from dlrm.model import table_names
-from dlrm.traffic import PATHS, Direction, HotSync, Shard, TablePlacement, TrafficModel, by_path
+from dlrm.traffic import PATHS, Direction, ReplicaSync, Shard, TablePlacement, TrafficModel, by_path
 
 _A2A_KEYS = {"input": "input/wire_bytes", "forward": "forward/wire_bytes", "backward": "backward/wire_bytes"}
 _SYNC_KEY = "replica_sync/wire_bytes"
@@ -163,10 +163,10 @@ def wire_metrics(
     tables: Sequence[TablePlacement],
     freqs: Mapping[str, FeatureFrequency],
     world_size: int,
-    batch_size: int,
+    batch_size: float,
     features: Sequence[str],
     hot: Mapping[str, int] | None = None,
-    sync: HotSync | None = None,
+    sync: ReplicaSync | None = None,
 ) -> dict[str, Any]:
     """:func:`wire_report` of this run (a collective); None values for TorchRec's QComms path,
     whose collectives count no bytes. ``hot``: table -> replicated rows, synchronised as ``sync``."""
@@ -182,7 +182,7 @@ def wire_metrics(
         forward=dirs["forward"],
         backward=dirs["backward"],
         hot=hot or {},
-        sync=sync or HotSync(),
+        sync=sync or ReplicaSync(),
     )
     features_of = dict(zip(table_names(features), features, strict=True))
     distinct = measured_distinct(sums) if dedup["forward"] else {}
