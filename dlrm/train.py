@@ -237,7 +237,7 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
     strategy.close()
     ckpt.save(state)
 
-    hot_metrics = replication.metrics(state.samples_seen // global_batch) if replication else {}
+    hot_metrics = replication.metrics(meter.iterations) if replication else {}
     wire = wire_metrics(
         model,
         meter,

@@ -42,6 +42,10 @@ def prefix(scheme: str) -> str:
     return f"forward/{scheme}_probe"
 
 
+# per table block of a chunk: mirror, unique ids, slots, held rows (updated, then stored), exact rows, fresh, moved
+_Block = tuple[RowCache, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 class CacheProbe:
     """The sender's mirrors of every destination's would-be cache, per scheme and table block."""
 
@@ -73,13 +77,14 @@ class CacheProbe:
             delta = scheme == "cache_delta"
             sends: list[torch.Tensor] = []  # per block: the values to code (rows, or differences)
             sent_ids: list[torch.Tensor] = []
-            after: list[tuple[RowCache, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+            after: list[_Block] = []
             held_total = 0
             for k, (f, w) in enumerate(zip(features, widths, strict=True)):
                 rows, c = firsts[k], starts[k]
                 uid = ids[rows, k]
                 mirror = self.mirrors.setdefault((scheme, dst, f, k), RowCache(w, self.capacity_rows, chunk.dtype))
-                held, cached = mirror.lookup(uid)
+                slots, held = mirror.find(uid)
+                cached = mirror.gather(slots)  # a copy: the rows the destination will hold after this chunk
                 exact = chunk[rows, c : c + w]
                 err = (exact - cached).abs().amax(dim=1) if w else exact.new_zeros(rows.numel())
                 hit = held & (err <= bounds[k])  # NaN errors (non-finite rows) are misses
@@ -88,7 +93,7 @@ class CacheProbe:
                 # what is coded: fresh rows as they are, moved rows as differences (after them)
                 sends.append(torch.cat([exact[fresh], exact[moved] - cached[moved]]))
                 sent_ids.append(torch.cat([uid[fresh], uid[moved]]))
-                after.append((mirror, uid, exact, fresh, moved))
+                after.append((mirror, uid, slots, cached, exact, fresh, moved))
                 n_held, n_hit = int(held.sum()), int(hit.sum())
                 held_total += n_held
                 for name, v in (("unique_rows", rows.numel()), ("held_rows", n_held), ("hit_rows", n_hit)):
@@ -96,9 +101,8 @@ class CacheProbe:
                     stats.add(f"{prefix(scheme)}/{name}", v)
             coded, values = _code(dc, sends, sent_ids, widths, bounds)
             worst = 0.0
-            for k, (mirror, uid, exact, fresh, moved) in enumerate(after):
-                n_fresh, n_moved = int(fresh.sum()), int(moved.sum())
-                held_now = mirror.rows(uid)  # hits keep what is held
+            for k, (mirror, uid, slots, held_now, exact, fresh, moved) in enumerate(after):
+                n_fresh, n_moved = int(fresh.sum()), int(moved.sum())  # hits keep what is held
                 if delta:  # the destination adds the decoded difference to what it holds
                     new = values[k][n_fresh : n_fresh + n_moved] + held_now[moved]
                     held_now[moved] = new
@@ -106,7 +110,7 @@ class CacheProbe:
                 sent = decoded[firsts[k][fresh], starts[k] : starts[k] + widths[k]]
                 worst = max(worst, _over_bound(sent, exact[fresh], bounds[k]))
                 held_now[fresh] = sent
-                mirror.store(uid, held_now)  # every id of the batch becomes the most recent
+                mirror.store(uid, held_now, slots)  # every id of the batch becomes the most recent
             stats.add(f"{prefix(scheme)}/payload_bytes", payload.numel())
             stats.add(f"{prefix(scheme)}/cached_bytes", coded + math.ceil(held_total / 8))  # + bitmap of held
             stats.maximum(f"{prefix(scheme)}/max_error_over_bound", worst)
