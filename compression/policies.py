@@ -2,7 +2,7 @@
 
 The compressed all-to-all asks ``bound_fn(feature, direction, iteration) -> float`` for every
 table block it sends; a :class:`Policy` is such a callable, composed of one :class:`DirectionRule`
-per direction (the trainer builds them from the ``policy`` config group in ``dlrm/policy.py``).
+per direction (the trainer builds them from the ``policy`` config group in ``dlrm/embedding_comm/policy.py``).
 The value is read in the compression config's mode for that direction (``rel``: a fraction of the
 block's value range in the chunk; ``abs``: the bound itself).
 
@@ -349,7 +349,7 @@ class Policy:
             raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
         return rule.bound(feature, int(iteration))
 
-    __call__ = bound  # a Policy is a dlrm.comm BoundFn
+    __call__ = bound  # a Policy is a dlrm.embedding_comm BoundFn
 
     def bounds(self, direction: str, iteration: int, features: Sequence[str] | None = None) -> dict[str, float]:
         """Every known (or given) table's bound at ``iteration``, e.g. for TensorBoard."""

@@ -1,6 +1,6 @@
 """The trainer. Importing it first silences the third-party warnings that tell a user nothing
-(``dlrm/quiet.py``): some fire while TorchRec is being imported."""
+(``dlrm/process/quiet.py``): some fire while TorchRec is being imported."""
 
-from dlrm.quiet import silence_third_party_noise
+from dlrm.process.quiet import silence_third_party_noise
 
 silence_third_party_noise()

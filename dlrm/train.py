@@ -20,31 +20,32 @@ import torch
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from dlrm.checkpoint import Checkpointer
-from dlrm.comm import comm_summary, compression_runtime, make_sharders, parse_compression_cfg, set_iteration
-from dlrm.comm.config import CompressionSpec, excluded_sharding_types
-from dlrm.comm.dense import CompressedDataParallelWrapper, DenseComm
-from dlrm.comm.dense_config import parse_dense_comm_cfg
-from dlrm.comm_aware import build_planner, log_plan
-from dlrm.config_checks import check_moved_keys
-from dlrm.datasets import RunData
-from dlrm.env import exit_without_teardown, init_distributed, shutdown
-from dlrm.hot_sync import PendingHotGradients
-from dlrm.launch import check_launch_keys, launch_ranks, module_of, objectives, rank_source, submitit_rendezvous
-from dlrm.loop import LoopPlan, StepObserver, Stepper, TrainState, evaluate, take, train
-from dlrm.metrics import final_metrics, write_metrics_json
-from dlrm.model import build_model, table_names
-from dlrm.optim import WarmupDecayLR, apply_sparse_optimizer, build_optimizer
-from dlrm.placement_config import PlacementSpec, parse_placement_cfg
-from dlrm.policy import bounded_directions, policy_for_run, table_stats
-from dlrm.precision import embedding_bytes_per_rank, parse_precision_cfg
-from dlrm.progress import Progress
-from dlrm.replication import HotIdsRecord, setup_replication
-from dlrm.run_dir import register_resolvers
-from dlrm.sharding import check_supported, describe_plan, shard_model
-from dlrm.strategy import StrategyController, parse_strategy_cfg
-from dlrm.tb_logger import TensorBoardLogger
-from dlrm.wire import WireMeter, placements, wire_metrics
+from dlrm.dense_comm.config import parse_dense_comm_cfg
+from dlrm.dense_comm.hook import CompressedDataParallelWrapper, DenseComm
+from dlrm.embedding_comm import compression_runtime, make_sharders, parse_compression_cfg
+from dlrm.embedding_comm.config import CompressionSpec, excluded_sharding_types
+from dlrm.embedding_comm.policy import bounded_directions, policy_for_run, table_stats
+from dlrm.placement.comm_aware import build_planner, log_plan
+from dlrm.placement.config import PlacementSpec, parse_placement_cfg
+from dlrm.placement.hot_sync import PendingHotGradients
+from dlrm.placement.replication import HotIdsRecord, setup_replication
+from dlrm.precision.config import embedding_bytes_per_rank, parse_precision_cfg
+from dlrm.process.config_checks import check_moved_keys
+from dlrm.process.env import exit_without_teardown, init_distributed, shutdown
+from dlrm.process.launch import check_launch_keys, launch_ranks, module_of, objectives, rank_source, submitit_rendezvous
+from dlrm.process.run_dir import register_resolvers
+from dlrm.strategy.controller import StrategyController, parse_strategy_cfg
+from dlrm.telemetry.comm_stats import comm_summary, set_iteration
+from dlrm.telemetry.metrics import final_metrics, write_metrics_json
+from dlrm.telemetry.progress import Progress
+from dlrm.telemetry.tb_logger import TensorBoardLogger
+from dlrm.telemetry.wire import WireMeter, placements, wire_metrics
+from dlrm.trainer.checkpoint import Checkpointer
+from dlrm.trainer.datasets import RunData
+from dlrm.trainer.loop import LoopPlan, StepObserver, Stepper, TrainState, evaluate, take, train
+from dlrm.trainer.model import build_model, table_names
+from dlrm.trainer.optim import WarmupDecayLR, apply_sparse_optimizer, build_optimizer
+from dlrm.trainer.sharding import check_supported, describe_plan, shard_model
 
 log = logging.getLogger("dlrm.train")
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
@@ -315,7 +316,7 @@ def print_summary(metrics: dict[str, Any], run_dir: Path) -> None:
 def hydra_main(run_fn: Any = run) -> Any:
     """The Hydra entry point of ``run_fn(cfg, run_dir)`` over ``configs/`` (the probe reuses it).
 
-    A sweep job (`-m`) outside torchrun launches its own ranks (dlrm.launch); the job returns the
+    A sweep job (`-m`) outside torchrun launches its own ranks (dlrm.process.launch); the job returns the
     config's ``objectives`` for an optimising sweeper.
     """
 

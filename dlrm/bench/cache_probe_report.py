@@ -4,7 +4,7 @@
 table by iteration range: the share of each batch's unique forward rows whose id the destination
 holds, the share it could keep (within the bound), and the forward ratio today and with the cache
 (raw bytes over wire bytes, the probed payloads replaced by what the cache would send), for both
-schemes of :mod:`dlrm.comm.cache_probe` (moved rows sent whole, or as differences). Ranges are
+schemes of :mod:`dlrm.embedding_comm.cache_probe` (moved rows sent whole, or as differences). Ranges are
 unions of log windows (``log_every``): choose ``log_every`` dividing 100. With ``--compare``, one
 line per run with or without ``compression.forward.cache`` (its real wire bytes).
 """

@@ -3,7 +3,7 @@
     python -m dlrm.bench.cache_speed [--steps 200] [--rows 256] [--tables 13] [--dim 32]
                                      [--cardinality 100000] [--capacity 0] [--repeats 3]
 
-Drives one sender (:class:`dlrm.comm.forward_cache.ForwardCache` encode) and one receiver (its
+Drives one sender (:class:`dlrm.embedding_comm.forward_cache.ForwardCache` encode) and one receiver (its
 decode) over a stream of chunks shaped like the default 2-rank run's forward all-to-all (batch
 ``rows`` x ``tables`` table blocks of width ``dim``, Zipf ids, rows drifting as training moves
 them), and times, per chunk, encode + decode of the cache path and of the cache-free lossy codec
@@ -21,10 +21,10 @@ import time
 import numpy as np
 import torch
 
-from dlrm.comm import fixed_bound
-from dlrm.comm.codec import DirectionCodec
-from dlrm.comm.config import DirectionSpec
-from dlrm.comm.forward_cache import ForwardCache
+from dlrm.embedding_comm import fixed_bound
+from dlrm.embedding_comm.codec import DirectionCodec
+from dlrm.embedding_comm.config import DirectionSpec
+from dlrm.embedding_comm.forward_cache import ForwardCache
 
 
 def chunks(steps: int, rows: int, tables: int, dim: int, cardinality: int, seed: int = 0):

@@ -4,7 +4,7 @@
 
 Per config (``configs/compression/<name>.yaml``, plus ``stock`` = TorchRec without QComms) it
 trains a DLRM-shaped EBC (single-valued skewed ids, fused SGD) for a few iterations and prints
-ms per iteration and the statistics of :func:`dlrm.comm.comm_stats_all_ranks`. CPU/gloo timings
+ms per iteration and the statistics of :func:`dlrm.embedding_comm.comm_stats_all_ranks`. CPU/gloo timings
 on a shared machine only compare configs with each other; they say nothing about GPUs.
 """
 
@@ -80,8 +80,8 @@ def _batch(args: argparse.Namespace, rank: int, step: int):
 def _sharder(name: str, eb: float):
     from hydra import compose, initialize_config_dir
 
-    from dlrm.comm import fixed_bound, make_sharders, parse_compression_cfg
-    from dlrm.comm.embeddingbag import StockEmbeddingBagCollectionSharder
+    from dlrm.embedding_comm import fixed_bound, make_sharders, parse_compression_cfg
+    from dlrm.embedding_comm.embeddingbag import StockEmbeddingBagCollectionSharder
 
     if name == "stock":
         return StockEmbeddingBagCollectionSharder()
@@ -95,7 +95,7 @@ def _rank(rank: int, ws: int, port: int, args: argparse.Namespace, queue) -> Non
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(ws))
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", rank=rank, world_size=ws)
-    from dlrm.comm import comm_stats_all_ranks
+    from dlrm.telemetry.comm_stats import comm_stats_all_ranks
 
     try:
         for name in args.configs.split(","):

@@ -8,11 +8,11 @@ split by pass (``forward``/``backward``), the time this rank was blocked in pool
 all-to-alls (the blocking call plus the wait on the async work, i.e. the exposed communication),
 the bytes it sent to other ranks in them, and the codec time. Evaluation is not counted.
 
-How: ``torch.distributed.all_to_all_single`` is wrapped (TorchRec and ``dlrm.comm`` call it
-through the module); a call made inside :func:`dlrm.comm.instrument.embedding_collective` is a
+How: ``torch.distributed.all_to_all_single`` is wrapped (TorchRec and ``dlrm.embedding_comm`` call it
+through the module); a call made inside :func:`dlrm.process.instrument.embedding_collective` is a
 pooled-embedding all-to-all of that direction (the compressed all-to-all marks its own; the probe
 marks TorchRec's ``All2All_Pooled_Req``/``_Wait`` the same way for the stock QComms path) and
-the rest (the sparse input dist) is counted apart. The trainer's :class:`dlrm.loop.StepObserver`
+the rest (the sparse input dist) is counted apart. The trainer's :class:`dlrm.trainer.loop.StepObserver`
 seam marks training segments and closes an iteration after each step. Codec time comes from the
 run statistics of the compressed dists (encode + decode + dedup) and, for TorchRec's QComms, from
 timing fbgemm's ``QuantizedCommCodec.encode/decode``; the dense-gradient hook's codec time (DCT,
@@ -36,10 +36,10 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torchrec.distributed import comm_ops as torchrec_comm_ops
 
-from dlrm.comm.collect import run_totals
-from dlrm.comm.dense import dense_comm_of
-from dlrm.comm.instrument import current, embedding_collective
-from dlrm.env import exit_without_teardown
+from dlrm.dense_comm.hook import dense_comm_of
+from dlrm.process.env import exit_without_teardown
+from dlrm.process.instrument import current, embedding_collective
+from dlrm.telemetry.comm_stats import run_totals
 
 OUT_ENV = "DLRM_NETPROBE_OUT"
 PASSES = ("forward", "backward")
@@ -193,7 +193,7 @@ def _close_step(model: torch.nn.Module) -> None:
 
 
 class TrainingObserver:
-    """The trainer's :class:`dlrm.loop.StepObserver`: counts only inside training segments and
+    """The trainer's :class:`dlrm.trainer.loop.StepObserver`: counts only inside training segments and
     closes an iteration after each optimizer step."""
 
     def segment_start(self, model: torch.nn.Module) -> None:

@@ -28,7 +28,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from dlrm.run_dir import task_rank
+from dlrm.process.run_dir import task_rank
 
 REQUIRED = ("auc", "forward_ratio")  # keys every run has; auc may be null (undefined)
 UNBOUNDED = ("none", "fp16", "bf16", "int8", "fp8", "mx4")  # codecs without an error bound

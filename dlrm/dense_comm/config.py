@@ -1,0 +1,108 @@
+"""The `dense_comm` config group: how the data-parallel (dense MLP) gradients are all-reduced.
+
+* ``none``: fp32 all-reduce, stock DDP (no hook);
+* ``fp16`` / ``bf16``: cast, all-reduce, cast back (torch's compress hooks);
+* ``powersgd``: torch's PowerSGD hook (low-rank, error feedback);
+* ``dct``: DCT-DP hard thresholding with error feedback (Gupta et al., KDD'21);
+* ``auto``: one of ``none``/``fp16``/``bf16``/``dct``, chosen on the run's own link and
+  gradients (:mod:`dlrm.strategy.controller`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from compression.sparse import VALUE_CODECS
+from dlrm.process.config_checks import check_keys, number, plain_config
+
+KINDS = ("none", "fp16", "bf16", "powersgd", "dct", "auto")
+AUTO_OPTIONS = ("none", "fp16", "bf16", "dct")  # powersgd needs warm-up iterations: not switched to
+_KEYS = {
+    "none": set(),
+    "fp16": set(),
+    "bf16": set(),
+    "powersgd": {"rank", "start_iter", "warm_start", "min_compression_rate"},
+    "dct": {"keep", "refresh_every", "refresh_warmup", "min_numel", "values", "values_eb"},
+}
+_KEYS["auto"] = _KEYS["dct"]  # auto may choose dct, with these settings
+_COMMON = {"name", "bucket_cap_mb"}
+
+
+@dataclass(frozen=True)
+class DenseCommSpec:
+    """A validated `dense_comm` config."""
+
+    name: str = "none"
+    bucket_cap_mb: float = 25.0  # DDP's (and TorchRec's) default bucket size
+    # powersgd
+    rank: int = 1
+    start_iter: int = 10
+    warm_start: bool = True
+    min_compression_rate: float = 2.0
+    # dct
+    keep: float = 0.005  # fraction of each parameter's entries sent, fixed at each threshold refresh
+    refresh_every: int = 1000  # iterations between threshold refreshes (published: a few thousand)
+    refresh_warmup: bool = True  # also refresh at iterations 1, 2, 4, ... < refresh_every
+    min_numel: int = 256  # smaller buckets are all-reduced, smaller parameters sent whole
+    values: str = "none"  # codec of the sent values: none (fp32) | fp16 | bf16 | lossy
+    values_eb: float = 0.01  # lossy values: bound as a fraction of the largest sent |value|
+
+    @property
+    def hooked(self) -> bool:
+        """Whether a communication hook replaces stock DDP's all-reduce."""
+        return self.name != "none"
+
+
+def _int(cfg: Mapping[str, Any], key: str, where: str, default: int, minimum: int) -> int:
+    v = cfg.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ValueError(f"{where}.{key} must be an integer >= {minimum}, got {v!r}")
+    return v
+
+
+def parse_dense_comm_cfg(cfg: Mapping[str, Any] | None) -> DenseCommSpec:
+    """Validate a `dense_comm` config (dict or DictConfig); errors name the key."""
+    cfg = plain_config(cfg) if cfg is not None else {"name": "none"}
+    where = "dense_comm"
+    if not isinstance(cfg, Mapping):
+        raise ValueError(f"{where} config must be a mapping, got {type(cfg).__name__}")
+    name = cfg.get("name", "none")
+    if name not in KINDS:
+        raise ValueError(f"{where}.name must be one of {KINDS}, got {name!r}")
+    check_keys(cfg, _COMMON | _KEYS[name], where)
+    d = DenseCommSpec()  # the defaults
+    out: dict[str, Any] = {"name": name, "bucket_cap_mb": number(cfg, "bucket_cap_mb", where, d.bucket_cap_mb, True)}
+    if name == "powersgd":
+        out.update(
+            rank=_int(cfg, "rank", where, d.rank, 1),
+            # torch's PowerSGD with error feedback needs two plain iterations first (DDP's bucket rebuild)
+            start_iter=_int(cfg, "start_iter", where, d.start_iter, 2),
+            min_compression_rate=number(cfg, "min_compression_rate", where, d.min_compression_rate),
+        )
+        warm = cfg.get("warm_start", d.warm_start)
+        if not isinstance(warm, bool):
+            raise ValueError(f"{where}.warm_start must be true or false, got {warm!r}")
+        out["warm_start"] = warm
+    if name in ("dct", "auto"):
+        keep = number(cfg, "keep", where, d.keep, positive=True)
+        if keep > 1:
+            raise ValueError(f"{where}.keep is the fraction of entries sent, in (0, 1]; got {keep}")
+        values = cfg.get("values", d.values)
+        if values not in VALUE_CODECS:
+            raise ValueError(f"{where}.values must be one of {VALUE_CODECS}, got {values!r}")
+        if "values_eb" in cfg and cfg["values_eb"] is not None and values != "lossy":
+            raise ValueError(f"{where}.values_eb bounds lossy values only; {where}.values is {values!r}")
+        warmup = cfg.get("refresh_warmup", d.refresh_warmup)
+        if not isinstance(warmup, bool):
+            raise ValueError(f"{where}.refresh_warmup must be true or false, got {warmup!r}")
+        out.update(
+            keep=keep,
+            refresh_warmup=warmup,
+            refresh_every=_int(cfg, "refresh_every", where, d.refresh_every, 1),
+            min_numel=_int(cfg, "min_numel", where, d.min_numel, 0),
+            values=values,
+            values_eb=number(cfg, "values_eb", where, d.values_eb, positive=True),
+        )
+    return DenseCommSpec(**out)

@@ -1,0 +1,381 @@
+"""The dense (data-parallel) gradient all-reduce through a DDP communication hook.
+
+:class:`DenseComm` is one `dense_comm` choice with its per-rank state and statistics;
+:class:`CompressedDataParallelWrapper` is TorchRec's data-parallel wrapper seam of
+``DistributedModelParallel``, which registers the hook on the DDP module it builds. The training
+loop does not change.
+
+DCT-DP, per DDP bucket (Gupta et al., KDD'21): ``f = g + residual``; every ``refresh_every``
+iterations the threshold of each parameter in it becomes the k-th largest of its ``|f|`` (k = keep
+x numel; parameters under ``min_numel`` travel whole, as do buckets under it); every iteration the
+entries with ``|f| >= threshold`` travel (:class:`compression.sparse.ThresholdCodec`: positions as
+delta-coded indices or a bitmap, whichever is smaller; values exact, fp16/bf16 or lossy) in a
+variable-size all-gather (sizes first), every rank adds what all ranks sent and divides by the
+world size like DDP's average; ``residual = f - what was sent, as decoded``. Residuals and
+thresholds are kept per parameter (so a rebuilt bucket layout, e.g. after DDP's first iteration or
+a resume, keeps them) and checkpointed per rank. A payload that fails to decode raises on the
+receiving ranks; the sender stops at its next collective's timeout (the process group's).
+
+Statistics (``dense/*`` keys of :mod:`dlrm.embedding_comm.stats`): ``raw_bytes`` is what stock DDP's ring
+all-reduce of fp32 gradients sends per rank (2 (W-1)/W x 4 bytes per element), ``wire_bytes``
+what the chosen hook sends (a ring all-reduce of the cast or low-rank factors; for DCT the
+all-gather of the padded payloads, (W-1) x the largest, plus the size words); ``codec_ms`` the
+host time of encoding and decoding, ``comm_ms`` the time from launch to arrival (it overlaps the
+rest of the backward). DCT adds ``kept``/``numel`` (-> ``keep``), the largest ``threshold`` and
+``residual_norm`` (the L2 norm of this rank's residuals after the iteration, largest over ranks).
+The statistics are written under a lock from the collectives' callbacks and read at log time,
+after DDP has waited for every bucket's future (so a read never races a write).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
+from torchrec.distributed.model_parallel import DefaultDataParallelWrapper
+from torchrec.distributed.types import ShardingEnv
+
+import compression
+from compression.sparse import ThresholdCodec, kth_largest_abs, refresh_due
+from dlrm.dense_comm.config import DenseCommSpec
+from dlrm.embedding_comm.stats import CommStats
+from dlrm.process.instrument import on_the_wire
+
+Future = torch.futures.Future
+
+
+class DenseCommError(RuntimeError):
+    """A dense-gradient payload could not be decoded; the message names the ranks and the bucket."""
+
+
+def ring_allreduce_bytes(numel: int, world_size: int, bytes_per_value: float = 4.0) -> float:
+    """What one rank sends in a ring all-reduce of ``numel`` values (DDP's and gloo's algorithm)."""
+    return 2 * (world_size - 1) / world_size * bytes_per_value * numel
+
+
+# PowerSGD's state; its hyperparameters (rank, start, ...) come from the config, not a checkpoint.
+_POWERSGD_STATE = (
+    "rng",
+    "error_dict",
+    "p_memory_dict",
+    "q_memory_dict",
+    "iter",
+    "total_numel_before_compression",
+    "total_numel_after_compression",
+)
+
+
+class DenseComm:
+    """One `dense_comm` choice: its hook, per-rank state (DCT residuals and thresholds, PowerSGD
+    matrices), and statistics. Built before the model is wrapped; :meth:`install` hooks it in."""
+
+    def __init__(self, spec: DenseCommSpec) -> None:
+        self.spec = spec
+        self.stats = CommStats()
+        self.iteration = 0  # DDP backward passes seen (DCT's refresh schedule; checkpointed)
+        self._process_iterations = 0  # backward passes of this process (not restored on resume)
+        self.thresholds: dict[str, float] = {}  # parameter name -> threshold
+        self.refreshes: list[tuple[int, str]] = []  # (iteration, parameter name) of every refresh
+        self.residuals: dict[str, torch.Tensor] = {}  # parameter name -> flat residual
+        self._names: dict[int, str] = {}
+        self._norm_sq = 0.0  # squared residual norm of the buckets seen this iteration
+        self._codec = ThresholdCodec(values=spec.values)
+        self._lock = threading.Lock()  # future callbacks run on the collectives' threads
+        self.pg: dist.ProcessGroup | None = None
+        self.powersgd: PowerSGDState | None = None
+        # dense_comm=auto: the option in use (the others' name is their own), and while
+        # calibrating, every option measured on the real buckets as (option, raw, wire, enc s, dec s)
+        self.mode = "none" if spec.name == "auto" else spec.name
+        self.calibrating = False
+        self.samples: list[tuple[str, float, float, float, float]] = []
+
+    # -- installation ---------------------------------------------------------------------------
+
+    def prepare(self, module: torch.nn.Module, pg: dist.ProcessGroup) -> None:
+        """Learn the parameter names of the DDP module and build PowerSGD's state (no hook yet)."""
+        self.pg = pg
+        self._names = {id(p): n for n, p in module.named_parameters()}
+        if self.spec.name == "powersgd":
+            self.powersgd = PowerSGDState(
+                process_group=pg,
+                matrix_approximation_rank=self.spec.rank,
+                start_powerSGD_iter=self.spec.start_iter,
+                min_compression_rate=self.spec.min_compression_rate,
+                use_error_feedback=True,
+                warm_start=self.spec.warm_start,
+                random_seed=0,
+            )
+
+    def install(self, ddp: DistributedDataParallel, pg: dist.ProcessGroup) -> None:
+        """Register the hook on ``ddp`` (nothing for ``none``: stock DDP)."""
+        self.prepare(ddp.module, pg)
+        if self.spec.hooked:
+            ddp.register_comm_hook(self, dense_comm_hook)
+
+    # -- the hooks ------------------------------------------------------------------------------
+
+    def hook(self, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+        assert self.pg is not None, "DenseComm.install() was not called"
+        buf = bucket.buffer()
+        ws = self.pg.size()
+        raw = ring_allreduce_bytes(buf.numel(), ws)
+        if self.calibrating:
+            self.samples.extend(self._calibrate(buf, ws))
+        kind = self.mode
+        t0 = time.perf_counter()
+        if kind == "dct" and buf.numel() >= self.spec.min_numel:
+            fut = self._dct(bucket, t0)
+        else:
+            if kind == "powersgd":
+                fut, sent = self._powersgd(bucket)
+                wire = ring_allreduce_bytes(sent, ws)
+            elif kind in ("fp16", "bf16"):  # torch's hooks; called, not registered: bf16 runs on gloo
+                hook = default_hooks.fp16_compress_hook if kind == "fp16" else default_hooks.bf16_compress_hook
+                fut = hook(self.pg, bucket)
+                wire = ring_allreduce_bytes(buf.numel(), ws, 2.0)
+            else:  # a DCT bucket under min_numel: stock average
+                fut = default_hooks.allreduce_hook(self.pg, bucket)
+                wire = raw
+            launched = time.perf_counter()
+            self._record(raw=raw, wire=wire, codec_ms=1e3 * (launched - t0))
+            fut = fut.then(self._arrived(launched))
+        if bucket.is_last():
+            if kind == "dct":
+                self._record(residual_norm=self._norm_sq**0.5)
+                self._norm_sq = 0.0
+            self.iteration += 1
+            self._process_iterations += 1
+        return fut
+
+    def _powersgd(self, bucket: dist.GradBucket) -> tuple[Future[torch.Tensor], int]:
+        """torch's PowerSGD hook, and the elements it sends.
+
+        The first backward of every process is a plain all-reduce, as torch's hook does before
+        ``start_iter``: PowerSGD keys its state by bucket index, and DDP's first iteration uses
+        one bucket of everything before rebuilding the layout that a resumed state belongs to.
+        """
+        ps = self.powersgd
+        assert ps is not None and self.pg is not None
+        if self._process_iterations == 0:
+            ps.maybe_increase_iter(bucket)
+            return default_hooks.allreduce_hook(self.pg, bucket), bucket.buffer().numel()
+        before = (ps.total_numel_before_compression, ps.total_numel_after_compression)
+        fut = powerSGD_hook(ps, bucket)
+        after = (ps.total_numel_before_compression, ps.total_numel_after_compression)
+        return fut, after[1] - before[1] if after[0] > before[0] else bucket.buffer().numel()  # vanilla before start
+
+    def _arrived(self, launched: float) -> Callable[[Future[torch.Tensor]], torch.Tensor]:
+        def done(f: Future[torch.Tensor]) -> torch.Tensor:
+            self._record(comm_ms=1e3 * (time.perf_counter() - launched))
+            value = f.value()
+            return value[0] if isinstance(value, list) else value
+
+        return done
+
+    def _dct(self, bucket: dist.GradBucket, t0: float) -> Future[torch.Tensor]:
+        assert self.pg is not None
+        pg, spec = self.pg, self.spec
+        ws, me = pg.size(), pg.rank()
+        buf = bucket.buffer()
+        layout = [(self._names.get(id(p), f"param{i}"), p.numel()) for i, p in enumerate(bucket.parameters())]
+        numels = [n for _, n in layout]
+        f = buf + torch.cat([self._residual(name, numel, buf) for name, numel in layout])
+        thresholds = [self._threshold(name, piece) for (name, _), piece in zip(layout, f.split(numels), strict=True)]
+        eb = spec.values_eb * float(f.abs().max()) if spec.values == "lossy" else None
+        payload = self._codec.encode(f.view(1, -1), eb, blocks=numels, thresholds=thresholds)
+        sent = self._codec.decode(payload).view(-1)  # exactly what every rank adds for us
+        residual = f - sent
+        for (name, _), piece in zip(layout, residual.split(numels), strict=True):
+            self.residuals[name] = piece
+        self._norm_sq += float(torch.linalg.vector_norm(residual)) ** 2
+        kept = self._codec.count(payload)
+        t1 = time.perf_counter()
+        size = torch.tensor([payload.numel()], dtype=torch.int64, device=buf.device)
+        sizes = [torch.empty_like(size) for _ in range(ws)]
+        dist.all_gather(sizes, size, group=pg)
+        lengths = [int(s) for s in sizes]
+        global_rank = [dist.get_global_rank(pg, r) for r in range(ws)]
+        payload = on_the_wire(payload, src=global_rank[me], dst=-1, direction="dense", iteration=self.iteration)
+        padded = torch.zeros(max(lengths), dtype=torch.uint8, device=buf.device)
+        padded[: payload.numel()] = payload
+        outs = [torch.empty_like(padded) for _ in range(ws)]
+        fut = dist.all_gather(outs, padded, group=pg, async_op=True).get_future()
+        launched = time.perf_counter()
+        self._record(
+            raw=ring_allreduce_bytes(buf.numel(), ws),
+            wire=(ws - 1) * (8 + max(lengths)),  # each rank's padded payload and size word to every other
+            codec_ms=1e3 * (t1 - t0),
+            comm_ms=1e3 * (launched - t1),
+            kept=kept,
+            numel=buf.numel(),
+            threshold=max(thresholds),
+        )
+        index, iteration = bucket.index(), self.iteration
+
+        def finish(done: Future[list[torch.Tensor]]) -> torch.Tensor:
+            t2 = time.perf_counter()
+            parts = done.value()
+            torch.div(sent, ws, out=buf)  # our own contribution needs no decoding
+            for r in range(ws):
+                if r == me:
+                    continue
+                what = (
+                    f"rank {global_rank[me]}: cannot decode the dense gradient payload of bucket {index} "
+                    f"({lengths[r]} bytes) from rank {global_rank[r]} at iteration {iteration}"
+                )
+                try:
+                    other = compression.decode(parts[r][: lengths[r]]).view(-1)
+                except Exception as e:
+                    raise DenseCommError(f"{what}: {type(e).__name__}: {e}") from e
+                if other.numel() != buf.numel():
+                    raise DenseCommError(f"{what}: {other.numel()} gradients, expected {buf.numel()}")
+                buf.add_(other.div_(ws))
+            t3 = time.perf_counter()
+            self._record(comm_ms=1e3 * (t2 - launched), codec_ms=1e3 * (t3 - t2))
+            return buf
+
+        return fut.then(finish)
+
+    def _calibrate(self, buf: torch.Tensor, ws: int) -> list[tuple[str, float, float, float, float]]:
+        """dense_comm=auto: what each option would cost on this bucket (raw and wire bytes per rank
+        as a ring all-reduce would send them, encode and decode seconds)."""
+        raw = ring_allreduce_bytes(buf.numel(), ws)
+        out = [("none", raw, raw, 0.0, 0.0)]
+        for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+            t0 = time.perf_counter()
+            half = buf.to(dtype)
+            t1 = time.perf_counter()
+            half.to(buf.dtype)
+            out.append((name, raw, raw / 2, t1 - t0, time.perf_counter() - t1))
+        if buf.numel() >= self.spec.min_numel:
+            t0 = time.perf_counter()
+            payload = self._codec.encode(buf.view(1, -1), None, thresholds=[kth_largest_abs(buf, self.spec.keep)])
+            t1 = time.perf_counter()
+            self._codec.decode(payload)
+            t2 = time.perf_counter()
+            # decode: every other rank's payload (W - 1 of them) and our own
+            out.append(("dct", raw, (ws - 1) * (8 + payload.numel()), t1 - t0, (t2 - t1) * ws))
+        return out
+
+    # -- DCT state ------------------------------------------------------------------------------
+
+    def _residual(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """A parameter's residual (zeros before its first iteration), on the gradients' device."""
+        r = self.residuals.get(name)
+        if r is None or r.numel() != numel:
+            return torch.zeros(numel, dtype=like.dtype, device=like.device)
+        return r.to(device=like.device, dtype=like.dtype)
+
+    def refresh_due(self, iteration: int) -> bool:
+        """Whether thresholds are refreshed at ``iteration`` (:func:`compression.sparse.refresh_due`)."""
+        return refresh_due(iteration, self.spec.refresh_every, self.spec.refresh_warmup)
+
+    def _threshold(self, name: str, f: torch.Tensor) -> float:
+        """A parameter's threshold: refreshed on schedule (and when first seen); 0 (send all) for
+        parameters under ``min_numel``. Kept per parameter, not per bucket, so that DDP's bucket
+        rebuild after its first iterations (and a resume) does not move the schedule."""
+        if f.numel() < self.spec.min_numel:
+            return 0.0
+        if name not in self.thresholds or self.refresh_due(self.iteration):
+            self.thresholds[name] = kth_largest_abs(f, self.spec.keep)
+            self.refreshes.append((self.iteration, name))
+        return self.thresholds[name]
+
+    # -- statistics and checkpoints -------------------------------------------------------------
+
+    def _record(
+        self,
+        *,
+        raw: float | None = None,
+        wire: float | None = None,
+        codec_ms: float | None = None,
+        comm_ms: float | None = None,
+        kept: int | None = None,
+        numel: int | None = None,
+        threshold: float | None = None,
+        residual_norm: float | None = None,
+    ) -> None:
+        with self._lock:
+            for name, value in (
+                ("raw_bytes", raw),
+                ("wire_bytes", wire),
+                ("codec_ms", codec_ms),
+                ("comm_ms", comm_ms),
+                ("kept", kept),
+                ("numel", numel),
+            ):
+                if value is not None:
+                    self.stats.add(f"dense/{name}", float(value))
+            if raw is not None:
+                self.stats.add("dense/calls", 1.0)
+            for name, value in (("threshold", threshold), ("residual_norm", residual_norm)):
+                if value is not None:
+                    self.stats.maximum(f"dense/{name}", float(value))
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state (tensors; saved per rank): iteration, thresholds, residuals, PowerSGD's."""
+        state: dict[str, Any] = {
+            "name": self.spec.name,
+            "iteration": self.iteration,
+            "thresholds": dict(self.thresholds),
+            "residuals": {n: r.detach().cpu() for n, r in self.residuals.items()},
+        }
+        if self.powersgd is not None:
+            state["powersgd"] = {slot: getattr(self.powersgd, slot) for slot in _POWERSGD_STATE}
+            state["powersgd_rank"] = self.powersgd.matrix_approximation_rank
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("name", self.spec.name) != self.spec.name:
+            raise ValueError(
+                f"the checkpoint holds dense_comm={state.get('name')!r} state; this run uses "
+                f"dense_comm={self.spec.name!r} (resume with the same dense_comm, or start anew)"
+            )
+        self.iteration = int(state.get("iteration", 0))
+        self.thresholds = {str(k): float(v) for k, v in state.get("thresholds", {}).items()}
+        self.residuals = {str(k): v.clone() for k, v in state.get("residuals", {}).items()}
+        if self.powersgd is not None and "powersgd" in state:
+            if state.get("powersgd_rank") != self.spec.rank:
+                raise ValueError(
+                    f"the checkpoint's PowerSGD factors have rank {state.get('powersgd_rank')}; "
+                    f"dense_comm.rank is {self.spec.rank} (resume with the same rank, or start anew)"
+                )
+            for slot, value in state["powersgd"].items():
+                setattr(self.powersgd, slot, value)
+
+
+def dense_comm_of(model: torch.nn.Module) -> DenseComm | None:
+    """The :class:`DenseComm` a DMP model was wrapped with (TorchRec keeps the wrapper it used)."""
+    wrapper = getattr(model, "_data_parallel_wrapper", None)
+    return wrapper.dense if isinstance(wrapper, CompressedDataParallelWrapper) else None
+
+
+def dense_comm_hook(state, bucket):
+    """The DDP communication hook of every `dense_comm` choice (DDP calls it per bucket).
+
+    Unannotated on purpose: DDP compares the annotations with the real types, and with
+    ``from __future__ import annotations`` they would be strings.
+    """
+    return state.hook(bucket)
+
+
+class CompressedDataParallelWrapper(DefaultDataParallelWrapper):
+    """TorchRec's default DDP wrapping of the dense part, with our hook registered on it."""
+
+    def __init__(self, dense: DenseComm) -> None:
+        super().__init__(bucket_cap_mb=dense.spec.bucket_cap_mb)
+        self.dense = dense
+
+    def _ddp_wrap(self, dmp: Any, env: ShardingEnv, device: torch.device, ddp_ignore_param_names: set[str]) -> None:
+        super()._ddp_wrap(dmp, env, device, ddp_ignore_param_names)
+        ddp = dmp._dmp_wrapped_module
+        if isinstance(ddp, DistributedDataParallel):
+            assert env.process_group is not None
+            self.dense.install(ddp, env.process_group)

@@ -1,0 +1,270 @@
+"""One direction's codec with its bound policy: chunk ``[rows, D]`` of column blocks <-> payload.
+
+A chunk packs the blocks (tables) one rank sends to one peer; each block gets its own absolute
+bound from the policy (times the block's value range in ``rel`` mode). Decode failures become a
+:class:`CompressedCommError` naming the source rank, the tables and the iteration.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+import compression
+from compression.composite import PerBlockCodec, worst_case_error
+from compression.sparse import ThresholdCodec, kth_largest_abs, refresh_due
+from dlrm.embedding_comm.bounds import BoundFn, absolute_bounds, policy_values
+from dlrm.embedding_comm.config import DirectionSpec
+
+
+class CompressedCommError(RuntimeError):
+    """A compressed all-to-all payload could not be decoded (or had the wrong shape)."""
+
+
+# Smallest positive float32: a threshold that keeps every non-zero entry and drops exact zeros.
+NONZERO = float(torch.finfo(torch.float32).smallest_normal) * 2.0**-23
+
+
+class DirectionCodec:
+    """The codec, bound policy and dedup switch of one direction (``forward`` or ``backward``).
+
+    With the ``threshold`` codec (DCT-MP, Gupta et al.) the direction keeps per-table thresholds
+    instead of bounds: ``params.keep`` (fraction of each table block's entries kept, its threshold
+    refreshed every ``params.refresh_every`` iterations from the chunk being sent), or, for the
+    gradients, ``params.forward_positions: true`` (send only where the forward kept an entry: the
+    derivative of the thresholding).
+    """
+
+    def __init__(self, spec: DirectionSpec, direction: str, bound_fn: BoundFn | None = None) -> None:
+        self.spec = spec
+        self.direction = direction
+        params = dict(spec.params)
+        self.keep, self.refresh_every, self.refresh_warmup, self.forward_positions = _threshold_params(
+            spec, params, direction
+        )
+        self._taus: dict[str, tuple[int, float]] = {}  # feature -> (iteration refreshed, threshold)
+        try:
+            self.codec = compression.get_codec(spec.codec, **params)
+        except TypeError as e:  # e.g. `compression.backward.codec=none` keeping lossy's params
+            raise ValueError(
+                f"compression.{direction}.params {dict(spec.params)} do not fit codec "
+                f"{spec.codec!r} ({e}); override them, or drop them with "
+                f"~compression.{direction}.params"
+            ) from None
+        self.bounded = bool(getattr(self.codec, "bounded", False))
+        if self.bounded and bound_fn is None:
+            raise ValueError(
+                f"compression.{direction}.codec {spec.codec!r} is error-bounded: it needs a bound "
+                f"policy (bound_fn_{direction}=a compression.policies.Policy, or "
+                "dlrm.embedding_comm.fixed_bound(eb))"
+            )
+        self.bound_fn = bound_fn
+        self.dedup = spec.dedup
+        # compression=auto: the option of every feature (the per_block codec's choice; unset: its
+        # fallback), and the calibration measurements not yet collected
+        self.choice: dict[str, str] = {}
+        self.samples: list[tuple[str, str, float, float, float, float, bool]] = []
+
+    def __repr__(self) -> str:
+        return f"DirectionCodec({self.direction}, codec={self.spec.codec!r}, mode={self.spec.mode}, dedup={self.dedup})"
+
+    def policy(self, features: Sequence[str], iteration: int) -> list[float]:
+        """The policy's value per feature (absolute bound, or fraction of range in rel mode)."""
+        if not self.bounded or self.bound_fn is None:
+            return [math.inf] * len(features)
+        return policy_values(self.bound_fn, features, self.direction, iteration)
+
+    def bounds(self, chunk: torch.Tensor, widths: Sequence[int], values: Sequence[float]) -> list[float] | None:
+        """Absolute per-block bounds for this chunk, or None for unbounded (cast) codecs."""
+        if not self.bounded:
+            return None
+        return absolute_bounds(chunk, widths, values, self.spec.mode)
+
+    def thresholds(
+        self,
+        chunk: torch.Tensor,
+        features: Sequence[str],
+        widths: Sequence[int],
+        iteration: int,
+        training: bool,
+        stage: str,
+    ) -> list[float] | None:
+        """DCT-MP's per-table thresholds for this chunk (None for every other codec): refreshed
+        from a training chunk on schedule (evaluation uses them as they are), or, for gradients,
+        the non-zero entries (where the forward kept values)."""
+        if self.forward_positions:
+            return [NONZERO] * len(widths)
+        if self.keep is None:
+            return None
+        out, c = [], 0
+        for f, w in zip(features, widths, strict=True):
+            key = f"{stage}/{f}"
+            seen = self._taus.get(key)
+            due = (
+                refresh_due(iteration, self.refresh_every, self.refresh_warmup)
+                and seen is not None
+                and seen[0] != iteration
+            )
+            if seen is None or (training and due):
+                tau = kth_largest_abs(chunk[:, c : c + w], self.keep) if w else 0.0
+                if not training and seen is None:
+                    out.append(tau)  # no threshold yet: this chunk's, not kept
+                    c += w
+                    continue
+                self._taus[key] = (iteration, tau)
+            out.append(self._taus[key][1])
+            c += w
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """DCT-MP's thresholds (this rank's: each rank thresholds what it sends)."""
+        return {"taus": {k: list(v) for k, v in self._taus.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._taus = {str(k): (int(v[0]), float(v[1])) for k, v in state.get("taus", {}).items()}
+
+    def encode(
+        self,
+        chunk: torch.Tensor,
+        widths: Sequence[int],
+        bounds: Sequence[float] | None,
+        ids: torch.Tensor | None,
+        thresholds: Sequence[float] | None = None,
+        features: Sequence[str] | None = None,
+    ) -> torch.Tensor:
+        """Payload (uint8, 1-D) of one chunk; ``ids`` ``[rows, n_blocks]`` or None (value dedup);
+        ``features`` name the blocks (the per_block codec's choice is per feature)."""
+        extra: dict[str, Any] = {} if thresholds is None else {"thresholds": list(thresholds)}
+        if isinstance(self.codec, PerBlockCodec) and features is not None:
+            extra["choice"] = [self.choice.get(f, self.codec.fallback) for f in features]
+        return self.codec.encode(
+            chunk.contiguous(),
+            None if bounds is None else list(bounds),
+            ids if self.dedup else None,
+            blocks=list(widths),
+            **extra,
+        )
+
+    def passthrough(self, features: Sequence[str]) -> bool:
+        """compression=auto: every feature of a collective chose ``none``, so it travels as
+        TorchRec's all-to-all does (the raw rows; comm_ops._send_raw)."""
+        return (
+            isinstance(self.codec, PerBlockCodec)
+            and bool(self.choice)
+            and all(self.choice.get(f) == "none" for f in features)
+        )
+
+    def calibrate(
+        self,
+        chunk: torch.Tensor,
+        features: Sequence[str],
+        widths: Sequence[int],
+        bounds: Sequence[float] | None,
+        ids: torch.Tensor | None,
+    ) -> list[tuple[str, str, float, float, float, float, bool]]:
+        """compression=auto: every option on every block of a real chunk, as (feature, option, raw
+        bytes, wire bytes, encode s, decode s, within the block's bound); and feature ``*``, option
+        ``regroup``: gathering and scattering the chunk's columns (the cost of mixing codecs)."""
+        assert isinstance(self.codec, PerBlockCodec) and bounds is not None
+        # what mixing codecs costs: the columns gathered by codec, decoded parts scattered back
+        perm = torch.randperm(chunk.shape[1], generator=torch.Generator().manual_seed(0)).to(chunk.device)
+        t0 = time.perf_counter()
+        gathered = chunk.index_select(1, perm)
+        t1 = time.perf_counter()
+        torch.empty_like(chunk)[:, perm] = gathered
+        t2 = time.perf_counter()
+        raw = float(chunk.numel() * chunk.element_size())
+        out: list[tuple[str, str, float, float, float, float, bool]] = [
+            ("*", "regroup", raw, raw, t1 - t0, t2 - t1, True)
+        ]
+        c = 0
+        for k, (f, w) in enumerate(zip(features, widths, strict=True)):
+            block = chunk[:, c : c + w].contiguous()
+            sub_ids = None if ids is None or not self.dedup else ids[:, k : k + 1]
+            for name, codec in self.codec.options.items():
+                if name == "none":  # what a collective all at none costs (passthrough): no codec
+                    raw_block = float(block.numel() * block.element_size())
+                    out.append((f, name, raw_block, raw_block, 0.0, 0.0, True))
+                    continue
+                ok = getattr(codec, "bounded", False) or worst_case_error(name, block) <= bounds[k]
+                t0 = time.perf_counter()
+                payload = codec.encode(block, [bounds[k]], sub_ids, blocks=[w])
+                t1 = time.perf_counter()
+                codec.decode(payload, sub_ids)
+                t2 = time.perf_counter()
+                out.append(
+                    (f, name, float(block.numel() * block.element_size()), float(payload.numel()), t1 - t0, t2 - t1, ok)
+                )
+            c += w
+        return out
+
+    def kept(self, payload: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+        """Where a received DCT-MP forward payload holds values (bool ``shape``)."""
+        assert isinstance(self.codec, ThresholdCodec)
+        mask = torch.zeros(shape, dtype=torch.bool, device=payload.device)
+        mask.view(-1)[self.codec.positions(payload)] = True
+        return mask
+
+    def decode(
+        self,
+        payload: torch.Tensor,
+        shape: tuple[int, int],
+        ids: torch.Tensor | None,
+        *,
+        src: int,
+        dst: int,
+        features: Sequence[str],
+        tables: Sequence[str],
+        iteration: int,
+        where: str,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Decode one peer's payload (into ``out``, its window of the merged output, if given),
+        checking its shape; any failure names source, tables, iteration."""
+        what = (
+            f"rank {dst} ({where}): cannot decode the {self.direction} payload ({payload.numel()} "
+            f"bytes) from rank {src} carrying tables {list(tables)} (features {list(features)}) at "
+            f"iteration {iteration}"
+        )
+        try:
+            out = self.codec.decode(payload, ids if self.dedup else None, out=out)
+        except Exception as e:  # any codec failure: name the transfer, keep the cause chained
+            raise CompressedCommError(f"{what}: {type(e).__name__}: {e}") from e
+        if tuple(out.shape) != tuple(shape):
+            raise CompressedCommError(f"{what}: decoded shape {tuple(out.shape)}, expected {tuple(shape)}")
+        return out
+
+
+def _threshold_params(spec: DirectionSpec, params: dict, direction: str) -> tuple[float | None, int, bool, bool]:
+    """Pop DCT-MP's own keys from a threshold codec's params (the rest go to the codec)."""
+    if spec.codec != "threshold":
+        return None, 1, False, False
+    keep, refresh = params.pop("keep", None), params.pop("refresh_every", None)
+    warmup = params.pop("refresh_warmup", None)
+    positions = bool(params.pop("forward_positions", False))
+    where = f"compression.{direction}.params"
+    if positions and direction != "backward":
+        raise ValueError(f"{where}.forward_positions applies to the backward (gradients) only")
+    if positions and (refresh is not None or warmup is not None):
+        raise ValueError(
+            f"{where}.refresh_every/refresh_warmup have no effect with forward_positions "
+            "(the forward's thresholds decide)"
+        )
+    if positions == (keep is not None):
+        raise ValueError(
+            f"{where}: the threshold codec needs either keep (a fraction of each table's entries) "
+            "or, backward, forward_positions: true"
+        )
+    refresh = 1000 if refresh is None else refresh
+    warmup = True if warmup is None else warmup
+    if keep is not None and not (isinstance(keep, (int, float)) and 0 < keep <= 1):
+        raise ValueError(f"{where}.keep must be a fraction in (0, 1], got {keep!r}")
+    if not (isinstance(refresh, int) and refresh >= 1):
+        raise ValueError(f"{where}.refresh_every must be an integer >= 1, got {refresh!r}")
+    if not isinstance(warmup, bool):
+        raise ValueError(f"{where}.refresh_warmup must be true or false, got {warmup!r}")
+    return (None if keep is None else float(keep)), refresh, warmup, positions

@@ -1,0 +1,96 @@
+"""Row ids for the codec: which chunks are single-valued, their ids, and duplicate-id gradients.
+
+A chunk's block (one feature) can travel deduplicated by id when every bag in it holds at most
+one id and no weight: its pooled row is then the table row of that id, so equal ids mean equal
+rows; an empty bag (e.g. a hot id served by a local replica, dlrm/placement/hot_rows.py) pools to zero and
+takes the id :data:`EMPTY_BAG`, shared by every empty bag. Sender and receiver decide this
+independently from the same bags (the receiver sent them in the input all-to-all), so they always
+agree and no flag travels. A chunk is sent by id only
+when all its blocks qualify (one payload per peer); otherwise the codec dedups by value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+EMPTY_BAG = -1  # the id of an empty bag: its pooled row is zero, like every other empty bag's
+
+
+class Region(NamedTuple):
+    """Keys ``key_start:key_start+n_keys`` and bags ``bag_start:bag_start+count`` of a KJT."""
+
+    key_start: int
+    n_keys: int
+    bag_start: int
+    count: int  # type: ignore[assignment]  # shadows tuple.count (a public field name, kept)
+
+
+def chunk_ids(kjt: KeyedJaggedTensor | None, regions: Sequence[Region]) -> list[torch.Tensor | None]:
+    """Per region: int64 ids ``[count, n_keys]`` (:data:`EMPTY_BAG` for an empty bag), or None
+    unless every bag of the region holds at most one unweighted id (one host sync for all regions).
+
+    ``kjt`` is feature-major with a fixed stride (TorchRec's layout for non-VBE batches).
+    """
+    if kjt is None or kjt.weights_or_none() is not None or kjt.variable_stride_per_key() or not regions:
+        return [None] * len(regions)
+    stride = kjt.stride()
+    lengths = kjt.lengths().view(-1, stride)
+    checks = [
+        (lengths[r.key_start : r.key_start + r.n_keys, r.bag_start : r.bag_start + r.count] <= 1).all() for r in regions
+    ]
+    single = torch.stack(checks).tolist()
+    offsets, values, dev = kjt.offsets(), kjt.values(), lengths.device
+    out: list[torch.Tensor | None] = []
+    for r, ok in zip(regions, single, strict=True):
+        if not ok or r.n_keys == 0:
+            out.append(None)
+            continue
+        keys = torch.arange(r.key_start, r.key_start + r.n_keys, device=dev)
+        bags = keys[None, :] * stride + r.bag_start + torch.arange(r.count, device=dev)[:, None]
+        first = offsets[bags].clamp(max=max(values.numel() - 1, 0))
+        ids = values[first].long() if values.numel() else torch.zeros_like(first)
+        out.append(torch.where(lengths.flatten()[bags] == 1, ids, EMPTY_BAG))  # [count, n_keys]
+    return out
+
+
+def sum_duplicates(g: torch.Tensor, ids: torch.Tensor, widths: Sequence[int]) -> torch.Tensor:
+    """Give every row of each block the sum of its block's rows with the same id (a new tensor).
+
+    The codec (deduplicating by id) then sends each sum once; the owner keeps it on one row.
+    """
+    out, c = g.clone(), 0
+    for k, w in enumerate(widths):
+        if w:
+            uniq, inverse = torch.unique(ids[:, k], return_inverse=True)
+            sums = g.new_zeros(uniq.numel(), w).index_add_(0, inverse, g[:, c : c + w])
+            out[:, c : c + w] = sums[inverse]
+        c += w
+    return out
+
+
+def first_occurrence(ids: torch.Tensor) -> torch.Tensor:
+    """Boolean mask of the first row holding each id of a 1-D id vector."""
+    uniq, inverse = torch.unique(ids, return_inverse=True)
+    pos = torch.arange(ids.numel(), device=ids.device)
+    first = torch.full((uniq.numel(),), ids.numel(), device=ids.device, dtype=pos.dtype)
+    first.scatter_reduce_(0, inverse, pos, reduce="amin")
+    return first[inverse] == pos
+
+
+def keep_first_duplicates(g: torch.Tensor, ids: torch.Tensor, widths: Sequence[int]) -> torch.Tensor:
+    """Zero, per block, every row whose id appeared on an earlier row (in place; returns ``g``).
+
+    Under sum pooling the table-batched kernel adds the gradients of all bags of an id, so one
+    row holding the per-id sum and zeros elsewhere gives the same per-id gradient.
+    """
+    c = 0
+    for k, w in enumerate(widths):
+        if w:
+            keep = first_occurrence(ids[:, k]).unsqueeze(1)
+            g[:, c : c + w] = torch.where(keep, g[:, c : c + w], 0.0)  # not `*= mask`: inf * 0 is nan
+        c += w
+    return g

@@ -1,0 +1,182 @@
+"""Keep the replicated hot rows identical on every rank: sum their gradients across ranks, sending
+only the rows a rank touched, then apply the embedding optimizer's own update to them.
+
+The sharded rows of a table train with TorchRec's fused optimizer on the gradient summed over
+every rank's lookups (the backward all-to-all brings them to the owner). The replicas must follow
+the same math, so :class:`HotRowOptimizer` sums the same gradients (divided by the world size where
+TorchRec divides them; an all-gather of each rank's touched rows, added in rank order so every
+rank computes the same bits) and applies the same
+update rule (FBGEMM's exact SGD, Adagrad or row-wise Adagrad) to the rows touched anywhere.
+
+With ``placement.sync_codec=backward`` each rank's touched rows travel coded by
+:class:`dlrm.placement.hot_wire.SyncWire` (the backward all-to-all's codec and bound, slots as int16/int32,
+no padding); every rank decodes every rank's payload, its own included, and sums them in rank
+order, so the replicas stay identical while each summed gradient is within the ranks' bounds of
+the exact sum.
+
+With ``sync_every=k > 1`` the gradients of k iterations are accumulated and applied together:
+replicas stay identical, but lookups see rows up to k-1 updates old (bounded staleness, a change
+of the optimisation math that a user opts into).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.comm_ops import get_gradient_division
+from torchrec.optim.keyed import KeyedOptimizer
+
+from dlrm.placement.hot_wire import SyncWire
+from dlrm.placement.traffic import ID_BYTES
+from dlrm.process.timeout import named_collective
+
+RULES = ("sgd", "adagrad", "rowwise_adagrad")
+
+
+class HotRowOptimizer(KeyedOptimizer):
+    """The optimizer of the replicated rows (``params``: name -> [H, D] weight with a sparse grad)."""
+
+    def __init__(
+        self,
+        params: Mapping[str, torch.nn.Parameter],
+        rule: str,
+        lr: float,
+        eps: float,
+        sync_every: int,
+        wire: SyncWire | None = None,
+    ):
+        if rule not in RULES:
+            raise ValueError(f"hot-row replication supports optimizer.sparse.name in {RULES} (got {rule!r})")
+        state: dict[Any, Any] = {}
+        for p in params.values():
+            if rule == "adagrad":
+                state[p] = {"momentum": torch.zeros_like(p)}
+            elif rule == "rowwise_adagrad":
+                state[p] = {"momentum": torch.zeros(p.shape[0], dtype=p.dtype, device=p.device)}
+        group = {"params": list(params.values()), "lr": lr, "eps": eps}
+        super().__init__(dict(params), state, [group])
+        self.rule, self.sync_every, self.wire = rule, int(sync_every), wire  # wire None: the exact sync
+        self.names = list(params)
+        self.pending = {n: torch.zeros_like(p) for n, p in params.items()}  # gradients not yet applied
+        self.touched = {n: torch.zeros(p.shape[0], dtype=torch.bool, device=p.device) for n, p in params.items()}
+        self.steps = 0  # optimizer steps since the start (or the resumed checkpoint's count)
+        self.sent_bytes = 0  # this rank's bytes on the wire for synchronisation
+
+    def init_state(self) -> None:  # state is created eagerly; no dummy step (it would be a collective)
+        return
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for name, p in self.params.items():
+            if p.grad is None:
+                continue
+            g = p.grad.coalesce() if p.grad.is_sparse else p.grad.to_sparse(1).coalesce()
+            rows, values = g.indices()[0], g.values()
+            if get_gradient_division():  # as TorchRec's backward all-to-all: the mean over ranks
+                values = values / (dist.get_world_size() if dist.is_initialized() else 1)
+            self.pending[name].index_add_(0, rows, values)
+            self.touched[name][rows] = True
+        self.steps += 1
+        if self.steps % self.sync_every == 0:
+            self._sync_and_apply()
+
+    def _sync_and_apply(self) -> None:
+        """All-gather every rank's touched rows (slots across all tables), sum in rank order, update."""
+        params = [self.params[n] for n in self.names]
+        bases = torch.tensor([0] + [p.shape[0] for p in params]).cumsum(0).tolist()
+        slots = [self.touched[n].nonzero().flatten() + b for n, b in zip(self.names, bases, strict=False)]
+        rows = [self.pending[n][self.touched[n]] for n in self.names]
+        total = torch.zeros(bases[-1], params[0].shape[1], dtype=params[0].dtype)
+        hit = torch.zeros(bases[-1], dtype=torch.bool)
+        if self.wire is None:
+            gathered = self._gather(torch.cat(slots), torch.cat(rows))
+        else:
+            gathered = self._gather_coded(slots, rows)
+        for s, r in gathered:
+            total.index_add_(0, s, r)
+            hit[s] = True
+        lr, eps = self.param_groups[0]["lr"], self.param_groups[0]["eps"]
+        for name, p, b in zip(self.names, params, bases, strict=False):
+            sel = hit[b : b + p.shape[0]].nonzero().flatten()
+            self._apply(p, sel, total[b + sel], lr, eps)
+            self.pending[name].zero_()
+            self.touched[name].zero_()
+
+    def _gather(self, slots: torch.Tensor, rows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every rank's (slots, rows), in rank order; rows of each rank padded to the largest count."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return [(slots, rows)]
+        world, dim = dist.get_world_size(), rows.shape[1]
+        with named_collective("the hot-row gradient all-gather (placement.hot_rows)"):
+            counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+            dist.all_gather(counts, torch.tensor([len(slots)]))
+            n = max(int(c) for c in counts)
+            packed = torch.zeros(n, dim + 2, dtype=torch.float32)  # int64 slot as two float32 words
+            packed[: len(slots), :2] = slots.to(torch.int64).view(-1, 1).view(torch.float32).view(-1, 2)
+            packed[: len(slots), 2:] = rows
+            out = [torch.empty_like(packed) for _ in range(world)]
+            dist.all_gather(out, packed)
+        self.sent_bytes += (world - 1) * (packed.numel() * 4 + ID_BYTES)  # padded rows and the count
+        return [
+            (o[: int(c), :2].contiguous().view(torch.int64).flatten(), o[: int(c), 2:])
+            for o, c in zip(out, counts, strict=True)
+        ]
+
+    def _gather_coded(
+        self, slots: list[torch.Tensor], rows: list[torch.Tensor]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every rank's decoded (slots, rows), in rank order, this rank's own payload decoded too:
+        the sizes all-gathered, then each rank's bytes to every rank unpadded (all_to_all_single of
+        the payload repeated per destination: a variable-size all-gather)."""
+        assert self.wire is not None
+        payload = self.wire.encode(slots, rows, self.steps - 1)  # the iteration of the last step synced
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return [self.wire.decode(payload, 0)]
+        world, n = dist.get_world_size(), int(payload.numel())
+        with named_collective("the coded hot-row gradient exchange (placement.sync_codec=backward)"):
+            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+            dist.all_gather(sizes, torch.tensor([n]))
+            recv = [int(c) for c in sizes]
+            out = torch.empty(sum(recv), dtype=torch.uint8)
+            dist.all_to_all_single(out, payload.repeat(world), recv, [n] * world)
+        self.sent_bytes += (world - 1) * (n + ID_BYTES)  # the payload and its size to every peer
+        return [self.wire.decode(p, src) for src, p in enumerate(out.split(recv))]
+
+    def _apply(self, p: torch.Tensor, sel: torch.Tensor, g: torch.Tensor, lr: float, eps: float) -> None:
+        """FBGEMM's exact update of rows ``sel`` of ``p`` with their summed gradient ``g``."""
+        if self.rule == "sgd":
+            p.index_add_(0, sel, g, alpha=-lr)
+            return
+        m = self.state[p]["momentum"]
+        if self.rule == "adagrad":
+            m[sel] += g * g
+            p[sel] -= lr * g / (m[sel].sqrt() + eps)
+        else:
+            m[sel] += (g * g).mean(dim=1)
+            p[sel] -= (lr / (m[sel].sqrt() + eps)).unsqueeze(1) * g
+
+    def pending_state(self) -> dict[str, Any]:
+        """This rank's accumulated, not yet synchronised gradients (differ per rank; see rank_parts)."""
+        return {"steps": self.steps, "pending": dict(self.pending), "touched": dict(self.touched)}
+
+    def load_pending_state(self, state: Mapping[str, Any]) -> None:
+        self.steps = int(state["steps"])
+        for n in self.names:
+            self.pending[n].copy_(state["pending"][n])
+            self.touched[n].copy_(state["touched"][n])
+
+
+class PendingHotGradients:
+    """The checkpoint part (one per rank) of a :class:`HotRowOptimizer`'s unsynchronised gradients."""
+
+    def __init__(self, optimizer: HotRowOptimizer) -> None:
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.pending_state()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.optimizer.load_pending_state(state)

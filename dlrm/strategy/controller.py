@@ -1,0 +1,443 @@
+"""`compression=auto` / `dense_comm=auto`: calibrate on the run itself, choose, apply, re-plan.
+
+The codec of every table and direction of the embedding all-to-all and of the dense gradients is
+chosen by :func:`compression.strategy.choose` from measurements of this run:
+
+1. the link: timed all-to-alls of several sizes on the run's own process group, fitted as
+   ``latency + bytes / bandwidth`` (per rank, every rank sending at once, as in training);
+2. the codecs: for ``calibrate_iterations`` training iterations every option is also encoded and
+   decoded on every real chunk (one peer per call) and every dense bucket, for its ratio and
+   time; options whose worst-case error could exceed the policy's bound are left out;
+3. the compute: the mean iteration time over the next ``measure_iterations`` (running the bounded
+   fallback and the plain all-reduce), less what the model gives those options.
+
+Rank 0 decides and broadcasts, so every rank runs the same strategy. The plan is re-made every
+``replan_every`` iterations, and when the measured iteration time drifts more than ``drift`` from
+the prediction. Every plan is written to ``strategy.json`` in the run directory (and to
+TensorBoard); ``strategy_file=PATH`` replays a saved one (each plan from the iteration it took
+effect at, no calibration), which reproduces the run's losses.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from compression.cost_model import Link
+from compression.strategy import Option, Timeline, Unit, choose, simulate
+from dlrm.dense_comm.config import AUTO_OPTIONS
+from dlrm.dense_comm.hook import DenseComm
+from dlrm.embedding_comm.dist import CompressionRuntime
+from dlrm.process.config_checks import check_keys, plain_config
+from dlrm.process.env import DistEnv
+
+log = logging.getLogger(__name__)
+LINK_SIZES = (1 << 18, 1 << 20, 1 << 22)  # bytes per peer of the timed all-to-alls
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """When to calibrate and re-plan, or which saved strategy to replay."""
+
+    calibrate_iterations: int = 2
+    measure_iterations: int = 3
+    replan_every: int = 1000
+    drift: float = 0.2
+    file: str | None = None  # replay this strategy.json instead of deciding
+
+
+def parse_strategy_cfg(cfg: Mapping[str, Any] | None, file: str | None) -> StrategySpec:
+    cfg = plain_config(cfg) or {}
+    where = "compression.strategy"
+    check_keys(cfg, {f for f in StrategySpec.__dataclass_fields__ if f != "file"}, where)
+    d = StrategySpec()
+    out: dict[str, Any] = {}
+    for key in ("calibrate_iterations", "measure_iterations", "replan_every"):
+        v = cfg.get(key, getattr(d, key))
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{where}.{key} must be an integer >= 1, got {v!r}")
+        out[key] = v
+    drift = cfg.get("drift", d.drift)
+    if isinstance(drift, bool) or not isinstance(drift, (int, float)) or not drift > 0:
+        raise ValueError(f"{where}.drift must be a number > 0, got {drift!r}")
+    if file is not None and not Path(file).expanduser().is_file():
+        raise FileNotFoundError(f"compression.strategy_file={file}: no such file (a strategy.json of an earlier run)")
+    return StrategySpec(**out, drift=float(drift), file=None if file is None else str(Path(file).expanduser()))
+
+
+def calibrate_link(env: DistEnv, sizes: tuple[int, ...] = LINK_SIZES, repeats: int = 3) -> Link:
+    """``latency + bytes / bandwidth`` fitted to timed all-to-alls of ``sizes`` bytes per peer
+    (every rank sends to every other at once, as the training collectives do). A collective."""
+    ws = env.world_size
+    points = []
+    for size in sizes:
+        send = torch.zeros(size * ws, dtype=torch.uint8, device=env.device)
+        recv = torch.empty_like(send)
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_to_all_single(recv, send)
+            times.append(time.perf_counter() - t0)
+        slowest = torch.tensor([statistics.median(times)], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the collective ends with its slowest rank
+        points.append((float(size * (ws - 1)), float(slowest)))  # bytes each rank sends, seconds
+    return fit_link(points)
+
+
+def fit_link(points: list[tuple[float, float]]) -> Link:
+    """``latency + max(0, bytes - burst) / bandwidth`` through (bytes per rank, seconds) points:
+    the bandwidth from the two largest transfers, then a positive intercept is latency and a
+    negative one a burst that passes for free (a token-bucket shaper's, like ``tc tbf``)."""
+    (x1, y1), (x2, y2) = sorted(points)[-2:]
+    slope = (y2 - y1) / (x2 - x1) if x2 > x1 else 0.0
+    if not slope > 0:  # faster than the clock can tell: an infinite link
+        return Link(math.inf, latency_s=max(min(y for _, y in points), 0.0))
+    intercept = y2 - slope * x2
+    return Link(1.0 / slope, latency_s=max(intercept, 0.0), burst_bytes=max(-intercept / slope, 0.0))
+
+
+def regroup_cost(samples: list[tuple]) -> float:
+    """Seconds per raw byte of gathering a chunk's columns by codec and scattering them back."""
+    regroup = [(raw, enc + dec) for _, feature, _, raw, _, enc, dec, _ in samples if feature == "*"]
+    total = sum(r for r, _ in regroup)
+    return sum(t for _, t in regroup) / 2 / total if total else 0.0  # each of encode and decode pays one
+
+
+def _units(samples: list[tuple], dense_samples: list[tuple], iterations: int, ws: int) -> list[Unit]:
+    """Units with per-rank, per-iteration sizes and times, from every rank's calibration samples.
+
+    An all-to-all sample is one block sent to one peer; each block goes to ``ws - 1`` peers, and
+    the totals are shared by the ``ws`` ranks. Options that exceeded a bound in any sample are
+    left out (the fallback, bounded, always stays).
+    """
+    scale = (ws - 1) / (iterations * ws)
+    acc: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0] * 5))
+    for direction, feature, option, raw, wire, enc, dec, ok in samples:
+        if feature == "*":  # the regrouping cost, not a unit (regroup_cost)
+            continue
+        a = acc[(direction, feature)][option]
+        a[0] += raw
+        a[1] += wire
+        a[2] += enc
+        a[3] += dec
+        a[4] += 0.0 if ok else 1.0
+    units = []
+    for (direction, feature), options in sorted(acc.items()):
+        opts = tuple(
+            Option(name, ratio=a[0] / a[1], encode_s=a[2] * scale, decode_s=a[3] * scale)
+            for name, a in options.items()
+            if a[4] == 0 and a[1] > 0
+        )
+        raw = next(iter(options.values()))[0] * scale
+        units.append(Unit(f"{direction}/{feature}", direction, raw, opts))
+    if dense_samples:
+        per = 1.0 / (iterations * ws)
+        d: dict[str, list[float]] = defaultdict(lambda: [0.0] * 4)
+        for option, raw, wire, enc, dec in dense_samples:
+            a = d[option]
+            a[0] += raw
+            a[1] += wire
+            a[2] += enc
+            a[3] += dec
+        order = [o for o in AUTO_OPTIONS if o in d]
+        units.append(
+            Unit(
+                "dense",
+                "dense",
+                d["none"][0] * per,
+                tuple(Option(o, d[o][0] / d[o][1], d[o][2] * per, d[o][3] * per) for o in order),
+            )
+        )
+    return units
+
+
+class StrategyController:
+    """Runs the calibrate -> measure -> plan cycle of ``auto`` on every rank (step() is a
+    collective at plan time), or replays a saved strategy."""
+
+    def __init__(
+        self,
+        spec: StrategySpec,
+        env: DistEnv,
+        runtime: CompressionRuntime | None,
+        dense: DenseComm | None,
+        run_dir: Path,
+        text: Any = None,
+    ) -> None:
+        self.spec, self.env, self.runtime, self.dense = spec, env, runtime, dense
+        self.path = run_dir / "strategy.json"
+        self.text = text  # TensorBoard's text(tag, value), rank 0
+        self.plans: list[dict[str, Any]] = []
+        self.replay: list[dict[str, Any]] = []
+        self.link: Link | None = None
+        self.regroup = 0.0  # seconds per raw byte of mixing codecs within an all-to-all (calibrated)
+        self.phase, self.phase_start = "idle", 0
+        self.times: list[float] = []  # seconds of the iterations measured since the last event
+        self._last = 0.0
+
+    @property
+    def active(self) -> bool:
+        return self.runtime is not None or self.dense is not None
+
+    # -- the cycle ------------------------------------------------------------------------------
+
+    def start(self, iteration: int) -> None:
+        """Before training (every rank): calibrate the link and begin calibrating the codecs, or
+        load the strategy to replay."""
+        if not self.active:
+            return
+        if self.spec.file:
+            self.replay = json.loads(Path(self.spec.file).read_text())["plans"]
+            for plan in self.replay:
+                if plan["choice"] is not None and plan["from_iteration"] <= iteration:
+                    self._apply(plan["choice"], iteration)
+                elif plan["calibrated_from"] <= iteration:
+                    self._apply_fallback()
+            return
+        self.link = calibrate_link(self.env)
+        if self.decided:  # resumed: the restored plan runs until the next re-plan
+            self.plans = self.decided
+            self.regroup = self.plans[-1].get("regroup_s_per_byte", 0.0)
+            self.phase, self.phase_start = "run", iteration
+        else:
+            self._begin("calibrate", iteration)
+        self._last = time.perf_counter()
+
+    def step(self, iteration: int) -> None:
+        """After iteration ``iteration`` (counted from 1) on every rank."""
+        if not self.active:
+            return
+        now = time.perf_counter()
+        elapsed, self._last = now - self._last, now
+        if self.spec.file:  # the saved run's codecs at the same iterations: its fallback while it calibrated
+            for plan in self.replay:
+                if plan["calibrated_from"] == iteration:
+                    self._apply_fallback()
+                if plan["choice"] is not None and plan["from_iteration"] == iteration:
+                    self._apply(plan["choice"], iteration)
+            return
+        done = iteration - self.phase_start
+        if self.phase == "calibrate" and done >= self.spec.calibrate_iterations:
+            self._set_calibrating(False)
+            self._begin("measure", iteration)
+        elif self.phase == "measure":
+            self.times.append(elapsed)
+            if done >= self.spec.measure_iterations:
+                self._plan(iteration)
+        elif self.phase == "run":
+            self.times.append(elapsed)
+            if done >= self.spec.replan_every:  # a full re-plan: the codecs measured anew
+                self._begin("calibrate", iteration)
+            elif done % self.spec.measure_iterations == 0:
+                # every rank must take the same decision: the check is a collective, held at
+                # iterations every rank counts alike
+                measured = self._slowest_recent()
+                predicted = self.plans[-1]["predicted_iteration_ms"] / 1e3
+                # predicted 0: the model gave the codecs it calibrated with the whole measured time
+                if predicted <= 0 or abs(measured / predicted - 1) > self.spec.drift:
+                    log.info(
+                        "strategy: %.1f ms per iteration against %.1f predicted; re-planning from the measured time",
+                        1e3 * measured,
+                        1e3 * predicted,
+                    )
+                    self._replan(iteration, measured)
+        self._last = time.perf_counter()  # this step's own work is not the next iteration's
+
+    def _begin(self, phase: str, iteration: int) -> None:
+        if phase == "calibrate":
+            self._finish_measurement()
+            self._set_calibrating(True)
+            # recorded now, decided later: a replay needs the fallback from here even if the run
+            # ends before the plan
+            self.plans.append({"calibrated_from": iteration, "from_iteration": None, "choice": None})
+            self._write()
+        self.phase, self.phase_start, self.times = phase, iteration, []
+
+    def _set_calibrating(self, on: bool) -> None:
+        if self.runtime is not None:
+            self.runtime.calibrating = on
+        if self.dense is not None:
+            self.dense.calibrating = on
+        if on:  # measure with the bounded fallback and the plain all-reduce, as in the first iterations
+            self._apply_fallback()
+
+    def _apply_fallback(self) -> None:
+        if self.runtime is not None:
+            self.runtime.forward.choice, self.runtime.backward.choice = {}, {}
+        if self.dense is not None:
+            self.dense.mode = "none"
+
+    def _slowest_recent(self) -> float:
+        """The slowest rank's median of its last ``measure_iterations`` iterations (a collective)."""
+        recent = torch.tensor([statistics.median(self.times[-self.spec.measure_iterations :])], dtype=torch.float64)
+        dist.all_reduce(recent, op=dist.ReduceOp.MAX)
+        return float(recent)
+
+    @property
+    def decided(self) -> list[dict[str, Any]]:
+        """The plans that were decided (not a calibration the run ended in)."""
+        return [p for p in self.plans if p["choice"] is not None]
+
+    def _finish_measurement(self) -> None:
+        if self.phase == "run" and self.times:
+            self.plans[-1]["measured_iteration_ms"] = 1e3 * statistics.median(self.times)
+            self._write()
+
+    # -- planning ---------------------------------------------------------------------------------
+
+    def _collect(self) -> tuple[list[tuple], list[tuple]]:
+        """Every rank's calibration samples (a collective)."""
+        mine: list[tuple] = []
+        if self.runtime is not None:
+            for d, c in self.runtime.codecs.items():
+                mine += [(d, *s) for s in c.samples]
+                c.samples.clear()
+        dense = list(self.dense.samples) if self.dense is not None else []
+        if self.dense is not None:
+            self.dense.samples.clear()
+        gathered: list[Any] = [None] * self.env.world_size
+        dist.all_gather_object(gathered, (mine, dense))
+        return [s for g in gathered for s in g[0]], [s for g in gathered for s in g[1]]
+
+    def _plan(self, iteration: int) -> None:
+        """After calibrating: decide from the new measurements (rank 0) and broadcast."""
+        samples, dense_samples = self._collect()
+        decided: list[Any] = [None]
+        if self.env.is_main:
+            units = _units(samples, dense_samples, self.spec.calibrate_iterations, self.env.world_size)
+            self.regroup = regroup_cost(samples)
+            fallback = {u.name: ("lossy/zstd" if u.stage != "dense" else "none") for u in units}
+            measured = statistics.median(self.times) if self.times else 0.0
+            decided[0] = self._decide(iteration, units, measured, fallback, self.plans[-1]["calibrated_from"])
+        self._adopt(decided, iteration, replace=True)
+
+    def _replan(self, iteration: int, measured: float) -> None:
+        """After a drift: the same units, the compute re-calibrated from the iteration time the
+        current plan measured (no codec calibration; cheap enough to do at once)."""
+        self._finish_measurement()
+        decided: list[Any] = [None]
+        if self.env.is_main:
+            last = self.plans[-1]
+            units = [
+                Unit(u["name"], u["stage"], u["raw_bytes"], tuple(Option(**o) for o in u["options"]))
+                for u in last["units"]
+            ]
+            decided[0] = self._decide(iteration, units, measured, last["choice"], iteration)
+        self._adopt(decided, iteration, replace=False)
+
+    def _adopt(self, decided: list[Any], iteration: int, replace: bool) -> None:
+        dist.broadcast_object_list(decided, src=0)
+        if replace:
+            self.plans[-1] = decided[0]
+        else:
+            self.plans.append(decided[0])
+        self._apply(decided[0]["choice"], iteration)
+        self._write()
+        self._begin("run", iteration)
+
+    def _decide(
+        self, iteration: int, units: list[Unit], measured: float, measured_with: Mapping[str, str], calibrated_from: int
+    ) -> dict[str, Any]:
+        """The plan: compute = the measured iteration less what the model gives the options it ran
+        with; then the greedy choice from uncompressed."""
+        assert self.link is not None
+        t0 = time.perf_counter()
+        ws, regroup = self.env.world_size, self.regroup
+        modelled = simulate(units, measured_with, Timeline(self.link, ws, regroup_s_per_byte=regroup)).total
+        timeline = Timeline(self.link, ws, between=max(measured - modelled, 0.0), regroup_s_per_byte=regroup)
+        exact = {u.name: "none" for u in units}  # as Espresso: from uncompressed, a codec must pay for itself
+        choice = choose(units, timeline, start=exact)
+        predicted = simulate(units, choice, timeline).total
+        return {
+            "calibrated_from": calibrated_from,
+            "from_iteration": iteration,
+            "choice": choice,
+            "predicted_iteration_ms": 1e3 * predicted,
+            "measured_iteration_ms": None,
+            "decision_ms": 1e3 * (time.perf_counter() - t0),
+            "link": {
+                "bytes_per_s": self.link.bytes_per_s,
+                "latency_s": self.link.latency_s,
+                "burst_bytes": self.link.burst_bytes,
+            },
+            "compute_ms": 1e3 * timeline.between,
+            "regroup_s_per_byte": regroup,
+            "units": [
+                {"name": u.name, "stage": u.stage, "raw_bytes": u.raw_bytes, "options": [asdict(o) for o in u.options]}
+                for u in units
+            ],
+        }
+
+    def _apply(self, choice: Mapping[str, str], iteration: int) -> None:
+        log.info("strategy from iteration %d: %s", iteration, summary(choice))  # every rank's own log
+        if self.runtime is not None:
+            for d, c in self.runtime.codecs.items():
+                c.choice = {name.split("/", 1)[1]: o for name, o in choice.items() if name.startswith(f"{d}/")}
+        if self.dense is not None and "dense" in choice:
+            self.dense.mode = choice["dense"]
+
+    def _write(self) -> None:
+        if not self.env.is_main:
+            return
+        self.path.write_text(json.dumps({"plans": self.plans}, indent=1) + "\n")
+        if self.text is not None and self.decided:
+            plan = self.decided[-1]
+            self.text(
+                "strategy",
+                f"from iteration {plan['from_iteration']}: {summary(plan['choice'])}, predicted "
+                f"{plan['predicted_iteration_ms']:.1f} ms per iteration",
+            )
+
+    # -- results ----------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._finish_measurement()
+
+    def metrics(self) -> dict[str, Any]:
+        """metrics.json's ``strategy`` (the last plan, summarised), predicted and measured ms."""
+        if not self.active:
+            return {}
+        decided = self.decided or [p for p in self.replay if p["choice"] is not None]
+        last = decided[-1] if decided else None
+        if last is None:
+            return {"strategy": "not decided (the run ended while calibrating)"}
+        return {
+            "strategy": summary(last["choice"]),
+            "predicted_iteration_ms": last.get("predicted_iteration_ms"),
+            "measured_iteration_ms": last.get("measured_iteration_ms"),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"plans": self.plans}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.plans = list(state.get("plans", []))
+        if self.decided and not self.spec.file:
+            self._apply(self.decided[-1]["choice"], self.decided[-1]["from_iteration"])
+
+
+def summary(choice: Mapping[str, str]) -> str:
+    """``forward: lossy/zstd x20, fp16 x6; backward: ...; dense: dct``."""
+    parts = []
+    for stage in ("forward", "backward"):
+        counts: dict[str, int] = defaultdict(int)
+        for name, o in choice.items():
+            if name.startswith(f"{stage}/"):
+                counts[o] += 1
+        if counts:
+            parts.append(f"{stage}: " + ", ".join(f"{o} x{n}" for o, n in sorted(counts.items(), key=lambda x: -x[1])))
+    if "dense" in choice:
+        parts.append(f"dense: {choice['dense']}")
+    return "; ".join(parts)

@@ -1,0 +1,217 @@
+"""compression=auto / dense_comm=auto: the timeline model and greedy choice, the per-block codec
+that applies it within the policy's bounds, and the whole cycle on real gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from trainer_runs import losses, train
+
+import compression
+from compression.cost_model import Link
+from compression.strategy import Option, Timeline, Unit, choose, simulate
+
+MB = 1e6
+
+
+def units(raw: float = 1 * MB) -> list[Unit]:
+    """Two tables and the dense gradients; the codec options as calibration would measure them."""
+    a2a = (Option("none"), Option("fp16", 2.0, 0.0005, 0.0005), Option("lossy/zstd", 40.0, 0.004, 0.002))
+    dense = (Option("none"), Option("fp16", 2.0, 0.001, 0.001), Option("dct", 150.0, 0.01, 0.004))
+    return [
+        Unit("forward/cat_0", "forward", raw, a2a),
+        Unit("backward/cat_0", "backward", raw / 2, a2a),
+        Unit("dense", "dense", 3 * MB, dense),
+    ]
+
+
+def test_the_timeline_serialises_the_link_and_overlaps_the_dense_all_reduce_with_the_end_of_the_backward():
+    # by hand, 1 MB/s link, no latency, nothing compressed: forward 1 s, backward 0.5 s, dense 3 s;
+    # compute 0.1 before, 0.2 between, 1.0 after (the dense all-reduce overlaps it: 3 s > 1 s)
+    t = Timeline(Link(1 * MB), ranks=2, before=0.1, between=0.2, after=1.0)
+    sim = simulate(units(), {"forward/cat_0": "none", "backward/cat_0": "none", "dense": "none"}, t)
+    assert sim.spans["forward"] == pytest.approx((0.1, 1.1))
+    assert sim.spans["backward"] == pytest.approx((1.3, 1.8))
+    assert sim.spans["dense"] == pytest.approx((1.8, 4.8))
+    assert sim.total == pytest.approx(4.8)
+    # codec time sits on the compute path: fp16 on the forward table encodes 0.5 ms before its
+    # all-to-all (now 0.5 s) and decodes 0.5 ms after it
+    sim = simulate(units(), {"forward/cat_0": "fp16", "backward/cat_0": "none", "dense": "none"}, t)
+    assert sim.spans["forward"] == pytest.approx((0.1005, 0.6005))
+    assert sim.total == pytest.approx(0.6005 + 0.0005 + 0.2 + 0.5 + 3.0)
+
+
+def test_a_slow_link_chooses_the_high_ratio_options_and_an_infinite_one_chooses_none():
+    t = Timeline(Link(1 * MB), ranks=2, between=0.05)
+    exact = {u.name: "none" for u in units()}
+    assert choose(units(), t, start=exact) == {
+        "forward/cat_0": "lossy/zstd",
+        "backward/cat_0": "lossy/zstd",
+        "dense": "dct",
+    }
+    fast = Timeline(Link(math.inf), ranks=2, between=0.05)
+    assert choose(units(), fast, start=exact) == exact
+    # in between (100 MB/s): the cast pays where its bytes are many, the entropy coder does not
+    mid = Timeline(Link(100 * MB), ranks=2, between=0.05)
+    chosen = choose(units(), mid, start=exact)
+    assert chosen["dense"] != "none" and chosen["forward/cat_0"] == "fp16"
+
+
+def test_the_per_block_codec_never_lets_a_cast_exceed_a_block_bound():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 32, generator=g) * 0.1
+    codec = compression.get_codec("per_block")
+    # fp16's worst case on these blocks is ~2^-11 x 0.4 ~ 2e-4: fine for 1e-3, not for 1e-6
+    bounds = [1e-3, 1e-6, 1e-3, 0.05]
+    choice = ["fp16", "fp16", "int8", "none"]
+    payload = codec.encode(x, bounds, blocks=[8] * 4, choice=choice)
+    assert codec.groups(payload) == ["fp16", "lossy", "lossy", "none"]  # int8 needs range/510 <= 1e-3 too
+    y = codec.decode(payload)
+    err = (y - x).abs().view(256, 4, 8).amax(dim=(0, 2))
+    assert all(e <= b for e, b in zip(err.tolist(), bounds, strict=True))
+    assert torch.equal(y[:, 24:], x[:, 24:])  # none is exact
+    bad = payload.clone()
+    bad[len(bad) // 2] ^= 0x01
+    with pytest.raises(compression.PayloadError):
+        codec.decode(bad)
+
+
+def test_one_codec_for_every_block_travels_as_that_codecs_own_payload():
+    """Once a strategy is chosen most chunks use one codec: no second header, copy or checksum."""
+    x = torch.randn(128, 24, generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 20, (128, 3), generator=torch.Generator().manual_seed(2))
+    codec = compression.get_codec("per_block")
+    for name in ("none", "fp16"):
+        alone = compression.get_codec(name).encode(x, [0.01] * 3, ids, blocks=[8] * 3)
+        payload = codec.encode(x, [0.01] * 3, ids, blocks=[8] * 3, choice=[name] * 3)
+        assert torch.equal(payload, alone)
+        assert codec.groups(payload) == [name] * 3
+        assert torch.equal(codec.decode(payload, ids), compression.get_codec(name).decode(alone, ids))
+        bad = payload.clone()
+        bad[len(bad) // 2] ^= 0x01
+        with pytest.raises(compression.PayloadError, match="checksum"):
+            codec.decode(bad, ids)
+
+
+# --------------------------------------------------------------------------- on real ranks
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+AUTO = [
+    "compression=auto",
+    "dense_comm=auto",
+    "compression.strategy.calibrate_iterations=2",
+    "compression.strategy.measure_iterations=2",
+    "max_iterations=14",
+    "loss_log=true",
+    "policy=fixed",
+]
+
+
+def test_auto_decides_once_for_every_rank_and_a_replay_reproduces_the_losses(tmp_path, cache):
+    first, replay = tmp_path / "auto", tmp_path / "replay"
+    train(first, cache, AUTO)
+    saved = json.loads((first / "strategy.json").read_text())["plans"]
+    assert saved and saved[0]["calibrated_from"] == 0 and saved[0]["from_iteration"] == 4
+    plan = [p for p in saved if p["choice"] is not None][-1]
+    units_of = {u["name"]: u for u in plan["units"]}
+    assert set(plan["choice"]) == set(units_of) and "dense" in units_of
+    assert {n.split("/")[0] for n in plan["choice"] if n != "dense"} == {"forward", "backward"}
+    # every rank applied the same plan (rank 0 decides and broadcasts)
+    applied = [
+        re.findall(r"strategy from iteration (\d+): (.*)", (first / f"train_rank{r}.log").read_text()) for r in (0, 1)
+    ]
+    assert applied[0] and applied[0] == applied[1]
+    metrics = json.loads((first / "metrics.json").read_text())
+    assert metrics["strategy"] and metrics["predicted_iteration_ms"] > 0
+    # the choice never loosened a bound: every sampled error (of the payloads as sent) within it
+    assert metrics["max_abs_error_seen"] > 0  # something lossy travelled (the fallback, at least)
+    from run_artifacts import scalars
+
+    over = {t: v for t, v in scalars(first, "comm/").items() if t.endswith("/max_error_over_bound")}
+    assert over and all(v <= 1.0 for series in over.values() for v in series.values())
+    # the saved strategy replayed from its file: the same codecs at the same iterations
+    train(replay, cache, [*AUTO, f"compression.strategy_file={first / 'strategy.json'}"])
+    assert losses(replay) == losses(first)
+    assert not (replay / "strategy.json").exists() or json.loads((replay / "strategy.json").read_text())["plans"] == []
+
+
+@pytest.mark.parametrize("sharding", ["table_wise", "row_wise"])
+def test_a_plan_of_none_everywhere_costs_and_computes_what_compression_none_does(tmp_path, cache, sharding):
+    """Every table at ``none`` travels as TorchRec's own all-to-all: the same losses as stock
+    TorchRec (compression=none), and the same bytes on the wire (ratio 1, no framing)."""
+    common = ["max_iterations=6", "loss_log=true", f"sharding={sharding}", "policy=fixed"]
+    train(tmp_path / "none", cache, [*common, "compression=none"])
+    features = [f"cat_{i}" for i in range(26)]
+    plan = {
+        "calibrated_from": 0,
+        "from_iteration": 0,
+        "choice": {f"{d}/{f}": "none" for d in ("forward", "backward") for f in features},
+    }
+    (tmp_path / "none.json").write_text(json.dumps({"plans": [plan]}))
+    train(
+        tmp_path / "auto", cache, [*common, "compression=auto", f"compression.strategy_file={tmp_path / 'none.json'}"]
+    )
+    assert losses(tmp_path / "auto") == losses(tmp_path / "none")
+    metrics = json.loads((tmp_path / "auto" / "metrics.json").read_text())
+    assert metrics["forward_ratio"] == 1.0 and metrics["backward_ratio"] == 1.0
+
+
+def test_calibrated_options_choose_by_the_link(tmp_path, cache):
+    # the units as a real run calibrated them, priced on a slow and on an infinite link
+    run = tmp_path / "auto"
+    train(run, cache, [*AUTO, "max_iterations=6"])
+    plan = json.loads((run / "strategy.json").read_text())["plans"][0]
+    real = [
+        Unit(u["name"], u["name"].split("/")[0], u["raw_bytes"], tuple(Option(**o) for o in u["options"]))
+        for u in plan["units"]
+    ]
+    exact = {u.name: "none" for u in real}
+    slow = choose(real, Timeline(Link(1e5), ranks=2, between=plan["compute_ms"] / 1e3), start=exact)
+    assert all(slow[u.name] in ("lossy/zstd", "lossy/fixed", "dct") for u in real if u.raw_bytes > 4096)
+    free = choose(real, Timeline(Link(math.inf), ranks=2), start=exact)
+    # with the link free, only options cheaper to run than copying the bytes ("none") can win
+    for u in real:
+        chosen = u.option(free[u.name])
+        assert chosen.encode_s + chosen.decode_s <= u.option("none").encode_s + u.option("none").decode_s
+
+
+def test_mixing_codecs_within_an_all_to_all_must_pay_for_its_regrouping():
+    # two forward tables, 1 MB each on a 100 MB/s link: fp16 saves 5 ms of wire on each for
+    # 0.5 + 0.5 ms of codec. Without a regrouping cost the greedy takes it table by table; at
+    # 10 ns per raw byte (20 ms for the stage's 2 MB, each way), only a switch of every table pays
+    a2a = (Option("none"), Option("fp16", 2.0, 0.0005, 0.0005))
+    us = [Unit("forward/a", "forward", 1 * MB, a2a), Unit("forward/b", "forward", 1 * MB, a2a)]
+    exact = {u.name: "none" for u in us}
+    cheap = Timeline(Link(100 * MB), ranks=2)
+    assert choose(us, cheap, start=exact) == {"forward/a": "fp16", "forward/b": "fp16"}
+    costly = Timeline(Link(100 * MB), ranks=2, regroup_s_per_byte=1e-8)
+    mixed = simulate(us, {"forward/a": "fp16", "forward/b": "none"}, costly).total
+    assert mixed == pytest.approx(simulate(us, exact, costly).total - 0.005 + 0.001 + 2 * 0.02)
+    # one table alone: 5 ms saved, 41 ms spent; both at once (one codec, no regrouping) pays
+    assert choose(us, costly, start=exact) == {"forward/a": "fp16", "forward/b": "fp16"}
+    slower = Timeline(Link(100 * MB), ranks=2, regroup_s_per_byte=1e-8)
+    b_only = (Option("none"), Option("fp16", 2.0, 0.02, 0.02))  # too slow a codec on table b
+    us = [Unit("forward/a", "forward", 1 * MB, a2a), Unit("forward/b", "forward", 1 * MB, b_only)]
+    assert choose(us, slower, start=exact) == exact  # a alone would not pay its regrouping
+
+
+def test_the_link_fit_finds_latency_or_a_free_burst():
+    from dlrm.strategy.controller import fit_link
+
+    # 1 ms + bytes / 10 MB/s, by hand at 0.25, 1 and 4 MB
+    link = fit_link([(0.25e6, 0.026), (1e6, 0.101), (4e6, 0.401)])
+    assert link.bytes_per_s == pytest.approx(10e6) and link.latency_s == pytest.approx(0.001)
+    # a shaper that lets 1 MB through at once: 0 s, 0 s, then (4 - 1) MB at 10 MB/s
+    shaped = fit_link([(0.25e6, 0.0), (1e6, 0.0), (4e6, 0.3)])
+    assert shaped.bytes_per_s == pytest.approx(10e6) and shaped.burst_bytes == pytest.approx(1e6)
+    assert shaped.seconds(0.5e6, 2) == 0.0 and shaped.seconds(4e6, 2) == pytest.approx(0.3)

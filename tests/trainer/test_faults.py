@@ -1,0 +1,161 @@
+"""Training under faults, with real torchrun ranks: a stalled peer, a lossy link, a damaged checkpoint.
+(A rank killed outright: tests/trainer/test_train.py, test_sigkilled_rank_restarts_from_the_last_checkpoint_and_finishes.)"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from run_artifacts import raw_losses
+from trainer_runs import launch, losses, train, worker_pids
+
+from dlrm.bench.netbench import BenchError, Namespace
+from dlrm.process.timeout import ROLL_CALL_S, CollectiveTimeout, named_collective
+
+NETEM = ("netem", "loss", "1%", "delay", "5ms")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_only_timeouts_are_renamed_and_the_innermost_name_wins():
+    gloo = "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv operation to complete"
+    inner, outer = named_collective("the inner all-to-all"), named_collective("the outer step")
+    with pytest.raises(CollectiveTimeout) as timeout, outer, inner:
+        raise RuntimeError(gloo)
+    assert str(timeout.value) == f"the inner all-to-all timed out waiting for a peer ({gloo})"
+    with pytest.raises(RuntimeError) as other, named_collective("the inner all-to-all"):
+        raise RuntimeError("Connection reset by peer")  # a dead peer: not a timeout
+    assert type(other.value) is RuntimeError and str(other.value) == "Connection reset by peer"
+
+
+@pytest.mark.timeout(180)
+def test_a_stalled_rank_makes_the_others_fail_naming_the_collective_and_the_rank(tmp_path, cache):
+    timeout_s, run_dir = 10, tmp_path / "run"
+    output = tmp_path / "torchrun.log"
+    overrides = [f"comm_timeout_s={timeout_s}", "loss_log=true", "max_iterations=100000"]
+    agent = launch(run_dir, cache, overrides, output, nproc=3)
+    workers: dict[int, int] = {}
+    try:
+        deadline = time.monotonic() + 120
+        while len(raw_losses(run_dir) if (run_dir / "losses.txt").exists() else []) < 3:
+            assert time.monotonic() < deadline and agent.poll() is None, "training did not start in time"
+            time.sleep(0.05)
+        workers = worker_pids(agent.pid)
+        assert sorted(workers) == [0, 1, 2], workers
+        os.kill(workers[1], signal.SIGSTOP)  # rank 1 stops answering, its sockets stay open
+        stopped = time.monotonic()
+        while _running(workers[0]) and time.monotonic() < stopped + 120:
+            time.sleep(0.05)
+        waited = time.monotonic() - stopped
+    finally:
+        for pid in workers.values():  # nothing outlives the test, the stopped rank least of all
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
+        try:
+            agent.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            agent.kill()
+            agent.wait()
+    stderr = output.read_text()
+    # rank 0 gave up after comm_timeout_s (gloo's default would be 30 minutes) and its roll call
+    assert timeout_s - 1 < waited < timeout_s + ROLL_CALL_S + 20, (waited, stderr[-3000:])
+    assert agent.returncode != 0
+    message = r"CollectiveTimeout: rank 0 of 3: (.*?) timed out after comm_timeout_s=10 s; (.*?)\. gloo"
+    found = re.search(message, stderr)
+    assert found, stderr[-6000:]
+    collective, who = found.groups()
+    # which one depends on where rank 1 stopped: each names its kind and the iteration
+    assert re.search(r"all-to-all|all-reduce|all-gather", collective) and re.search(r"iteration \d+", collective)
+    assert who.startswith("rank(s) [1] did not answer"), who  # rank 2 answered: it waited on rank 1 too
+    assert not any(_running(pid) for pid in workers.values())
+
+
+def _netem_unavailable() -> str | None:
+    """Why a namespace with a netem loopback cannot be made here (None: it can)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        return "needs root and iproute2 (ip, tc) for a private network namespace"
+    try:
+        with Namespace(f"dlrm-netem-probe-{os.getpid()}") as ns:
+            ns.run("tc", "qdisc", "replace", "dev", "lo", "root", *NETEM)
+    except BenchError as e:
+        return f"no network namespace with tc netem here (kernel module sch_netem?): {e}"
+    return None
+
+
+@pytest.mark.timeout(240)
+def test_training_over_a_lossy_slow_link_gives_the_losses_of_a_clean_one(tmp_path, cache):
+    why = _netem_unavailable()
+    if why:
+        pytest.skip(why)
+    common = ["loss_log=true", "max_iterations=15", "batch_size=32"]
+    train(tmp_path / "clean", cache, common)
+    with Namespace(f"dlrm-netem-{os.getpid()}") as ns:
+        ns.run("ip", "link", "set", "lo", "mtu", "1500")  # packets of a real link's size, so that some drop
+        ns.run("tc", "qdisc", "replace", "dev", "lo", "root", *NETEM)
+        train(tmp_path / "lossy", cache, common, prefix=ns.argv())
+        stats = ns.run("tc", "-s", "qdisc", "show", "dev", "lo").stdout
+    sent, dropped = (int(x) for x in re.search(r"Sent \d+ bytes (\d+) pkt \(dropped (\d+)", stats).groups())
+    assert dropped > 0, f"netem dropped nothing of {sent} packets: the link was not lossy\n{stats}"
+    assert losses(tmp_path / "lossy") == losses(tmp_path / "clean")
+
+
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def test_damaged_checkpoints_are_refused_by_resume_true_and_skipped_by_auto(tmp_path, cache):
+    run_dir = tmp_path / "run"
+    common = ["loss_log=true", "checkpoint.every=4", "checkpoint.keep=3", "batch_size=32"]
+    train(run_dir, cache, [*common, "max_iterations=12"])
+    ckpts = run_dir / "checkpoints"
+    first = dict(raw_losses(run_dir))
+    # step-12 truncated in a file that rank 0 checks, step-8 with one bit flipped in a file that
+    # rank 1 checks (each rank checks every other checksummed file): the rank whose share is
+    # intact must agree to skip the step all the same
+    victims = {}
+    for step, share in (("step-12", 0), ("step-8", 1)):
+        sums = json.loads((ckpts / step / "train_state.json").read_text())["checksums"]
+        victims[step] = ckpts / step / sorted(sums)[share + 2]
+    truncated, flipped = victims["step-12"], victims["step-8"]
+    truncated.write_bytes(truncated.read_bytes()[: truncated.stat().st_size // 2])
+    _flip_byte(flipped)
+    damaged = {path: path.read_bytes() for path in victims.values()}
+
+    proc = train(run_dir, cache, [*common, "max_iterations=16", "resume=true"], check=False)
+    assert proc.returncode != 0
+    assert f"resume=true but the newest checkpoint {ckpts / 'step-12'} is damaged: {truncated} has" in proc.stderr
+    assert dict(raw_losses(run_dir)) == first  # nothing trained
+    assert all(path.read_bytes() == data for path, data in damaged.items())  # nothing moved
+
+    train(run_dir, cache, [*common, "max_iterations=16", "resume=auto"])
+    log = (run_dir / "train_rank0.log").read_text()
+    for step, path in victims.items():
+        assert f"checkpoint {ckpts / step} is damaged ({path} has" in log
+        kept = ckpts / f"damaged-{step}" / path.name
+        assert kept.read_bytes() == damaged[path]  # set aside, never deleted
+    assert f"resumed from {ckpts / 'step-4'} at iteration 4" in log
+    logged = raw_losses(run_dir)
+    assert [it for it, _ in logged] == [*range(1, 13), *range(5, 17)]  # 5-12 redone from step-4
+    assert dict(logged[12:20]) == {i: first[i] for i in range(5, 13)}
+    assert (ckpts / "latest").read_text() == "step-16"
