@@ -4,12 +4,27 @@ and the codec package stands alone."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("dlrm", "compression", "data")
+# The trainer's packages, lowest first (docs/architecture.md): a module imports its own package and
+# the packages below it, never one at its level or above. ``dlrm/__init__`` only installs the
+# warning filters of ``dlrm.process.quiet`` (TRAINER_INIT).
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("dlrm.process",),
+    ("dlrm.trainer",),
+    ("dlrm.embedding_comm",),
+    ("dlrm.dense_comm",),
+    ("dlrm.strategy",),
+    ("dlrm.placement",),
+    ("dlrm.telemetry", "dlrm.precision"),
+    ("dlrm.train",),
+    ("dlrm.bench",),
+)
 
 
 def modules(root: Path = ROOT) -> dict[str, tuple[Path, bool]]:
@@ -117,6 +132,67 @@ def test_layers_point_one_way():
         or (not m.startswith("dlrm.bench") and t.startswith("dlrm.bench"))
     )
     assert upward == []  # the trainer never imports its benchmarks, the codec never the trainer
+
+
+TRAINER_INIT = "dlrm"
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of the deepest package that holds ``module``."""
+    best, depth = -1, -1
+    for i, names in enumerate(LAYERS):
+        for n in names:
+            if (module == n or module.startswith(n + ".")) and n.count(".") > depth:
+                best, depth = i, n.count(".")
+    return best
+
+
+def package_of(module: str) -> str:
+    return ".".join(module.split(".")[:2]) if module.startswith("dlrm.") else module
+
+
+def test_every_trainer_module_has_a_layer():
+    assert [m for m in graph() if m.startswith("dlrm") and m != TRAINER_INIT and layer_of(m) < 0] == []
+
+
+def test_the_trainer_packages_import_only_the_layers_below_them():
+    g = graph()
+    upward = sorted(
+        f"{m} -> {t}"
+        for m, ts in g.items()
+        for t in ts
+        if m.startswith("dlrm.")
+        and t.startswith("dlrm")
+        and package_of(m) != package_of(t)
+        and layer_of(t) >= layer_of(m)
+    )
+    assert upward == []
+
+
+def test_the_layer_check_sees_a_feature_importing_the_entry_point():
+    fake = {"dlrm.placement.hot_rows": {"dlrm.train"}, "dlrm.train": set()}
+    assert layer_of("dlrm.placement.hot_rows") < layer_of("dlrm.train")
+    assert any(layer_of(t) >= layer_of(m) for m, ts in fake.items() for t in ts)
+
+
+def config_targets(root: Path = ROOT) -> dict[str, str]:
+    """``file: _target_`` for every Hydra ``_target_`` in configs/ that names one of our modules."""
+    out = {}
+    for f in sorted((root / "configs").rglob("*.yaml")):
+        for m in re.finditer(r"_target_:\s*([\w.]+)", f.read_text()):
+            if m.group(1).split(".")[0] in PACKAGES:
+                out[f"{f.relative_to(root)}: {m.group(1)}"] = m.group(1)
+    return out
+
+
+def test_config_targets_resolve_to_trainer_layers_never_to_the_benchmarks():
+    known = set(graph())
+    targets = config_targets()
+    assert targets  # the sweep summary callback, at least
+    for where, target in targets.items():
+        module = target.rpartition(".")[0]
+        assert module in known, where
+        assert layer_of(module) <= layer_of("dlrm.train"), f"{where}: every training run would import it"
 
 
 def test_import_compression_loads_no_heavy_or_upward_dependency():
