@@ -20,11 +20,9 @@ loopback is one medium for all ranks: each rank gets rate/N while all send at on
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -37,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from compression import cost_model as cm
-from dlrm.bench import netreport
+from dlrm.bench import netns, netreport
+from dlrm.bench.netns import Namespace, NetnsError
 from dlrm.bench.netprobe import OUT_ENV
 
 REPO = Path(__file__).resolve().parents[2]
@@ -68,7 +67,7 @@ PUBLISHED_DENSE_PARAMS = (
 PUBLISHED_RATIO = 10.8
 
 
-class BenchError(RuntimeError):
+class BenchError(NetnsError):
     """The benchmark cannot run or a run failed; the message says what to do."""
 
 
@@ -89,95 +88,7 @@ def variant_of(name: str) -> Variant:
 
 def preflight() -> None:
     """Refuse early, with the reason, where the namespace cannot be made."""
-    problems = []
-    if os.geteuid() != 0:
-        problems.append(
-            "needs root: it creates a network namespace (`ip netns add`) and throttles its "
-            "loopback with `tc`; run it as root, e.g. `sudo scripts/bench_network.sh`"
-        )
-    missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
-    if missing:
-        problems.append(f"{' and '.join(missing)} not found: install iproute2 (`apt-get install iproute2`)")
-    elif os.geteuid() == 0:
-        probe = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
-        if probe.returncode != 0:
-            problems.append(f"`ip netns list` fails here ({probe.stderr.strip()}): network namespaces unavailable")
-    if problems:
-        raise BenchError("dlrm.bench.netbench cannot run:\n  - " + "\n  - ".join(problems))
-
-
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=60)
-    if check and proc.returncode != 0:
-        raise BenchError(f"`ip {' '.join(args)}` failed: {proc.stderr.strip()}")
-    return proc
-
-
-class Namespace:
-    """A private network namespace with only its loopback up; deleted (and emptied) on exit."""
-
-    def __init__(self, name: str) -> None:
-        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
-            raise BenchError(f"namespace name {name!r}: use letters, digits, '_', '-', '.' only")
-        self.name = name
-
-    def __enter__(self) -> Namespace:
-        if self.name in _ip("netns", "list").stdout.split():
-            raise BenchError(
-                f"network namespace {self.name!r} exists already (another benchmark, or a "
-                f"leftover: `ip netns del {self.name}`)"
-            )
-        _ip("netns", "add", self.name)
-        try:
-            self.run("ip", "link", "set", "lo", "up")
-            links = self.run("ip", "-o", "link", "show").stdout.splitlines()
-            names = [line.split(":")[1].strip() for line in links if ":" in line]
-            if names != ["lo"]:
-                raise BenchError(f"namespace {self.name} has links {names}, expected only lo")
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Kill what still runs inside (only ever our own runs), then delete the namespace."""
-        self.kill_all()
-        _ip("netns", "del", self.name, check=False)
-
-    def pids(self) -> list[int]:
-        out = _ip("netns", "pids", self.name, check=False).stdout.split()
-        return [int(p) for p in out if p.isdigit()]
-
-    def kill_all(self) -> None:
-        for pid in self.pids():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
-    def argv(self, *cmd: str) -> list[str]:
-        return ["ip", "netns", "exec", self.name, *cmd]
-
-    def run(self, *cmd: str) -> subprocess.CompletedProcess:
-        proc = subprocess.run(self.argv(*cmd), capture_output=True, text=True, timeout=60)
-        if proc.returncode != 0:
-            raise BenchError(f"`{' '.join(cmd)}` in namespace {self.name} failed: {proc.stderr.strip()}")
-        return proc
-
-    def set_rate(self, rate: str, burst: str, latency: str) -> None:
-        """Throttle the loopback to ``rate`` (a tc rate) or lift the limit (``unlimited``)."""
-        netreport.rate_bytes_per_s(rate)  # validate before touching tc
-        if rate.strip().lower() == netreport.UNLIMITED:
-            subprocess.run(self.argv("tc", "qdisc", "del", "dev", "lo", "root"), capture_output=True, timeout=60)
-            return
-        self.run("tc", "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", rate, "burst", burst, "latency", latency)
-
-    def sent_bytes(self) -> int | None:
-        """Bytes the loopback's qdisc has sent so far (None without a throttle)."""
-        out = self.run("tc", "-s", "qdisc", "show", "dev", "lo").stdout
-        m = re.search(r"qdisc tbf .*?Sent (\d+) bytes", out, re.S)
-        return int(m.group(1)) if m else None
+    netns.preflight("dlrm.bench.netbench", "scripts/bench_network.sh")
 
 
 @dataclass
@@ -579,7 +490,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
     try:
         preflight()
-    except BenchError as e:
+    except NetnsError as e:
         print(e, file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _on_sigterm)
@@ -620,7 +531,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"{extra['load1_after']:.1f}, {extra['wall_s']:.0f} s",
                     flush=True,
                 )
-    except (BenchError, netreport.RunDirError, KeyboardInterrupt) as e:
+    except (NetnsError, netreport.RunDirError, KeyboardInterrupt) as e:
         failure = f"{type(e).__name__}: {e}"
         print(f"dlrm.bench.netbench stopped: {failure}", file=sys.stderr)
     if not results:

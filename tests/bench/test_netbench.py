@@ -15,7 +15,7 @@ from multiprocess import free_port
 from trainer_runs import REPO
 
 from compression import cost_model as cm
-from dlrm.bench import netbench, netreport
+from dlrm.bench import netbench, netns, netreport
 
 TINY = [
     "compression=none",
@@ -101,7 +101,7 @@ def test_without_root_it_says_so_and_exits_2(monkeypatch, capsys):
 
 def test_missing_iproute2_is_named_with_the_setup_step(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda tool: None)
-    with pytest.raises(netbench.BenchError, match="apt-get install iproute2"):
+    with pytest.raises(netns.NetnsError, match="apt-get install iproute2"):
         netbench.preflight()
 
 
