@@ -1,0 +1,249 @@
+"""Two emulated nodes on one machine: the trainer across two network namespaces joined by a shaped link.
+
+    sudo scripts/two_nodes.sh [--rate 1gbit] [--delay 0] [--nproc-per-node 2] [-- hydra overrides]
+    python -m dlrm.bench.two_nodes --help
+
+Each node is a private network namespace; a veth pair joins them (10.27.0.1 and 10.27.0.2, which
+exist only inside the two namespaces), its both ends throttled with ``tc`` (tbf for the rate,
+netem before it for a one-way delay). ``torchrun --nnodes 2 --node_rank {0,1}`` runs in each with a
+static rendezvous at node 0's address (c10d's rendezvous cannot host its store on a namespace
+address). gloo binds to the veth address, so ranks of one node reach each other over the
+namespace's loopback (the kernel routes local addresses there, unshaped) and the other node's over
+the veth. Prints, and writes with ``--report``, the exit codes, the wall time and the bytes each
+link carried. Needs root and iproute2; deletes both namespaces (and so the link) on exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dlrm.bench import netns, netreport
+from dlrm.bench.netns import Namespace, NetnsError
+
+REPO = Path(__file__).resolve().parents[2]
+# One /30 inside the two namespaces only: node r has ADDRESSES[r].
+ADDRESSES = ("10.27.0.1", "10.27.0.2")
+PREFIX = 30
+
+
+@dataclass
+class Options:
+    """The parsed command line."""
+
+    tag: str
+    rate: str = "1gbit"
+    delay: str = "0"
+    burst: str = "1mb"
+    latency: str = "100ms"
+    nproc_per_node: int = 2
+    master_port: int = 29500
+    max_restarts: int = 0
+    timeout: float = 3600.0
+    grace: float = 60.0
+    module: str = "dlrm.train"
+    report: Path | None = None
+    trainer_args: list[str] = field(default_factory=list)
+
+    def namespace(self, node: int) -> str:
+        return f"dlrm-2n-{self.tag}-node{node}"
+
+    def link(self, node: int) -> str:
+        return f"2n{self.tag}-{node}"
+
+
+def torchrun_argv(o: Options, node: int) -> list[str]:
+    """The agent of node ``node``: a static rendezvous at node 0's address, one run id for both."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        f"--nproc_per_node={o.nproc_per_node}",
+        f"--node_rank={node}",
+        f"--master_addr={ADDRESSES[0]}",
+        f"--master_port={o.master_port}",
+        f"--rdzv-id=2n{o.tag}",  # the trainer names its run directory after it: the same on both nodes
+        f"--max-restarts={o.max_restarts}",
+        "-m",
+        o.module,
+        *o.trainer_args,
+    ]
+
+
+def node_env(o: Options, node: int) -> dict[str, str]:
+    """gloo on the node's veth address; one OMP thread per rank unless the caller set it."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    env.update(
+        GLOO_SOCKET_IFNAME=o.link(node),
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+        PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+    )
+    return env
+
+
+def worst(codes: Sequence[int | None]) -> int:
+    """The worst exit status, as a shell reports it (killed by signal N: 128 + N; never ended: 124)."""
+    return max(124 if c is None else 128 - c if c < 0 else c for c in codes)
+
+
+def _stop(procs: Sequence[subprocess.Popen], wait_s: float = 10.0) -> None:
+    """TERM every agent still running (and its ranks, in its session), then KILL what remains."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        alive = [p for p in procs if p.poll() is None]
+        for p in alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, sig)
+        deadline = time.monotonic() + wait_s
+        while any(p.poll() is None for p in alive) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+def wait_all(procs: Sequence[subprocess.Popen], timeout: float, grace: float) -> list[int | None]:
+    """Wait for every agent; once one fails, the others get ``grace`` seconds (their collectives
+    fail on their own within the trainer's ``comm_timeout_s``), and none more than ``timeout``."""
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if any(p.returncode not in (None, 0) for p in procs):
+                deadline = min(deadline, time.monotonic() + grace)
+            time.sleep(0.2)
+    finally:
+        ended = [p.returncode for p in procs]
+        _stop(procs)
+    return ended
+
+
+def run(o: Options) -> dict[str, Any]:
+    """Build both nodes and their link, train across them, measure, tear everything down."""
+    with Namespace(o.namespace(0)) as n0, Namespace(o.namespace(1)) as n1:
+        nodes = (n0, n1)
+        netns.veth_pair(n0, o.link(0), n1, o.link(1))
+        for node, ns in enumerate(nodes):
+            ns.add_address(o.link(node), f"{ADDRESSES[node]}/{PREFIX}")
+            ns.set_rate(o.rate, o.burst, o.latency, dev=o.link(node), delay=o.delay)
+        before = [(ns.tx_bytes(o.link(node)), ns.tx_bytes("lo")) for node, ns in enumerate(nodes)]
+        print(
+            f"two_nodes: {o.namespace(0)} ({ADDRESSES[0]}) <-> {o.namespace(1)} ({ADDRESSES[1]}) at {o.rate}, "
+            f"delay {o.delay}; {2 * o.nproc_per_node} ranks of {o.module}",
+            flush=True,
+        )
+        t0 = time.monotonic()
+        procs = [
+            subprocess.Popen(ns.argv(*torchrun_argv(o, node)), cwd=REPO, env=node_env(o, node), start_new_session=True)
+            for node, ns in enumerate(nodes)
+        ]
+        codes = wait_all(procs, o.timeout, o.grace)
+        wall = time.monotonic() - t0
+        after = [(ns.tx_bytes(o.link(node)), ns.tx_bytes("lo")) for node, ns in enumerate(nodes)]
+    return {
+        "exit_codes": codes,
+        "exit_code": worst(codes),
+        "wall_s": wall,
+        "rate": o.rate,
+        "delay": o.delay,
+        "namespaces": [o.namespace(0), o.namespace(1)],
+        "addresses": list(ADDRESSES),
+        "nproc_per_node": o.nproc_per_node,
+        # bytes sent by node r over the veth (to the other node) and over its loopback (to itself)
+        "inter_node_bytes": [a[0] - b[0] for a, b in zip(after, before, strict=True)],
+        "loopback_bytes": [a[1] - b[1] for a, b in zip(after, before, strict=True)],
+    }
+
+
+def parse_args(argv: Sequence[str]) -> Options:
+    p = argparse.ArgumentParser(
+        prog="scripts/two_nodes.sh",
+        description=__doc__.split("\n")[0],
+        epilog="Arguments after `--` go to the trainer (Hydra overrides).",
+    )
+    p.add_argument(
+        "--rate", default="1gbit", help="inter-node rate per direction, a tc rate or 'unlimited' (%(default)s)"
+    )
+    p.add_argument("--delay", default="0", help="one-way inter-node delay, e.g. 5ms; needs sch_netem (%(default)s)")
+    p.add_argument("--burst", default="1mb", help="tbf burst (%(default)s)")
+    p.add_argument("--latency", default="100ms", help="tbf queue bound (%(default)s)")
+    p.add_argument("--nproc-per-node", type=int, default=2, help="ranks per node (%(default)s)")
+    p.add_argument("--master-port", type=int, default=29500, help="rendezvous port on node 0 (%(default)s)")
+    p.add_argument("--max-restarts", type=int, default=0, help="torchrun --max-restarts (%(default)s)")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds before both nodes are stopped (%(default)s)")
+    p.add_argument(
+        "--grace", type=float, default=60, help="seconds a node may outlive the other's failure (%(default)s)"
+    )
+    p.add_argument("--module", default="dlrm.train", help="the module torchrun runs (%(default)s)")
+    p.add_argument("--report", type=Path, default=None, help="also write the measurements to this JSON file")
+    p.add_argument("--tag", default=str(os.getpid()), help="unique name part of the namespaces and links (pid)")
+    args, rest = p.parse_known_args(argv)
+    if rest and rest[0] == "--":
+        rest = rest[1:]
+    bad = [a for a in rest if a.startswith("-")]
+    if bad:
+        p.error(f"unknown option(s) {bad}; trainer overrides go after `--`")
+    try:
+        netreport.rate_bytes_per_s(args.rate)
+        netreport.size_bytes(args.burst)
+        netns.delay_ms(args.delay)
+    except ValueError as e:
+        p.error(str(e))
+    if not re.fullmatch(r"[A-Za-z0-9]{1,10}", args.tag):
+        p.error(f"--tag {args.tag!r}: 1 to 10 letters or digits (it goes into link names)")
+    if args.nproc_per_node < 1 or args.timeout <= 0 or args.grace < 0 or args.max_restarts < 0:
+        p.error("need --nproc-per-node >= 1, --timeout > 0, --grace >= 0, --max-restarts >= 0")
+    return Options(
+        tag=args.tag,
+        rate=args.rate,
+        delay=args.delay,
+        burst=args.burst,
+        latency=args.latency,
+        nproc_per_node=args.nproc_per_node,
+        master_port=args.master_port,
+        max_restarts=args.max_restarts,
+        timeout=args.timeout,
+        grace=args.grace,
+        module=args.module,
+        report=args.report,
+        trainer_args=list(rest),
+    )
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")  # unwinds through the namespaces' cleanup
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    o = parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        netns.preflight("scripts/two_nodes.sh", "scripts/two_nodes.sh")
+    except NetnsError as e:
+        print(e, file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        result = run(o)
+    except NetnsError as e:
+        print(f"two_nodes: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as e:
+        print(f"two_nodes: stopped ({e or 'interrupted'}); namespaces removed", file=sys.stderr)
+        return 130
+    line = json.dumps(result)
+    print(f"two_nodes: {line}", flush=True)
+    if o.report is not None:
+        o.report.parent.mkdir(parents=True, exist_ok=True)
+        o.report.write_text(line + "\n")
+    return int(result["exit_code"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
