@@ -1,5 +1,6 @@
 """Training under faults, with real torchrun ranks: a stalled peer, a lossy link, a damaged checkpoint.
-(A rank killed outright: tests/trainer/test_train.py, test_sigkilled_rank_restarts_from_the_last_checkpoint_and_finishes.)"""
+(A rank killed outright: tests/trainer/test_train.py,
+test_sigkilled_rank_restarts_from_the_last_checkpoint_and_finishes.)"""
 
 from __future__ import annotations
 
