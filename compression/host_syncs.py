@@ -114,11 +114,11 @@ class HostSyncCounter(TorchDispatchMode):
         return isinstance(t, torch.Tensor) and (t.device.type != "cpu" or self.count_cpu)
 
     def _sync(self, func: Any, args: tuple, kwargs: dict) -> str | None:
-        """The kind of sync ``func(*args, **kwargs)`` is, or None (metadata only: no tensor op)."""
+        """The kind of sync ``func(*args, **kwargs)`` is, or None if the host need not wait for it."""
         packet = func.overloadpacket
         if packet in _ALWAYS:
             return _ALWAYS[packet] if self._on_device(args[0]) else None
-        if packet is aten.repeat_interleave and func._overloadname == "Tensor":
+        if packet is aten.repeat_interleave and func._overloadname in ("Tensor", "Tensor_out"):
             return "repeat_interleave" if kwargs.get("output_size") is None and self._on_device(args[0]) else None
         if packet is aten.index and _has_mask(args[1]):
             return "bool_index" if self._on_device(args[0]) else None
