@@ -1,0 +1,88 @@
+"""Where the per-chunk code copies to the host: its calls of ``.numpy()``, ``.tolist()``, ``.cpu()``.
+
+Why a static check: on CPU tensors these reach no dispatcher op, so the counter of
+:mod:`compression.host_syncs` cannot see them, yet on a GPU each one waits for the device and
+copies. :data:`PER_CHUNK` is the one list of the code that runs once per chunk (per peer and
+direction); the size exchange, one per collective (``comm_ops._send``), is left out on purpose.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import NamedTuple
+
+ROOT = Path(__file__).resolve().parents[2]
+HOST_CALLS = ("numpy", "tolist", "cpu")
+
+# module -> its per-chunk functions ("Class.method"), or None for every function of the module.
+# compression=lossy (bounds, dedup, quantise, fixed-length coder, framing), the codecs of auto
+# (per_block) and dct_mp (threshold), and the trainer's per-chunk glue around them.
+PER_CHUNK: dict[str, tuple[str, ...] | None] = {
+    "compression.base": ("check_input", "resolve_blocks", "resolve_bounds", "check_ids", "check_out", "into"),
+    "compression.bounds": None,
+    "compression.dedup": None,
+    "compression.quantize": None,
+    "compression.reference": None,
+    "compression.coders": ("BlockCoder.encode", "BlockCoder.decode"),
+    "compression.format": None,
+    "compression.lossy": ("ids_fingerprint", "LossyCodec.encode", "LossyCodec.decode"),
+    "compression.cast": ("CastCodec.encode", "CastCodec.decode"),
+    "compression.composite": ("PerBlockCodec.effective", "PerBlockCodec.encode", "PerBlockCodec.decode"),
+    "compression.sparse": None,
+    "dlrm.embedding_comm.bounds": ("policy_values", "absolute_bounds"),
+    "dlrm.embedding_comm.ids": None,
+    "dlrm.embedding_comm.codec": (
+        "DirectionCodec.bounds",
+        "DirectionCodec.thresholds",
+        "DirectionCodec.encode",
+        "DirectionCodec.kept",
+        "DirectionCodec.decode",
+    ),
+}
+
+
+class HostCopy(NamedTuple):
+    """One call site: ``module:function:line .call()``."""
+
+    module: str
+    function: str
+    line: int
+    call: str
+
+    def __str__(self) -> str:
+        return f"{self.module}:{self.function}:{self.line} .{self.call}()"
+
+
+def _functions(tree: ast.Module) -> dict[str, ast.AST]:
+    """Top-level functions and class methods by qualified name (nested ones belong to them)."""
+    out: dict[str, ast.AST] = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            out[node.name] = node
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    out[f"{node.name}.{item.name}"] = item
+    return out
+
+
+def host_copies(per_chunk: dict[str, tuple[str, ...] | None] = PER_CHUNK, root: Path = ROOT) -> list[HostCopy]:
+    """Every ``x.numpy()``, ``x.tolist()``, ``x.cpu()`` call in the listed functions, in file order.
+
+    A listed module or function that does not exist is an error, so the list follows the code.
+    """
+    out = []
+    for module, names in per_chunk.items():
+        path = root / (module.replace(".", "/") + ".py")
+        if not path.is_file():
+            raise ValueError(f"PER_CHUNK names module {module!r}, but {path} does not exist")
+        functions = _functions(ast.parse(path.read_text(), str(path)))
+        missing = sorted(set(names or ()) - set(functions))
+        if missing:
+            raise ValueError(f"PER_CHUNK names {missing} in {module!r}, which {path} does not define")
+        for name in names if names is not None else list(functions):
+            for node in ast.walk(functions[name]):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in HOST_CALLS:
+                    out.append(HostCopy(module, name, node.lineno, node.func.attr))
+    return sorted(out, key=lambda s: (s.module, s.line))

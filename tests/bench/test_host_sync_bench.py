@@ -1,0 +1,26 @@
+"""The host-sync benchmark counts a tiny chunk by stage (dlrm.bench.host_syncs)."""
+
+import pytest
+
+from compression import dedup
+from dlrm.bench import host_syncs
+
+
+def test_bench_counts_a_tiny_chunk_by_stage(capsys):
+    assert host_syncs.main(["--rows", "64", "--tables", "3", "--dim", "8", "--trace"]) == 0
+    out = capsys.readouterr().out
+    stages = ("forward/bounds", "forward/encode", "forward/decode", "backward/sum_duplicates", "backward/keep_first")
+    for stage in stages:
+        assert f"\n{stage} " in out
+    assert "W =  64: 63 peers" in out
+    assert "compression/bounds.py:" in out  # --trace names the lines
+    assert "dlrm.embedding_comm.ids:chunk_ids:" in out  # the static listing follows
+    assert dedup.HOST_NUMPY  # the CPU shortcut is restored
+
+
+@pytest.mark.parametrize("tables", [2, 5])
+def test_relative_bounds_take_two_item_calls_per_table(tables):
+    c = host_syncs.count_chunk(rows=32, tables=tables, dim=4)
+    assert c.by_label["forward/bounds"] == c.counts[("forward/bounds", "item")] == 2 * tables
+    # one torch.unique per table to sum duplicate-id gradients, one to keep the first row per id
+    assert c.counts[("backward/sum_duplicates", "unique")] == c.counts[("backward/keep_first", "unique")] == tables
