@@ -4,5 +4,6 @@
   with :mod:`dlrm.bench.netprobe` (per-iteration timings inside each rank) and
   :mod:`dlrm.bench.netreport` (tables, cost-model check, projection);
 * :mod:`dlrm.bench.comm` - micro-benchmark of the compressed embedding all-to-alls alone;
-* :mod:`dlrm.bench.summary` - accuracy against compression ratio over a sweep (table + Pareto plot).
+* :mod:`dlrm.bench.summary` - the command line of :mod:`dlrm.telemetry.sweep_summary` (accuracy
+  against compression ratio over a sweep: table + Pareto plot).
 """

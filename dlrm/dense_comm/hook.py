@@ -11,10 +11,12 @@ x numel; parameters under ``min_numel`` travel whole, as do buckets under it); e
 entries with ``|f| >= threshold`` travel (:class:`compression.sparse.ThresholdCodec`: positions as
 delta-coded indices or a bitmap, whichever is smaller; values exact, fp16/bf16 or lossy) in a
 variable-size all-gather (sizes first), every rank adds what all ranks sent and divides by the
-world size like DDP's average; ``residual = f - what was sent, as decoded``. Residuals and
-thresholds are kept per parameter (so a rebuilt bucket layout, e.g. after DDP's first iteration or
-a resume, keeps them) and checkpointed per rank. A payload that fails to decode raises on the
-receiving ranks; the sender stops at its next collective's timeout (the process group's).
+world size like DDP's average; ``residual = f - what was sent, as decoded``. Non-finite entries
+always travel, exactly (as in the all-to-alls): they leave no residual and do not set the lossy
+values' bound. Residuals and thresholds are kept per parameter (so a rebuilt bucket layout, e.g.
+after DDP's first iteration or a resume, keeps them) and checkpointed per rank. A payload that
+fails to decode raises on the receiving ranks; the sender stops at its next collective's timeout
+(the process group's).
 
 Statistics (``dense/*`` keys of :mod:`dlrm.embedding_comm.stats`): ``raw_bytes`` is what stock DDP's ring
 all-reduce of fp32 gradients sends per rank (2 (W-1)/W x 4 bytes per element), ``wire_bytes``
@@ -188,10 +190,11 @@ class DenseComm:
         numels = [n for _, n in layout]
         f = buf + torch.cat([self._residual(name, numel, buf) for name, numel in layout])
         thresholds = [self._threshold(name, piece) for (name, _), piece in zip(layout, f.split(numels), strict=True)]
-        eb = spec.values_eb * float(f.abs().max()) if spec.values == "lossy" else None
+        # the bound scales with the largest finite |f|: non-finite entries travel exactly, unbounded
+        eb = spec.values_eb * float(f.abs().nan_to_num(0.0, 0.0).max()) if spec.values == "lossy" else None
         payload = self._codec.encode(f.view(1, -1), eb, blocks=numels, thresholds=thresholds)
         sent = self._codec.decode(payload).view(-1)  # exactly what every rank adds for us
-        residual = f - sent
+        residual = (f - sent).masked_fill_(~f.isfinite(), 0.0)  # sent exactly; inf - inf is no residual
         for (name, _), piece in zip(layout, residual.split(numels), strict=True):
             self.residuals[name] = piece
         self._norm_sq += float(torch.linalg.vector_norm(residual)) ** 2

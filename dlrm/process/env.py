@@ -87,11 +87,27 @@ def exit_without_teardown() -> NoReturn:
     checkpoints, logs), without the interpreter's teardown.
 
     A CI run had a rank abort after a successful run ("terminate called without an active
-    exception", SIGABRT, so torchrun reported the run failed). Not reproduced; the suspected cause
-    is a collective's thread outliving ``destroy_process_group`` (TorchRec's modules still hold the
-    group) and taking the GIL while the interpreter finalizes, a hazard torch's own
-    ``destroy_process_group`` notes for hooks. Nothing of ours waits for the teardown, so it is
-    skipped. A failed run raises before this and exits non-zero as before.
+    exception", SIGABRT, so torchrun reported the run failed). Still not reproduced: 19 two-rank
+    runs of 4-24 iterations (none, lossy, lossy + dense dct, the row cache, precision=mixed, auto +
+    auto, the progress bar on, pipeline=false) with this exit skipped all ended 0 on both ranks.
+    What outlives the run on every rank at the end of ``main``, so runs on into the interpreter's
+    teardown without this exit:
+
+    - tqdm's monitor thread (a daemon, started with the first bar even where it is disabled);
+      ``tqdm.monitor.exit()`` after the run's bar is closed ends it.
+    - gloo's native threads (``gloo_tcp_loop``, two ``pt_gloo_runloop``) of the default process
+      group, which ``destroy_process_group`` cannot free. One holder found: TorchRec's
+      apply_optimizer_in_backward imports ``torch.distributed.optim`` after the group exists, and
+      its ZeroRedundancyOptimizer binds ``dist.group.WORLD`` as a default argument at import
+      (``_broadcast_object``); importing it before ``init_process_group`` frees the group in a
+      bare 2-rank DMP training (tests/dense_comm's ``_train``), but a full run still keeps it:
+      not the pipeline, not an lru_cache, nothing reachable from any module's globals, so a
+      native reference (not found).
+
+    That is the suspected hazard (a collective's thread alive while the interpreter finalizes,
+    which torch's own ``destroy_process_group`` notes for hooks), not a shown cause. Nothing of
+    ours waits for the teardown, so it is skipped. A failed run raises before this and exits
+    non-zero as before.
     """
     logging.shutdown()
     sys.stdout.flush()

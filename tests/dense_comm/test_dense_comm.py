@@ -7,6 +7,8 @@ torch's PowerSGD hook registered by hand; DCT is checked against uncompressed tr
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torchrec.datasets.utils import Batch
@@ -39,11 +41,31 @@ def _batch(rank: int, step: int) -> Batch:
     )
 
 
+def _poison(grad: torch.Tensor, rank: int) -> torch.Tensor:
+    """This rank's gradient with non-finite entries whose sums over 2 ranks are +inf (both +inf),
+    NaN (+inf + -inf), NaN (one NaN) and -inf (one -inf plus a finite value)."""
+    out = grad.clone()
+    out.view(-1)[:4] = torch.tensor(
+        [math.inf, math.inf, math.nan, 1.0] if rank == 0 else [math.inf, -math.inf, 1.0, -math.inf]
+    )
+    return out
+
+
 def _train(
-    rank: int, ws: int, dense_cfg: dict | None, steps: int, *, lr: float = 0.5, wrapper=None, torch_hook=None
+    rank: int,
+    ws: int,
+    dense_cfg: dict | None,
+    steps: int,
+    *,
+    lr: float = 0.5,
+    wrapper=None,
+    torch_hook=None,
+    poison: int | None = None,
 ) -> dict:
     """A small DLRM through the trainer's own model and sharding code; the dense parameters and
-    their (all-reduced) gradients after every step."""
+    their (all-reduced) gradients after every step. At step ``poison`` the first large weight's
+    local gradient gets non-finite entries (:func:`_poison`) and, as torch's GradScaler does,
+    that step is skipped."""
     from dlrm.dense_comm.config import parse_dense_comm_cfg
     from dlrm.dense_comm.hook import CompressedDataParallelWrapper, DenseComm
     from dlrm.embedding_comm import make_sharders
@@ -76,13 +98,24 @@ def _train(
     names = [n for n, p in model.named_parameters() if "embedding_bags" not in n]
     params = dict(model.named_parameters())
     grads = []
+    local: list[float] = []  # per step: this rank's largest finite |gradient| before the all-reduce
+    if poison is not None:
+        target = next(n for n in names if params[n].numel() >= 100)
+        params[target].register_hook(lambda g: _poison(g, rank) if len(grads) == poison else g)
+        for n in names:
+            params[n].register_hook(lambda g: local.append(float(g.abs().nan_to_num(0.0, 0.0).amax())))
     for step in range(steps):
         optimizer.zero_grad()
         loss, _ = model(_batch(rank, step))
         loss.backward()
         grads.append({n: params[n].grad.detach().clone() for n in names})
-        optimizer.step()
-    out = {"params": {n: params[n].detach().clone() for n in names}, "grads": grads}
+        if step != poison:
+            optimizer.step()
+    out = {
+        "params": {n: params[n].detach().clone() for n in names},
+        "grads": grads,
+        "local_max": max(local, default=0.0),
+    }
     if dense is not None and dense.spec.name == "powersgd":  # a rank's checkpoint, restored in a twin
         from dlrm.dense_comm.hook import DenseComm
 
@@ -280,6 +313,45 @@ def test_dct_leaves_parameters_under_min_numel_exact(runs):
     # of the small ones that share a bucket with them
     assert 0.1 <= stats["comm/dense/keep"] < 0.3
     assert stats["comm/dense/ratio"] > 1.0 and stats["comm/dense/residual_norm"] > 0
+
+
+def _nonfinite(rank: int, ws: int) -> dict:
+    from torchrec.distributed.model_parallel import DefaultDataParallelWrapper
+
+    keep_all = {"name": "dct", "keep": 1.0, "min_numel": 0}
+    return {
+        "stock": _train(rank, ws, None, 4, lr=0.0, poison=1, wrapper=DefaultDataParallelWrapper()),
+        "exact": _train(rank, ws, keep_all, 4, lr=0.0, poison=1),
+        "lossy": _train(rank, ws, {**keep_all, "values": "lossy", "values_eb": 0.01}, 4, lr=0.0, poison=1),
+    }
+
+
+def test_dct_carries_non_finite_gradients_exactly_and_training_goes_on():
+    # frozen weights: every step's true gradients are stock DDP's of the same step; at step 1 one
+    # weight's gradients hold +-inf and NaN on both ranks (:func:`_poison`)
+    from multiprocess import run_ranks
+
+    runs = run_ranks(_nonfinite, 2, timeout=600)
+    for r in runs:
+        stock = r["stock"]["grads"]
+        assert not all(bool(g.isfinite().all()) for g in stock[1].values())  # the poison reached DDP
+        for step, (exact, lossy, ref) in enumerate(zip(r["exact"]["grads"], r["lossy"]["grads"], stock, strict=True)):
+            # sent exactly: stock DDP's all-reduce bit for bit, NaN and inf included, and no NaN
+            # left behind in the residuals for the next steps
+            for name in ref:
+                torch.testing.assert_close(exact[name], ref[name], rtol=0, atol=0, equal_nan=True)
+            # lossy values: non-finite entries exactly as stock's; finite ones within the bound,
+            # values_eb of each rank's largest |g + residual| now and in the residual of the step
+            # before (with a little room for the residual's own size)
+            bound = 2 * 0.01 * 1.02 * max(x["lossy"]["local_max"] for x in runs)
+            for name in ref:
+                finite = ref[name].isfinite()
+                torch.testing.assert_close(lossy[name][~finite], ref[name][~finite], rtol=0, atol=0, equal_nan=True)
+                assert bool(lossy[name][finite].isfinite().all()), (step, name)
+                err = float((lossy[name][finite] - ref[name][finite]).abs().max())
+                assert err <= bound, (step, name, err, bound)
+        assert not equal(r["lossy"]["grads"][3], stock[3])  # the values were coded
+        assert all(bool(t.isfinite().all()) for t in r["lossy"]["residuals"].values())
 
 
 # --------------------------------------------------------------------------- through the trainer

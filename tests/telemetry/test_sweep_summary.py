@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from dlrm.bench import summary
+from dlrm.telemetry import sweep_summary as summary
 
 
 def write_run(
@@ -156,13 +156,15 @@ def test_a_null_auc_shows_as_a_dash_and_stays_off_the_plot_and_the_front(tmp_pat
 
 
 def test_cli_exit_codes(tmp_path, capsys):
-    assert summary.main([str(tmp_path / "missing")]) == 1
+    from dlrm.bench.summary import main  # python -m dlrm.bench.summary
+
+    assert main([str(tmp_path / "missing")]) == 1
     assert "does not exist" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
-    assert summary.main([str(tmp_path / "empty")]) == 1
+    assert main([str(tmp_path / "empty")]) == 1
     assert "no readable metrics.json" in capsys.readouterr().err
     make_sweep(tmp_path / "sweep")
-    assert summary.main([str(tmp_path / "sweep")]) == 0
+    assert main([str(tmp_path / "sweep")]) == 0
     assert "Pareto" in capsys.readouterr().out
 
 
