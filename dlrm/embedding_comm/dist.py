@@ -343,9 +343,11 @@ class CompressedTwRwPooledEmbeddingDist(CompressedDist, TwRwPooledEmbeddingDist)
             by_cross, sum_by_cross = [[b] * nodes for _ in range(local_size)], [b * nodes] * local_size
         it, sample = self._tick() if local_size * nodes > 1 else (self.iteration, False)
         # Both stages add errors in each direction: with two stages each gets half of the bound.
-        # Backward, the intra stage sends gradients already divided by the number of nodes, so
-        # its bound shrinks by that factor to stay within half the bound on the original gradient.
+        # Backward, the intra stage sends gradients already divided by the number of nodes: an
+        # absolute bound shrinks by that factor to stay within half the bound on the original
+        # gradient; a relative one already scales with the divided chunk's range.
         share = 0.5 if local_size > 1 and nodes > 1 else 1.0
+        divided = get_gradient_division() and self.runtime.backward.spec.mode == "abs"
         # Stock TorchRec waits for the intra-node reduce-scatter here too.
         reduced = _reduce_scatter(
             self,
@@ -356,7 +358,7 @@ class CompressedTwRwPooledEmbeddingDist(CompressedDist, TwRwPooledEmbeddingDist)
             it,
             sample,
             share,
-            share / nodes if get_gradient_division() else share,
+            share / nodes if divided else share,
         ).wait()
         if nodes == 1:
             out: Awaitable[torch.Tensor] = NoWait(reduced)
