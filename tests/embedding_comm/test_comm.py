@@ -386,7 +386,7 @@ class IdsSpy:
     """Records, per payload sent, (iteration, direction, whether the codec got ids)."""
 
     def __init__(self) -> None:
-        from dlrm.embedding_comm import instrument
+        from dlrm.process import instrument
         from dlrm.embedding_comm.codec import DirectionCodec
 
         self.seen: list[tuple[int, str, bool]] = []
