@@ -386,8 +386,8 @@ class IdsSpy:
     """Records, per payload sent, (iteration, direction, whether the codec got ids)."""
 
     def __init__(self) -> None:
-        from dlrm.process import instrument
         from dlrm.embedding_comm.codec import DirectionCodec
+        from dlrm.process import instrument
 
         self.seen: list[tuple[int, str, bool]] = []
         self.last = False
