@@ -163,8 +163,8 @@ def _sample(
     thresholds: list[float] | None = None,
     decoded: torch.Tensor | None = None,
 ) -> None:
-    """Sender-side sampling: decode our own payload (or take ``decoded``: what the row cache's
-    destination holds) for errors, encode each block alone for sizes."""
+    """Sender-side sampling: decode our own payload (or take ``decoded``: what an encoding stage
+    says the destination holds) for errors, encode each block alone for sizes."""
     if decoded is None:
         decoded = dc.codec.decode(payload, ids if dc.dedup else None)
     col_err = abs_error(decoded.float(), chunk.float()).amax(dim=0) if chunk.shape[0] else None
