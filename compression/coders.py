@@ -73,6 +73,15 @@ class ZstdCoder:
         self.level = level
         self._local = threading.local()  # zstd contexts are not thread-safe: one pair per thread
 
+    def __getstate__(self) -> dict:
+        """The level alone: the contexts belong to a thread, and are made again where needed (so
+        that a sharder holding this coder can be handed to other processes)."""
+        return {"level": self.level}
+
+    def __setstate__(self, state: dict) -> None:
+        self.level = state["level"]
+        self._local = threading.local()
+
     @property
     def _cctx(self) -> zstandard.ZstdCompressor:
         if not hasattr(self._local, "cctx"):

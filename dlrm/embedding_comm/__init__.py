@@ -13,10 +13,12 @@ Statistics of a whole model (``comm_stats``, ``comm_summary``) live in :mod:`dlr
 ``dlrm.telemetry.comm_stats.set_iteration(model, iteration)`` so iteration-wise policies continue where they were.
 
 Modules, leaves first: ``config`` (the config group), ``stats`` (counters and their keys),
-``bounds`` (policy seam), ``codec``
-(one direction's codec), ``ids`` (ids and duplicate-id gradients), ``comm_ops`` (Req/Wait autograd
-functions), ``dist`` (output dists), ``sharding`` (sharding subclasses), ``embeddingbag`` (sharded
-EBC and sharders), ``sharders`` (config -> sharder), ``policy`` (the ``policy`` group -> bound policy).
+``bounds`` (policy seam), ``codec`` (one direction's codec), ``ids`` (ids and duplicate-id
+gradients), ``stage`` (the one interface through which features act on the transport's chunks)
+and its stages: ``codec_stages`` (duplicate ids, DCT-MP positions, calibration), ``forward_cache``
+(the row cache), ``cache_probe``; ``comm_ops`` (Req/Wait autograd functions), ``dist`` (output
+dists), ``sharding`` (sharding subclasses), ``embeddingbag`` (sharded EBC and sharders),
+``sharders`` (config -> sharder), ``policy`` (the ``policy`` group -> bound policy).
 """
 
 from dlrm.embedding_comm.bounds import BoundFn, fixed_bound

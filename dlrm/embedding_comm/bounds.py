@@ -16,15 +16,18 @@ import torch
 BoundFn = Callable[[str, str, int], float]
 
 
-def fixed_bound(eb: float) -> BoundFn:
-    """The same bound for every feature, direction and iteration."""
-    eb = float(eb)
+class fixed_bound:
+    """The same bound for every feature, direction and iteration (a class, not a closure: a
+    sharder holding it can be pickled)."""
 
-    def bound(feature: str, direction: str, iteration: int) -> float:
-        return eb
+    def __init__(self, eb: float) -> None:
+        self.eb = float(eb)
 
-    bound.eb = eb  # type: ignore[attr-defined]  # visible in reprs and tests
-    return bound
+    def __call__(self, feature: str, direction: str, iteration: int) -> float:
+        return self.eb
+
+    def __repr__(self) -> str:
+        return f"fixed_bound({self.eb})"
 
 
 def policy_values(bound_fn: BoundFn, features: Sequence[str], direction: str, iteration: int) -> list[float]:

@@ -239,6 +239,13 @@ class DirectionCodec:
         return out
 
 
+def abs_error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| with equal non-finite values (nan/nan, inf/inf) counted as 0 and mismatches as inf."""
+    same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+    err = (a - b).abs()
+    return torch.where(same, torch.zeros_like(err), torch.nan_to_num(err, nan=torch.inf))
+
+
 def _threshold_params(spec: DirectionSpec, params: dict, direction: str) -> tuple[float | None, int, bool, bool]:
     """Pop DCT-MP's own keys from a threshold codec's params (the rest go to the codec)."""
     if spec.codec != "threshold":

@@ -13,6 +13,9 @@ A layout says how a tensor is cut into per-peer chunks and where received chunks
 rank). Chunks that are concatenated are decoded straight into their window of the output (no
 concatenation copy); summed ones are decoded apart and added. A rank's own chunk never travels
 and is never compressed.
+
+Features act on the chunks through the stage interface (:mod:`dlrm.embedding_comm.stage`): each
+collective call carries its stages, which the transport calls in order, naming none of them.
 """
 
 from __future__ import annotations
@@ -21,31 +24,17 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.autograd import Function
 from torchrec.distributed.comm_ops import Request, get_gradient_division
 
-from dlrm.embedding_comm.cache_probe import CacheProbe
-from dlrm.embedding_comm.codec import CompressedCommError, DirectionCodec
-from dlrm.embedding_comm.forward_cache import ForwardCache
-from dlrm.embedding_comm.ids import keep_first_duplicates, sum_duplicates
+from dlrm.embedding_comm.codec import CompressedCommError, DirectionCodec, abs_error
+from dlrm.embedding_comm.stage import Blocks, Incoming, Outgoing, Stage
 from dlrm.embedding_comm.stats import CommStats
 from dlrm.process.instrument import embedding_collective, on_the_wire
 from dlrm.process.timeout import named_collective
-
-
-class Blocks(NamedTuple):
-    """The column blocks of a chunk: one per (feature, shard), in column order."""
-
-    features: list[str]
-    widths: list[int]
-
-    @property
-    def dim(self) -> int:
-        return sum(self.widths)
 
 
 class PooledA2ALayout:
@@ -141,12 +130,8 @@ class CompressedA2AInfo:
     # sums, the two stages of table-row-wise) stay within the policy's bound in total.
     bound_scale: dict[str, float] = field(default_factory=lambda: {"forward": 1.0, "backward": 1.0})
     training: bool = True  # a training forward (evaluation refreshes no DCT-MP threshold)
-    calibrate: set[str] = field(default_factory=set)  # auto: directions that measure every option on a chunk
-    stage: str = "a2a"  # "a2a" or "reduce_scatter" (table-row-wise runs both, each with its own thresholds)
-    # DCT-MP: per source peer, the entries its forward payload kept (receiver side)
-    kept: dict[int, torch.Tensor] = field(default_factory=dict)
-    cache_probe: CacheProbe | None = None  # training forwards: measure what a row cache would save
-    forward_cache: ForwardCache | None = None  # training forwards: compression.forward.cache
+    collective: str = "a2a"  # "a2a" or "reduce_scatter" (table-row-wise runs both, each with its own thresholds)
+    stages: list[Stage] = field(default_factory=list)  # the features acting on this call's chunks, in order
 
     def send_ids(self, direction: str) -> list[torch.Tensor | None]:
         return self.fwd_send_ids if direction == "forward" else self.fwd_recv_ids
@@ -166,13 +151,6 @@ class _Transfer:
     raw: bool = False  # the rows as they are (see _send_raw), sizes in elements
 
 
-def _nan_aware_abs_error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """|a - b| with equal non-finite values (nan/nan, inf/inf) counted as 0 and mismatches as inf."""
-    same = (a == b) | (torch.isnan(a) & torch.isnan(b))
-    err = (a - b).abs()
-    return torch.where(same, torch.zeros_like(err), torch.nan_to_num(err, nan=torch.inf))
-
-
 def _sample(
     dc: DirectionCodec,
     chunk: torch.Tensor,
@@ -185,11 +163,11 @@ def _sample(
     thresholds: list[float] | None = None,
     decoded: torch.Tensor | None = None,
 ) -> None:
-    """Sender-side sampling: decode our own payload (or take ``decoded``: what the row cache's
-    destination holds) for errors, encode each block alone for sizes."""
+    """Sender-side sampling: decode our own payload (or take ``decoded``: what an encoding stage
+    says the destination holds) for errors, encode each block alone for sizes."""
     if decoded is None:
         decoded = dc.codec.decode(payload, ids if dc.dedup else None)
-    col_err = _nan_aware_abs_error(decoded.float(), chunk.float()).amax(dim=0) if chunk.shape[0] else None
+    col_err = abs_error(decoded.float(), chunk.float()).amax(dim=0) if chunk.shape[0] else None
     elt, c = chunk.element_size(), 0
     for k, (f, w) in enumerate(zip(blocks.features, blocks.widths, strict=True)):
         if w and col_err is not None:
@@ -218,36 +196,6 @@ def _count_raw(stats: CommStats, d: str, chunk: torch.Tensor, blocks: Blocks) ->
     for f, w in zip(blocks.features, blocks.widths, strict=True):
         stats.add(f"{d}/raw_bytes/{f}", chunk.shape[0] * w * elt)
     stats.add(f"{d}/raw_bytes", chunk.numel() * elt)
-
-
-def _cached(info: CompressedA2AInfo, d: str, ids: torch.Tensor | None) -> bool:
-    """Whether this chunk travels through the row cache (training forwards with ids; both sides
-    decide alike: they hold the same ids and training flag)."""
-    return d == "forward" and info.forward_cache is not None and ids is not None and info.codecs[d].dedup
-
-
-def _decode_cached(
-    info: CompressedA2AInfo,
-    dc: DirectionCodec,
-    payload: torch.Tensor,
-    ids: torch.Tensor | None,
-    blocks: Blocks,
-    peer: int,
-    me: int,
-    window: torch.Tensor | None,
-) -> torch.Tensor:
-    assert info.forward_cache is not None and ids is not None
-    src = info.global_ranks[peer]
-    try:
-        part = info.forward_cache.decode(dc, payload, ids, blocks.features, blocks.widths, src, out=window)
-    except Exception as e:  # name the transfer, keep the cause chained
-        raise CompressedCommError(
-            f"rank {info.global_ranks[me]} ({info.where}): cannot decode the row-cached forward payload "
-            f"({payload.numel()} bytes) from rank {src} carrying features {blocks.features} at iteration "
-            f"{info.iteration}: {type(e).__name__}: {e}"
-        ) from e
-    info.stats.maximum("forward/cache_bytes", info.forward_cache.nbytes)
-    return part
 
 
 def _count_distinct(
@@ -311,15 +259,17 @@ def _send_raw(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: li
 
 
 def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[torch.Tensor]) -> _Transfer:
-    """Encode a chunk per peer, exchange sizes, launch the async byte all-to-all."""
-    layout, dc, stats = info.layout, info.codecs[d], info.stats
-    if d not in info.calibrate and dc.passthrough(layout.features()):
+    """Encode a chunk per peer (through the call's stages), exchange sizes, launch the async byte
+    all-to-all."""
+    layout, dc, stats, stages = info.layout, info.codecs[d], info.stats, info.stages
+    if not any(s.needs_codec(d) for s in stages) and dc.passthrough(layout.features()):
         return _send_raw(pg, info, d, chunks)
     me, ws = pg.rank(), pg.size()
     ids_per_peer = info.send_ids(d)
     t0 = time.perf_counter()
     payloads: list[torch.Tensor | None] = [None] * ws
     memo: dict[int, torch.Tensor] = {}  # the same chunk object (row-wise backward) is encoded once
+    reuse = not any(s.per_peer(d) for s in stages)
     policy: dict[int, list[float]] = {}
     sample, sample_s = info.sample, 0.0
     for i in range(1, ws):
@@ -329,7 +279,7 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
             continue  # both sides know the shape: nothing to send
         blocks = layout.send_blocks(d, peer)
         _count_raw(stats, d, chunk, blocks)
-        if ids is None and id(chunk) in memo and not dc.forward_positions:
+        if ids is None and id(chunk) in memo and reuse:
             payloads[peer] = memo[id(chunk)]
         else:
             key = id(blocks)
@@ -339,41 +289,28 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
             # summed: the summed rows of frequent ids would set a range under which the gradients
             # of rare ids vanish (at a batch of 2,048, 35-85% of rows decoded as zero).
             bounds = dc.bounds(chunk, blocks.widths, policy[key])
-            if ids is not None and d == "backward" and dc.dedup:
-                chunk = sum_duplicates(chunk, ids, blocks.widths)
-            if dc.forward_positions:  # DCT-MP: the derivative of the forward's thresholding
-                chunk = torch.where(info.kept[peer], chunk, torch.zeros((), dtype=chunk.dtype, device=chunk.device))
-            thresholds = dc.thresholds(chunk, blocks.features, blocks.widths, info.iteration, info.training, info.stage)
-            held: torch.Tensor | None = None  # with the row cache: the chunk as the peer decodes it
-            if _cached(info, d, ids) and bounds is not None:
-                assert info.forward_cache is not None and ids is not None
-                dst = info.global_ranks[peer]
-                fc = info.forward_cache
-                payload, held, counts = fc.encode(dc, chunk, ids, blocks.features, blocks.widths, bounds, dst)
-                for name, n in counts.items():
-                    stats.add(f"{d}/cache/{name}", n)
-                stats.maximum(f"{d}/cache_bytes", fc.nbytes)
-            else:
-                payload = dc.encode(chunk, blocks.widths, bounds, ids, thresholds, blocks.features)
-            if d in info.calibrate:  # compression=auto: every option on this chunk (one peer per direction)
+            c = Outgoing(d, peer, info.global_ranks[peer], chunk, ids, blocks, bounds, dc, stats)
+            for s in stages:
+                s.before_encode(c)
+            thresholds = dc.thresholds(
+                c.chunk, blocks.features, blocks.widths, info.iteration, info.training, info.collective
+            )
+            if not any(s.encode(c) for s in stages):
+                c.payload = dc.encode(c.chunk, blocks.widths, bounds, ids, thresholds, blocks.features)
+            assert c.payload is not None
+            for s in stages:
                 ts = time.perf_counter()
-                dc.samples.extend(dc.calibrate(chunk, blocks.features, blocks.widths, bounds, ids))
-                info.calibrate.discard(d)
-                sample_s += time.perf_counter() - ts
-            if d == "forward" and info.cache_probe is not None and ids is not None and dc.dedup and bounds:
-                ts = time.perf_counter()
-                dst = info.global_ranks[peer]
-                info.cache_probe.observe(dc, chunk, ids, payload, blocks.features, blocks.widths, bounds, dst, stats)
-                sample_s += time.perf_counter() - ts
+                if s.measure(c):
+                    sample_s += time.perf_counter() - ts
             if sample:
                 ts = time.perf_counter()
-                _sample(dc, chunk, payload, blocks, bounds, ids, stats, d, thresholds, held)
-                _count_distinct(stats, d, chunk, blocks, ids, dc.dedup)
+                _sample(dc, c.chunk, c.payload, blocks, bounds, ids, stats, d, thresholds, c.held)
+                _count_distinct(stats, d, c.chunk, blocks, ids, dc.dedup)
                 sample = False
                 sample_s += time.perf_counter() - ts
             if ids is None:
-                memo[id(chunks[peer])] = payload
-            payloads[peer] = payload
+                memo[id(chunks[peer])] = c.payload
+            payloads[peer] = c.payload
         encoded = payloads[peer]
         assert encoded is not None  # every non-empty chunk was encoded (or reused) above
         payloads[peer] = on_the_wire(
@@ -410,6 +347,26 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
     stats.add(f"{d}/comm_ms", 1e3 * (t2 - t1))
     stats.add(f"{d}/calls", 1)
     return _Transfer(work, recv_buf, recv_sizes, chunks[me])
+
+
+def _decode(info: CompressedA2AInfo, r: Incoming) -> torch.Tensor:
+    """The first stage that decodes the payload, else the direction's codec."""
+    for s in info.stages:
+        part = s.decode(r)
+        if part is not None:
+            return part
+    return r.dc.decode(
+        r.payload,
+        r.shape,
+        r.ids,
+        src=r.src,
+        dst=r.dst,
+        features=r.blocks.features,
+        tables=sorted({info.feature_tables.get(f, f) for f in r.blocks.features}),
+        iteration=r.iteration,
+        where=r.where,
+        out=r.window,
+    )
 
 
 def _receive(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, tr: _Transfer) -> torch.Tensor:
@@ -453,28 +410,14 @@ def _receive(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, tr: _Transf
                 "for features "
                 f"{blocks.features} at iteration {info.iteration} (expected shape {shape})"
             )
-        ids = ids_per_peer[peer]
-        tables = sorted({info.feature_tables.get(f, f) for f in blocks.features})
-        if _cached(info, d, ids):
-            parts.append(_decode_cached(info, dc, payload, ids, blocks, peer, me, window))
-            continue
-        part = dc.decode(
-            payload,
-            shape,
-            ids,
-            src=info.global_ranks[peer],
-            dst=info.global_ranks[me],
-            features=blocks.features,
-            tables=tables,
-            iteration=info.iteration,
-            where=info.where,
-            out=window,
+        src, dst = info.global_ranks[peer], info.global_ranks[me]
+        r = Incoming(
+            d, peer, src, dst, payload, shape, ids_per_peer[peer], blocks, window, dc, stats, info.iteration, info.where
         )
-        if ids is not None and d == "backward" and dc.dedup:
-            keep_first_duplicates(part, ids, blocks.widths)
-        if d == "forward" and info.training and info.codecs["backward"].forward_positions:
-            info.kept[peer] = dc.kept(payload, shape)  # where our gradient for this peer may be non-zero
-        parts.append(part)
+        decoded = _decode(info, r)
+        for s in info.stages:
+            s.after_decode(r, decoded)
+        parts.append(decoded)
     stats.add(f"{d}/comm_ms", 1e3 * (t1 - t0))
     stats.add(f"{d}/codec_ms", 1e3 * (time.perf_counter() - t1))
     if out is not None:

@@ -29,6 +29,7 @@ from torchrec.distributed.types import Awaitable, NoWait
 
 from dlrm.embedding_comm.cache_probe import CacheProbe
 from dlrm.embedding_comm.codec import DirectionCodec
+from dlrm.embedding_comm.codec_stages import Calibration, DuplicateIds, ForwardPositions
 from dlrm.embedding_comm.comm_ops import (
     Blocks,
     CompressedA2AInfo,
@@ -36,8 +37,9 @@ from dlrm.embedding_comm.comm_ops import (
     ReduceScatterLayout,
     compressed_all_to_all,
 )
-from dlrm.embedding_comm.forward_cache import ForwardCache
+from dlrm.embedding_comm.forward_cache import CacheStage, ForwardCache
 from dlrm.embedding_comm.ids import Region, chunk_ids
+from dlrm.embedding_comm.stage import Stage
 from dlrm.embedding_comm.stats import CommStats
 
 # Key under which the sharder hands the runtime to the shardings through TorchRec's
@@ -61,6 +63,22 @@ class CompressionRuntime:
     @property
     def codecs(self) -> dict[str, DirectionCodec]:
         return {"forward": self.forward, "backward": self.backward}
+
+    def stages(self, training: bool) -> list[Stage]:
+        """The features acting on one collective call's chunks, in the order the transport
+        applies them (fresh per call: DCT-MP's positions and calibration hold per-call state).
+        Evaluation sends through the codec alone."""
+        out: list[Stage] = [DuplicateIds()]
+        if training:
+            if self.backward.forward_positions:
+                out.append(ForwardPositions())
+            if self.forward_cache is not None:
+                out.append(CacheStage(self.forward_cache))
+            if self.calibrating:
+                out.append(Calibration())
+            if self.cache_probe is not None:
+                out.append(self.cache_probe)
+        return out
 
     @property
     def uses_ids(self) -> bool:
@@ -120,7 +138,7 @@ class CompressedDist:
         sample: bool,
         forward_scale: float = 1.0,
         backward_scale: float = 1.0,
-        stage: str = "a2a",
+        collective: str = "a2a",
     ) -> CompressedA2AInfo:
         return CompressedA2AInfo(
             layout=layout,
@@ -135,10 +153,8 @@ class CompressedDist:
             feature_tables=self.feature_tables,
             bound_scale={"forward": forward_scale, "backward": backward_scale},
             training=torch.is_grad_enabled(),
-            stage=stage,
-            calibrate={"forward", "backward"} if self.runtime.calibrating and torch.is_grad_enabled() else set(),
-            cache_probe=self.runtime.cache_probe if torch.is_grad_enabled() else None,
-            forward_cache=self.runtime.forward_cache if torch.is_grad_enabled() else None,
+            collective=collective,
+            stages=self.runtime.stages(torch.is_grad_enabled()),
         )
 
 
@@ -268,7 +284,7 @@ def _reduce_scatter(
         sample,
         forward_scale=forward_share / (ws - 1),
         backward_scale=backward_share,
-        stage="reduce_scatter",
+        collective="reduce_scatter",
     )
     return compressed_all_to_all(pg, info, local_embs)
 
@@ -343,9 +359,11 @@ class CompressedTwRwPooledEmbeddingDist(CompressedDist, TwRwPooledEmbeddingDist)
             by_cross, sum_by_cross = [[b] * nodes for _ in range(local_size)], [b * nodes] * local_size
         it, sample = self._tick() if local_size * nodes > 1 else (self.iteration, False)
         # Both stages add errors in each direction: with two stages each gets half of the bound.
-        # Backward, the intra stage sends gradients already divided by the number of nodes, so
-        # its bound shrinks by that factor to stay within half the bound on the original gradient.
+        # Backward, the intra stage sends gradients already divided by the number of nodes: an
+        # absolute bound shrinks by that factor to stay within half the bound on the original
+        # gradient; a relative one already scales with the divided chunk's range.
         share = 0.5 if local_size > 1 and nodes > 1 else 1.0
+        divided = get_gradient_division() and self.runtime.backward.spec.mode == "abs"
         # Stock TorchRec waits for the intra-node reduce-scatter here too.
         reduced = _reduce_scatter(
             self,
@@ -356,7 +374,7 @@ class CompressedTwRwPooledEmbeddingDist(CompressedDist, TwRwPooledEmbeddingDist)
             it,
             sample,
             share,
-            share / nodes if get_gradient_division() else share,
+            share / nodes if divided else share,
         ).wait()
         if nodes == 1:
             out: Awaitable[torch.Tensor] = NoWait(reduced)

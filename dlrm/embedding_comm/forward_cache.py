@@ -35,20 +35,25 @@ import torch
 
 from compression.dedup import plan_by_ids
 from compression.row_cache import RowCache
-from dlrm.embedding_comm.codec import DirectionCodec
+from dlrm.embedding_comm.codec import CompressedCommError, DirectionCodec
+from dlrm.embedding_comm.stage import Incoming, Outgoing, Stage
 
 EPS = float(torch.finfo(torch.float32).eps)
 
 
 class ForwardCache:
-    """Every cache of one rank: (role, peer global rank, feature, block) -> rows."""
+    """Every cache of one rank: (role, peer global rank, feature, block) -> rows.
 
-    def __init__(self, capacity_rows: int = 0) -> None:
+    ``deltas=False`` sends moved rows whole (flag 0), a scheme the probe measures beside the cache.
+    """
+
+    def __init__(self, capacity_rows: int = 0, deltas: bool = True) -> None:
         if capacity_rows < 0:
             raise ValueError(
                 f"compression.forward.cache.capacity_rows must be >= 0 (0: unlimited), got {capacity_rows}"
             )
         self.capacity_rows = capacity_rows
+        self.deltas = deltas
         self.caches: dict[tuple[str, int, str, int], RowCache] = {}
 
     @property
@@ -73,7 +78,8 @@ class ForwardCache:
         dst: int,
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, int]]:
         """(payload for global rank ``dst``, the chunk as ``dst`` will decode it, row counts:
-        ``unique_rows``, ``held_rows``, ``hit_rows``, ``moved_rows`` sent as differences)."""
+        ``unique_rows``, ``held_rows``, ``hit_rows``, ``moved_rows`` sent as differences, each
+        also per feature as ``<name>/<feature>``)."""
         if chunk.dtype != torch.float32:  # _delta_bound's rounding margin is fp32's, and numpy has no bf16
             raise TypeError(
                 f"compression.forward.cache needs fp32 pooled embeddings, got a {chunk.dtype} chunk "
@@ -96,7 +102,7 @@ class ForwardCache:
             moved = held & ~hit
             em, cm = exact[moved], cached[moved]
             room = _delta_bound(em, cm, bounds[k])
-            delta = room > 0 and em.shape[0] > 0
+            delta = self.deltas and room > 0 and em.shape[0] > 0
             fresh = ~held
             flags.append(int(delta))
             bits.append(moved[held])
@@ -105,10 +111,11 @@ class ForwardCache:
             coded_bounds.append(room if delta else bounds[k])
             steps.append((cache, uid, slots, fresh, moved, cached, delta))
             n_held, n_hit = int(held.sum()), int(hit.sum())
-            counts["unique_rows"] += uid.size
-            counts["held_rows"] += n_held
-            counts["hit_rows"] += n_hit
-            counts["moved_rows"] += n_held - n_hit if delta else 0
+            block = {"unique_rows": uid.size, "held_rows": n_held, "hit_rows": n_hit}
+            block["moved_rows"] = n_held - n_hit if delta else 0
+            for name, n in block.items():
+                counts[name] += n
+                counts[f"{name}/{f}"] = counts.get(f"{name}/{f}", 0) + n
             c += w
         inner = _code(dc, sends, sent_ids, widths, coded_bounds)
         out = np.empty(x.shape, dtype=x.dtype)
@@ -155,6 +162,46 @@ class ForwardCache:
             steps.append((cache, uid, slots, fresh, moved, cached, bool(flag)))
         _finish(steps, _decode(dc, inner, sent_ids, widths), inverse, widths, out.numpy())
         return out
+
+
+class CacheStage(Stage):
+    """The row cache in the transport: training forwards by id, both sides deciding alike (they
+    hold the same ids and training flag); statistics under ``forward/cache/``."""
+
+    def __init__(self, cache: ForwardCache) -> None:
+        self.cache = cache
+
+    @staticmethod
+    def _applies(direction: str, ids: torch.Tensor | None, dc: DirectionCodec) -> bool:
+        return direction == "forward" and ids is not None and dc.dedup
+
+    def encode(self, c: Outgoing) -> bool:
+        if not (self._applies(c.direction, c.ids, c.dc) and c.bounds is not None):
+            return False
+        assert c.ids is not None
+        c.payload, c.held, counts = self.cache.encode(
+            c.dc, c.chunk, c.ids, c.blocks.features, c.blocks.widths, c.bounds, c.dst
+        )
+        for name, n in counts.items():
+            if "/" not in name:  # totals (the per-feature counts serve the probe)
+                c.stats.add(f"{c.direction}/cache/{name}", n)
+        c.stats.maximum(f"{c.direction}/cache_bytes", self.cache.nbytes)
+        return True
+
+    def decode(self, r: Incoming) -> torch.Tensor | None:
+        if not self._applies(r.direction, r.ids, r.dc):
+            return None
+        assert r.ids is not None
+        try:
+            part = self.cache.decode(r.dc, r.payload, r.ids, r.blocks.features, r.blocks.widths, r.src, out=r.window)
+        except Exception as e:  # name the transfer, keep the cause chained
+            raise CompressedCommError(
+                f"rank {r.dst} ({r.where}): cannot decode the row-cached forward payload "
+                f"({r.payload.numel()} bytes) from rank {r.src} carrying features {r.blocks.features} at "
+                f"iteration {r.iteration}: {type(e).__name__}: {e}"
+            ) from e
+        r.stats.maximum("forward/cache_bytes", self.cache.nbytes)
+        return part
 
 
 def _unpack(ids: torch.Tensor) -> tuple[list[np.ndarray], np.ndarray | None, np.ndarray]:

@@ -175,9 +175,47 @@ def test_probe_prices_unchanged_rows_at_about_a_bit():
     probe.observe(dc, chunk, ids, payload, ["f"], [dim], [eb], 1, stats)  # nothing moved: all hit
     second = stats.sums["forward/cache_probe/cached_bytes"] - first
     assert first >= payload.numel() and stats.sums["forward/cache_probe/hit_rows"] == 64
-    # a 64-bit bitmap plus the payload of one zero row (a block with no misses still carries one)
+    # the block's flag byte, a 64-bit bitmap and the payload of one zero row (a block with no
+    # misses still carries one)
     one_row = dc.encode(torch.zeros(1, dim), [dim], [eb], torch.full((1, 1), -1)).numel()
-    assert second == 64 / 8 + one_row < payload.numel() / 5
+    assert second == 1 + 64 / 8 + one_row < payload.numel() / 5
+
+
+def test_probe_reports_what_the_row_cache_does_on_the_same_chunks():
+    """The probe's delta scheme against a real sender and receiver of the row cache, fed the same
+    chunks: rows held and hit, bytes, the receiver's error and the memory must be the cache's."""
+    from dlrm.embedding_comm.forward_cache import ForwardCache
+
+    eb, widths, feats = 0.01, [8, 4], ["a", "b"]
+    dc = DirectionCodec(DirectionSpec("lossy", params={"entropy": True}), "forward", fixed_bound(eb))
+    g = torch.Generator().manual_seed(3)
+    tables = [torch.randn(80, w, generator=g) for w in widths]
+    probe, stats = CacheProbe(capacity_rows=24), CommStats()
+    sender, receiver = ForwardCache(capacity_rows=24), ForwardCache(capacity_rows=24)
+    held = hit = unique = sent = 0
+    worst = 0.0
+    for _ in range(10):
+        ids = torch.randint(0, 80, (48, 2), generator=g)
+        tables[0] += 0.004 * torch.randn(80, 8, generator=g)  # mostly within the bound
+        tables[1] += 0.03 * torch.randn(80, 4, generator=g)  # mostly past it
+        chunk = torch.cat([t[ids[:, k]] for k, t in enumerate(tables)], dim=1)
+        bounds = [eb, eb]
+        probe.observe(dc, chunk, ids, dc.encode(chunk, widths, bounds, ids), feats, widths, bounds, 1, stats)
+        payload, _, counts = sender.encode(dc, chunk, ids, feats, widths, bounds, dst=1)
+        got = receiver.decode(dc, payload, ids, feats, widths, src=0)
+        held, hit, unique = held + counts["held_rows"], hit + counts["hit_rows"], unique + counts["unique_rows"]
+        sent += payload.numel()
+        worst = max(worst, float((got - chunk).abs().max()) / eb)
+    p = "forward/cache_delta_probe"
+    assert 0 < hit < held < unique  # the stream has hits, moved rows and fresh rows
+    assert (stats.sums[f"{p}/held_rows"], stats.sums[f"{p}/hit_rows"], stats.sums[f"{p}/unique_rows"]) == (
+        held,
+        hit,
+        unique,
+    )
+    assert stats.sums[f"{p}/cached_bytes"] == sent
+    assert stats.maxes[f"{p}/max_error_over_bound"] == pytest.approx(worst, rel=1e-6)
+    assert stats.maxes[f"{p}/mirror_bytes"] == receiver.nbytes
 
 
 def test_cache_probe_config_is_validated_by_key():
@@ -217,7 +255,9 @@ def test_every_held_row_stays_within_the_bound_of_its_exact_value_with_several_b
         bounds = [eb] * 3
         payload = dc.encode(chunk, widths, bounds, ids)
         probe.observe(dc, chunk, ids, payload, ["a", "b", "c"], widths, bounds, 1, stats)
-        for (scheme, _, _, k), mirror in probe.mirrors.items():
+        mirrors = [(scheme, key[3], m) for scheme, fc in probe.shadows.items() for key, m in fc.caches.items()]
+        assert len(mirrors) == 6  # per scheme, one per block
+        for scheme, k, mirror in mirrors:
             uid = torch.unique(ids[:, k])
             held, rows = mirror.lookup(uid)
             assert held.all() and len(mirror) <= 24, (scheme, k)  # this batch's ids were just sent

@@ -161,6 +161,7 @@ PLANS: dict[str, Callable[[int], dict[str, Any]]] = {
     },
     "tw": lambda ws: {n: table_wise(rank=i % ws) for i, (n, _, _) in enumerate(TABLES)},
     "tw_rank0": lambda ws: {n: table_wise(rank=0) for n, _, _ in TABLES},  # other ranks own no table
+    "twrw": lambda ws: {n: table_row_wise(host_index=i % 2) for i, (n, _, _) in enumerate(TABLES)},  # 2 nodes
 }
 
 
@@ -385,8 +386,8 @@ class IdsSpy:
     """Records, per payload sent, (iteration, direction, whether the codec got ids)."""
 
     def __init__(self) -> None:
-        from dlrm.embedding_comm import instrument
         from dlrm.embedding_comm.codec import DirectionCodec
+        from dlrm.process import instrument
 
         self.seen: list[tuple[int, str, bool]] = []
         self.last = False
@@ -495,6 +496,39 @@ def test_four_ranks_two_nodes_none_matches_stock_and_rel_mode_holds():
     for r in results:
         assert r["worst"] > 0.1
         assert r["fwd_diff"] == 0.0 and r["w_diff"] == 0.0, r  # none == stock, TWRW across nodes too
+
+
+REL_EB = 1e-2
+
+
+def _twrw_rel_backward_fractions(rank: int, ws: int) -> list[float]:
+    """The fractions of each chunk's range that table-row-wise's backward stages apply (rel mode)."""
+    from dlrm.embedding_comm.codec import DirectionCodec
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"  # two nodes of two ranks: both stages run
+    seen: list[float] = []
+    bounds = DirectionCodec.bounds
+
+    def spy(codec, chunk, widths, values):
+        if codec.direction == "backward":
+            seen.extend(values)
+        return bounds(codec, chunk, widths, values)
+
+    DirectionCodec.bounds = spy  # this rank process only
+    rel = {"name": "rel", "forward": {"codec": "none"}, "backward": {"codec": "lossy", "eb": REL_EB, "mode": "rel"}}
+    run_steps(build(ours(rel), "twrw", ws, full_weights(2)), rank, [8] * ws, 2)
+    return seen
+
+
+def test_table_row_wise_rel_backward_stages_add_up_to_the_policy_bound():
+    # A relative bound scales with the chunk it is applied to: the intra-node stage's gradients,
+    # already divided by the node count, need no further division. Each of the two stages takes
+    # the same share, and the shares of a gradient's path (cross-node, then intra-node) add up to
+    # the policy's fraction.
+    seen = [v for r in run_ranks(_twrw_rel_backward_fractions, 4) for v in r]
+    assert seen, "no backward chunk was bounded"
+    assert len(set(seen)) == 1, sorted(set(seen))
+    assert 2 * seen[0] == pytest.approx(REL_EB)
 
 
 # -- backward dedup: per-id gradient sums on the owner; QComms configs --------------------------------

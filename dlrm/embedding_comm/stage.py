@@ -1,0 +1,96 @@
+"""The one interface through which features act on the all-to-all's chunks.
+
+The transport (:mod:`dlrm.embedding_comm.comm_ops`) encodes a chunk per peer with the direction's
+codec and decodes what arrives; every feature that changes or watches that trip (duplicate-id
+gradient sums, DCT-MP's forward positions, the row cache, its probe, auto's calibration) is a
+:class:`Stage`, and the transport calls a collective's stages in order without naming any. A new
+feature adds a stage, not a branch. Each hook's default does nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from dlrm.embedding_comm.codec import DirectionCodec
+from dlrm.embedding_comm.stats import CommStats
+
+
+class Blocks(NamedTuple):
+    """The column blocks of a chunk: one per (feature, shard), in column order."""
+
+    features: list[str]
+    widths: list[int]
+
+    @property
+    def dim(self) -> int:
+        return sum(self.widths)
+
+
+@dataclass
+class Outgoing:
+    """A chunk on its way to one peer. Stages may replace ``chunk`` before it is encoded; an
+    encoding stage sets ``payload`` and ``held`` (the chunk as the peer will decode it)."""
+
+    direction: str
+    peer: int  # rank in the collective's group
+    dst: int  # global rank
+    chunk: torch.Tensor
+    ids: torch.Tensor | None  # [rows, n_blocks], or None (dedup by value)
+    blocks: Blocks
+    bounds: list[float] | None  # absolute, per block (None: an unbounded codec)
+    dc: DirectionCodec
+    stats: CommStats
+    payload: torch.Tensor | None = None
+    held: torch.Tensor | None = None
+
+
+@dataclass
+class Incoming:
+    """A payload from one peer, with what names it in errors."""
+
+    direction: str
+    peer: int  # rank in the collective's group
+    src: int  # global ranks of the sender and of this rank
+    dst: int
+    payload: torch.Tensor
+    shape: tuple[int, int]
+    ids: torch.Tensor | None
+    blocks: Blocks
+    window: torch.Tensor | None  # where the decoded chunk goes in the merged output, if anywhere
+    dc: DirectionCodec
+    stats: CommStats
+    iteration: int
+    where: str
+
+
+class Stage:
+    """A feature's hooks on a chunk's trip, in the order the transport calls them."""
+
+    def needs_codec(self, direction: str) -> bool:
+        """Whether this direction's chunks must be encoded even where every table chose ``none``."""
+        return False
+
+    def per_peer(self, direction: str) -> bool:
+        """Whether this stage makes one chunk differ per peer (no payload is reused across peers)."""
+        return False
+
+    def before_encode(self, c: Outgoing) -> None:
+        """Change ``c.chunk`` before it is encoded."""
+
+    def encode(self, c: Outgoing) -> bool:
+        """Encode ``c`` in place of the codec (set ``c.payload``, ``c.held``); False: leave it."""
+        return False
+
+    def measure(self, c: Outgoing) -> bool:
+        """Measure the encoded chunk without changing it; True if it did (its time is sampling's)."""
+        return False
+
+    def decode(self, r: Incoming) -> torch.Tensor | None:
+        """Decode ``r`` in place of the codec (into ``r.window`` if given); None: leave it."""
+        return None
+
+    def after_decode(self, r: Incoming, part: torch.Tensor) -> None:
+        """Change or note the decoded chunk."""
