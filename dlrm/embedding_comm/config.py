@@ -199,17 +199,3 @@ def excluded_sharding_types(spec: CompressionSpec) -> dict[str, str]:
         )
         return dict.fromkeys(ROW_SUM_SHARDING_TYPES, why)
     return {}
-
-
-# Wire bytes per fp32 value of TorchRec's QComms codecs; INT8 row-wise adds an fp32 scale and bias
-# per 32-value row (fbgemm's default row_dim), hence 1 + 8/32.
-_QCOMM_BYTES_PER_VALUE = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.25}
-
-
-def qcomm_ratios(spec: CompressionSpec) -> dict[str, float]:
-    """Nominal ``forward_ratio``/``backward_ratio`` of a QComms config: the stock path has no byte
-    counters, but its codecs are fixed-rate, so the ratio follows from the precision alone."""
-    return {
-        "forward_ratio": 4.0 / _QCOMM_BYTES_PER_VALUE[spec.qcomm_forward],
-        "backward_ratio": 4.0 / _QCOMM_BYTES_PER_VALUE[spec.qcomm_backward],
-    }
