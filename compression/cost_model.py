@@ -76,6 +76,13 @@ class Link:
         return self.latency_s + max(0.0, on_link - self.burst_bytes) / self.bytes_per_s
 
 
+def ring_allreduce_bytes(numel: float, world_size: int, bytes_per_value: float = 4.0) -> float:
+    """What one rank sends in a ring all-reduce of ``numel`` values (DDP's and gloo's algorithm: a
+    reduce-scatter and an all-gather, each ``N-1`` steps of ``1/N`` of the values). The one formula
+    of the project: the dense hooks' counters, the wire meter and the traffic model use it."""
+    return 2 * (world_size - 1) / world_size * bytes_per_value * numel
+
+
 @dataclass(frozen=True)
 class Workload:
     """What one iteration moves and computes: ranks, batch, table dims, dense parameters, compute."""
@@ -108,8 +115,7 @@ class Workload:
 
     def allreduce_bytes(self) -> float:
         """Bytes one rank sends in a ring all-reduce of the dense parameters."""
-        n = self.ranks
-        return 2 * (n - 1) / n * self.dense_params * self.value_bytes
+        return ring_allreduce_bytes(self.dense_params, self.ranks, self.value_bytes)
 
     def input_dist_bytes(self) -> float:
         """Bytes one rank sends in the sparse input all-to-all (single-valued features)."""
