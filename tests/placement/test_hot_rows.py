@@ -404,14 +404,17 @@ def test_coded_sync_trains_close_to_the_exact_sync_with_identical_replicas(coded
 
 def _assert_predicted_wire_bytes_match(run_dir: Path) -> None:
     """metrics.json's traffic model (with only cold ids in the all-to-alls, the emptied bags' zero
-    row, and the replica sync) against the bytes the run counted on the wire, path by path."""
+    row, and the replica sync) against what the run counted, where the prediction uses no ratio
+    measured in the same run: the input dist's ids, the exact sync's rows, the distinct rows of
+    each chunk. (The all-to-alls' and the coded sync's bytes divide by the ratios this run measured;
+    the all-to-alls priced before training are checked in test_codec_ratio.py.)"""
     m = json.loads((run_dir / "metrics.json").read_text())
     measured, predicted = m["wire_bytes_by_path"], m["predicted_wire_bytes_by_path"]
     assert measured["replica_sync"] > 0
-    for path in measured:  # the sync's touched rows are a sample of 12 iterations: 5% there
-        rel = 0.05 if path == "replica_sync" else 0.02
+    exact = m["hot_rows"]["sync_codec"] == "exact"
+    for path in ("input", "allreduce", *(["replica_sync"] if exact else [])):
+        rel = 0.05 if path == "replica_sync" else 0.02  # the sync's touched rows: a sample of 12 iterations
         assert predicted[path] == pytest.approx(measured[path], rel=rel, abs=100), path
-    assert m["predicted_wire_bytes_per_iteration"] == pytest.approx(m["wire_bytes_per_iteration"], rel=0.02)
     for table, d in m["distinct_ids_per_chunk"].items():  # a few rows per chunk: half a row of slack
         assert d["predicted"] == pytest.approx(d["measured"], rel=0.1, abs=0.5), table
 
