@@ -6,13 +6,19 @@ from __future__ import annotations
 import pytest
 
 from dlrm.dense_comm.config import parse_dense_comm_cfg
+from dlrm.embedding_comm import build_sharders
 from dlrm.embedding_comm.config import parse_compression_cfg
 from dlrm.embedding_comm.policy import build_policy
 from dlrm.placement.config import parse_placement_cfg
 from dlrm.strategy.controller import parse_strategy_cfg
 
 LOSSY = {"name": "lossy", "forward": {"codec": "lossy"}, "backward": {"codec": "lossy"}}
+DCT_MP = {"name": "dct_mp", "forward": {"codec": "threshold", "dedup": False}, "backward": {"codec": "none"}}
 SCHEDULED = LOOSE = {"kind": "iteration_wise", "eb": 0.01}
+
+
+def _dct_mp(params: dict) -> dict:
+    return {**DCT_MP, "forward": {**DCT_MP["forward"], "params": {"keep": 0.1, **params}}}
 
 
 @pytest.mark.parametrize(
@@ -25,6 +31,8 @@ SCHEDULED = LOOSE = {"kind": "iteration_wise", "eb": 0.01}
             "compression.stats.cache_probe.capacity_rows",
         ),
         (lambda v: parse_dense_comm_cfg({"name": "powersgd", "rank": v}), "dense_comm.rank"),
+        (lambda v: build_sharders(parse_compression_cfg(_dct_mp({"refresh_every": v}))), "params.refresh_every"),
+        (lambda v: build_sharders(parse_compression_cfg(_dct_mp({"refresh_warmup": v}))), "params.refresh_warmup"),
         (lambda v: parse_dense_comm_cfg({"name": "dct", "refresh_warmup": v}), "dense_comm.refresh_warmup"),
         (lambda v: parse_placement_cfg({"estimate_batches": v}, "table_wise", 2), "placement.estimate_batches"),
         (lambda v: parse_strategy_cfg({"replan_every": v}, None), "compression.strategy.replan_every"),
