@@ -15,7 +15,11 @@ One training iteration on ``N`` ranks, each with ``b`` samples and a balanced sh
 that every rank's traffic crosses, like the emulated loopback of ``scripts/bench_network.sh``
 (``Link(shared=True)``: the bytes of all ``N`` ranks queue on it; its token-bucket shaper also lets
 a burst through at once at the start of each collective, ``Link.burst_bytes``). Nothing overlaps
-in the model, so it is an upper bound where TorchRec overlaps communication with compute.
+in :func:`iteration_time`, so it is an upper bound where TorchRec overlaps communication with
+compute. :class:`Breakdown` is the one iteration-time model of the project: everything in
+sequence except the dense all-reduce, which overlaps the compute after the backward all-to-all
+(``compute_overlapped``, as DDP's buckets do); the strategy search (:mod:`compression.strategy`)
+prices its timeline with it, and the no-overlap model here is its case ``compute_overlapped=0``.
 
 For one table or one payload the model reduces to the published per-table speedup of Feng et al.
 (notes/papers.md §1.2): ``1 / (1/CR + B (1/Tc + 1/Td))`` - see :func:`table_speedup` - and the
@@ -76,6 +80,13 @@ class Link:
         return self.latency_s + max(0.0, on_link - self.burst_bytes) / self.bytes_per_s
 
 
+def ring_allreduce_bytes(numel: float, world_size: int, bytes_per_value: float = 4.0) -> float:
+    """What one rank sends in a ring all-reduce of ``numel`` values (DDP's and gloo's algorithm: a
+    reduce-scatter and an all-gather, each ``N-1`` steps of ``1/N`` of the values). The one formula
+    of the project: the dense hooks' counters, the wire meter and the traffic model use it."""
+    return 2 * (world_size - 1) / world_size * bytes_per_value * numel
+
+
 @dataclass(frozen=True)
 class Workload:
     """What one iteration moves and computes: ranks, batch, table dims, dense parameters, compute."""
@@ -108,8 +119,7 @@ class Workload:
 
     def allreduce_bytes(self) -> float:
         """Bytes one rank sends in a ring all-reduce of the dense parameters."""
-        n = self.ranks
-        return 2 * (n - 1) / n * self.dense_params * self.value_bytes
+        return ring_allreduce_bytes(self.dense_params, self.ranks, self.value_bytes)
 
     def input_dist_bytes(self) -> float:
         """Bytes one rank sends in the sparse input all-to-all (single-valued features)."""
@@ -154,10 +164,15 @@ class Breakdown:
     codec_forward: float = 0.0
     codec_backward: float = 0.0
     codec_dense: float = 0.0  # encode + decode of the dense gradients (dense_comm hooks)
+    # compute after the backward all-to-all that the dense all-reduce overlaps (DDP's buckets)
+    compute_overlapped: float = 0.0
 
     @property
     def total(self) -> float:
-        return sum(getattr(self, f.name) for f in fields(self))
+        """Seconds of the iteration: the components in sequence, but the dense all-reduce and the
+        compute after the backward all-to-all side by side (the longer of the two counts)."""
+        serial = sum(getattr(self, f.name) for f in fields(self) if f.name not in _OVERLAPPING)
+        return serial + max(self.allreduce, self.compute_overlapped)
 
     @property
     def a2a(self) -> float:
@@ -176,6 +191,9 @@ class Breakdown:
 
     def as_dict(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+_OVERLAPPING = ("allreduce", "compute_overlapped")
 
 
 def iteration_time(

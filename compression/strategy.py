@@ -22,7 +22,9 @@ The forward all-to-all starts when its units are encoded, and the model waits fo
 needs the pooled rows to go on); so does the backward. The dense all-reduce starts when the
 dense gradients are ready (their encode done) and overlaps the ``after`` compute (the end of the
 backward, the optimizer), as DDP's buckets do; the iteration ends when both are done. The link
-serves one collective at a time.
+serves one collective at a time. The iteration's seconds are the cost model's
+(:class:`compression.cost_model.Breakdown` with ``compute_overlapped=after``): one model for the
+cost model and the search.
 
 :func:`choose` is Espresso's greedy search: units in descending size, each takes the option that
 lowers the simulated iteration time most (or keeps the current one), so a codec is chosen only
@@ -34,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .cost_model import Link
+from .cost_model import Breakdown, Link
 
 STAGES = ("forward", "backward", "dense")
 
@@ -124,25 +126,25 @@ def simulate(units: Iterable[Unit], choice: Mapping[str, str], t: Timeline) -> S
         if len(used[stage]) > 1:
             enc[stage] += t.regroup_s_per_byte * raw[stage]
             dec[stage] += t.regroup_s_per_byte * raw[stage]
+    seconds = {stage: t.link.seconds(wire[stage], t.ranks) for stage in STAGES}
+    iteration = Breakdown(
+        compute=t.before + t.between,
+        a2a_forward=seconds["forward"],
+        a2a_backward=seconds["backward"],
+        allreduce=seconds["dense"],
+        codec_forward=enc["forward"] + dec["forward"],
+        codec_backward=enc["backward"] + dec["backward"],
+        codec_dense=enc["dense"] + dec["dense"],
+        compute_overlapped=t.after,
+    )
+    # when each collective holds the link: every one waits for its inputs, the previous one is done
     spans: dict[str, tuple[float, float]] = {}
-    link_free = 0.0
-
-    def collective(stage: str, ready: float) -> float:
-        nonlocal link_free
-        start = max(link_free, ready)
-        finish = start + t.link.seconds(wire[stage], t.ranks)
-        spans[stage] = (start, finish)
-        link_free = finish
-        return finish
-
-    clock = t.before + enc["forward"]
-    clock = max(clock, collective("forward", clock)) + dec["forward"]
-    clock += t.between + enc["backward"]
-    clock = max(clock, collective("backward", clock)) + dec["backward"]
-    clock += enc["dense"]
-    dense_done = collective("dense", clock)
-    clock += t.after
-    return Simulation(max(clock, dense_done) + dec["dense"], spans)
+    clock = t.before
+    for stage, compute_after in (("forward", t.between), ("backward", 0.0), ("dense", 0.0)):
+        clock += enc[stage]
+        spans[stage] = (clock, clock + seconds[stage])
+        clock += seconds[stage] + dec[stage] + compute_after
+    return Simulation(iteration.total, spans)
 
 
 def choose(units: Sequence[Unit], t: Timeline, start: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -135,7 +135,8 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
         spec,
         cfg.batch_size,
         dim,
-        backward_codec=runtime.backward if runtime is not None else None,
+        runtime=runtime,
+        seed=cfg.seed,
     )
     meter = WireMeter(
         sum(t.num_embeddings * t.dim for t in tables if t.kind == "data_parallel"),

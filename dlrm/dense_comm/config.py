@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from compression.sparse import VALUE_CODECS
-from dlrm.process.config_checks import check_keys, number, plain_config
+from dlrm.process.config_checks import check_keys, flag, integer, number, one_of, plain_config
 
 KINDS = ("none", "fp16", "bf16", "powersgd", "dct", "auto")
 AUTO_OPTIONS = ("none", "fp16", "bf16", "dct")  # powersgd needs warm-up iterations: not switched to
@@ -55,53 +55,36 @@ class DenseCommSpec:
         return self.name != "none"
 
 
-def _int(cfg: Mapping[str, Any], key: str, where: str, default: int, minimum: int) -> int:
-    v = cfg.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise ValueError(f"{where}.{key} must be an integer >= {minimum}, got {v!r}")
-    return v
-
-
 def parse_dense_comm_cfg(cfg: Mapping[str, Any] | None) -> DenseCommSpec:
     """Validate a `dense_comm` config (dict or DictConfig); errors name the key."""
     cfg = plain_config(cfg) if cfg is not None else {"name": "none"}
     where = "dense_comm"
     if not isinstance(cfg, Mapping):
         raise ValueError(f"{where} config must be a mapping, got {type(cfg).__name__}")
-    name = cfg.get("name", "none")
-    if name not in KINDS:
-        raise ValueError(f"{where}.name must be one of {KINDS}, got {name!r}")
+    name = one_of(cfg, "name", where, KINDS, "none")
     check_keys(cfg, _COMMON | _KEYS[name], where)
     d = DenseCommSpec()  # the defaults
     out: dict[str, Any] = {"name": name, "bucket_cap_mb": number(cfg, "bucket_cap_mb", where, d.bucket_cap_mb, True)}
     if name == "powersgd":
         out.update(
-            rank=_int(cfg, "rank", where, d.rank, 1),
+            rank=integer(cfg, "rank", where, d.rank, 1),
             # torch's PowerSGD with error feedback needs two plain iterations first (DDP's bucket rebuild)
-            start_iter=_int(cfg, "start_iter", where, d.start_iter, 2),
+            start_iter=integer(cfg, "start_iter", where, d.start_iter, 2),
             min_compression_rate=number(cfg, "min_compression_rate", where, d.min_compression_rate),
         )
-        warm = cfg.get("warm_start", d.warm_start)
-        if not isinstance(warm, bool):
-            raise ValueError(f"{where}.warm_start must be true or false, got {warm!r}")
-        out["warm_start"] = warm
+        out["warm_start"] = flag(cfg, "warm_start", where, d.warm_start)
     if name in ("dct", "auto"):
         keep = number(cfg, "keep", where, d.keep, positive=True)
         if keep > 1:
             raise ValueError(f"{where}.keep is the fraction of entries sent, in (0, 1]; got {keep}")
-        values = cfg.get("values", d.values)
-        if values not in VALUE_CODECS:
-            raise ValueError(f"{where}.values must be one of {VALUE_CODECS}, got {values!r}")
+        values = one_of(cfg, "values", where, VALUE_CODECS, d.values)
         if "values_eb" in cfg and cfg["values_eb"] is not None and values != "lossy":
             raise ValueError(f"{where}.values_eb bounds lossy values only; {where}.values is {values!r}")
-        warmup = cfg.get("refresh_warmup", d.refresh_warmup)
-        if not isinstance(warmup, bool):
-            raise ValueError(f"{where}.refresh_warmup must be true or false, got {warmup!r}")
         out.update(
             keep=keep,
-            refresh_warmup=warmup,
-            refresh_every=_int(cfg, "refresh_every", where, d.refresh_every, 1),
-            min_numel=_int(cfg, "min_numel", where, d.min_numel, 0),
+            refresh_warmup=flag(cfg, "refresh_warmup", where, d.refresh_warmup),
+            refresh_every=integer(cfg, "refresh_every", where, d.refresh_every, 1),
+            min_numel=integer(cfg, "min_numel", where, d.min_numel, 0),
             values=values,
             values_eb=number(cfg, "values_eb", where, d.values_eb, positive=True),
         )

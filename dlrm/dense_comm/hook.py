@@ -45,6 +45,7 @@ from torchrec.distributed.model_parallel import DefaultDataParallelWrapper
 from torchrec.distributed.types import ShardingEnv
 
 import compression
+from compression.cost_model import ring_allreduce_bytes
 from compression.sparse import ThresholdCodec, kth_largest_abs, refresh_due
 from dlrm.dense_comm.config import DenseCommSpec
 from dlrm.embedding_comm.stats import CommStats
@@ -55,11 +56,6 @@ Future = torch.futures.Future
 
 class DenseCommError(RuntimeError):
     """A dense-gradient payload could not be decoded; the message names the ranks and the bucket."""
-
-
-def ring_allreduce_bytes(numel: int, world_size: int, bytes_per_value: float = 4.0) -> float:
-    """What one rank sends in a ring all-reduce of ``numel`` values (DDP's and gloo's algorithm)."""
-    return 2 * (world_size - 1) / world_size * bytes_per_value * numel
 
 
 # PowerSGD's state; its hyperparameters (rank, start, ...) come from the config, not a checkpoint.

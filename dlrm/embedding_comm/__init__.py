@@ -23,8 +23,8 @@ dists), ``sharding`` (sharding subclasses), ``embeddingbag`` (sharded EBC and sh
 
 from dlrm.embedding_comm.bounds import BoundFn, fixed_bound
 from dlrm.embedding_comm.codec import CompressedCommError
-from dlrm.embedding_comm.config import CompressionSpec, parse_compression_cfg, qcomm_ratios
-from dlrm.embedding_comm.sharders import build_sharders, compression_runtime, make_sharders
+from dlrm.embedding_comm.config import CompressionSpec, parse_compression_cfg
+from dlrm.embedding_comm.sharders import build_sharders, compression_runtime, make_sharders, qcomm_ratios
 
 __all__ = [
     "BoundFn",

@@ -19,6 +19,7 @@ from compression.composite import PerBlockCodec, worst_case_error
 from compression.sparse import ThresholdCodec, kth_largest_abs, refresh_due
 from dlrm.embedding_comm.bounds import BoundFn, absolute_bounds, policy_values
 from dlrm.embedding_comm.config import DirectionSpec
+from dlrm.process.config_checks import flag, integer
 
 
 class CompressedCommError(RuntimeError):
@@ -250,13 +251,13 @@ def _threshold_params(spec: DirectionSpec, params: dict, direction: str) -> tupl
     """Pop DCT-MP's own keys from a threshold codec's params (the rest go to the codec)."""
     if spec.codec != "threshold":
         return None, 1, False, False
-    keep, refresh = params.pop("keep", None), params.pop("refresh_every", None)
-    warmup = params.pop("refresh_warmup", None)
-    positions = bool(params.pop("forward_positions", False))
+    popped = {k: params.pop(k, None) for k in ("keep", "refresh_every", "refresh_warmup", "forward_positions")}
+    own = {k: v for k, v in popped.items() if v is not None}  # null: the default
     where = f"compression.{direction}.params"
+    keep, positions = own.get("keep"), flag(own, "forward_positions", where, False)
     if positions and direction != "backward":
         raise ValueError(f"{where}.forward_positions applies to the backward (gradients) only")
-    if positions and (refresh is not None or warmup is not None):
+    if positions and ("refresh_every" in own or "refresh_warmup" in own):
         raise ValueError(
             f"{where}.refresh_every/refresh_warmup have no effect with forward_positions "
             "(the forward's thresholds decide)"
@@ -266,12 +267,8 @@ def _threshold_params(spec: DirectionSpec, params: dict, direction: str) -> tupl
             f"{where}: the threshold codec needs either keep (a fraction of each table's entries) "
             "or, backward, forward_positions: true"
         )
-    refresh = 1000 if refresh is None else refresh
-    warmup = True if warmup is None else warmup
-    if keep is not None and not (isinstance(keep, (int, float)) and 0 < keep <= 1):
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, (int, float)) or not 0 < keep <= 1):
         raise ValueError(f"{where}.keep must be a fraction in (0, 1], got {keep!r}")
-    if not (isinstance(refresh, int) and refresh >= 1):
-        raise ValueError(f"{where}.refresh_every must be an integer >= 1, got {refresh!r}")
-    if not isinstance(warmup, bool):
-        raise ValueError(f"{where}.refresh_warmup must be true or false, got {warmup!r}")
+    refresh = integer(own, "refresh_every", where, 1000, minimum=1)
+    warmup = flag(own, "refresh_warmup", where, True)
     return (None if keep is None else float(keep)), refresh, warmup, positions

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from dlrm.process.config_checks import MOVED, check_keys, plain_config
+from dlrm.process.config_checks import MOVED, check_keys, flag, integer, one_of, plain_config
 
 KINDS = ("compressed", "qcomm")
 MODES = ("abs", "rel")
@@ -80,12 +80,8 @@ def _direction(cfg: Any, where: str) -> DirectionSpec:
     check_keys(cfg, _DIR_KEYS, where)
     if "codec" not in cfg or not isinstance(cfg["codec"], str):
         raise ValueError(f"{where}.codec must name a codec (none, fp16, bf16, int8, lossy), got {cfg.get('codec')!r}")
-    mode = cfg.get("mode", "abs")
-    if mode not in MODES:
-        raise ValueError(f"{where}.mode must be one of {MODES}, got {mode!r}")
-    dedup = cfg.get("dedup", True)
-    if not isinstance(dedup, bool):
-        raise ValueError(f"{where}.dedup must be true or false, got {dedup!r}")
+    mode = one_of(cfg, "mode", where, MODES, "abs")
+    dedup = flag(cfg, "dedup", where, True)
     params = cfg.get("params") or {}
     if not isinstance(params, Mapping):
         raise ValueError(f"{where}.params must be a mapping of codec keyword arguments, got {params!r}")
@@ -99,11 +95,7 @@ def _cache(cfg: Mapping[str, Any], where: str) -> int | None:
     if not isinstance(cache, Mapping):
         raise ValueError(f"{key} must be a mapping {{enabled, capacity_rows}}, got {cache!r}")
     check_keys(cache, _CACHE_KEYS, key)
-    enabled, capacity = cache.get("enabled", False), cache.get("capacity_rows", 0)
-    if not isinstance(enabled, bool):
-        raise ValueError(f"{key}.enabled must be true or false, got {enabled!r}")
-    if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0:
-        raise ValueError(f"{key}.capacity_rows must be an integer >= 0 (0: unlimited), got {capacity!r}")
+    enabled, capacity = flag(cache, "enabled", key, False), integer(cache, "capacity_rows", key, 0)  # 0: unlimited
     if not enabled:
         return None
     if not where.endswith("forward"):
@@ -124,23 +116,14 @@ def parse_compression_cfg(cfg: Mapping[str, Any]) -> CompressionSpec:
         raise ValueError(f"{where} config must be a mapping, got {type(cfg).__name__}")
     check_keys(cfg, _TOP_KEYS, where)
     name = str(cfg.get("name", "unnamed"))
-    kind = cfg.get("kind", "compressed")
-    if kind not in KINDS:
-        raise ValueError(f"{where}.kind must be one of {KINDS}, got {kind!r}")
+    kind = one_of(cfg, "kind", where, KINDS, "compressed")
     stats = cfg.get("stats") or {}
     check_keys(stats, _STATS_KEYS, f"{where}.stats")
-    sample_every = stats.get("sample_every", 10)
-    if not isinstance(sample_every, int) or sample_every < 0:
-        raise ValueError(f"{where}.stats.sample_every must be an integer >= 0, got {sample_every!r}")
+    sample_every = integer(stats, "sample_every", f"{where}.stats", 10)
     probe = stats.get("cache_probe") or {}
     check_keys(probe, _CACHE_PROBE_KEYS, f"{where}.stats.cache_probe")
-    enabled, capacity = probe.get("enabled", False), probe.get("capacity_rows", 0)
-    if not isinstance(enabled, bool):
-        raise ValueError(f"{where}.stats.cache_probe.enabled must be true or false, got {enabled!r}")
-    if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0:
-        raise ValueError(
-            f"{where}.stats.cache_probe.capacity_rows must be an integer >= 0 (0: unlimited), got {capacity!r}"
-        )
+    enabled = flag(probe, "enabled", f"{where}.stats.cache_probe", False)
+    capacity = integer(probe, "capacity_rows", f"{where}.stats.cache_probe", 0)  # 0: unlimited
     types = cfg.get("sharding_types") or ALL_SHARDING_TYPES
     bad = [t for t in types if t not in ALL_SHARDING_TYPES]
     if bad:
@@ -199,17 +182,3 @@ def excluded_sharding_types(spec: CompressionSpec) -> dict[str, str]:
         )
         return dict.fromkeys(ROW_SUM_SHARDING_TYPES, why)
     return {}
-
-
-# Wire bytes per fp32 value of TorchRec's QComms codecs; INT8 row-wise adds an fp32 scale and bias
-# per 32-value row (fbgemm's default row_dim), hence 1 + 8/32.
-_QCOMM_BYTES_PER_VALUE = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.25}
-
-
-def qcomm_ratios(spec: CompressionSpec) -> dict[str, float]:
-    """Nominal ``forward_ratio``/``backward_ratio`` of a QComms config: the stock path has no byte
-    counters, but its codecs are fixed-rate, so the ratio follows from the precision alone."""
-    return {
-        "forward_ratio": 4.0 / _QCOMM_BYTES_PER_VALUE[spec.qcomm_forward],
-        "backward_ratio": 4.0 / _QCOMM_BYTES_PER_VALUE[spec.qcomm_backward],
-    }

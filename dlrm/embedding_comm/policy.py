@@ -34,7 +34,7 @@ from compression.policies import (
 from data.layout import SPARSE_NAMES
 from dlrm.embedding_comm.config import CompressionSpec
 from dlrm.embedding_comm.stats import per_feature
-from dlrm.process.config_checks import check_keys, number, plain_config
+from dlrm.process.config_checks import check_keys, integer, number, one_of, plain_config
 
 log = logging.getLogger(__name__)
 
@@ -77,12 +77,8 @@ def _schedule(cfg: Any, where: str) -> Schedule:
     if not isinstance(cfg, Mapping):
         raise ValueError(f"{where} must be a mapping {{kind, early_stage, c}}, got {cfg!r}")
     check_keys(cfg, _SCHEDULE_KEYS, where)
-    kind = cfg.get("kind", PUBLISHED_SCHEDULE)
-    if kind not in SCHEDULES:
-        raise ValueError(f"{where}.kind must be one of {SCHEDULES}, got {kind!r}")
-    es = cfg.get("early_stage", PUBLISHED_EARLY_STAGE)
-    if isinstance(es, bool) or not isinstance(es, int) or es <= 0:
-        raise ValueError(f"{where}.early_stage must be a positive integer (iterations), got {es!r}")
+    kind = one_of(cfg, "kind", where, SCHEDULES, PUBLISHED_SCHEDULE)
+    es = integer(cfg, "early_stage", where, PUBLISHED_EARLY_STAGE, minimum=1)  # iterations
     try:
         return Schedule(kind, es, number(cfg, "c", where, PUBLISHED_C, positive=True))
     except ValueError as e:
@@ -139,9 +135,7 @@ def _rule(cfg: Any, tables: Sequence[TableStats], where: str) -> DirectionRule:
     if not isinstance(cfg, Mapping):
         raise ValueError(f"{where} must be a mapping with a `kind` ({', '.join(KINDS)}), got {cfg!r}")
     check_keys(cfg, _RULE_KEYS, where)
-    kind = cfg.get("kind")
-    if kind not in KINDS:
-        raise ValueError(f"{where}.kind must be one of {KINDS}, got {kind!r}")
+    kind = one_of(cfg, "kind", where, KINDS)
     present = {k for k in cfg if cfg[k] is not None}
     missing, forbidden = sorted(_NEEDS[kind] - present), sorted(_FORBIDS[kind] & present)
     if missing:

@@ -5,7 +5,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs_registry
+import torch
+from torchrec.distributed.fbgemm_qcomm_codec import (
+    CommType,
+    QCommsConfig,
+    get_qcomm_codecs,
+    get_qcomm_codecs_registry,
+)
 from torchrec.distributed.types import ModuleSharder
 
 from dlrm.embedding_comm.bounds import BoundFn
@@ -22,6 +28,20 @@ def _qcomm_registry(spec: CompressionSpec) -> dict[str, Any] | None:
     # No device argument, as in TorchRec's examples: with device="cpu" TorchRec silently turns
     # bf16 into fp16, although bf16 runs on gloo with torch 2.13.
     return get_qcomm_codecs_registry(cfg)
+
+
+def qcomm_ratios(spec: CompressionSpec, width: int = 128) -> dict[str, float]:
+    """``forward_ratio``/``backward_ratio`` of a QComms config, measured: fp32 bytes over the bytes
+    TorchRec's own codec makes of rows ``width`` wide (the stock path has no byte counters, but its
+    codecs are fixed-rate, so one encoding measures every payload)."""
+    cfg = QCommsConfig(forward_precision=CommType(spec.qcomm_forward), backward_precision=CommType(spec.qcomm_backward))
+    codecs = get_qcomm_codecs(cfg)
+    rows = torch.rand(32, width, generator=torch.Generator().manual_seed(0)) - 0.5
+    out = {}
+    for direction, codec in (("forward", codecs.forward), ("backward", codecs.backward)):
+        payload = codec.encode(rows, codec.create_context()) if codec is not None else rows
+        out[f"{direction}_ratio"] = rows.numel() * rows.element_size() / (payload.numel() * payload.element_size())
+    return out
 
 
 def build_sharders(

@@ -14,12 +14,10 @@ our trainer runs it with (data-parallel: dense; the rest: fused).
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import torch
 from torch import nn
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
@@ -30,11 +28,11 @@ from torchrec.distributed.types import ModuleSharder
 
 from compression.cost_model import Link
 from data.frequency import FeatureFrequency
-from dlrm.embedding_comm.codec import DirectionCodec
-from dlrm.embedding_comm.config import CompressionSpec, qcomm_ratios
+from dlrm.embedding_comm.config import CompressionSpec
 from dlrm.embedding_comm.dist import CompressionRuntime
+from dlrm.placement.codec_ratio import priced_directions
 from dlrm.placement.config import PlacementSpec
-from dlrm.placement.traffic import FP32, PATHS, Direction, Shard, TablePlacement, TrafficModel
+from dlrm.placement.traffic import FP32, PATHS, Shard, TablePlacement, TrafficModel
 from dlrm.process.env import DistEnv
 from dlrm.strategy.controller import calibrate_link
 from dlrm.trainer.model import table_names
@@ -113,31 +111,6 @@ def allowed_types(compressed_types: Sequence[str], dense_hooked: bool, fused_onl
     return out
 
 
-def calibrate_ratio(
-    dc: DirectionCodec, features: Sequence[str], freqs: Sequence[FeatureFrequency], batch: int, dim: int, seed: int
-) -> float:
-    """The codec's ratio (fp32 bytes of the rows it is given / payload) on a chunk like the first
-    forward's: each table's ``batch`` ids drawn from its frequencies, rows uniform in +-sqrt(1/n)
-    as TorchRec initialises tables, all tables in one payload. 1.0 for codecs without dedup."""
-    rng = np.random.default_rng(seed)
-    ids, cols, rows_given = [], [], 0
-    for f in freqs:
-        p = f.probabilities()
-        drawn = rng.choice(len(p), size=batch, p=p / p.sum())
-        uniq, inverse = np.unique(drawn, return_inverse=True)
-        a = math.sqrt(1.0 / max(f.distinct, 1))
-        cols.append(rng.uniform(-a, a, (len(uniq), dim)).astype(np.float32)[inverse])
-        ids.append(drawn)
-        rows_given += len(uniq) if dc.dedup else batch
-    chunk = torch.from_numpy(np.concatenate(cols, axis=1))
-    id_t = torch.from_numpy(np.stack(ids, axis=1).astype(np.int64))
-    widths = [dim] * len(freqs)
-    bounds = dc.bounds(chunk, widths, dc.policy(features, 0))
-    thresholds = dc.thresholds(chunk, features, widths, 0, False, "calibrate")
-    payload = dc.encode(chunk, widths, bounds, id_t, thresholds, features)
-    return rows_given * dim * 4 / max(payload.numel(), 1)
-
-
 def comm_aware_planner(
     topology_args: dict[str, Any],
     batch_size: int,
@@ -196,14 +169,7 @@ def build_planner(
     names = table_names(features)
     link = calibrate_link(env) if placement.link_mbit is None else Link(placement.link_mbit * 1e6 / 8)
     memory_budget = placement.memory_budget
-    if runtime is not None:
-        ratio = calibrate_ratio(runtime.forward, features, freqs, batch_size, dim, seed)
-        fwd = Direction(dedup=runtime.forward.dedup, ratio_ids=ratio, ratio_rows=ratio)
-        bwd = Direction(dedup=runtime.backward.dedup, ratio_ids=ratio, ratio_rows=ratio)
-    else:  # TorchRec's QComms: fixed-rate casts, no dedup, no framing
-        r = qcomm_ratios(spec)
-        fwd = Direction(False, r["forward_ratio"], r["forward_ratio"], framed=False)
-        bwd = Direction(False, r["backward_ratio"], r["backward_ratio"], framed=False)
+    fwd, bwd = priced_directions(spec, runtime, features, freqs, batch_size, dim, seed)
     traffic = TrafficModel(env.world_size, batch_size, forward=fwd, backward=bwd)
     types = allowed_types(spec.sharding_types, dense_hooked, fused_only)
     log.info(

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from data.frequency import DEFAULT_TOP_N
-from dlrm.process.config_checks import check_keys, number, plain_config
+from dlrm.process.config_checks import check_keys, integer, number, one_of, plain_config
 
 _PLACEMENT_KEYS = {"memory_budget", "estimate_batches", "link_mbit", "hot_rows", "sync_every", "sync_codec"}
 SYNC_CODECS = ("exact", "backward")
@@ -53,14 +53,10 @@ def parse_placement_cfg(cfg: Mapping[str, Any] | None, sharding_type: str, num_t
             f"{where}.hot_rows has no effect under sharding.type=data_parallel (every table is already whole on "
             "every rank, so no id crosses the network); set it to 0 or pick another sharding"
         )
-    k = cfg.get("sync_every", 1)
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"{where}.sync_every must be an integer >= 1 (got {k!r})")
+    k = integer(cfg, "sync_every", where, 1, minimum=1)
     if k > 1 and hot == 0:
         raise ValueError(f"{where}.sync_every={k} has no effect without {where}.hot_rows; set hot_rows or leave it 1")
-    codec = cfg.get("sync_codec", "exact")
-    if codec not in SYNC_CODECS:
-        raise ValueError(f"{where}.sync_codec must be one of {', '.join(SYNC_CODECS)} (got {codec!r})")
+    codec = one_of(cfg, "sync_codec", where, SYNC_CODECS, "exact")
     if codec != "exact" and hot == 0:
         raise ValueError(
             f"{where}.sync_codec={codec} has no effect without {where}.hot_rows; set hot_rows or leave it exact"
@@ -78,8 +74,6 @@ def parse_placement_cfg(cfg: Mapping[str, Any] | None, sharding_type: str, num_t
         )
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0):
         raise ValueError(f"{where}.memory_budget must be a number of bytes per rank > 0, or null (got {budget!r})")
-    n = cfg.get("estimate_batches", 16)
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"{where}.estimate_batches must be an integer >= 1, got {n!r}")
+    n = integer(cfg, "estimate_batches", where, 16, minimum=1)
     link = None if cfg.get("link_mbit") is None else number(cfg, "link_mbit", where, positive=True)
     return PlacementSpec(None if budget is None else int(budget), n, link, hot, k, codec)

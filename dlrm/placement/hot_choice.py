@@ -1,45 +1,33 @@
-"""Which ids to replicate on every rank (``placement.hot_rows``), priced by expected distinct ids.
+"""Which ids to replicate on every rank (``placement.hot_rows``), priced by the traffic model.
 
-For a table with per-lookup id probabilities p (hottest first) and ``B`` lookups per rank and
-iteration, replicating the ``H`` hottest ids changes the bytes all ranks send per iteration by::
-
-    saved = (W-1) * [R_H * 4D / r * (each direction) + B * P_H * 8]    (both all-to-alls, the ids)
-    sync  = W * (W-1) * U_H(kB) * (4D / s + b) / k                      (touched rows, all-gathered)
-
-where U_H(n) = sum_{i<H} 1 - (1 - p_i)^n is the expected number of distinct hot ids among n
-lookups, P_H = sum_{i<H} p_i, R_H the hot rows a direction no longer sends: U_H(B) where the
-codec sends one row per distinct id (``dedup``), none where it sends one row per bag, empty or
-not (stock TorchRec, ``compression=none``: there only the ids of the input all-to-all shrink),
-r the codec's ratio, W the ranks and k ``placement.sync_every``; s and b are the sync's ratio on
-the rows and bytes per slot: 1 and 8 for the exact sync (fp32 rows, int64 slots), and with
-``placement.sync_codec=backward`` a nominal 4 (SYNC_CODEC_RATIO: conservative, under the ratio
-runs measure, metrics.json ``hot_rows.sync_row_ratio``: 23-25x in the README's 200 Mbit runs) and 4 (an int32 slot, the
-wider of the two widths the wire uses; payload headers are not priced). A rank finds a table's rows on
-another rank with probability (W-1)/W. With the exact sync replication pays only
-where hot ids repeat within a batch enough for their ids to outweigh the sync of their rows, or
-where the sync is amortised over k iterations. ``auto`` picks per table the H with the largest
-positive saving within ``placement.memory_budget`` bytes per rank, and logs why a table gets none.
-The model prices bytes, not time: on a link fast enough that bytes do not matter it still
-replicates where bytes are saved.
+Replicating a table's ``H`` hottest ids saves, per iteration, the bytes
+:class:`dlrm.placement.traffic.TrafficModel` predicts for the table without replicas less those
+with them (the cold ids alone in the input dist; a deduplicated chunk without the hot rows but
+with the emptied bags' zero row; nothing saved on a direction that sends one row per bag, as
+stock TorchRec does), and costs the replica sync it predicts (the touched rows every
+``placement.sync_every`` iterations, all ranks). The all-to-alls are priced at the codec ratio
+measured before training (:mod:`dlrm.placement.codec_ratio`), the sync at the backward codec's
+with ``placement.sync_codec=backward`` (int32 slots) and exact otherwise (fp32 rows, int64
+slots). The table is priced as one table-wise shard. ``auto`` picks per table the H with the
+largest positive saving within ``placement.memory_budget`` bytes per rank, and logs why a table
+gets none. The model prices bytes, not time: on a link fast enough that bytes do not matter it
+still replicates where bytes are saved.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-import numpy as np
-
-from data.frequency import FeatureFrequency, seen_probability
-from dlrm.placement.traffic import ID_BYTES, ReplicaSync
+from data.frequency import FeatureFrequency
+from dlrm.placement.traffic import Direction, ReplicaSync, Shard, TablePlacement, TrafficModel
 
 log = logging.getLogger(__name__)
-# Nominal compression ratios of each codec for the model (the lossy codec's depends on the data
-# and the bound; 4x is typical of the dual policy on Criteo-like tables, see README).
-NOMINAL_RATIO = {"none": 1.0, "fp16": 2.0, "bf16": 2.0, "qcomm_fp16": 2.0, "qcomm_int8": 4.0, "lossy": 4.0}
-# The coded sync's nominal ratio on the rows it sends (placement.sync_codec=backward): a
-# conservative figure, under the measured one (metrics.json hot_rows.sync_row_ratio)
+# The coded sync (placement.sync_codec=backward) codes gradient sums, which do not exist before
+# training: priced at a nominal ratio (runs measure metrics.json hot_rows.sync_row_ratio: 4.0x in
+# 12-iteration tests, 6x in 24-iteration ones, 23-25x in the README's 200 Mbit runs), with its
+# int32 slot, the wider of the two widths the wire uses.
 SYNC_CODEC_RATIO = 4.0
 SYNC_CODEC_SLOT_BYTES = 4
 STATE_BYTES_PER_ROW = {
@@ -51,18 +39,20 @@ STATE_BYTES_PER_ROW = {
 
 @dataclass(frozen=True)
 class Wire:
-    """What the embedding all-to-alls of a run send: per-rank lookups of a table per iteration,
-    ranks, row width, the codec's ratio and whether each direction sends one row per distinct id
-    (``dedup``) or one per bag (stock TorchRec, ``compression=none``)."""
+    """What the embedding all-to-alls of a run send, as the traffic model takes it: per-rank lookups
+    of a table per iteration, ranks, row width, each direction (dedup, measured ratio), a replicated
+    row's memory per rank (weight and optimizer state) and the replica sync."""
 
     lookups: int
     world: int
     dim: int
-    ratio: float = 1.0
-    dedup_forward: bool = False
-    dedup_backward: bool = False
-    row_bytes: int = 0  # memory per replicated row and rank: weight and optimizer state
+    forward: Direction = field(default_factory=lambda: Direction(dedup=False))
+    backward: Direction = field(default_factory=lambda: Direction(dedup=False))
+    row_bytes: int = 0
     sync: ReplicaSync = field(default_factory=ReplicaSync)  # the replica sync (default: exact, every iteration)
+
+    def traffic(self) -> TrafficModel:
+        return TrafficModel(self.world, self.lookups, forward=self.forward, backward=self.backward, sync=self.sync)
 
 
 @dataclass(frozen=True)
@@ -79,15 +69,15 @@ class Pricing:
         return self.saved - self.sync
 
 
-def price(freq: FeatureFrequency, hot: int, w: Wire) -> Pricing:
-    """The model of the module docstring for the ``hot`` hottest ids of one table."""
-    p = np.minimum(freq.probabilities()[:hot], 1 - 1e-12)
-    distinct = float(seen_probability(p, w.lookups).sum())
-    distinct_k = float(w.sync.touched(p, w.lookups).sum())
-    hot_lookups = w.lookups * float(p.sum())
-    rows = distinct * (w.dedup_forward + w.dedup_backward)  # a bag emptied by replication still travels
-    saved = (w.world - 1) * (rows * 4 * w.dim / w.ratio + hot_lookups * ID_BYTES)
-    sync = w.world * (w.world - 1) * distinct_k * w.sync.row_bytes(w.dim) / w.sync.every
+def price(freq: FeatureFrequency, hot: int, w: Wire, traffic: TrafficModel | None = None) -> Pricing:
+    """The ``hot`` hottest ids of one table, priced by the traffic model (``traffic``: ``w``'s,
+    shared between calls to reuse its expected distinct ids)."""
+    model = traffic or w.traffic()
+    n = max(freq.distinct, hot)
+    table = TablePlacement("t", "table_wise", n, w.dim, (Shard(0, 0, n, w.dim),))
+    replicated = replace(model, hot={"t": hot})
+    saved = float(model.table(table, freq).sum() - replicated.table(table, freq).sum())
+    sync = w.world * replicated.replica_sync([table], {"t": freq})
     return Pricing(hot, saved, sync, hot * w.row_bytes)
 
 
@@ -102,7 +92,8 @@ def choose_auto(
 ) -> dict[str, Pricing]:
     """Per table the priced size with the largest positive net saving; tables are served in order
     of their best saving per byte while ``free_bytes`` (of the memory budget) lasts."""
-    priced = {t: [price(f, h, wire) for h in candidates(f) if h] for t, f in zip(tables, freqs, strict=True)}
+    model = wire.traffic()
+    priced = {t: [price(f, h, wire, model) for h in candidates(f) if h] for t, f in zip(tables, freqs, strict=True)}
     chosen: dict[str, Pricing] = {}
     order = sorted(tables, key=lambda t: -max((q.net / max(q.memory, 1) for q in priced[t]), default=0.0))
     for t in order:

@@ -19,21 +19,15 @@ from torchrec.distributed.model_parallel import get_unwrapped_module
 from torchrec.distributed.types import ShardingType
 
 from data.frequency import FeatureFrequency
-from dlrm.embedding_comm.codec import DirectionCodec
 from dlrm.embedding_comm.config import CompressionSpec
+from dlrm.embedding_comm.dist import CompressionRuntime
+from dlrm.placement.codec_ratio import priced_directions
 from dlrm.placement.config import PlacementSpec
-from dlrm.placement.hot_choice import (
-    NOMINAL_RATIO,
-    STATE_BYTES_PER_ROW,
-    SYNC_CODEC_RATIO,
-    SYNC_CODEC_SLOT_BYTES,
-    Wire,
-    choose_auto,
-)
+from dlrm.placement.hot_choice import STATE_BYTES_PER_ROW, SYNC_CODEC_RATIO, SYNC_CODEC_SLOT_BYTES, Wire, choose_auto
 from dlrm.placement.hot_rows import HotSplit, install
 from dlrm.placement.hot_sync import HotRowOptimizer
 from dlrm.placement.hot_wire import HEADER_BYTES, SyncWire
-from dlrm.placement.traffic import ReplicaSync
+from dlrm.placement.traffic import Direction, ReplicaSync
 from dlrm.process.timeout import named_collective
 from dlrm.trainer.checkpoint import CheckpointError
 from dlrm.trainer.model import table_names
@@ -64,7 +58,7 @@ def is_main() -> bool:
 
 
 def wire_of(
-    compression: CompressionSpec,
+    directions: tuple[Direction, Direction],
     batch_size: int,
     world: int,
     dim: int,
@@ -72,20 +66,14 @@ def wire_of(
     row_bytes: int,
     sync_codec: str = "exact",
 ) -> Wire:
-    """The all-to-all's and the replica sync's traffic shape for the cost model, from the run's
-    parsed ``compression`` group (the stock QComms path dedups nothing) and ``placement.sync_codec``."""
-
-    def dedup(direction: str) -> bool:
-        codec = getattr(compression, direction)
-        return compression.kind == "compressed" and codec is not None and codec.dedup
-
+    """The all-to-alls' (``directions``: :func:`dlrm.placement.codec_ratio.priced_directions`) and
+    the replica sync's traffic shape for the cost model, with ``placement.sync_codec``."""
     return Wire(
         lookups=batch_size,
         world=world,
         dim=dim,
-        ratio=NOMINAL_RATIO.get(compression.name, 1.0),
-        dedup_forward=dedup("forward"),
-        dedup_backward=dedup("backward"),
+        forward=directions[0],
+        backward=directions[1],
         row_bytes=row_bytes,
         sync=(
             ReplicaSync(sync_every, SYNC_CODEC_RATIO, SYNC_CODEC_SLOT_BYTES, padded=False)
@@ -211,12 +199,15 @@ def setup_replication(
     compression: CompressionSpec,
     batch_size: int,
     dim: int,
-    backward_codec: DirectionCodec | None = None,
+    runtime: CompressionRuntime | None = None,
+    seed: int = 0,
 ) -> Replication | None:
     """Replicate the chosen hot rows in the sharded ``model`` (None when none are chosen);
-    ``backward_codec`` (the backward all-to-all's) codes the sync with ``sync_codec=backward``."""
+    ``runtime`` (our codecs; None for QComms) prices the all-to-alls (calibrated with ``seed``), and
+    its backward codec codes the sync with ``sync_codec=backward``."""
     if not spec.replicates:
         return None
+    backward_codec = runtime.backward if runtime is not None else None
     if spec.sync_codec == "backward" and (backward_codec is None or not backward_codec.bounded):
         what = "none of ours" if backward_codec is None else f"codec {backward_codec.spec.codec!r}"
         raise ValueError(
@@ -234,7 +225,8 @@ def setup_replication(
     used = table_memory_per_rank(model, rule)
     free = float("inf") if spec.memory_budget is None else spec.memory_budget - max(used)
     tables = table_names(features)
-    wire = wire_of(compression, batch_size, world, dim, spec.sync_every, row_bytes, spec.sync_codec)
+    directions = priced_directions(compression, runtime, features, freqs, batch_size, dim, seed)
+    wire = wire_of(directions, batch_size, world, dim, spec.sync_every, row_bytes, spec.sync_codec)
     sizes = choose_sizes(spec, tables, freqs, wire, free)
     for t in data_parallel_tables(model) & set(sizes):
         if is_main():

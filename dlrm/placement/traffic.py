@@ -34,6 +34,7 @@ from statistics import NormalDist
 
 import numpy as np
 
+from compression.cost_model import ring_allreduce_bytes
 from data.frequency import FeatureFrequency, seen_probability
 
 PATHS = ("input", "forward", "backward", "allreduce", "replica_sync")
@@ -138,7 +139,7 @@ class TrafficModel:
         val_b, len_b = self.index_bytes
         cold = 1 - self.hot_mass(t.name, freq)  # the share of lookups still sent
         if t.kind == "data_parallel":
-            out[:, 3] = 2 * (ws - 1) / ws * t.num_embeddings * t.dim * FP32
+            out[:, 3] = ring_allreduce_bytes(t.num_embeddings * t.dim, ws, FP32)
             return out
         if t.kind in ("row_wise", "table_row_wise"):  # one host: table-row-wise is row-wise
             mass, distinct = self._row_ranges(t, freq)

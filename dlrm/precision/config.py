@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.modules.embedding_configs import DataType
 
-from dlrm.process.config_checks import check_keys, plain_config
+from dlrm.process.config_checks import check_keys, one_of, plain_config
 from dlrm.process.timeout import named_collective
 
 EMBEDDING_TYPES = {"fp32": DataType.FP32, "fp16": DataType.FP16}
@@ -61,12 +61,11 @@ def parse_precision_cfg(cfg: Mapping[str, Any] | None) -> PrecisionSpec:
     """The `precision` group as a :class:`PrecisionSpec` (absent: fp32 everywhere)."""
     cfg = plain_config(cfg) or {}
     check_keys(cfg, {"embeddings", "dense"}, "precision")
-    spec = PrecisionSpec(**cfg)
-    if spec.embeddings not in EMBEDDING_TYPES:
-        raise ValueError(f"precision.embeddings must be one of {sorted(EMBEDDING_TYPES)} (got {spec.embeddings!r})")
-    if spec.dense not in DENSE_TYPES:
-        raise ValueError(f"precision.dense must be one of {sorted(DENSE_TYPES)} (got {spec.dense!r})")
-    return spec
+    d = PrecisionSpec()
+    return PrecisionSpec(
+        embeddings=one_of(cfg, "embeddings", "precision", sorted(EMBEDDING_TYPES), d.embeddings),
+        dense=one_of(cfg, "dense", "precision", sorted(DENSE_TYPES), d.dense),
+    )
 
 
 def embedding_bytes(model: torch.nn.Module) -> int:

@@ -1,5 +1,6 @@
-"""Validation helpers shared by the config parsers (compression, policy, dense_comm): one place,
-so that every error names the offending key the same way."""
+"""Validation helpers shared by every config parser (compression, policy, dense_comm, placement,
+strategy, precision): each check written once, so that every error names the offending key the
+same way."""
 
 from __future__ import annotations
 
@@ -46,6 +47,30 @@ def number(cfg: Mapping[str, Any], key: str, where: str, default: float | None =
     v = float(v)
     if not math.isfinite(v) or v < 0 or (positive and v == 0):
         raise ValueError(f"{where}.{key} must be finite and {'> 0' if positive else '>= 0'}, got {v}")
+    return v
+
+
+def integer(cfg: Mapping[str, Any], key: str, where: str, default: int | None = None, minimum: int = 0) -> int:
+    """``cfg[key]`` as an integer >= ``minimum`` (true/false are not integers), ``default`` when absent."""
+    v = cfg.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ValueError(f"{where}.{key} must be an integer >= {minimum}, got {v!r}")
+    return v
+
+
+def flag(cfg: Mapping[str, Any], key: str, where: str, default: bool) -> bool:
+    """``cfg[key]`` as true or false (nothing else), ``default`` when absent."""
+    v = cfg.get(key, default)
+    if not isinstance(v, bool):
+        raise ValueError(f"{where}.{key} must be true or false, got {v!r}")
+    return v
+
+
+def one_of(cfg: Mapping[str, Any], key: str, where: str, choices: Sequence[Any], default: Any = None) -> Any:
+    """``cfg[key]`` (``default`` when absent) if it is one of ``choices``."""
+    v = cfg.get(key, default)
+    if v not in choices:
+        raise ValueError(f"{where}.{key} must be one of {', '.join(map(str, choices))}, got {v!r}")
     return v
 
 

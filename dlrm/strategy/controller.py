@@ -39,7 +39,7 @@ from compression.strategy import Option, Timeline, Unit, choose, simulate
 from dlrm.dense_comm.config import AUTO_OPTIONS
 from dlrm.dense_comm.hook import DenseComm
 from dlrm.embedding_comm.dist import CompressionRuntime
-from dlrm.process.config_checks import check_keys, plain_config
+from dlrm.process.config_checks import check_keys, integer, plain_config
 from dlrm.process.env import DistEnv
 
 log = logging.getLogger(__name__)
@@ -64,10 +64,7 @@ def parse_strategy_cfg(cfg: Mapping[str, Any] | None, file: str | None) -> Strat
     d = StrategySpec()
     out: dict[str, Any] = {}
     for key in ("calibrate_iterations", "measure_iterations", "replan_every"):
-        v = cfg.get(key, getattr(d, key))
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{where}.{key} must be an integer >= 1, got {v!r}")
-        out[key] = v
+        out[key] = integer(cfg, key, where, getattr(d, key), minimum=1)
     drift = cfg.get("drift", d.drift)
     if isinstance(drift, bool) or not isinstance(drift, (int, float)) or not drift > 0:
         raise ValueError(f"{where}.drift must be a number > 0, got {drift!r}")

@@ -13,9 +13,10 @@ import torch
 import torch.distributed as dist
 
 from dlrm.dense_comm.hook import DenseComm
-from dlrm.embedding_comm.config import CompressionSpec, qcomm_ratios
+from dlrm.embedding_comm.config import CompressionSpec
 from dlrm.embedding_comm.dist import CompressedDist
 from dlrm.embedding_comm.embeddingbag import CompressedShardedEmbeddingBagCollection
+from dlrm.embedding_comm.sharders import qcomm_ratios
 from dlrm.embedding_comm.stats import CommStats, derive, merge
 
 

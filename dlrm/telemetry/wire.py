@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torchrec.distributed import DistributedModelParallel
 
+from compression.cost_model import ring_allreduce_bytes
 from data.frequency import FeatureFrequency
-from dlrm.dense_comm.hook import ring_allreduce_bytes
 from dlrm.embedding_comm.config import CompressionSpec
 from dlrm.placement.traffic import PATHS, Direction, ReplicaSync, Shard, TablePlacement, TrafficModel, by_path
 from dlrm.telemetry.comm_stats import run_sums_all_ranks, run_totals

@@ -199,19 +199,26 @@ def test_reduce_scatter_layout_sums_partials_in_rank_order():
     assert chunks[0] is chunks[1] is g  # one gradient, encoded once, sent to every rank
 
 
-def test_qcomm_configs_report_their_fixed_rate_as_the_wire_ratio():
+@pytest.mark.parametrize("width", [16, 128])
+def test_qcomm_ratios_are_what_the_formats_send(width):
+    """The measured ratio against the formats' own layout: fp16/bf16 values of half an fp32's
+    bytes (torch's element sizes), and fbgemm's row-wise int8 with an fp32 scale and bias per 32
+    values (QCommsConfig's default row length)."""
     import yaml
 
     from dlrm.embedding_comm import parse_compression_cfg, qcomm_ratios
 
     configs = Path(__file__).resolve().parents[2] / "configs" / "compression"
-    ratios = {
-        name: qcomm_ratios(parse_compression_cfg(yaml.safe_load((configs / f"{name}.yaml").read_text())))
-        for name in ("qcomm_fp16", "qcomm_bf16", "qcomm_int8")
+    fp32 = torch.finfo(torch.float32).bits // 8
+    int8_row = 32 * (torch.iinfo(torch.int8).bits // 8) + 2 * fp32  # per 32 values
+    expected = {
+        "qcomm_fp16": fp32 / torch.finfo(torch.float16).bits * 8,
+        "qcomm_bf16": fp32 / torch.finfo(torch.bfloat16).bits * 8,
+        "qcomm_int8": 32 * fp32 / int8_row,
     }
-    assert ratios["qcomm_fp16"] == {"forward_ratio": 2.0, "backward_ratio": 2.0}
-    assert ratios["qcomm_bf16"]["forward_ratio"] == 2.0
-    assert ratios["qcomm_int8"]["forward_ratio"] == 128 / 40  # 32 int8 values + fp32 scale and bias
+    for name, ratio in expected.items():
+        spec = parse_compression_cfg(yaml.safe_load((configs / f"{name}.yaml").read_text()))
+        assert qcomm_ratios(spec, width) == {"forward_ratio": ratio, "backward_ratio": ratio}, name
 
 
 def test_dct_mp_thresholds_refresh_on_training_chunks_only_and_survive_a_checkpoint():

@@ -193,7 +193,7 @@ def test_each_kind_and_scale():
             "policy.forward.schedule.*c must",
         ),
         ({"kind": "iteration_wise", "eb": 0.01, "schedule": {"kind": "cosine"}}, "schedule.kind must be one of"),
-        ({"kind": "iteration_wise", "eb": 0.01, "schedule": {"early_stage": 0}}, "early_stage must be a positive"),
+        ({"kind": "iteration_wise", "eb": 0.01, "schedule": {"early_stage": 0}}, "early_stage must be an integer >= 1"),
         (
             {"kind": "table_wise", "classes": {"source": "published", "dataset": "kaggle", "split": "quantile"}},
             "only apply to source: auto",

@@ -88,8 +88,8 @@ def test_bf16_dense_runs_the_mlps_in_bf16_and_keeps_fp32_weights_and_logits():
 @pytest.mark.parametrize(
     "cfg, message",
     [
-        ({"embeddings": "fp8"}, "precision.embeddings must be one of ['fp16', 'fp32'] (got 'fp8')"),
-        ({"dense": "fp16"}, "precision.dense must be one of ['bf16', 'fp32'] (got 'fp16')"),
+        ({"embeddings": "fp8"}, "precision.embeddings must be one of fp16, fp32, got 'fp8'"),
+        ({"dense": "fp16"}, "precision.dense must be one of bf16, fp32, got 'fp16'"),
         ({"tables": "fp16"}, "precision: unknown key(s) ['tables']"),
     ],
 )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -215,3 +216,30 @@ def test_the_link_fit_finds_latency_or_a_free_burst():
     shaped = fit_link([(0.25e6, 0.0), (1e6, 0.0), (4e6, 0.3)])
     assert shaped.bytes_per_s == pytest.approx(10e6) and shaped.burst_bytes == pytest.approx(1e6)
     assert shaped.seconds(0.5e6, 2) == 0.0 and shaped.seconds(4e6, 2) == pytest.approx(0.3)
+
+
+def test_the_cost_model_without_overlap_is_the_timeline_with_no_compute_after_the_backward():
+    from compression.cost_model import CodecCost, Workload, iteration_time
+
+    w = Workload(ranks=4, batch_per_rank=512, dims=(64,) * 8, dense_params=2_000_000, compute_s=0.03)
+    w = replace(w, input_bytes_per_lookup=0)  # the strategy's units leave the input dist out
+    link = Link(50 * MB, latency_s=1e-4)
+    fwd, bwd, dense = CodecCost(8.0, 400 * MB, 800 * MB), CodecCost(3.0, 900 * MB, 900 * MB), CodecCost(2.0)
+    raw = w.a2a_bytes()
+
+    def option(c: CodecCost, raw: float) -> Option:
+        return Option("c", c.ratio, raw / c.encode_bytes_per_s, raw / c.decode_bytes_per_s)
+
+    units = [
+        Unit("f", "forward", raw, (option(fwd, raw),)),
+        Unit("b", "backward", raw, (option(bwd, raw),)),
+        Unit("d", "dense", w.allreduce_bytes(), (Option("c", 2.0, 0.0, 0.0),)),
+    ]
+    serial = Timeline(link, w.ranks, before=w.compute_s)
+    modelled = iteration_time(w, link, fwd, bwd, dense)
+    assert simulate(units, {"f": "c", "b": "c", "d": "c"}, serial).total == pytest.approx(modelled.total, rel=1e-12)
+    assert modelled.allreduce > 0.005  # the dense all-reduce takes real time here
+    # moving compute after the backward hides the all-reduce behind it: the total drops by the overlap
+    overlapped = Timeline(link, w.ranks, before=w.compute_s - 0.005, after=0.005)
+    saved = modelled.total - simulate(units, {"f": "c", "b": "c", "d": "c"}, overlapped).total
+    assert saved == pytest.approx(0.005, rel=1e-9)

@@ -1,12 +1,23 @@
-"""Two real gloo ranks shard a small EmbeddingBagCollection with DistributedModelParallel."""
+"""Two real gloo ranks shard a small EmbeddingBagCollection with DistributedModelParallel, with
+stock TorchRec's sharder and with ours (``compression=none``, as the trainer builds it): both
+look up exactly the rows of the gathered tables."""
 
+from pathlib import Path
+
+import pytest
 import torch
 from multiprocess import run_ranks
+from omegaconf import OmegaConf
 from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+from dlrm.embedding_comm import make_sharders
+from dlrm.embedding_comm.embeddingbag import CompressedEmbeddingBagCollectionSharder
+
+NONE = OmegaConf.load(Path(__file__).resolve().parents[2] / "configs" / "compression" / "none.yaml")
 
 TABLES = [
     EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=50 + 10 * i, feature_names=[f"f{i}"])
@@ -24,10 +35,11 @@ def _batch(seed: int, batch: int) -> KeyedJaggedTensor:
     )
 
 
-def _shard_and_lookup(rank: int, world_size: int) -> dict:
+def _shard_and_lookup(rank: int, world_size: int, ours: bool) -> dict:
     torch.manual_seed(0)
     ebc = EmbeddingBagCollection(tables=TABLES, device=torch.device("meta"))
-    sharder = EmbeddingBagCollectionSharder()
+    sharder = make_sharders(NONE)[0] if ours else EmbeddingBagCollectionSharder()
+    assert isinstance(sharder, CompressedEmbeddingBagCollectionSharder) == ours
     planner = EmbeddingShardingPlanner(
         topology=Topology(world_size=world_size, compute_device="cpu"),
         constraints={t.name: ParameterConstraints(sharding_types=["table_wise"]) for t in TABLES},
@@ -46,8 +58,9 @@ def _shard_and_lookup(rank: int, world_size: int) -> dict:
     return {"pooled": pooled, "kjt": kjt.to_dict(), "full": full if rank == 0 else None, "owners": owners}
 
 
-def test_two_ranks_shard_tables_and_lookups_match_the_gathered_tables():
-    results = run_ranks(_shard_and_lookup, 2)
+@pytest.mark.parametrize("ours", [False, True], ids=["stock", "ours"])
+def test_two_ranks_shard_tables_and_lookups_match_the_gathered_tables(ours):
+    results = run_ranks(_shard_and_lookup, 2, ours)
     owners = results[0]["owners"]
     assert sorted({r for ranks in owners.values() for r in ranks}) == [0, 1]  # both ranks own tables
     full = results[0]["full"]
