@@ -27,8 +27,7 @@ from dlrm.embedding_comm.config import CompressionSpec, excluded_sharding_types
 from dlrm.embedding_comm.policy import bounded_directions, policy_for_run, table_stats
 from dlrm.placement.comm_aware import build_planner, log_plan
 from dlrm.placement.config import PlacementSpec, parse_placement_cfg
-from dlrm.placement.hot_sync import PendingHotGradients
-from dlrm.placement.replication import HotIdsRecord, setup_replication
+from dlrm.placement.replication import setup_replication
 from dlrm.precision.config import embedding_bytes_per_rank, parse_precision_cfg
 from dlrm.process.config_checks import check_moved_keys
 from dlrm.process.env import exit_without_teardown, init_distributed, shutdown
@@ -163,25 +162,21 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
         run_dir,
         tb.text if env.is_main else None,
     )
+    parts = {
+        "lr_schedule": schedule,
+        "policy": policy,
+        "strategy": strategy if strategy.active else None,
+        "dense_comm": dense,
+        "compression": runtime,
+        "hot_rows": replication,
+    }
     ckpt = Checkpointer(
         Path(cfg.checkpoint.dir),
         env,
         model,
         optimizer,
-        {
-            "lr_schedule": schedule,
-            "policy": policy,
-            "strategy": strategy if strategy.active else None,
-            "hot_ids": HotIdsRecord(replication),
-        },
+        {name: part for name, part in parts.items() if part is not None},
         keep=cfg.checkpoint.keep,
-        rank_parts={
-            "dense_comm": dense,
-            "compression": runtime,
-            "hot_rows": PendingHotGradients(replication.optimizer) if replication else None,
-        },
-        # the forward row caches start over at each checkpoint, on every rank (resume is exact)
-        on_checkpoint=[runtime.start_over] if runtime is not None else [],
     )
     state = ckpt.resume(cfg.resume)
     set_iteration(model, state.iteration)  # the policies' iteration continues where it was

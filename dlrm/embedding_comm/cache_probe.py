@@ -24,7 +24,8 @@ destination would hold against the exact rows) and ``mirror_bytes``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -52,6 +53,17 @@ class CacheProbe:
     def __init__(self, capacity_rows: int = 0) -> None:
         self.capacity_rows = capacity_rows
         self.mirrors: dict[tuple[str, int, str, int], RowCache] = {}  # (scheme, destination, feature, block)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The mirrors, as [scheme, destination, feature, block, cache state] (this rank's checkpoint)."""
+        return {"mirrors": [[*k, c.state_dict()] for k, c in self.mirrors.items()]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.mirrors = {}
+        for scheme, dst, feature, k, saved in state.get("mirrors", []):
+            mirror = RowCache(int(saved["dim"]), self.capacity_rows, saved["rows"].dtype)
+            mirror.load_state_dict(saved)
+            self.mirrors[(str(scheme), int(dst), str(feature), int(k))] = mirror
 
     def nbytes(self, scheme: str) -> int:
         return sum(c.nbytes for k, c in self.mirrors.items() if k[0] == scheme)
