@@ -1,8 +1,10 @@
 """Hydra entry point: `torchrun --nproc_per_node N -m dlrm.train [overrides]` (also `dlrm-train`).
 
-:func:`run` reads top to bottom: process group, data, model, sharding (with the compressed
-all-to-all and its bound policy), optimizers, resume, the training loop with evaluation and
-checkpoints, the final test pass and metrics.
+:func:`run` reads top to bottom: process group, data, model, then one component per feature
+(:mod:`dlrm.trainer.component`: embedding compression, precision, dense comm, placement, strategy,
+telemetry) whose additions shard the model, whose checkpoint parts the checkpointer saves, whose
+observers watch the loop and whose metrics end in metrics.json; then resume, the training loop with
+evaluation and checkpoints, the final test pass.
 """
 
 from __future__ import annotations
@@ -54,15 +56,7 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
     precision = Precision(cfg.precision)
     tables = table_stats(data.features, data.num_embeddings, dim)
     compression = EmbeddingCompression(cfg.compression, cfg.policy, cfg.sharding, tables, precision.spec.fused_params)
-    model = build_model(
-        cfg.model,
-        data.features,
-        data.num_embeddings,
-        data.num_dense,
-        data_type=precision.spec.data_type,
-        dense_dtype=precision.spec.dense_dtype,
-        device_type=env.device.type,
-    )
+    model = build_model(cfg.model, data.features, data.num_embeddings, data.num_dense, **precision.model_options(env))
     apply_sparse_optimizer(model, cfg.optimizer)
     dense = DenseCommunication(cfg.dense_comm)
     placement = Placement(cfg, env, data, compression, dense)

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from dlrm.precision.config import embedding_bytes_per_rank, parse_precision_cfg
+from dlrm.process.env import DistEnv
 from dlrm.trainer.component import Component, Sharding
 from dlrm.trainer.loop import TrainState
 
@@ -15,6 +16,10 @@ from dlrm.trainer.loop import TrainState
 class Precision(Component):
     def __init__(self, cfg: Mapping[str, Any]) -> None:
         self.spec = parse_precision_cfg(cfg)
+
+    def model_options(self, env: DistEnv) -> dict[str, Any]:
+        """The dtypes :func:`dlrm.trainer.model.build_model` builds the tables and MLPs in."""
+        return {"data_type": self.spec.data_type, "dense_dtype": self.spec.dense_dtype, "device_type": env.device.type}
 
     def shard(self, sharding: Sharding) -> None:
         sharding.fused_only = self.spec.fused_only  # fp16 tables live in FBGEMM's fused kernel
