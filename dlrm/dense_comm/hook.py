@@ -47,7 +47,7 @@ from compression.sparse import ThresholdCodec, kth_largest_abs, refresh_due
 from dlrm.dense_comm.config import DenseCommSpec
 from dlrm.embedding_comm.stats import CommStats
 from dlrm.process.instrument import on_the_wire
-from dlrm.trainer.checkpoint import PerRank, numpy_rng_state, numpy_rng_tuple
+from dlrm.trainer.state import PerRank, numpy_rng_state, numpy_rng_tuple
 
 Future = torch.futures.Future
 

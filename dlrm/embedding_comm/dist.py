@@ -39,7 +39,7 @@ from dlrm.embedding_comm.comm_ops import (
 from dlrm.embedding_comm.forward_cache import ForwardCache
 from dlrm.embedding_comm.ids import Region, chunk_ids
 from dlrm.embedding_comm.stats import CommStats
-from dlrm.trainer.checkpoint import PerRank
+from dlrm.trainer.state import PerRank
 
 # Key under which the sharder hands the runtime to the shardings through TorchRec's
 # qcomm_codecs_registry (create_embedding_bag_sharding is a classmethod: no instance state). The

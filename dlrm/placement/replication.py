@@ -34,8 +34,8 @@ from dlrm.placement.hot_sync import HotRowOptimizer
 from dlrm.placement.hot_wire import HEADER_BYTES, SyncWire
 from dlrm.placement.traffic import ReplicaSync
 from dlrm.process.timeout import named_collective
-from dlrm.trainer.checkpoint import CheckpointError, PerRank
 from dlrm.trainer.model import table_names
+from dlrm.trainer.state import CheckpointError, PerRank
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from compression.row_cache import RowCache
-from dlrm.trainer.checkpoint import RngState
+from dlrm.trainer.state import RngState
 
 
 def _through_a_file(state: dict) -> dict:
