@@ -15,10 +15,14 @@ capacity, its own smallest ids are not kept. Nothing depends on hashing, timing 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import numpy as np
 import torch
 
 _EMPTY = np.empty(0, dtype=np.int64)
+_INDEX = ("ids", "slots", "ticks", "free")  # the index arrays (int64)
 
 
 class RowCache:
@@ -115,6 +119,23 @@ class RowCache:
     def ids(self) -> list[int]:
         """Held ids, least recent first (for comparing two copies)."""
         return self._ids[np.lexsort((self._ids, self._ticks[self._slots]))].tolist()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything :meth:`load_state_dict` needs to continue exactly (tensors and ints): a
+        restored copy evicts and answers as this one would."""
+        arrays = {k: torch.from_numpy(getattr(self, f"_{k}").copy()) for k in _INDEX}
+        return {"dim": self.dim, "capacity": self.capacity, "clock": self._clock, "rows": self._rows.clone(), **arrays}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if (state["dim"], state["capacity"]) != (self.dim, self.capacity):
+            raise ValueError(
+                f"the saved row cache holds rows of width {state['dim']} with capacity {state['capacity']}; this one "
+                f"has width {self.dim} and capacity {self.capacity} (compression.forward.cache.capacity_rows changed?)"
+            )
+        for k in _INDEX:
+            setattr(self, f"_{k}", state[k].cpu().numpy().astype(np.int64))
+        self._rows = state["rows"].cpu().to(self._rows.dtype).clone()
+        self._clock = int(state["clock"])
 
     def _find(self, q: np.ndarray) -> np.ndarray:
         n = self._ids.size

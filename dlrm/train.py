@@ -1,8 +1,10 @@
 """Hydra entry point: `torchrun --nproc_per_node N -m dlrm.train [overrides]` (also `dlrm-train`).
 
-:func:`run` reads top to bottom: process group, data, model, sharding (with the compressed
-all-to-all and its bound policy), optimizers, resume, the training loop with evaluation and
-checkpoints, the final test pass and metrics.
+:func:`run` reads top to bottom: process group, data, model, then one component per feature
+(:mod:`dlrm.trainer.component`: embedding compression, precision, dense comm, placement, strategy,
+telemetry) whose additions shard the model, whose checkpoint parts the checkpointer saves, whose
+observers watch the loop and whose metrics end in metrics.json; then resume, the training loop with
+evaluation and checkpoints, the final test pass.
 """
 
 from __future__ import annotations
@@ -20,50 +22,30 @@ import torch
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from dlrm.dense_comm.config import parse_dense_comm_cfg
-from dlrm.dense_comm.hook import CompressedDataParallelWrapper, DenseComm
-from dlrm.embedding_comm import compression_runtime, make_sharders, parse_compression_cfg
-from dlrm.embedding_comm.config import CompressionSpec, excluded_sharding_types
-from dlrm.embedding_comm.policy import bounded_directions, policy_for_run, table_stats
-from dlrm.placement.comm_aware import build_planner, log_plan
-from dlrm.placement.config import PlacementSpec, parse_placement_cfg
-from dlrm.placement.hot_sync import PendingHotGradients
-from dlrm.placement.replication import HotIdsRecord, setup_replication
-from dlrm.precision.config import embedding_bytes_per_rank, parse_precision_cfg
+from dlrm.dense_comm.component import DenseCommunication
+from dlrm.embedding_comm.component import EmbeddingCompression
+from dlrm.embedding_comm.policy import table_stats
+from dlrm.placement.component import Placement
+from dlrm.precision.component import Precision
 from dlrm.process.config_checks import check_moved_keys
 from dlrm.process.env import exit_without_teardown, init_distributed, shutdown
 from dlrm.process.launch import check_launch_keys, launch_ranks, module_of, objectives, rank_source, submitit_rendezvous
 from dlrm.process.run_dir import register_resolvers
-from dlrm.strategy.controller import StrategyController, parse_strategy_cfg
+from dlrm.strategy.component import Strategy
 from dlrm.telemetry.comm_stats import comm_summary, set_iteration
+from dlrm.telemetry.component import Telemetry
 from dlrm.telemetry.metrics import final_metrics, write_metrics_json
-from dlrm.telemetry.progress import Progress
-from dlrm.telemetry.tb_logger import TensorBoardLogger
-from dlrm.telemetry.wire import WireMeter, placements, wire_metrics
 from dlrm.trainer.checkpoint import Checkpointer
+from dlrm.trainer.component import Component, Sharding, checkpoint_parts
 from dlrm.trainer.datasets import RunData
 from dlrm.trainer.loop import LoopPlan, StepObserver, Stepper, TrainState, evaluate, take, train
 from dlrm.trainer.model import build_model, table_names
 from dlrm.trainer.optim import WarmupDecayLR, apply_sparse_optimizer, build_optimizer
-from dlrm.trainer.sharding import check_supported, describe_plan, shard_model
+from dlrm.trainer.sharding import shard_model
 
 log = logging.getLogger("dlrm.train")
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 register_resolvers()
-
-
-def refuse_host_only(device: torch.device, spec: CompressionSpec, placement: PlacementSpec) -> None:
-    """Hot-row replication, the forward row cache and its probe keep their state on the host (numpy
-    arrays, CPU buffers, gloo-sized collectives): refuse them on an accelerator, naming the keys."""
-    cache = spec.forward is not None and spec.forward.cache_rows is not None
-    used = {
-        "placement.hot_rows": placement.replicates,
-        "compression.forward.cache.enabled": cache,
-        "compression.stats.cache_probe.enabled": spec.cache_probe_rows is not None,
-    }
-    on = [key for key, is_on in used.items() if is_on]
-    if device.type != "cpu" and on:
-        raise ValueError(f"{', '.join(on)}: CPU runs only so far (this run is on {device}); turn it off")
 
 
 def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) -> dict[str, Any]:
@@ -71,212 +53,74 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
     torch.manual_seed(cfg.seed)
     data = RunData.from_config(cfg.data, env, cfg.seed)
     dim = int(cfg.model.embedding_dim)
-    spec = parse_compression_cfg(cfg.compression)
-    policy = policy_for_run(cfg.policy, spec, table_stats(data.features, data.num_embeddings, dim))
-    precision = parse_precision_cfg(cfg.precision)
-    model = build_model(
-        cfg.model,
-        data.features,
-        data.num_embeddings,
-        data.num_dense,
-        data_type=precision.data_type,
-        dense_dtype=precision.dense_dtype,
-        device_type=env.device.type,
-    )
+    precision = Precision(cfg.precision)
+    tables = table_stats(data.features, data.num_embeddings, dim)
+    compression = EmbeddingCompression(cfg.compression, cfg.policy, cfg.sharding, tables, precision.spec.fused_params)
+    model = build_model(cfg.model, data.features, data.num_embeddings, data.num_dense, **precision.model_options(env))
     apply_sparse_optimizer(model, cfg.optimizer)
-    sharders = make_sharders(
-        cfg.compression, bound_fn_forward=policy, bound_fn_backward=policy, fused_params=precision.fused_params
-    )
-    dense = DenseComm(parse_dense_comm_cfg(cfg.dense_comm))  # the hook on DMP's DDP of the MLPs
-    placement = parse_placement_cfg(cfg.placement, cfg.sharding.type, len(data.features))
-    refuse_host_only(env.device, spec, placement)
-    # id statistics, for the traffic model and hot-row replication
-    freqs, _ = data.frequency(cfg.batch_size, placement.estimate_batches, placement.top_n)
-    runtime = compression_runtime(sharders)  # None on TorchRec's QComms path
-    planner, traffic = None, None
-    if cfg.sharding.type == "comm_aware":
-        planner, traffic = build_planner(
-            env,
-            cfg.sharding,
-            placement,
-            spec,
-            runtime,
-            dense.spec.hooked,
-            data.features,
-            freqs,
-            cfg.batch_size,
-            dim,
-            cfg.seed,
-            fused_only=precision.fused_only,
-        )
-    check_supported(cfg.sharding, spec.sharding_types, excluded_sharding_types(spec))
-    model = shard_model(
-        model,
-        cfg.sharding,
-        env,
-        sharders,
-        cfg.batch_size,
-        table_names(data.features),
-        dim,
-        data_parallel_wrapper=CompressedDataParallelWrapper(dense),
-        fused_only=precision.fused_only,
-        planner=planner,
-    )
-    tables = placements(model, dict(zip(table_names(data.features), data.num_embeddings, strict=True)), dim)
-    table_freqs = dict(zip(table_names(data.features), freqs, strict=True))
-    if traffic is not None and env.is_main:
-        log_plan(tables, traffic, table_freqs)
-    replication = setup_replication(
-        placement,
-        model,
-        data.features,
-        freqs,
-        cfg.optimizer,
-        spec,
-        cfg.batch_size,
-        dim,
-        runtime=runtime,
-        seed=cfg.seed,
-    )
-    meter = WireMeter(
-        sum(t.num_embeddings * t.dim for t in tables if t.kind == "data_parallel"),
-        env.world_size,
-        (lambda: replication.optimizer.sent_bytes) if replication else None,
-    )
-    optimizer = build_optimizer(model, cfg.optimizer, [replication.optimizer] if replication else [])
-
-    def batches(split: str, batch_size: int, *position: Any) -> Any:  # hot ids split off when replicated
-        out = data.batches(split, batch_size, *position)
-        return replication.split.batches(out) if replication else out
-
+    dense = DenseCommunication(cfg.dense_comm)
+    placement = Placement(cfg, env, data, compression, dense)
+    components: list[Component] = [compression, precision, dense, placement]
+    sharding = Sharding()
+    for c in components:  # in order: the sharders and runtime first, the planner that prices them last
+        c.shard(sharding)
+    names = table_names(data.features)
+    model = shard_model(model, cfg.sharding, env, sharding.sharders, cfg.batch_size, names, dim, **sharding.options)
+    placement.replicate(model)
+    optimizer = build_optimizer(model, cfg.optimizer, placement.optimizers)
     schedule = WarmupDecayLR(optimizer, **cfg.lr_schedule)
-    tb = TensorBoardLogger(run_dir / "tensorboard" if env.is_main else None)
-    plan = describe_plan(model)
-    if env.is_main:
-        log.info("sharding plan: %s", plan)
-        tb.text("config", f"```\n{OmegaConf.to_yaml(cfg)}\n```")
-
-    strategy = StrategyController(
-        parse_strategy_cfg(spec.strategy, spec.strategy_file),
-        env,
-        runtime if spec.auto else None,
-        dense if dense.spec.name == "auto" else None,
-        run_dir,
-        tb.text if env.is_main else None,
-    )
-    ckpt = Checkpointer(
-        Path(cfg.checkpoint.dir),
-        env,
-        model,
-        optimizer,
-        {
-            "lr_schedule": schedule,
-            "policy": policy,
-            "strategy": strategy if strategy.active else None,
-            "hot_ids": HotIdsRecord(replication),
-        },
-        keep=cfg.checkpoint.keep,
-        rank_parts={
-            "dense_comm": dense,
-            "compression": runtime,
-            "hot_rows": PendingHotGradients(replication.optimizer) if replication else None,
-        },
-        # the forward row caches start over at each checkpoint, on every rank (resume is exact)
-        on_checkpoint=[runtime.start_over] if runtime is not None else [],
-    )
+    telemetry = Telemetry(cfg, env, run_dir, model, data, compression, dense, placement)
+    strategy = Strategy(env, compression, dense, run_dir, telemetry.text)
+    components += [strategy, telemetry]
+    parts = {"lr_schedule": schedule, **checkpoint_parts(components)}
+    ckpt = Checkpointer(Path(cfg.checkpoint.dir), env, model, optimizer, parts, keep=cfg.checkpoint.keep)
     state = ckpt.resume(cfg.resume)
     set_iteration(model, state.iteration)  # the policies' iteration continues where it was
-    strategy.start(state.iteration)  # auto: time the link, begin calibrating (or replay a strategy)
+    strategy.controller.start(state.iteration)  # auto: time the link, begin calibrating (or replay a strategy)
     steps_per_epoch = len(data.batches("train", cfg.batch_size))
-    loop = LoopPlan(
-        total=min(cfg.max_iterations or sys.maxsize, steps_per_epoch * cfg.epochs),
-        steps_per_epoch=steps_per_epoch,
-        eval_every=cfg.eval_every,
-        checkpoint_every=cfg.checkpoint.every,
-    )
+    total = min(cfg.max_iterations or sys.maxsize, steps_per_epoch * cfg.epochs)
+    loop = LoopPlan(total, steps_per_epoch, eval_every=cfg.eval_every, checkpoint_every=cfg.checkpoint.every)
     global_batch = cfg.batch_size * env.world_size
-    progress = Progress(
-        env,
-        model,
-        schedule,
-        tb,
-        policy,
-        data.features,
-        bounded=bounded_directions(spec),
-        dense=dense,
-        strategy=strategy if strategy.active else None,
-        global_batch=global_batch,
-        log_every=cfg.log_every,
-        total=loop.total,
-        start=state.iteration,
-        progress_bar=cfg.progress_bar,
-        loss_log=run_dir / "losses.txt" if cfg.loss_log else None,
-    )
+    progress = telemetry.start(model, schedule, strategy.active, global_batch, loop.total, state.iteration)
     last_val: dict[str, Any] = {}
+
+    def batches(split: str, batch_size: int, *position: Any) -> Any:  # hot ids split off when replicated
+        return placement.split(data.batches(split, batch_size, *position))
 
     def on_drained(s: TrainState) -> None:
         if loop.eval_due(s):
             val = batches("val", cfg.eval_batch_size)
             last_val.update(evaluate(model, take(iter(val), cfg.limit_eval_batches), env.device, "val"))
-            tb.scalars({f"eval/{k}": v for k, v in last_val.items() if k != "samples"}, s.iteration)
+            telemetry.tb.scalars({f"eval/{k}": v for k, v in last_val.items() if k != "samples"}, s.iteration)
             if env.is_main:
                 log.info("iteration %d: val %s", s.iteration, last_val)
         if loop.checkpoint_due(s):
             ckpt.save(s)
 
+    stepper = Stepper(model, optimizer, env.device, pipelined=cfg.pipeline)
+    train_batches = lambda epoch, start: batches("train", cfg.batch_size, epoch, start, cfg.data.shuffle)  # noqa: E731
+    watchers = [o for c in components for o in c.observers]
     train(
-        state,
-        loop,
-        Stepper(model, optimizer, env.device, pipelined=cfg.pipeline),
-        lambda epoch, start: batches("train", cfg.batch_size, epoch, start, cfg.data.shuffle),
-        global_batch,
-        schedule,
-        progress.step,
-        on_drained,
-        [meter, *observers],
+        state, loop, stepper, train_batches, global_batch, schedule, progress.step, on_drained, [*watchers, *observers]
     )
-    progress.close()
-    strategy.close()
+    for c in reversed(components):
+        c.close()
     ckpt.save(state)
-
-    hot_metrics = replication.metrics(meter.iterations) if replication else {}
-    wire = wire_metrics(
-        model,
-        meter,
-        spec,
-        tables,
-        table_freqs,
-        env.world_size,
-        state.rank_samples / max(meter.iterations, 1),  # the batch trained: a short last one included
-        data.features,
-        hot=replication.summary["tables"] if replication else None,
-        sync=replication.sync_traffic(hot_metrics["hot_rows"]["sync_row_ratio"]) if replication else None,
-    )
-    if env.is_main and wire["wire_bytes_per_iteration"] is not None:
-        log.info(
-            "wire bytes per iteration (embedding path, all ranks): measured %.0f, predicted %.0f",
-            wire["wire_bytes_per_iteration"],
-            wire["predicted_wire_bytes_per_iteration"],
-        )
+    extra = {k: v for c in components for k, v in c.metrics(model, state).items()}
     test = evaluate(model, batches("test", cfg.eval_batch_size), env.device, "test")
     metrics = final_metrics(
         test,
         last_val,
         iterations=state.iteration,
         samples_per_s=state.samples_per_s,
-        comm=comm_summary(model, spec, dense),
-        policy=policy.summary() if policy else {"policy": None},
+        comm=comm_summary(model, compression.spec, dense.dense),
+        policy=compression.policy.summary() if compression.policy else {"policy": None},
         config_name=cfg.run_name,
         world_size=env.world_size,
         compression=cfg.compression.name,
-        sharding_plan=plan,
-        precision={"embeddings": precision.embeddings, "dense": precision.dense},
-        embedding_bytes_per_rank=embedding_bytes_per_rank(model),
-        **wire,
-        **strategy.metrics(),
-        **hot_metrics,
+        **extra,
     )
-    tb.final(metrics, state.iteration, flat_config(cfg))
+    telemetry.tb.final(metrics, state.iteration, flat_config(cfg))
     if env.is_main:
         write_metrics_json(run_dir / "metrics.json", metrics)
     shutdown()

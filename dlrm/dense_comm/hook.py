@@ -50,6 +50,7 @@ from compression.sparse import ThresholdCodec, kth_largest_abs, refresh_due
 from dlrm.dense_comm.config import DenseCommSpec
 from dlrm.embedding_comm.stats import CommStats
 from dlrm.process.instrument import on_the_wire
+from dlrm.trainer.state import PerRank, numpy_rng_state, numpy_rng_tuple
 
 Future = torch.futures.Future
 
@@ -70,7 +71,7 @@ _POWERSGD_STATE = (
 )
 
 
-class DenseComm:
+class DenseComm(PerRank):
     """One `dense_comm` choice: its hook, per-rank state (DCT residuals and thresholds, PowerSGD
     matrices), and statistics. Built before the model is wrapped; :meth:`install` hooks it in."""
 
@@ -328,6 +329,7 @@ class DenseComm:
         }
         if self.powersgd is not None:
             state["powersgd"] = {slot: getattr(self.powersgd, slot) for slot in _POWERSGD_STATE}
+            state["powersgd"]["rng"] = numpy_rng_state(self.powersgd.rng.get_state())  # plain data
             state["powersgd_rank"] = self.powersgd.matrix_approximation_rank
         return state
 
@@ -347,7 +349,10 @@ class DenseComm:
                     f"dense_comm.rank is {self.spec.rank} (resume with the same rank, or start anew)"
                 )
             for slot, value in state["powersgd"].items():
-                setattr(self.powersgd, slot, value)
+                if slot == "rng":
+                    self.powersgd.rng.set_state(numpy_rng_tuple(value))
+                else:
+                    setattr(self.powersgd, slot, value)
 
 
 def dense_comm_of(model: torch.nn.Module) -> DenseComm | None:

@@ -18,7 +18,8 @@ send), ``max_error_over_bound`` (what the destination would hold against the exa
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -42,6 +43,14 @@ class CacheProbe(Stage):
     def __init__(self, capacity_rows: int = 0) -> None:
         self.capacity_rows = capacity_rows
         self.shadows = {s: ForwardCache(capacity_rows, deltas=s == "cache_delta") for s in SCHEMES}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Each scheme's shadow cache (this rank's checkpoint)."""
+        return {scheme: shadow.state_dict() for scheme, shadow in self.shadows.items()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for scheme, shadow in self.shadows.items():
+            shadow.load_state_dict(state.get(scheme, {}))
 
     def nbytes(self, scheme: str) -> int:
         return self.shadows[scheme].nbytes

@@ -41,6 +41,7 @@ from dlrm.embedding_comm.forward_cache import CacheStage, ForwardCache
 from dlrm.embedding_comm.ids import Region, chunk_ids
 from dlrm.embedding_comm.stage import Stage
 from dlrm.embedding_comm.stats import CommStats
+from dlrm.trainer.state import PerRank
 
 # Key under which the sharder hands the runtime to the shardings through TorchRec's
 # qcomm_codecs_registry (create_embedding_bag_sharding is a classmethod: no instance state). The
@@ -49,7 +50,7 @@ REGISTRY_KEY = "DLRM_COMPRESSED_POOLED_EMBEDDINGS"
 
 
 @dataclass
-class CompressionRuntime:
+class CompressionRuntime(PerRank):
     """What every compressed dist of a sharder shares: the two direction codecs and sampling."""
 
     forward: DirectionCodec
@@ -85,19 +86,23 @@ class CompressionRuntime:
         return self.forward.dedup or self.backward.dedup
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's codec state (DCT-MP thresholds), for its checkpoint (no side effects)."""
-        return {d: c.state_dict() for d, c in self.codecs.items()}
-
-    def start_over(self) -> None:
-        """Forget the forward row caches. The checkpointer calls it on every rank when it saves or
-        loads a checkpoint (the pipeline is drained there), so a resumed run, which starts empty,
-        repeats an uninterrupted one exactly."""
-        if self.forward_cache is not None:
-            self.forward_cache.clear()
+        """This rank's codec state (DCT-MP thresholds) and row caches (the forward cache, the
+        probe's mirrors), for its checkpoint (no side effects: saving changes nothing)."""
+        state: dict[str, Any] = {d: c.state_dict() for d, c in self.codecs.items()}
+        for name, part in self._caches.items():
+            state[name] = part.state_dict()
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         for d, c in self.codecs.items():
             c.load_state_dict(state.get(d, {}))
+        for name, part in self._caches.items():
+            part.load_state_dict(state.get(name, {}))
+
+    @property
+    def _caches(self) -> dict[str, ForwardCache | CacheProbe]:
+        both = {"forward_cache": self.forward_cache, "cache_probe": self.cache_probe}
+        return {name: part for name, part in both.items() if part is not None}
 
 
 class CompressedDist:

@@ -16,9 +16,9 @@ its unique ids in ascending order:
 Payload: one flag byte per block (1: moved rows travel as differences), the bits of every held
 id (packed), then one lossy payload of each block's fresh rows then moved rows, with ids
 ``fresh ++ moved`` (padded, see :func:`_code`). Only
-training forwards use the caches (evaluation sends as today); saving or loading a checkpoint
-clears them on every rank (:meth:`ForwardCache.clear`, through
-``CompressionRuntime.start_over``), so a resumed run matches an uninterrupted one bit for bit.
+training forwards use the caches (evaluation sends as today); each rank's caches are part of its
+checkpoint (:meth:`ForwardCache.state_dict`), so saving changes nothing and a resumed run matches
+an uninterrupted one bit for bit.
 
 Each block is classified, merged and stored in a few whole-array operations on host (numpy)
 views of the chunk: the cache path runs on CPU tensors.
@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -60,9 +61,16 @@ class ForwardCache:
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.caches.values())
 
-    def clear(self) -> None:
-        """Forget every row (at a checkpoint, on every rank at once: both sides start over)."""
-        self.caches.clear()
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's caches, as [role, peer, feature, block, cache state] (for its checkpoint)."""
+        return {"capacity_rows": self.capacity_rows, "caches": [[*k, c.state_dict()] for k, c in self.caches.items()]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.caches = {}
+        for role, peer, feature, k, saved in state.get("caches", []):
+            cache = RowCache(int(saved["dim"]), self.capacity_rows, saved["rows"].dtype)
+            cache.load_state_dict(saved)
+            self.caches[(str(role), int(peer), str(feature), int(k))] = cache
 
     def _cache(self, role: str, peer: int, feature: str, k: int, dim: int, dtype: torch.dtype) -> RowCache:
         return self.caches.setdefault((role, peer, feature, k), RowCache(dim, self.capacity_rows, dtype))

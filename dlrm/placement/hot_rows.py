@@ -8,8 +8,8 @@ pooled embedding of a bag is the sum over its ids, so hot pooled + cold pooled i
 bag's embedding (for single-valued Criteo features exactly one of the two is an empty bag).
 The sharded table keeps its own (unused, stale) copy of the hot rows; the replica is the one that
 trains, and the one a checkpoint keeps (DCP writes a tensor replicated on every rank once), with the
-replicated ids in train_state.json (:class:`dlrm.placement.replication.HotIdsRecord`); dlrm-export folds the
-replicas back into their tables (:func:`fold_into_tables`).
+replicated ids in each rank's state file (:meth:`dlrm.placement.replication.Replication.state_dict`); dlrm-export
+folds the replicas back into their tables (:func:`fold_into_tables`).
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def fold_into_tables(
     replicas = {k[len(REPLICA_PREFIX) :]: v for k, v in state.items() if k.startswith(REPLICA_PREFIX)}
     if set(replicas) != set(hot_ids):
         raise ValueError(
-            f"{where} holds replicas of features {sorted(replicas)} but its train_state.json records hot ids of "
+            f"{where} holds replicas of features {sorted(replicas)} but its state file records hot ids of "
             f"{sorted(hot_ids)} (a checkpoint written before the hot ids were recorded cannot be exported)"
         )
     out = {k: v for k, v in state.items() if not k.startswith(REPLICA_PREFIX)}

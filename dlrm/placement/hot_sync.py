@@ -159,7 +159,7 @@ class HotRowOptimizer(KeyedOptimizer):
             p[sel] -= (lr / (m[sel].sqrt() + eps)).unsqueeze(1) * g
 
     def pending_state(self) -> dict[str, Any]:
-        """This rank's accumulated, not yet synchronised gradients (differ per rank; see rank_parts)."""
+        """This rank's accumulated, not yet synchronised gradients (differ per rank: saved in its checkpoint file)."""
         return {"steps": self.steps, "pending": dict(self.pending), "touched": dict(self.touched)}
 
     def load_pending_state(self, state: Mapping[str, Any]) -> None:
@@ -167,16 +167,3 @@ class HotRowOptimizer(KeyedOptimizer):
         for n in self.names:
             self.pending[n].copy_(state["pending"][n])
             self.touched[n].copy_(state["touched"][n])
-
-
-class PendingHotGradients:
-    """The checkpoint part (one per rank) of a :class:`HotRowOptimizer`'s unsynchronised gradients."""
-
-    def __init__(self, optimizer: HotRowOptimizer) -> None:
-        self.optimizer = optimizer
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.pending_state()
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.optimizer.load_pending_state(state)

@@ -9,7 +9,6 @@ import logging
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,8 +28,8 @@ from dlrm.placement.hot_sync import HotRowOptimizer
 from dlrm.placement.hot_wire import HEADER_BYTES, SyncWire
 from dlrm.placement.traffic import Direction, ReplicaSync
 from dlrm.process.timeout import named_collective
-from dlrm.trainer.checkpoint import CheckpointError
 from dlrm.trainer.model import table_names
+from dlrm.trainer.state import CheckpointError, PerRank
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +90,11 @@ def data_parallel_tables(model: torch.nn.Module) -> set[str]:
 
 
 @dataclass
-class Replication:
+class Replication(PerRank):
     """What the trainer holds: the replicated ids (feature -> ids, hottest first), the batch split,
-    the replicas' optimizer, a summary for metrics.json."""
+    the replicas' optimizer, a summary for metrics.json. Its checkpoint state (per rank): the ids,
+    which a resume must replicate again (the checkpoint's replica tensors are rows of exactly those;
+    dlrm-export writes them back over their tables' rows), and this rank's unsynchronised gradients."""
 
     hot_ids: dict[str, torch.Tensor]
     split: HotSplit
@@ -122,6 +123,25 @@ class Replication:
             }
         }
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"hot_ids": self._ids(), **self.optimizer.pending_state()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the pending gradients; refuse a checkpoint written with other replicated ids."""
+        theirs = {f: [int(i) for i in ids] for f, ids in state.get("hot_ids", {}).items()}
+        if theirs != self._ids():
+            counts = [{f: len(ids) for f, ids in d.items()} or "none" for d in (theirs, self._ids())]
+            why = " (as many rows, other ids: the id statistics differ)" if counts[0] == counts[1] else ""
+            raise CheckpointError(
+                f"it replicates hot rows {counts[0]} but this run replicates {counts[1]}{why}: resume with the "
+                "placement.hot_rows (and data, placement.estimate_batches) the checkpoint was written with, or start "
+                "a new run (resume=false)"
+            )
+        self.optimizer.load_pending_state(state)
+
+    def _ids(self) -> dict[str, list[int]]:
+        return {f: [int(i) for i in ids] for f, ids in self.hot_ids.items()}
+
     def sync_traffic(self, row_ratio: float | None) -> ReplicaSync:
         """The replica sync as :mod:`dlrm.placement.traffic` prices it, at the row ratio this run measured
         (metrics.json ``hot_rows.sync_row_ratio``)."""
@@ -129,36 +149,6 @@ class Replication:
         if wire is None:
             return ReplicaSync(every=every)
         return ReplicaSync(every, row_ratio or 1.0, wire.width, HEADER_BYTES, padded=False)
-
-
-class HotIdsRecord:
-    """The replicated ids (feature -> ids, hottest first; empty without replication), kept in
-    train_state.json: a resume must replicate the same ids (the checkpoint's replica tensors are
-    rows of exactly those), and dlrm-export writes the trained replicas back over their tables' rows."""
-
-    def __init__(self, replication: Replication | None) -> None:
-        hot_ids = replication.hot_ids if replication else {}
-        self.ids = {f: [int(i) for i in ids] for f, ids in hot_ids.items()}
-
-    def state_dict(self) -> dict[str, Any]:
-        return dict(self.ids)
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        return  # nothing to restore: check_resumable compared them before any tensor was read
-
-    def check_resumable(self, saved: Mapping[str, Any] | None, step_dir: Path) -> None:
-        """Refuse a checkpoint written with other replicated ids (a checkpoint from before this
-        record existed counts as none)."""
-        theirs = {f: [int(i) for i in ids] for f, ids in (saved or {}).items()}
-        if theirs == self.ids:
-            return
-        counts = [{f: len(ids) for f, ids in d.items()} or "none" for d in (theirs, self.ids)]
-        why = " (as many rows, other ids: the id statistics differ)" if counts[0] == counts[1] else ""
-        raise CheckpointError(
-            f"checkpoint {step_dir} replicates hot rows {counts[0]} but this run replicates {counts[1]}{why}: "
-            "resume with the placement.hot_rows (and data, placement.estimate_batches) the checkpoint was written "
-            "with, or start a new run (resume=false)"
-        )
 
 
 def choose_sizes(

@@ -17,7 +17,7 @@ import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -31,13 +31,14 @@ from dlrm.placement.hot_rows import fold_into_tables
 from dlrm.precision import serving
 from dlrm.precision.search import PlanEvaluator, costliest_tables, search_plan
 from dlrm.process.env import DistEnv
-from dlrm.trainer.checkpoint import LATEST, complete_steps
+from dlrm.trainer.checkpoint import checked_steps, damage, load_rank_state
 from dlrm.trainer.datasets import RunData
 from dlrm.trainer.evaluation import Evaluator
 from dlrm.trainer.model import build_dlrm, embedding_configs
 
 MODEL_PREFIX = "model.model."  # checkpoint key of DLRM's state: DMP's "model" entry, DLRMTrain.model
 PRECISIONS = list(serving.TABLE_PRECISIONS)
+OUTPUT_DIR = "${hydra:runtime.output_dir}"  # the run directory, in the saved config
 
 
 def run_config(run_dir: Path) -> DictConfig:
@@ -47,16 +48,45 @@ def run_config(run_dir: Path) -> DictConfig:
     return OmegaConf.load(path)  # type: ignore[return-value]
 
 
-def checkpoint_step(run_dir: Path, cfg: DictConfig) -> Path:
-    """The newest complete checkpoint of the run (``latest``, else the highest step)."""
-    node = cfg.checkpoint
-    root = run_dir / "checkpoints" if OmegaConf.is_interpolation(node, "dir") else Path(node.dir)
-    if (root / LATEST).exists() and (root / (root / LATEST).read_text().strip() / "train_state.json").exists():
-        return root / (root / LATEST).read_text().strip()
-    steps = complete_steps(root)
-    if not steps:
-        raise FileNotFoundError(f"{root} holds no complete checkpoint (a step-N/ with train_state.json)")
-    return steps[0]
+def checkpoint_root(run_dir: Path, cfg: DictConfig) -> Path:
+    """``checkpoint.dir`` as the run resolved it, from its saved config: ``${hydra:runtime.output_dir}``
+    is the run directory (wherever it is now), a relative path is relative to where the run started."""
+    raw = str(cast(dict, OmegaConf.to_container(cfg.checkpoint, resolve=False))["dir"])
+    try:
+        text = OmegaConf.merge(cfg, {"checkpoint": {"dir": raw.replace(OUTPUT_DIR, str(run_dir))}}).checkpoint.dir
+    except Exception as e:  # another ${hydra:...} key: only the trainer's Hydra knows it
+        raise ValueError(
+            f"{run_dir / '.hydra' / 'config.yaml'}: checkpoint.dir={raw!r} cannot be resolved outside the run ({e}); "
+            "name the step with --checkpoint DIR"
+        ) from None
+    path = Path(text)
+    if path.is_absolute():
+        return path
+    hydra_file = run_dir / ".hydra" / "hydra.yaml"
+    started = OmegaConf.select(OmegaConf.load(hydra_file), "hydra.runtime.cwd") if hydra_file.exists() else None
+    if started is None:
+        raise ValueError(f"checkpoint.dir={raw!r} is relative and {hydra_file} does not say where the run started")
+    return Path(started) / path
+
+
+def checkpoint_step(run_dir: Path, cfg: DictConfig, explicit: str | None = None) -> Path:
+    """The step to export, chosen as a resume would: ``explicit``, or the newest complete step whose
+    files match their checksums (a damaged newer one is named on stderr and passed over)."""
+    if explicit:
+        found = damage(Path(explicit), 0, 1)
+        if found:
+            raise ValueError(f"--checkpoint {explicit} is damaged: {'; '.join(found)}")
+        return Path(explicit)
+    root, damaged = checkpoint_root(run_dir, cfg), list[str]()
+    for step, found in checked_steps(root):
+        if not found:
+            if damaged:
+                print(f"dlrm-export: passed over damaged checkpoints: {'; '.join(damaged)}", file=sys.stderr)
+            return step
+        damaged.extend(found)
+    if damaged:
+        raise ValueError(f"{root} holds no intact checkpoint: {'; '.join(damaged)}")
+    raise FileNotFoundError(f"{root} holds no complete checkpoint (a step-N/ with train_state.json)")
 
 
 def load_dlrm_state(step_dir: Path) -> dict[str, torch.Tensor]:
@@ -76,8 +106,8 @@ def load_dlrm_state(step_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def hot_ids_of(step_dir: Path) -> dict[str, list[int]]:
-    """The ids a run replicated (placement.hot_rows), as its train_state.json records them."""
-    return dict(json.loads((step_dir / "train_state.json").read_text()).get("hot_ids") or {})
+    """The ids a run replicated (placement.hot_rows), as rank 0's state file records them."""
+    return dict(load_rank_state(step_dir, 0).get("hot_rows", {}).get("hot_ids", {}))
 
 
 def trained_model(cfg: DictConfig, data: RunData, state: Mapping[str, torch.Tensor]) -> DLRM:
@@ -119,7 +149,7 @@ def parse_plan(args: argparse.Namespace, tables: list[str]) -> dict[str, str]:
 def export(args: argparse.Namespace) -> dict[str, Any]:
     run_dir = Path(args.run_dir)
     cfg = run_config(run_dir)
-    step_dir = Path(args.checkpoint) if args.checkpoint else checkpoint_step(run_dir, cfg)
+    step_dir = checkpoint_step(run_dir, cfg, args.checkpoint)
     data = RunData.from_config(cfg.data, DistEnv(0, 1, 0, 1, torch.device("cpu"), "gloo"), int(cfg.seed))
     state = fold_into_tables(load_dlrm_state(step_dir), hot_ids_of(step_dir), str(step_dir))
     trained = trained_model(cfg, data, state)

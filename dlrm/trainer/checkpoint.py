@@ -1,10 +1,13 @@
 """Crash-safe sharded checkpoints with torch.distributed.checkpoint (DCP).
 
 Layout under ``<dir>``: ``step-<N>/`` holds the DCP shards of the model and optimizer (each rank
-writes its own), ``train_state.json`` (iteration, data position, LR schedule, policy state, world
-size, and the size and crc32 of every file of the step) and ``rng-rank<r>.pt``; ``latest`` names
-the newest complete step. :class:`Checkpointer` is what the trainer uses: ``resume(...)`` at the
-start, ``save(state)`` at intervals and the end. A save is written to ``.tmp-step-<N>/`` and
+writes its own), ``train_state.json`` (iteration, data position, world size, the state every rank
+shares, and the size and crc32 of every file of the step) and ``state-rank<r>.pt`` (each rank's
+own state: its RNG streams, codec and cache state; plain tensors and primitives only, loaded with
+``weights_only=True``, so a crafted file cannot run code); ``latest`` names the newest complete
+step. :class:`Checkpointer` is what the trainer uses: ``resume(...)`` at the start, ``save(state)``
+at intervals and the end; everything beside the model and optimizer reaches it as one dict of named
+:class:`Stateful` objects. A save is written to ``.tmp-step-<N>/`` and
 renamed into place only once every rank has finished, so a crash during a save leaves the previous
 checkpoint untouched and usable. A step whose files no longer match their checksums (truncated,
 corrupted, missing) is found before loading, by all ranks together so that they agree on it:
@@ -15,40 +18,28 @@ from __future__ import annotations
 
 import json
 import logging
-import random
+import pickle
 import shutil
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.stateful import Stateful
 
 from dlrm.process.env import DistEnv
 from dlrm.process.timeout import named_collective
 from dlrm.trainer.loop import TrainState
+from dlrm.trainer.state import CheckpointError, PerRank, RngState
 
 LATEST = "latest"
 CHECKSUMS = "checksums"  # the train_state.json key: file name -> [size, crc32]
 RESUME_MODES = ("auto", True, False)
+_BOOKKEEPING = {"world_size", CHECKSUMS}  # train_state.json keys beside the position and the parts
 log = logging.getLogger(__name__)
-
-
-class CheckpointError(RuntimeError):
-    pass
-
-
-def _rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
 
 
 def _barrier() -> None:
@@ -104,6 +95,15 @@ def damage(step_dir: Path, rank: int, world_size: int) -> list[str]:
     return found
 
 
+def checked_steps(root: Path, rank: int = 0, world_size: int = 1) -> Iterator[tuple[Path, list[str]]]:
+    """Each complete checkpoint under ``root``, newest first, with what is wrong with it (empty:
+    intact) as all ranks together found it (a collective per step when there are several ranks)."""
+    for step in complete_steps(root):
+        with named_collective(f"checking checkpoint {step}"):
+            found = [p for share in _all_ranks(damage(step, rank, world_size)) for p in share]
+        yield step, found
+
+
 def point_latest(root: Path, step_dir: Path | None) -> None:
     """Name ``step_dir`` in ``root/latest`` (atomically), or remove the pointer."""
     if step_dir is None:
@@ -133,7 +133,7 @@ def save(
     rank_state: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write a checkpoint of ``train_state['iteration']`` on every rank (a collective call);
-    ``rank_state`` is this rank's own state (tensors allowed), kept in ``state-rank<r>.pt``."""
+    ``rank_state`` is this rank's own state (tensors and primitives), kept in ``state-rank<r>.pt``."""
     step = int(train_state["iteration"])
     final, tmp = root / f"step-{step}", root / f".tmp-step-{step}"
     if rank == 0:
@@ -141,10 +141,8 @@ def save(
         tmp.mkdir(parents=True)
     _barrier()
     dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint_id=str(tmp))
-    torch.save(_rng_state(), tmp / f"rng-rank{rank}.pt")
-    if rank_state:
-        torch.save(dict(rank_state), tmp / f"state-rank{rank}.pt")
-    _barrier()  # every rank's shard, RNG and state files are on disk
+    torch.save(dict(rank_state or {}), tmp / rank_file(rank))
+    _barrier()  # every rank's shard and state files are on disk
     names = sorted(p.name for p in tmp.iterdir() if p.is_file())
     world_size = int(train_state["world_size"])
     shares = _all_ranks({name: file_digest(tmp / name) for name in names[rank::world_size]})
@@ -164,11 +162,28 @@ def save(
     return final
 
 
-def load(
-    step_dir: Path, model: torch.nn.Module, optimizer: Any, rank: int, world_size: int, device: Any = "cpu"
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Restore model, optimizer and this rank's RNG from ``step_dir``; return its train_state and
-    this rank's own state (empty if it saved none)."""
+def rank_file(rank: int) -> str:
+    return f"state-rank{rank}.pt"
+
+
+def load_rank_state(step_dir: Path, rank: int, device: Any = "cpu") -> dict[str, Any]:
+    """This rank's own state from ``step_dir`` (empty if it saved none), loaded with
+    ``weights_only=True``: a file holding anything but tensors and primitives is refused, unrun."""
+    path = step_dir / rank_file(rank)
+    if not path.exists():
+        return {}
+    try:
+        return torch.load(path, weights_only=True, map_location=device)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+        raise CheckpointError(
+            f"{path} holds more than tensors and primitives (or is not a torch file), refused unloaded: "
+            f"{str(e).splitlines()[0]}. Move {step_dir} aside to resume from an older checkpoint, or start "
+            "over (resume=false)"
+        ) from None
+
+
+def read_train_state(step_dir: Path, world_size: int) -> dict[str, Any]:
+    """``step_dir``'s train_state.json, refused if another world size wrote it."""
     state_file = step_dir / "train_state.json"
     if not state_file.exists():
         raise CheckpointError(f"{step_dir} is not a complete checkpoint (no train_state.json)")
@@ -180,34 +195,23 @@ def load(
             f"the data position and per-rank RNG streams depend on the world size. Resume with "
             f"--nproc_per_node/--nnodes giving {saved_ws} ranks, or start a new run (resume=false)."
         )
+    return train_state
+
+
+def load_model(step_dir: Path, model: torch.nn.Module, optimizer: Any) -> None:
+    """Restore the model and optimizer from ``step_dir``'s DCP shards (a collective)."""
     optimizer.init_state()  # materialize lazily created optimizer state so DCP can load into it
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     dcp.load(state, checkpoint_id=str(step_dir))
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    rng_file = step_dir / f"rng-rank{rank}.pt"
-    _set_rng_state(torch.load(rng_file, weights_only=False))
-    rank_file = step_dir / f"state-rank{rank}.pt"
-    # our own file, written by save() above (it holds numpy RNG states, hence not weights_only)
-    rank_state = torch.load(rank_file, weights_only=False, map_location=device) if rank_file.exists() else {}
-    return train_state, rank_state
-
-
-class Stateful(Protocol):
-    """Training state beside the model and optimizer: the LR schedule and policy (JSON-able, one
-    copy for all ranks), the dense-gradient hook (tensors, one per rank). A part of the first kind
-    may also define ``check_resumable(saved, step_dir)``, called before any tensor is loaded, to
-    refuse a checkpoint the run cannot continue (e.g. other replicated hot rows)."""
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
 class Checkpointer:
-    """Saves and restores one run: model, optimizer, RNG, and the named :class:`Stateful` parts:
-    ``parts`` are the same on every rank (saved once, in train_state.json), ``rank_parts`` each
-    rank's own (saved per rank)."""
+    """Saves and restores one run: the model and optimizer (DCP shards), and ``parts``, the named
+    :class:`Stateful` objects of its components (this rank's random streams added as ``rng``). A
+    part's ``load_state_dict`` may refuse a checkpoint the run cannot continue by raising
+    :class:`CheckpointError`; it is called before any model tensor is read."""
 
     def __init__(
         self,
@@ -215,15 +219,11 @@ class Checkpointer:
         env: DistEnv,
         model: torch.nn.Module,
         optimizer: Any,
-        parts: Mapping[str, Stateful | None],
+        parts: Mapping[str, Stateful],
         keep: int = 2,
-        rank_parts: Mapping[str, Stateful | None] | None = None,
-        on_checkpoint: Sequence[Callable[[], None]] = (),
     ) -> None:
         self.root, self.env, self.model, self.optimizer, self.keep = root, env, model, optimizer, keep
-        self.on_checkpoint = list(on_checkpoint)  # run on every rank at each save and at a resume
-        self.parts = {name: part for name, part in parts.items() if part is not None}
-        self.rank_parts = {name: part for name, part in (rank_parts or {}).items() if part is not None}
+        self.parts: dict[str, Stateful] = {"rng": RngState(), **parts}
 
     def resume(self, mode: Any) -> TrainState:
         """The state to start from: a fresh one, or the newest checkpoint's (``resume`` = auto: if
@@ -233,19 +233,21 @@ class Checkpointer:
         last = self._newest_intact(mode) if mode else None
         if last is None:
             return TrainState()
-        saved_parts = json.loads((last / "train_state.json").read_text())
+        saved = read_train_state(last, self.env.world_size)
+        mine = load_rank_state(last, self.env.rank, self.env.device)
+        unknown = sorted((set(saved) - set(TrainState().position()) - _BOOKKEEPING | set(mine)) - set(self.parts))
+        if unknown:
+            raise CheckpointError(
+                f"checkpoint {last} holds state of {unknown}, which this run does not have (it would be dropped): "
+                "resume with the configuration the checkpoint was written with, or start a new run (resume=false)"
+            )
         for name, part in self.parts.items():  # before any tensor is read: a part may refuse the checkpoint
-            check = getattr(part, "check_resumable", None)
-            if check is not None:
-                check(saved_parts.get(name), last)
+            try:
+                part.load_state_dict((mine if isinstance(part, PerRank) else saved).get(name, {}))
+            except CheckpointError as e:
+                raise CheckpointError(f"checkpoint {last}: {e}") from None
         with named_collective(f"loading checkpoint {last}"):
-            saved, mine = load(last, self.model, self.optimizer, self.env.rank, self.env.world_size, self.env.device)
-        for name, part in self.parts.items():
-            part.load_state_dict(saved.get(name, {}))
-        for name, part in self.rank_parts.items():
-            part.load_state_dict(mine.get(name, {}))
-        for hook in self.on_checkpoint:
-            hook()
+            load_model(last, self.model, self.optimizer)
         state = TrainState(iteration=saved["iteration"], epoch=saved["epoch"], batch_in_epoch=saved["batch_in_epoch"])
         if self.env.is_main:
             log.info(
@@ -263,9 +265,7 @@ class Checkpointer:
         steps = complete_steps(self.root)
         if mode is True and not steps:
             raise FileNotFoundError(f"resume=true but {self.root} holds no complete checkpoint")
-        for n, step in enumerate(steps):
-            with named_collective(f"checking checkpoint {step}"):
-                found = [p for share in _all_ranks(damage(step, self.env.rank, self.env.world_size)) for p in share]
+        for n, (step, found) in enumerate(checked_steps(self.root, self.env.rank, self.env.world_size)):
             if not found:
                 if n and self.env.is_main:
                     point_latest(self.root, step)
@@ -287,14 +287,9 @@ class Checkpointer:
         return None
 
     def save(self, state: TrainState) -> Path:
-        """Checkpoint ``state`` (a collective: every rank calls it)."""
-        for hook in self.on_checkpoint:
-            hook()
-        train_state = {
-            **state.position(),
-            "world_size": self.env.world_size,
-            **{name: part.state_dict() for name, part in self.parts.items()},
-        }
-        rank_state = {name: part.state_dict() for name, part in self.rank_parts.items()}
+        """Checkpoint ``state`` (a collective: every rank calls it); saving changes nothing in training."""
+        shared = {name: p.state_dict() for name, p in self.parts.items() if not isinstance(p, PerRank)}
+        mine = {name: p.state_dict() for name, p in self.parts.items() if isinstance(p, PerRank)}
+        train_state = {**state.position(), "world_size": self.env.world_size, **shared}
         with named_collective(f"saving checkpoint step-{state.iteration} (DCP and its barriers)"):
-            return save(self.root, self.model, self.optimizer, train_state, self.env.rank, self.keep, rank_state)
+            return save(self.root, self.model, self.optimizer, train_state, self.env.rank, self.keep, mine)

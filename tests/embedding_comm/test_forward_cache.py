@@ -228,6 +228,21 @@ def test_cache_is_refused_where_it_cannot_apply():
         parse_compression_cfg({**base, "forward": {"codec": "lossy", "cache": {"enabled": True, "capacity_rows": -2}}})
 
 
+def test_checkpoints_leave_the_cached_training_unchanged_and_resume_exact(tmp_path, tmp_path_factory):
+    from trainer_runs import losses, train
+
+    cache = tmp_path_factory.mktemp("cache")
+    plain, saved, part = tmp_path / "plain", tmp_path / "saved", tmp_path / "part"
+    common = ["loss_log=true", "sharding=table_wise", "compression.forward.cache.enabled=true", "max_iterations=12"]
+    train(plain, cache, common)  # saves only at the end
+    train(saved, cache, [*common, "checkpoint.every=4"])
+    train(part, cache, [*common, "checkpoint.every=4", "max_iterations=6"])  # saved at 4 and 6
+    train(part, cache, [*common, "checkpoint.every=4", "resume=true"])
+    reference = losses(plain)
+    assert losses(saved) == reference
+    assert losses(part) == reference
+
+
 def test_resumed_run_repeats_the_uninterrupted_one_with_the_cache(tmp_path, tmp_path_factory):
     import json
 

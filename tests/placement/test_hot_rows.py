@@ -4,6 +4,7 @@ replication, exact resume, the memory budget)."""
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 from pathlib import Path
@@ -24,7 +25,7 @@ from dlrm.embedding_comm.config import parse_compression_cfg
 from dlrm.placement.config import parse_placement_cfg
 from dlrm.placement.hot_choice import Wire, choose_auto, price
 from dlrm.placement.hot_rows import HOT_SUFFIX, HotSplit
-from dlrm.placement.hot_sync import HotRowOptimizer, PendingHotGradients
+from dlrm.placement.hot_sync import HotRowOptimizer
 from dlrm.placement.replication import choose_sizes, wire_of
 from dlrm.placement.traffic import Direction, ReplicaSync, Shard, TablePlacement, TrafficModel
 
@@ -116,10 +117,10 @@ def test_pending_gradients_survive_a_checkpoint_between_syncs():
     w = torch.nn.Parameter(torch.randn(ROWS, DIM))
     before = HotRowOptimizer({"hot.f": w}, "rowwise_adagrad", lr=LR, eps=1e-8, sync_every=3)
     _step(before, w, range(4))  # one sync after step 3, step 4 pending
-    saved = {k: v for k, v in before.state_dict().items()}, PendingHotGradients(before).state_dict()
+    saved = {k: v for k, v in before.state_dict().items()}, before.pending_state()
     after = HotRowOptimizer({"hot.f": w}, "rowwise_adagrad", lr=LR, eps=1e-8, sync_every=3)
     after.load_state_dict(saved[0])
-    PendingHotGradients(after).load_state_dict(saved[1])
+    after.load_pending_state(saved[1])
     _step(after, w, range(4, 5))
     assert torch.equal(w.detach(), uninterrupted)
 
@@ -331,23 +332,30 @@ def test_export_serves_the_trained_replicas_not_the_tables_stale_rows(runs, tmp_
 def test_resume_with_other_hot_rows_is_refused_naming_the_key(runs, tmp_path):
     import shutil
 
-    from dlrm.placement.replication import HotIdsRecord
+    from dlrm.placement.replication import Replication
     from dlrm.trainer.checkpoint import CheckpointError
 
     # a checkpoint with replicas, resumed without them: refused before any tensor is read
     run_dir = tmp_path / "run"
     shutil.copytree(runs["hot"] / "checkpoints", run_dir / "checkpoints")
     proc = train(run_dir, tmp_path / "cache", [*COMMON, "resume=true"], check=False)
-    assert proc.returncode != 0 and "placement.hot_rows" in proc.stderr, proc.stderr[-2000:]
-    assert "this run replicates none" in proc.stderr
+    assert proc.returncode != 0, proc.stderr[-2000:]
+    assert "holds state of ['hot_rows'], which this run does not have" in proc.stderr
     # as many rows of other ids (other statistics), or other counts: refused too
-    record = HotIdsRecord(None)
-    record.ids = {"a": [3, 1]}
+    ids = torch.tensor([3, 1])
+    mine = Replication(
+        {"a": ids},
+        HotSplit({"a": ids}),
+        HotRowOptimizer({"hot.a": torch.nn.Parameter(torch.zeros(2, 4))}, "sgd", lr=LR, eps=1e-8, sync_every=1),
+    )
+    buf = io.BytesIO()
+    torch.save(mine.state_dict(), buf)
+    saved = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)  # as a resume loads it
     with pytest.raises(CheckpointError, match=r"as many rows, other ids.*placement\.hot_rows"):
-        record.check_resumable({"a": [1, 3]}, Path("step-4"))
+        mine.load_state_dict({**saved, "hot_ids": {"a": [1, 3]}})
     with pytest.raises(CheckpointError, match=r"replicates hot rows \{'a': 3\} but this run replicates \{'a': 2\}"):
-        record.check_resumable({"a": [3, 1, 2]}, Path("step-4"))
-    record.check_resumable({"a": [3, 1]}, Path("step-4"))
+        mine.load_state_dict({**saved, "hot_ids": {"a": [3, 1, 2]}})
+    mine.load_state_dict(saved)
 
 
 @pytest.mark.parametrize(

@@ -187,7 +187,7 @@ def test_the_trainer_estimates_frequencies_from_its_first_batches_when_meta_has_
 
 def test_host_only_options_are_refused_on_an_accelerator():
     from dlrm.embedding_comm.config import parse_compression_cfg
-    from dlrm.train import refuse_host_only
+    from dlrm.placement.component import refuse_host_only
 
     lossy = {"forward": {"codec": "lossy"}, "backward": {"codec": "lossy"}}
     cached = parse_compression_cfg({**lossy, "forward": {"codec": "lossy", "cache": {"enabled": True}}})

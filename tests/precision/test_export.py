@@ -124,7 +124,8 @@ from dlrm.precision.serving import load
 out, data = Path(sys.argv[1]), Path(sys.argv[2])
 model = load(out)
 assert not torch.distributed.is_initialized()
-assert not [m for m in sys.modules if m.startswith(("dlrm.embedding_comm", "dlrm.trainer.sharding", "dlrm.train"))]
+held = [m for m in sys.modules if m == "dlrm.train" or m.startswith(("dlrm.embedding_comm", "dlrm.trainer.sharding"))]
+assert not held, held
 probs, labels = [], []
 with torch.no_grad():
     for batch in criteo_batches(data, ["test"], 1000, 0, 1, shuffle=False, seed=0):
@@ -185,3 +186,24 @@ def test_export_rebuilds_whole_tables_from_every_sharding(tmp_path, sharding):
     export(run_dir, tmp_path / "out", "--precision", "fp32")
     got = json.loads((tmp_path / "out" / "export.json").read_text())
     assert got["fp32_auc"] == pytest.approx(trained["auc"], abs=1e-6) and got["auc"] == got["fp32_auc"]
+
+
+def test_export_reads_checkpoint_dir_from_the_run_and_skips_a_damaged_newest_step(tmp_path):
+    run_dir, ckpts = tmp_path / "run", tmp_path / "run" / "elsewhere"
+    saved = ["checkpoint.dir=${hydra:runtime.output_dir}/elsewhere", "checkpoint.every=2", "max_iterations=4"]
+    train(run_dir, tmp_path / "cache", [*TRAIN, *saved])
+    assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-2", "step-4"]
+    assert not (run_dir / "checkpoints").exists()
+    export(run_dir, tmp_path / "out", "--precision", "fp32")
+    assert json.loads((tmp_path / "out" / "export.json").read_text())["checkpoint"] == str(ckpts / "step-4")
+
+    shard = sorted((ckpts / "step-4").glob("*.distcp"))[0]  # a model shard, one byte flipped
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    shard.write_bytes(bytes(data))
+    code, stderr = export(run_dir, tmp_path / "out2", "--precision", "fp32")
+    assert f"{shard} has" in stderr  # named, and passed over for the previous intact step
+    assert json.loads((tmp_path / "out2" / "export.json").read_text())["checkpoint"] == str(ckpts / "step-2")
+    (ckpts / "step-2" / "train_state.json").write_text("{")  # no intact step left: refused, naming it
+    code, stderr = export(run_dir, tmp_path / "out3", "--precision", "fp32", check=False)
+    assert code != 0 and f"{ckpts / 'step-2' / 'train_state.json'} is unreadable" in stderr, stderr

@@ -1,5 +1,5 @@
-"""Training under faults, with real torchrun ranks: a stalled peer, a lossy link, a damaged checkpoint.
-(A rank killed outright: tests/trainer/test_train.py,
+"""Training under faults, with real torchrun ranks: a stalled peer, a lossy link, a damaged or crafted
+checkpoint. (A rank killed outright: tests/trainer/test_train.py,
 test_sigkilled_rank_restarts_from_the_last_checkpoint_and_finishes.)"""
 
 from __future__ import annotations
@@ -160,3 +160,35 @@ def test_damaged_checkpoints_are_refused_by_resume_true_and_skipped_by_auto(tmp_
     assert [it for it, _ in logged] == [*range(1, 13), *range(5, 17)]  # 5-12 redone from step-4
     assert dict(logged[12:20]) == {i: first[i] for i in range(5, 13)}
     assert (ckpts / "latest").read_text() == "step-16"
+
+
+class _RunsCode:
+    """What a crafted checkpoint file holds: unpickling it calls ``open(marker, "w")``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def test_a_pickled_payload_in_a_checkpoint_is_refused_naming_the_file_and_never_run(tmp_path, cache):
+    import torch
+
+    from dlrm.trainer.checkpoint import file_digest
+
+    run_dir, marker = tmp_path / "run", tmp_path / "ran"
+    common = ["checkpoint.every=4", "comm_timeout_s=60"]
+    train(run_dir, cache, [*common, "max_iterations=4"])
+    step = run_dir / "checkpoints" / "step-4"
+    victim = step / "state-rank1.pt"
+    torch.save({"dense_comm": _RunsCode(marker)}, victim)
+    # an attacker who can write the file can rewrite its checksum too
+    state = json.loads((step / "train_state.json").read_text())
+    state["checksums"][victim.name] = file_digest(victim)
+    (step / "train_state.json").write_text(json.dumps(state))
+
+    proc = train(run_dir, cache, [*common, "max_iterations=8", "resume=auto"], check=False)
+    assert proc.returncode != 0
+    assert not marker.exists()  # the payload never ran
+    assert f"CheckpointError: {victim}" in proc.stderr, proc.stderr[-3000:]

@@ -1,0 +1,44 @@
+"""The ``compression`` and ``policy`` groups as a component: our sharders (or TorchRec's QComms),
+the bound policy, and the runtime every compressed dist shares (codec state and row caches)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from torch.distributed.checkpoint.stateful import Stateful
+
+from dlrm.embedding_comm import compression_runtime, make_sharders, parse_compression_cfg
+from dlrm.embedding_comm.config import excluded_sharding_types
+from dlrm.embedding_comm.dist import CompressionRuntime
+from dlrm.embedding_comm.policy import TableStats, policy_for_run
+from dlrm.trainer.component import Component, Sharding
+from dlrm.trainer.sharding import check_supported
+
+
+class EmbeddingCompression(Component):
+    def __init__(
+        self,
+        cfg: Mapping[str, Any],
+        policy_cfg: Mapping[str, Any],
+        sharding_cfg: Mapping[str, Any],
+        tables: Sequence[TableStats],
+        fused_params: dict[str, Any] | None,
+    ) -> None:
+        self.cfg, self.sharding_cfg, self.fused_params = cfg, sharding_cfg, fused_params
+        self.spec = parse_compression_cfg(cfg)
+        self.policy = policy_for_run(policy_cfg, self.spec, tables)
+        self.runtime: CompressionRuntime | None = None  # None on TorchRec's QComms path
+
+    def shard(self, sharding: Sharding) -> None:
+        sharders = make_sharders(
+            self.cfg, bound_fn_forward=self.policy, bound_fn_backward=self.policy, fused_params=self.fused_params
+        )
+        self.runtime = compression_runtime(sharders)
+        check_supported(self.sharding_cfg, self.spec.sharding_types, excluded_sharding_types(self.spec))
+        sharding.sharders.extend(sharders)
+
+    @property
+    def parts(self) -> Mapping[str, Stateful]:
+        both: dict[str, Stateful | None] = {"policy": self.policy, "compression": self.runtime}
+        return {name: part for name, part in both.items() if part is not None}

@@ -1,0 +1,102 @@
+"""The ``placement`` group as a component: id statistics, the comm_aware planner at sharding time,
+and hot-row replication once the model is sharded (replicas, their optimizer, the batch split)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from torch.distributed.checkpoint.stateful import Stateful
+
+from dlrm.dense_comm.component import DenseCommunication
+from dlrm.embedding_comm.component import EmbeddingCompression
+from dlrm.embedding_comm.config import CompressionSpec
+from dlrm.placement.comm_aware import build_planner
+from dlrm.placement.config import PlacementSpec, parse_placement_cfg
+from dlrm.placement.replication import Replication, setup_replication
+from dlrm.process.env import DistEnv
+from dlrm.trainer.component import Component, Sharding
+from dlrm.trainer.datasets import RunData
+from dlrm.trainer.model import table_names
+
+
+class Placement(Component):
+    def __init__(
+        self,
+        cfg: DictConfig,
+        env: DistEnv,
+        data: RunData,
+        compression: EmbeddingCompression,
+        dense: DenseCommunication,
+    ) -> None:
+        self.cfg, self.env, self.data, self.compression, self.dense = cfg, env, data, compression, dense
+        self.spec = parse_placement_cfg(cfg.placement, cfg.sharding.type, len(data.features))
+        refuse_host_only(env.device, compression.spec, self.spec)
+        # id statistics, for the traffic model and hot-row replication
+        self.freqs, _ = data.frequency(cfg.batch_size, self.spec.estimate_batches, self.spec.top_n)
+        self.table_freqs = dict(zip(table_names(data.features), self.freqs, strict=True))
+        self.traffic: Any = None  # comm_aware's traffic model
+        self.replication: Replication | None = None
+
+    def shard(self, sharding: Sharding) -> None:
+        if self.cfg.sharding.type != "comm_aware":
+            return
+        sharding.planner, self.traffic = build_planner(
+            self.env,
+            self.cfg.sharding,
+            self.spec,
+            self.compression.spec,
+            self.compression.runtime,
+            self.dense.dense.spec.hooked,
+            self.data.features,
+            self.freqs,
+            self.cfg.batch_size,
+            int(self.cfg.model.embedding_dim),
+            self.cfg.seed,
+            fused_only=sharding.fused_only,
+        )
+
+    def replicate(self, model: torch.nn.Module) -> None:
+        """Replicate the hot rows in the sharded ``model`` (placement.hot_rows; none: nothing)."""
+        runtime = self.compression.runtime
+        self.replication = setup_replication(
+            self.spec,
+            model,
+            self.data.features,
+            self.freqs,
+            self.cfg.optimizer,
+            self.compression.spec,
+            self.cfg.batch_size,
+            int(self.cfg.model.embedding_dim),
+            runtime=runtime,
+            seed=self.cfg.seed,
+        )
+
+    @property
+    def optimizers(self) -> list[Any]:
+        """Optimizers beside the model's own (the replicas')."""
+        return [self.replication.optimizer] if self.replication else []
+
+    def split(self, batches: Iterable[Any]) -> Iterable[Any]:
+        """``batches`` with the hot ids split off when rows are replicated."""
+        return self.replication.split.batches(batches) if self.replication else batches
+
+    @property
+    def parts(self) -> Mapping[str, Stateful]:
+        return {"hot_rows": self.replication} if self.replication else {}
+
+
+def refuse_host_only(device: torch.device, spec: CompressionSpec, placement: PlacementSpec) -> None:
+    """Hot-row replication, the forward row cache and its probe keep their state on the host (numpy
+    arrays, CPU buffers, gloo-sized collectives): refuse them on an accelerator, naming the keys."""
+    cache = spec.forward is not None and spec.forward.cache_rows is not None
+    used = {
+        "placement.hot_rows": placement.replicates,
+        "compression.forward.cache.enabled": cache,
+        "compression.stats.cache_probe.enabled": spec.cache_probe_rows is not None,
+    }
+    on = [key for key, is_on in used.items() if is_on]
+    if device.type != "cpu" and on:
+        raise ValueError(f"{', '.join(on)}: CPU runs only so far (this run is on {device}); turn it off")
