@@ -30,7 +30,7 @@ lint: venv
 
 # Codec benchmark, then (as root, which the network namespace needs) the emulated-link benchmark.
 bench: venv
-	@$(PY) -m compression.bench $(ARGS)
+	@$(PY) -m dlrm_compression.bench $(ARGS)
 	@if [ "$$(id -u)" = 0 ]; then bash scripts/bench_network.sh $(NETARGS); \
 	 else echo "network benchmark skipped: needs root (sudo make bench-network)"; fi
 

@@ -22,7 +22,7 @@ API (the contract in DESIGN.md "Public contracts")::
 - Codecs: ``lossy`` (bounded; params ``entropy=True|False|"auto"``, ``level``, ``dedup``,
   ``backend="auto"|"torch"|"triton"``, ``verify_ids``), and the unbounded baselines ``none``,
   ``fp16``, ``bf16``, ``int8`` (``row_dim``), ``fp8`` (``rowwise``, CUDA only), ``mx4``
-  (``group_size``). Benchmark: ``python -m compression.bench --help``.
+  (``group_size``). Benchmark: ``python -m dlrm_compression.bench --help``.
 """
 
 from . import baselines as _baselines  # noqa: F401  (register codecs)

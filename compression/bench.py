@@ -1,6 +1,6 @@
 """Codec benchmark: ratio, max error, bound held and MB/s of every codec on one embedding batch.
 
-    python -m compression.bench [--input FILE.pt] [--nodup] [--repeats 5] [--threads 1] [--json PATH]
+    python -m dlrm_compression.bench [--input FILE.pt] [--nodup] [--repeats 5] [--threads 1] [--json PATH]
 
 One payload per table (as the all-to-all sends per table and destination), at absolute bounds
 1e-2, 1e-3, 1e-4 and at the same numbers relative to each table's value range. Throughput is
@@ -28,8 +28,8 @@ from typing import TypeVar
 
 import torch
 
-import compression
-from compression.synthetic import criteo_like_batch
+import dlrm_compression as compression
+from dlrm_compression.synthetic import criteo_like_batch
 
 BOUNDS = [1e-2, 1e-3, 1e-4]
 
@@ -229,7 +229,7 @@ def format_table(rows: list[Row]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
-    p = argparse.ArgumentParser(prog="python -m compression.bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m dlrm_compression.bench", description=__doc__.split("\n")[0])
     p.add_argument("--input", help="torch.save'd dict: table -> {'values': [rows, dim], 'ids': [rows]}")
     p.add_argument("--nodup", action="store_true", help="generated ids all distinct (no duplicate rows)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (median)")

@@ -11,15 +11,19 @@ set -euo pipefail
 VENV=${1:-.venv}
 PYTHON=${PYTHON:-python3}
 STAMP="$VENV/.dlrm-compress-stack"
-STACK_VERSION=5   # bump when the pinned stack below changes, so existing venvs are refreshed
+STACK_VERSION=6   # bump when the pinned stack below changes, so existing venvs are refreshed
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$STACK_VERSION" ]; then
   exit 0
 fi
 
-"$PYTHON" - <<'PY' || { echo "dlrm-compress needs Python 3.10-3.13 (3.14's stdlib 'compression' package shadows ours)" >&2; exit 1; }
+command -v "$PYTHON" >/dev/null 2>&1 || {
+  echo "setup: no interpreter '$PYTHON' on PATH; install Python 3.10 or later, or name one with PYTHON=python3.X" >&2
+  exit 1
+}
+"$PYTHON" - <<'PY' || { echo "dlrm-compress needs Python 3.10 or later ($PYTHON is $("$PYTHON" -V 2>&1))" >&2; exit 1; }
 import sys
-sys.exit(0 if (3, 10) <= sys.version_info[:2] <= (3, 13) else 1)
+sys.exit(0 if sys.version_info[:2] >= (3, 10) else 1)
 PY
 
 flavour=${DLRM_FBGEMM:-auto}

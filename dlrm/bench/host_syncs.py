@@ -22,15 +22,15 @@ from pathlib import Path
 
 import torch
 
-from compression import dedup
-from compression.host_syncs import HostSyncCounter
-from compression.synthetic import KAGGLE_CARDINALITIES, criteo_like_batch
 from data.layout import SPARSE_NAMES
 from dlrm.bench.host_copies import host_copies
 from dlrm.embedding_comm.codec import DirectionCodec
 from dlrm.embedding_comm.config import parse_compression_cfg
 from dlrm.embedding_comm.ids import keep_first_duplicates, sum_duplicates
 from dlrm.embedding_comm.policy import build_policy, table_stats
+from dlrm_compression import dedup
+from dlrm_compression.host_syncs import HostSyncCounter
+from dlrm_compression.synthetic import KAGGLE_CARDINALITIES, criteo_like_batch
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 OVERRIDES = [

@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from compression import cost_model as cm
 from dlrm.bench import netns, netreport
 from dlrm.bench.netns import Namespace, NetnsError
 from dlrm.bench.netprobe import OUT_ENV
+from dlrm_compression import cost_model as cm
 
 REPO = Path(__file__).resolve().parents[2]
 # Compression configs, with `+D` for dense_comm=D: the baseline, stock TorchRec's best effort

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from compression import cost_model as cm
+from dlrm_compression import cost_model as cm
 
 PASSES = ("forward", "backward")
 METRICS_KEYS = ("auc", "logloss", "iterations", "forward_ratio", "backward_ratio", "world_size")

@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from compression.sparse import VALUE_CODECS
 from dlrm.process.config_checks import check_keys, flag, integer, number, one_of, plain_config
+from dlrm_compression.sparse import VALUE_CODECS
 
 KINDS = ("none", "fp16", "bf16", "powersgd", "dct", "auto")
 AUTO_OPTIONS = ("none", "fp16", "bf16", "dct")  # powersgd needs warm-up iterations: not switched to

@@ -44,13 +44,13 @@ from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.model_parallel import DefaultDataParallelWrapper
 from torchrec.distributed.types import ShardingEnv
 
-import compression
-from compression.cost_model import ring_allreduce_bytes
-from compression.sparse import ThresholdCodec, kth_largest_abs, refresh_due
+import dlrm_compression as compression
 from dlrm.dense_comm.config import DenseCommSpec
 from dlrm.embedding_comm.stats import CommStats
 from dlrm.process.instrument import on_the_wire
 from dlrm.trainer.state import PerRank, numpy_rng_state, numpy_rng_tuple
+from dlrm_compression.cost_model import ring_allreduce_bytes
+from dlrm_compression.sparse import ThresholdCodec, kth_largest_abs, refresh_due
 
 Future = torch.futures.Future
 

@@ -49,6 +49,6 @@ def absolute_bounds(x: torch.Tensor, widths: Sequence[int], values: Sequence[flo
     range in rel mode (the compressor's own definition; a constant block gets 0, sent exactly)."""
     if mode == "abs":
         return list(values)
-    from compression import relative_to_absolute
+    from dlrm_compression import relative_to_absolute
 
     return relative_to_absolute(x, list(values), list(widths))

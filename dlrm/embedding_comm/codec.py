@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
-import compression
-from compression.composite import PerBlockCodec, worst_case_error
-from compression.sparse import ThresholdCodec, kth_largest_abs, refresh_due
+import dlrm_compression as compression
 from dlrm.embedding_comm.bounds import BoundFn, absolute_bounds, policy_values
 from dlrm.embedding_comm.config import DirectionSpec
 from dlrm.process.config_checks import flag, integer
+from dlrm_compression.composite import PerBlockCodec, worst_case_error
+from dlrm_compression.sparse import ThresholdCodec, kth_largest_abs, refresh_due
 
 
 class CompressedCommError(RuntimeError):

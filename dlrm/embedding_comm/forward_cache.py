@@ -34,10 +34,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from compression.dedup import plan_by_ids
-from compression.row_cache import RowCache
 from dlrm.embedding_comm.codec import CompressedCommError, DirectionCodec
 from dlrm.embedding_comm.stage import Incoming, Outgoing, Stage
+from dlrm_compression.dedup import plan_by_ids
+from dlrm_compression.row_cache import RowCache
 
 EPS = float(torch.finfo(torch.float32).eps)
 

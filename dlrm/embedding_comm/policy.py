@@ -11,8 +11,12 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import compression
-from compression.policies import (
+import dlrm_compression as compression
+from data.layout import SPARSE_NAMES
+from dlrm.embedding_comm.config import CompressionSpec
+from dlrm.embedding_comm.stats import per_feature
+from dlrm.process.config_checks import check_keys, integer, number, one_of, plain_config
+from dlrm_compression.policies import (
     CLASSES,
     DIRECTIONS,
     KAGGLE_LOOSE_FRACTION,
@@ -31,10 +35,6 @@ from compression.policies import (
     automatic_classes,
     published_classes,
 )
-from data.layout import SPARSE_NAMES
-from dlrm.embedding_comm.config import CompressionSpec
-from dlrm.embedding_comm.stats import per_feature
-from dlrm.process.config_checks import check_keys, integer, number, one_of, plain_config
 
 log = logging.getLogger(__name__)
 

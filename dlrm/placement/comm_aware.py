@@ -26,7 +26,6 @@ from torchrec.distributed.planner.storage_reservations import FixedPercentageSto
 from torchrec.distributed.planner.types import Perf, ShardEstimator, ShardingOption
 from torchrec.distributed.types import ModuleSharder
 
-from compression.cost_model import Link
 from data.frequency import FeatureFrequency
 from dlrm.embedding_comm.config import CompressionSpec
 from dlrm.embedding_comm.dist import CompressionRuntime
@@ -37,6 +36,7 @@ from dlrm.process.env import DistEnv
 from dlrm.strategy.controller import calibrate_link
 from dlrm.trainer.model import table_names
 from dlrm.trainer.sharding import kernel_for, topology_args
+from dlrm_compression.cost_model import Link
 
 log = logging.getLogger("dlrm.placement.comm_aware")
 CHOICES = ("data_parallel", "table_wise", "row_wise", "column_wise")

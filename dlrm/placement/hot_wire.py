@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from compression.composite import PerBlockCodec
 from dlrm.embedding_comm.codec import DirectionCodec
+from dlrm_compression.composite import PerBlockCodec
 
 MAGIC, VERSION = b"HRW1", 1
 _PREFIX = struct.Struct("<4sBBHII")

@@ -34,8 +34,8 @@ from statistics import NormalDist
 
 import numpy as np
 
-from compression.cost_model import ring_allreduce_bytes
 from data.frequency import FeatureFrequency, seen_probability
+from dlrm_compression.cost_model import ring_allreduce_bytes
 
 PATHS = ("input", "forward", "backward", "allreduce", "replica_sync")
 FP32 = 4

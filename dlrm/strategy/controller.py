@@ -34,13 +34,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from compression.cost_model import Link
-from compression.strategy import Option, Timeline, Unit, choose, simulate
 from dlrm.dense_comm.config import AUTO_OPTIONS
 from dlrm.dense_comm.hook import DenseComm
 from dlrm.embedding_comm.dist import CompressionRuntime
 from dlrm.process.config_checks import check_keys, integer, plain_config
 from dlrm.process.env import DistEnv
+from dlrm_compression.cost_model import Link
+from dlrm_compression.strategy import Option, Timeline, Unit, choose, simulate
 
 log = logging.getLogger(__name__)
 LINK_SIZES = (1 << 18, 1 << 20, 1 << 22)  # bytes per peer of the timed all-to-alls

@@ -11,7 +11,6 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from compression.policies import DIRECTIONS, Policy
 from dlrm.dense_comm.hook import DenseComm
 from dlrm.embedding_comm.policy import PolicyFeedback
 from dlrm.process.env import DistEnv
@@ -22,6 +21,7 @@ from dlrm.telemetry.tb_layout import policy_scalars
 from dlrm.telemetry.tb_logger import TensorBoardLogger
 from dlrm.trainer.loop import TrainState
 from dlrm.trainer.optim import WarmupDecayLR
+from dlrm_compression.policies import DIRECTIONS, Policy
 
 
 class Progress:

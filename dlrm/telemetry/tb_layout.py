@@ -12,7 +12,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from compression.policies import DIRECTIONS, Policy
+from dlrm_compression.policies import DIRECTIONS, Policy
 
 
 def eb_tag(direction: str, feature: str) -> str:

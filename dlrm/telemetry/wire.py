@@ -20,12 +20,12 @@ import torch
 import torch.distributed as dist
 from torchrec.distributed import DistributedModelParallel
 
-from compression.cost_model import ring_allreduce_bytes
 from data.frequency import FeatureFrequency
 from dlrm.embedding_comm.config import CompressionSpec
 from dlrm.placement.traffic import PATHS, Direction, ReplicaSync, Shard, TablePlacement, TrafficModel, by_path
 from dlrm.telemetry.comm_stats import run_sums_all_ranks, run_totals
 from dlrm.trainer.model import table_names
+from dlrm_compression.cost_model import ring_allreduce_bytes
 
 _A2A_KEYS = {"input": "input/wire_bytes", "forward": "forward/wire_bytes", "backward": "backward/wire_bytes"}
 _SYNC_KEY = "replica_sync/wire_bytes"

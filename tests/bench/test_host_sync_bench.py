@@ -2,8 +2,8 @@
 
 import pytest
 
-from compression import dedup
 from dlrm.bench import host_syncs
+from dlrm_compression import dedup
 
 
 def test_bench_counts_a_tiny_chunk_by_stage(capsys):

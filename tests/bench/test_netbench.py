@@ -14,8 +14,8 @@ import pytest
 from multiprocess import free_port
 from trainer_runs import REPO
 
-from compression import cost_model as cm
 from dlrm.bench import netbench, netns, netreport
+from dlrm_compression import cost_model as cm
 
 TINY = [
     "compression=none",

@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
-import compression
-from compression import bench
-from compression.synthetic import criteo_like_batch
+import dlrm_compression as compression
+from dlrm_compression import bench
+from dlrm_compression.synthetic import criteo_like_batch
 
 FIELDS = {
     "codec",

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-import compression
+import dlrm_compression as compression
 
 
 def _chunks(x: torch.Tensor, size: int) -> torch.Tensor:

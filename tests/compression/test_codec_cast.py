@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import compression
-from compression import PayloadError
+import dlrm_compression as compression
+from dlrm_compression import PayloadError
 
 CASTS = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -5,8 +5,8 @@ import random
 import pytest
 import torch
 
-import compression
-from compression import PayloadError
+import dlrm_compression as compression
+from dlrm_compression import PayloadError
 
 
 def _inputs():
@@ -106,7 +106,7 @@ def test_sections_survive_an_unaligned_payload_view():
 
 @pytest.mark.parametrize("offset", [1, 2, 3, 5])
 def test_an_empty_section_at_any_offset_reads_as_empty(offset):
-    from compression.format import view_as
+    from dlrm_compression.format import view_as
 
     buf = torch.arange(16, dtype=torch.uint8)
     for dtype in (torch.float32, torch.int64, torch.int16):

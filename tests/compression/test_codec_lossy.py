@@ -7,8 +7,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import compression
-from compression import PayloadError
+import dlrm_compression as compression
+from dlrm_compression import PayloadError
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SPECIALS = [float("nan"), float("inf"), -float("inf"), 1e-40, -1e-45, 3e30, -0.0]
@@ -111,7 +111,7 @@ def test_ids_path_equals_value_path_and_fixed_equals_entropy(case):
 @given(case=cases())
 def test_device_dedup_code_matches_the_host_fast_path(case):
     # CPU tensors take numpy's sorts and compares; CUDA tensors the torch code, run here on CPU.
-    from compression import dedup
+    from dlrm_compression import dedup
 
     x, widths, eb, ids = case
     codec = compression.get_codec("lossy")
@@ -190,7 +190,7 @@ def test_bad_bounds_are_rejected():
 
 
 def test_value_dedup_survives_hash_collisions(monkeypatch):
-    from compression import dedup
+    from dlrm_compression import dedup
 
     g = torch.Generator().manual_seed(5)
     x = (torch.randn(8, 16, generator=g) * 0.01)[torch.randint(0, 8, (300,), generator=g)]

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-import compression
-from compression.sparse import kth_largest_abs
+import dlrm_compression as compression
+from dlrm_compression.sparse import kth_largest_abs
 
 
 def gradients(n: int = 4000, seed: int = 0) -> torch.Tensor:

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from trainer_runs import REPO
 
-from compression import cost_model as cm
+from dlrm_compression import cost_model as cm
 
 GB = 1e9
 

@@ -7,9 +7,9 @@ import warnings
 import pytest
 import torch
 
-import compression
-from compression.host_syncs import HostSyncCounter
-from compression.synthetic import criteo_like_batch
+import dlrm_compression as compression
+from dlrm_compression.host_syncs import HostSyncCounter
+from dlrm_compression.synthetic import criteo_like_batch
 
 
 def test_each_kind_of_sync_counts_once_per_call():

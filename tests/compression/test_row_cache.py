@@ -11,12 +11,12 @@ import pytest
 import torch
 from trainer_runs import losses, train
 
-from compression.row_cache import RowCache
 from dlrm.embedding_comm import fixed_bound
 from dlrm.embedding_comm.cache_probe import CacheProbe
 from dlrm.embedding_comm.codec import DirectionCodec
 from dlrm.embedding_comm.config import DirectionSpec, parse_compression_cfg
 from dlrm.embedding_comm.stats import CommStats, derive
+from dlrm_compression.row_cache import RowCache
 
 
 def test_eviction_drops_the_least_recently_stored_ids_smallest_id_first_within_a_call():

@@ -55,9 +55,9 @@ def _tensor_cases():
 def _check_interpret() -> None:
     import torch
 
-    from compression import get_codec
-    from compression import kernels as K
-    from compression import reference as R
+    from dlrm_compression import get_codec
+    from dlrm_compression import kernels as K
+    from dlrm_compression import reference as R
 
     def same(a, b, what):
         if a.dtype.is_floating_point:
@@ -128,7 +128,7 @@ def _check_interpret() -> None:
 
 
 def _aot_specs():
-    from compression import kernels as K
+    from dlrm_compression import kernels as K
 
     quant = {
         "x_ptr": "*fp32",
@@ -197,7 +197,7 @@ def _check_aot() -> None:
 def _check_no_interpreter() -> None:
     import torch
 
-    from compression import get_codec
+    from dlrm_compression import get_codec
 
     try:
         get_codec("lossy", backend="triton").encode(torch.randn(4, 4), 1e-3)

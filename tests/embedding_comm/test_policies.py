@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from compression.policies import (
+from dlrm.embedding_comm.policy import PolicyFeedback, build_policy, table_stats
+from dlrm_compression.policies import (
     Control,
     TableStats,
     automatic_classes,
@@ -23,7 +24,6 @@ from compression.policies import (
     published_classes,
     schedule_multiplier,
 )
-from dlrm.embedding_comm.policy import PolicyFeedback, build_policy, table_stats
 
 ROOT = Path(__file__).resolve().parents[2]
 ES = 65536

@@ -18,7 +18,6 @@ from torchrec import EmbeddingBagCollection
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from trainer_runs import train
 
-from compression.cost_model import Link
 from data.frequency import FeatureFrequency, estimate_from_batches
 from data.loader import criteo_batches
 from data.preprocess import prepare_sample
@@ -27,6 +26,7 @@ from dlrm.placement.comm_aware import CHOICES, comm_aware_planner
 from dlrm.placement.config import parse_placement_cfg
 from dlrm.placement.traffic import Direction, TrafficModel
 from dlrm.trainer.datasets import RunData
+from dlrm_compression.cost_model import Link
 
 SYNTHETIC = [
     "data=synthetic",

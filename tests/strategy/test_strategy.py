@@ -13,9 +13,9 @@ import pytest
 import torch
 from trainer_runs import losses, train
 
-import compression
-from compression.cost_model import Link
-from compression.strategy import Option, Timeline, Unit, choose, simulate
+import dlrm_compression as compression
+from dlrm_compression.cost_model import Link
+from dlrm_compression.strategy import Option, Timeline, Unit, choose, simulate
 
 MB = 1e6
 
@@ -219,7 +219,7 @@ def test_the_link_fit_finds_latency_or_a_free_burst():
 
 
 def test_the_cost_model_without_overlap_is_the_timeline_with_no_compute_after_the_backward():
-    from compression.cost_model import CodecCost, Workload, iteration_time
+    from dlrm_compression.cost_model import CodecCost, Workload, iteration_time
 
     w = Workload(ranks=4, batch_per_rank=512, dims=(64,) * 8, dense_params=2_000_000, compute_s=0.03)
     w = replace(w, input_bytes_per_lookup=0)  # the strategy's units leave the input dist out

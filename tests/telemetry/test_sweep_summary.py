@@ -187,10 +187,10 @@ def test_custom_scalars_layout_reads_back_and_matches_the_comm_and_policy_tags(t
     from tensorboard.plugins.custom_scalar import layout_pb2
     from torch.utils.tensorboard import SummaryWriter
 
-    from compression.policies import TableStats
     from dlrm.embedding_comm.policy import build_policy
     from dlrm.embedding_comm.stats import derive
     from dlrm.telemetry.tb_layout import add_layout, eb_tag, policy_scalars, ratio_tag
+    from dlrm_compression.policies import TableStats
 
     features = ["cat_0", "cat_1", "cat_2"]
     policy = build_policy(

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from compression.row_cache import RowCache
 from dlrm.trainer.state import RngState
+from dlrm_compression.row_cache import RowCache
 
 
 def _through_a_file(state: dict) -> dict:
