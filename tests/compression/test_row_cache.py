@@ -3,6 +3,7 @@ would save (compression.stats.cache_probe), against brute-force references."""
 
 from __future__ import annotations
 
+import io
 import json
 from collections import OrderedDict
 
@@ -264,3 +265,37 @@ def test_every_held_row_stays_within_the_bound_of_its_exact_value_with_several_b
             err = (rows - tables[k][uid]).abs().max()
             assert err <= eb * (1 + 1e-5), (scheme, k, step, float(err))
     assert stats.sums["forward/cache_probe/hit_rows/a"] > stats.sums["forward/cache_probe/hit_rows/b"]
+
+
+def _observe(probe: CacheProbe, dc: DirectionCodec, steps: list, eb: float) -> CommStats:
+    stats = CommStats()
+    for chunk, ids in steps:
+        payload = dc.encode(chunk, [4, 4], [eb, eb], ids)
+        probe.observe(dc, chunk, ids, payload, ["a", "b"], [4, 4], [eb, eb], 1, stats)
+    return stats
+
+
+def test_a_probe_restored_from_its_checkpoint_state_counts_what_the_uninterrupted_probe_counts():
+    eb = 0.02
+    dc = DirectionCodec(DirectionSpec("lossy", params={"entropy": True}), "forward", fixed_bound(eb))
+    g = torch.Generator().manual_seed(5)
+    tables = torch.randn(2, 40, 4, generator=g)
+    steps = []
+    for _ in range(8):
+        ids = torch.randint(0, 40, (32, 2), generator=g)
+        tables += 0.5 * eb * torch.randn(2, 40, 4, generator=g)
+        steps.append((torch.cat([tables[k][ids[:, k]] for k in range(2)], dim=1), ids))
+    whole = _observe(CacheProbe(capacity_rows=24), dc, steps, eb)
+    head = _observe(CacheProbe(capacity_rows=24), dc, steps[:4], eb)
+    first = CacheProbe(capacity_rows=24)
+    _observe(first, dc, steps[:4], eb)
+    saved = io.BytesIO()
+    torch.save(first.state_dict(), saved)
+    saved.seek(0)
+    resumed = CacheProbe(capacity_rows=24)
+    resumed.load_state_dict(torch.load(saved, weights_only=True))
+    tail = _observe(resumed, dc, steps[4:], eb)
+    cold = _observe(CacheProbe(capacity_rows=24), dc, steps[4:], eb)
+    for key in ("forward/cache_probe/hit_rows", "forward/cache_delta_probe/cached_bytes"):
+        assert tail.sums[key] == whole.sums[key] - head.sums[key], key
+    assert cold.sums["forward/cache_probe/hit_rows"] < tail.sums["forward/cache_probe/hit_rows"]  # it can tell
