@@ -27,6 +27,7 @@ from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingDist
 from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingDist
 from torchrec.distributed.types import Awaitable, NoWait
 
+from compression.ids_codec import IdsCodec
 from dlrm.embedding_comm.cache_probe import CacheProbe
 from dlrm.embedding_comm.codec import DirectionCodec
 from dlrm.embedding_comm.codec_stages import Calibration, DuplicateIds, ForwardPositions
@@ -59,6 +60,7 @@ class CompressionRuntime:
     calibrating: bool = False  # compression=auto: training calls measure every option meanwhile
     cache_probe: CacheProbe | None = None  # compression.stats.cache_probe (training forwards only)
     forward_cache: ForwardCache | None = None  # compression.forward.cache (training forwards only)
+    input_codec: IdsCodec | None = None  # compression.input: ids (the KJT all-to-all coded losslessly)
 
     @property
     def codecs(self) -> dict[str, DirectionCodec]:

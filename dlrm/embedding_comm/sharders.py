@@ -14,6 +14,7 @@ from torchrec.distributed.fbgemm_qcomm_codec import (
 )
 from torchrec.distributed.types import ModuleSharder
 
+from compression.ids_codec import IdsCodec
 from dlrm.embedding_comm.bounds import BoundFn
 from dlrm.embedding_comm.cache_probe import CacheProbe
 from dlrm.embedding_comm.codec import DirectionCodec
@@ -89,6 +90,7 @@ def build_sharders(
         name=spec.name,
         cache_probe=probe,
         forward_cache=cache,
+        input_codec=IdsCodec() if spec.input == "ids" else None,
     )
     return [
         CompressedEmbeddingBagCollectionSharder(runtime, fused_params=fused_params, sharding_types=spec.sharding_types)
