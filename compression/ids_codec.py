@@ -20,6 +20,7 @@ checksummed container of :mod:`compression.format`: a corrupted or truncated one
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,6 +35,26 @@ _FIELDS = 7  # per key: bags, ids, distinct, length base, length bits, gap bits,
 _BAGS, _IDS, _DISTINCT, _LEN_BASE, _LEN_BITS, _GAP_BITS, _IDX_BITS = range(_FIELDS)
 _ZSTD, _WEIGHTS, _VALUES32, _LENGTHS64 = 1, 2, 4, 8  # flags in info[1]
 _INT_DTYPES = (torch.int32, torch.int64)
+
+
+KEY_BYTES = 4 * _FIELDS + 8  # per key: its plan (int32 words) and its first distinct id
+PAYLOAD_BYTES = 88  # the container's header of a payload without weights (compression.format)
+
+
+def expected_bytes(bags: float, ids: float, distinct: float, id_range: float, lengths_vary: bool) -> float:
+    """E[payload bytes] of one key (its framing included, not the payload's header): ``ids``
+    lookups in ``bags`` bags, ``distinct`` of them distinct, spread over ``id_range`` ids. The
+    largest gap between sorted distinct ids is priced as for uniform spread, (range / distinct)
+    x (1 + ln distinct); lengths cost no bits when constant, one bit (0 or 1) when ``lengths_vary``.
+    """
+    if ids <= 0:
+        return KEY_BYTES + (bags / 8 if lengths_vary else 0.0)
+    d = max(distinct, 1.0)
+    index_bits = math.ceil(math.log2(d)) if d > 1 else 0
+    gap = id_range / d * (1 + math.log(d))
+    gap_bits = min(max(math.ceil(math.log2(gap)), 0), max(int(id_range).bit_length(), 1)) if d > 1 else 0
+    length_bits = bags if lengths_vary else 0
+    return KEY_BYTES + (ids * index_bits + (d - 1) * gap_bits + length_bits) / 8
 
 
 @dataclass
