@@ -163,3 +163,50 @@ def test_a_corrupted_input_payload_raises_naming_the_source_keys_and_call():
         match=r"PayloadError: input all-to-all payload from rank 0 to rank 1 \(keys \[.*\], call 1\): checksum",
     ):
         run_ranks(_corrupt, 2, timeout=120)
+
+
+def _kjt(rank: int, variable: bool) -> KeyedJaggedTensor:
+    """A weighted KJT of 4 keys: bags of 0-3 ids (int64 ends included), rank-dependent batch sizes
+    (``variable``: a batch size per key, TorchRec's variable stride per key)."""
+    g = torch.Generator().manual_seed(rank)
+    strides = [2 + rank, 1, 3 + rank, 2] if variable else [3 + rank] * 4
+    lengths = torch.randint(0, 4, (sum(strides),), generator=g, dtype=torch.int32)
+    ends = torch.tensor([torch.iinfo(torch.int64).min, torch.iinfo(torch.int64).max, -1, 0])
+    values = ends[torch.randint(0, 4, (int(lengths.sum()),), generator=g)]
+    values[::3] = torch.randint(0, 50, values[::3].shape, generator=g)
+    weights = torch.rand(values.numel(), generator=g)
+    keys = ["a", "b", "c", "d"]
+    if variable:
+        return KeyedJaggedTensor(
+            keys=keys, values=values, lengths=lengths, weights=weights, stride_per_key_per_rank=[[s] for s in strides]
+        )
+    return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, weights=weights, stride=strides[0])
+
+
+def _direct(rank: int, ws: int) -> int:
+    """TorchRec's KJTAllToAll and ours on the same weighted KJTs, compared field by field."""
+    import torch.distributed as dist
+    from torchrec.distributed.dist_data import KJTAllToAll
+
+    from compression.ids_codec import IdsCodec
+    from dlrm.embedding_comm.input_dist import CompressedKJTAllToAll
+    from dlrm.embedding_comm.stats import CommStats
+
+    splits = [2, 1, 1][:ws] if ws == 3 else [3, 1]
+    stock = KJTAllToAll(dist.GroupMember.WORLD, splits)
+    ours = CompressedKJTAllToAll.from_stock(stock, IdsCodec(), CommStats())
+    checked = 0
+    for variable in (False, True):
+        want = stock(_kjt(rank, variable)).wait().wait()
+        got = ours(_kjt(rank, variable)).wait().wait()
+        _same_kjt(want, got, f"rank {rank} variable={variable}")
+        if variable:
+            assert want.stride_per_key_per_rank() == got.stride_per_key_per_rank()
+        assert torch.equal(want.weights(), got.weights())
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_weighted_and_variable_stride_kjts_match_torchrecs_all_to_all(ws):
+    assert run_ranks(_direct, ws) == [2] * ws
