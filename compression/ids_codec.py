@@ -74,34 +74,42 @@ def bit_length(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x < 0, torch.full_like(below, 64), below)
 
 
+def _low_mask(bits: torch.Tensor) -> torch.Tensor:
+    """int64 with the low ``bits`` (0..64) set (64: all ones, as -1)."""
+    one = torch.ones_like(bits)
+    return torch.where(bits >= 64, -one, one.bitwise_left_shift(bits.clamp(max=63)) - 1)
+
+
+def _shift_right(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Logical (unsigned) right shift of int64 ``x`` by ``s`` in 0..63."""
+    return x.bitwise_right_shift(s).bitwise_and_(_low_mask(64 - s))
+
+
 def pack_bits(values: torch.Tensor, widths: torch.Tensor, total_bits: int) -> torch.Tensor:
-    """Concatenate the low ``widths[i]`` bits of each int64 ``values[i]`` (LSB first) into bytes."""
+    """Concatenate the low ``widths[i]`` bits of each int64 ``values[i]`` (LSB first) into bytes:
+    each value lands in one or two 64-bit words (bits never overlap, so sums are ORs)."""
     nbytes = -(-total_bits // 8)
-    if total_bits == 0:
-        return torch.zeros(0, dtype=torch.uint8, device=values.device)
-    ends = widths.cumsum(0)
-    pos = torch.arange(nbytes * 8, device=values.device)
-    elem = torch.searchsorted(ends, pos, right=True).clamp_(max=max(values.numel() - 1, 0))
-    shift = pos - (ends[elem] - widths[elem])
-    bits = values[elem].bitwise_right_shift(shift.clamp(0, 63)).bitwise_and_(1)
-    bits = torch.where(pos < total_bits, bits, torch.zeros_like(bits))
-    weights = torch.ones(8, dtype=torch.int64, device=values.device).bitwise_left_shift(
-        torch.arange(8, device=values.device)
-    )
-    return (bits.view(nbytes, 8) * weights).sum(1).to(torch.uint8)
+    words = torch.zeros(total_bits // 64 + 2, dtype=torch.int64, device=values.device)
+    if total_bits:
+        start = widths.cumsum(0) - widths
+        w, s = start.bitwise_right_shift(6), start.bitwise_and(63)
+        v = values.bitwise_and(_low_mask(widths))
+        spill = torch.where(s > 0, _shift_right(v, (64 - s).clamp(max=63)), torch.zeros_like(v))
+        words.index_add_(0, w, v.bitwise_left_shift(s)).index_add_(0, w + 1, spill)
+    return words.view(torch.uint8)[:nbytes]
 
 
 def unpack_bits(data: torch.Tensor, widths: torch.Tensor, total_bits: int) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: ``widths.numel()`` int64 values (bit patterns, wrapping)."""
-    out = torch.zeros(widths.numel(), dtype=torch.int64, device=data.device)
     if total_bits == 0:
-        return out
-    ends = widths.cumsum(0)
-    pos = torch.arange(total_bits, device=data.device)
-    elem = torch.searchsorted(ends, pos, right=True)
-    shift = pos - (ends[elem] - widths[elem])
-    bits = data.to(torch.int64)[pos // 8].bitwise_right_shift(pos % 8).bitwise_and_(1)
-    return out.index_add_(0, elem, bits.bitwise_left_shift(shift))
+        return torch.zeros(widths.numel(), dtype=torch.int64, device=data.device)
+    padded = torch.zeros((total_bits // 64 + 2) * 8, dtype=torch.uint8, device=data.device)
+    padded[: data.numel()] = data
+    words = padded.view(torch.int64)
+    start = widths.cumsum(0) - widths
+    w, s = start.bitwise_right_shift(6), start.bitwise_and(63)
+    high = torch.where(s > 0, words[w + 1].bitwise_left_shift((64 - s).clamp(max=63)), torch.zeros_like(s))
+    return (_shift_right(words[w], s) | high).bitwise_and_(_low_mask(widths))
 
 
 def _segments(counts: torch.Tensor, total: int) -> torch.Tensor:
@@ -172,13 +180,25 @@ class IdsCodec:
         keep = (torch.arange(n_ids, device=dev) < distinct.sum()) & ~_firsts(first, distinct, n_ids)
         gaps = torch.where(keep, gaps, torch.zeros_like(gaps))
         gap_max = torch.zeros(k, dtype=torch.int64, device=dev)
-        if n_ids:  # unsigned max: the largest bit length
-            gap_max = gap_max.scatter_reduce_(0, uniq_key, bit_length(gaps), "amax")
+        if n_ids:  # unsigned max: a gap with its top bit set (negative as int64) needs all 64 bits
+            neg = gaps < 0
+            gap_max = gap_max.scatter_reduce_(0, uniq_key, torch.where(neg, 0, gaps), "amax")
+            any_neg = torch.zeros(k, dtype=torch.int64, device=dev).scatter_reduce_(0, uniq_key, neg.long(), "amax")
+            gap_max = torch.where(any_neg > 0, torch.full_like(gap_max, -1), gap_max)  # bit_length(-1) = 64
         base = torch.zeros(k, dtype=torch.int64, device=dev)
         if n_ids:
             base = torch.where(distinct > 0, uniq[first.clamp(max=n_ids - 1)], base)
         plan = torch.stack(
-            [bags, ids_per_key, distinct, lo, bit_length(hi - lo), gap_max, bit_length((distinct - 1).clamp(min=0))], 1
+            [
+                bags,
+                ids_per_key,
+                distinct,
+                lo,
+                bit_length(hi - lo),
+                bit_length(gap_max),
+                bit_length((distinct - 1).clamp(min=0)),
+            ],
+            1,
         )
         host = plan.tolist()  # the one host synchronisation: every size below comes from it
         out, key0, id0, bag0, uniq0 = [], 0, 0, 0, 0
