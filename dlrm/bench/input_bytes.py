@@ -59,8 +59,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows[name] = {k: m["wire_bytes_by_path"][k] for k in PATHS}
         rows[name]["embedding path"] = sum(rows[name][k] for k in PATHS)
         rows[name]["predicted input"] = m["predicted_wire_bytes_by_path"]["input"]
+        rows[name]["samples/s"] = m["samples_per_s"]
     base = rows[next(iter(VARIANTS))]
     print(f"bytes per iteration, all {a.nproc} ranks; overrides: {' '.join(a.overrides) or '(defaults)'}")
+    print("samples/s: training throughput on this machine's unthrottled loopback (noisy on shared cores)")
     print(f"| variant | {' | '.join(base)} | input ratio | path ratio |")
     print("|---|" + "---:|" * (len(base) + 2))
     for name, r in rows.items():

@@ -10,6 +10,7 @@ one byte all-to-all and rebuilds, with TorchRec's own ``dist_init`` and recat, e
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -75,7 +76,9 @@ class _CodedSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
         self.tensors = kjt.dist_tensors()
         device = kjt.device()
         weights = kjt.weights_or_none()
+        t0 = time.perf_counter()
         payloads = module.codec.encode(kjt.lengths(), kjt.values(), kjt.stride_per_key(), weights, splits)
+        module.stats.add("input/codec_ms", 1e3 * (time.perf_counter() - t0))
         payloads[me] = torch.zeros(0, dtype=torch.uint8, device=device)  # our own share stays raw
         self.payloads = payloads
         words = [list(s) for s in self.input_splits]
@@ -142,8 +145,10 @@ class _CodedTensorsAwaitable(KJTAllToAllTensorsAwaitable):
                 for out, t in zip(parts, own, strict=True):
                     out.append(t)
                 continue
+            t0 = time.perf_counter()
             for out, t in zip(parts, self._decode(chunk, src), strict=True):
                 out.append(t)
+            req.module.stats.add("input/codec_ms", 1e3 * (time.perf_counter() - t0))
         tensors = [torch.cat(p) for p in parts]
         return type(self._input).dist_init(
             keys=self._keys,
