@@ -16,16 +16,20 @@ def cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("cache")
 
 
-def test_none_with_coded_input_trains_bit_identically_to_none(tmp_path, cache):
+# compression=none; and lossy with hot rows replicated (bags of 0 or 1 cold ids: coded lengths)
+@pytest.mark.parametrize(
+    "base", [["compression=none"], ["sharding=table_wise", "placement.hot_rows=auto"]], ids=["none", "hot_rows"]
+)
+def test_coded_input_trains_bit_identically_to_the_uncoded_one(tmp_path, cache, base):
     runs = {}
-    for name, extra in (("none", []), ("ids", ["compression.input=ids"])):
+    for name, extra in (("plain", []), ("ids", ["compression.input=ids"])):
         run_dir = tmp_path / name
-        train(run_dir, cache, ["compression=none", "max_iterations=6", "loss_log=true", *extra])
+        train(run_dir, cache, [*base, "max_iterations=6", "loss_log=true", *extra])
         runs[name] = ((run_dir / "losses.txt").read_text(), json.loads((run_dir / "metrics.json").read_text()))
-    (ref, m0), (got, m1) = runs["none"], runs["ids"]
+    (ref, m0), (got, m1) = runs["plain"], runs["ids"]
     assert ref == got and len(ref.splitlines()) >= 6
     stock, coded = m0["wire_bytes_by_path"]["input"], m1["wire_bytes_by_path"]["input"]
-    # 26 single-valued Criteo features: about one byte an id and no lengths, against 8 + 4 bytes
+    # 26 single-valued Criteo features: about one byte an id, no (or 1-bit) lengths, against 8 + 4 bytes
     assert 0 < coded < stock / 4, (coded, stock)
 
 
