@@ -23,7 +23,19 @@ QCOMM_PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 ALL_SHARDING_TYPES = ("data_parallel", "table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise")
 ROW_SUM_SHARDING_TYPES = ("row_wise", "table_row_wise")  # forward rows are partial sums (reduce-scatter)
 
-_TOP_KEYS = {"name", "kind", "forward", "backward", "qcomm", "stats", "sharding_types", "strategy", "strategy_file"}
+INPUT_CODECS = ("none", "ids")  # compression.input
+_TOP_KEYS = {
+    "name",
+    "kind",
+    "input",
+    "forward",
+    "backward",
+    "qcomm",
+    "stats",
+    "sharding_types",
+    "strategy",
+    "strategy_file",
+}
 _DIR_KEYS = {"codec", "mode", "dedup", "params", "cache"}
 _CACHE_KEYS = {"enabled", "capacity_rows"}
 _STATS_KEYS = {"sample_every", "cache_probe"}
@@ -62,6 +74,7 @@ class CompressionSpec:
     # compression=auto (per_block codecs): when to calibrate and re-plan, or a strategy to replay
     strategy: Mapping[str, Any] = field(default_factory=dict)
     strategy_file: str | None = None
+    input: str = "none"  # compression.input: none | ids (the KJT all-to-all, coded losslessly)
 
     @property
     def auto(self) -> bool:
@@ -129,6 +142,12 @@ def parse_compression_cfg(cfg: Mapping[str, Any]) -> CompressionSpec:
     if bad:
         raise ValueError(f"{where}.sharding_types: {bad} not in {list(ALL_SHARDING_TYPES)}")
     common = dict(name=name, kind=kind, sample_every=sample_every, sharding_types=tuple(types))
+    common["input"] = one_of(cfg, "input", where, INPUT_CODECS, "none")
+    if kind == "qcomm" and common["input"] != "none":
+        raise ValueError(
+            f"{where}.input={common['input']} codes the input all-to-all of our compressed path (kind: compressed); "
+            f"kind qcomm runs TorchRec's own input dist: set {where}.input=none or a compression of kind compressed"
+        )
     cache_probe_rows = capacity if enabled else None
     if kind == "qcomm":
         if "forward" in cfg or "backward" in cfg:

@@ -42,6 +42,7 @@ from dlrm.embedding_comm.ids import Region, chunk_ids
 from dlrm.embedding_comm.stage import Stage
 from dlrm.embedding_comm.stats import CommStats
 from dlrm.trainer.state import PerRank
+from dlrm_compression.ids_codec import IdsCodec
 
 # Key under which the sharder hands the runtime to the shardings through TorchRec's
 # qcomm_codecs_registry (create_embedding_bag_sharding is a classmethod: no instance state). The
@@ -60,6 +61,7 @@ class CompressionRuntime(PerRank):
     calibrating: bool = False  # compression=auto: training calls measure every option meanwhile
     cache_probe: CacheProbe | None = None  # compression.stats.cache_probe (training forwards only)
     forward_cache: ForwardCache | None = None  # compression.forward.cache (training forwards only)
+    input_codec: IdsCodec | None = None  # compression.input: ids (the KJT all-to-all coded losslessly)
 
     @property
     def codecs(self) -> dict[str, DirectionCodec]:

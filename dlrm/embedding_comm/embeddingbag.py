@@ -29,6 +29,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from dlrm.embedding_comm.config import ALL_SHARDING_TYPES
 from dlrm.embedding_comm.dist import REGISTRY_KEY, CompressedDist, CompressionRuntime
+from dlrm.embedding_comm.input_dist import CompressedKJTAllToAll, stock_input_bytes
 from dlrm.embedding_comm.sharding import COMPRESSED_SHARDINGS
 from dlrm.embedding_comm.stats import CommStats
 
@@ -69,11 +70,16 @@ class CompressedShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def _create_input_dist(self, input_feature_names: list[str]) -> None:
         super()._create_input_dist(input_feature_names)
         self._pre_a2a_kjts: list[KeyedJaggedTensor | None] = [None] * len(self._input_dists)
+        runtime = (self._qcomm_codecs_registry or {}).get(REGISTRY_KEY)
+        codec = runtime.input_codec if isinstance(runtime, CompressionRuntime) else None
         for i, input_dist in enumerate(self._input_dists):
             input_dist.register_forward_pre_hook(self._stash_hook(i))
-            for m in input_dist.modules():
-                if isinstance(m, KJTAllToAll):
-                    m.register_forward_pre_hook(self._count_input)
+            for m in list(input_dist.modules()):
+                for name, child in list(m.named_children()):
+                    if type(child) is KJTAllToAll and codec is not None:  # compression.input: ids
+                        setattr(m, name, CompressedKJTAllToAll.from_stock(child, codec, self.input_stats))
+                    elif type(child) is KJTAllToAll:
+                        child.register_forward_pre_hook(self._count_input)
 
     @property
     def input_stats(self) -> CommStats:
@@ -83,18 +89,10 @@ class CompressedShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         return self._input_stats
 
     def _count_input(self, module: KJTAllToAll, args: tuple) -> None:
-        """Bytes this rank's KJT all-to-all sends to other ranks: each tensor's (lengths, values)
-        splits for the peers, and the splits exchange before it (one int64 per tensor and the
-        stride, per peer), as TorchRec's KJTAllToAllSplitsAwaitable sends them."""
-        kjt: KeyedJaggedTensor = args[0]
-        ws, me = module._pg.size(), module._pg.rank()
-        if ws == 1:
+        """Bytes this rank's stock KJT all-to-all sends to other ranks (the coded one counts its own)."""
+        if module._pg.size() == 1:
             return
-        sent = 0
-        for splits, t in zip(kjt.dist_splits(module._splits), kjt.dist_tensors(), strict=True):
-            sent += sum(n for p, n in enumerate(splits) if p != me) * t.element_size()
-        words = len(kjt.dist_labels()) + (0 if kjt.variable_stride_per_key() else 1)
-        self.input_stats.add("input/wire_bytes", sent + 8 * words * (ws - 1))
+        self.input_stats.add("input/wire_bytes", stock_input_bytes(module._pg, module._splits, args[0]))
         self.input_stats.add("input/calls", 1)
 
     def _stash_hook(self, i: int):

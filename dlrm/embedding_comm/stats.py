@@ -21,6 +21,10 @@ What is measured, per direction (``forward`` = pooled embeddings, ``backward`` =
   cost of the sampling above, kept out of ``codec_ms``. Host clocks: on CUDA they include the
   host syncs the size exchange forces and miss kernel time still in flight.
 
+The input (KJT) all-to-all (``input``, :mod:`dlrm.embedding_comm.embeddingbag`) records
+``wire_bytes`` and ``calls``; coded (``compression.input=ids``, :mod:`dlrm.embedding_comm.input_dist`)
+also ``raw_bytes`` (what TorchRec's would have sent) and ``codec_ms``.
+
 The dense gradient all-reduce (``dense``, :mod:`dlrm.dense_comm.hook`) records the same ``raw_bytes``,
 ``wire_bytes``, ``codec_ms``, ``comm_ms`` and ``calls``, and under DCT ``kept``/``numel`` (whose
 quotient :func:`derive` writes as ``comm/dense/keep``), ``threshold`` and ``residual_norm``.

@@ -21,6 +21,10 @@ dedups by id (comm_ops: forward rows by id, backward gradients summed per id), s
   replica rows its ``k * B`` lookups touched (E = sum_{i<H} 1 - (1 - p_i)^{kB}) with their slots
   (:class:`ReplicaSync`).
 
+With ``compression.input=ids`` (``input_coded``) an input chunk costs, per key, the sorted
+distinct ids (gaps) and an index per lookup at ceil(log2 distinct) bits
+(:func:`compression.ids_codec.expected_bytes`), and each payload a header and a size word.
+
 ``ratio`` is the codec's: fp32 bytes of the rows it is given / payload bytes (1 for
 ``compression=none`` less its framing), measured in the run (or calibrated before it).
 """
@@ -36,6 +40,7 @@ import numpy as np
 
 from data.frequency import FeatureFrequency, seen_probability
 from dlrm_compression.cost_model import ring_allreduce_bytes
+from dlrm_compression.ids_codec import PAYLOAD_BYTES, expected_bytes
 
 PATHS = ("input", "forward", "backward", "allreduce", "replica_sync")
 FP32 = 4
@@ -110,6 +115,7 @@ class TrafficModel:
     backward: Direction = field(default_factory=lambda: Direction(dedup=True))
     hot: Mapping[str, int] = field(default_factory=dict)  # table -> replicated hot rows (placement.hot_rows)
     sync: ReplicaSync = field(default_factory=ReplicaSync)
+    input_coded: bool = False  # compression.input=ids: the input dist's ids coded (compression/ids_codec.py)
     _distinct: dict[tuple[int, int], float] = field(default_factory=dict)
 
     def distinct(self, freq: FeatureFrequency, skip_top: int = 0) -> float:
@@ -136,7 +142,6 @@ class TrafficModel:
         """float64 ``[world_size, len(PATHS)]``: what each rank sends for table ``t``."""
         ws, b = self.world_size, self.batch_size
         out = np.zeros((ws, len(PATHS)))
-        val_b, len_b = self.index_bytes
         cold = 1 - self.hot_mass(t.name, freq)  # the share of lookups still sent
         if t.kind == "data_parallel":
             out[:, 3] = ring_allreduce_bytes(t.num_embeddings * t.dim, ws, FP32)
@@ -147,7 +152,7 @@ class TrafficModel:
                 for r in range(ws):
                     if r == s.rank:
                         continue
-                    out[r, 0] += b * len_b + b * mass[j] * val_b
+                    out[r, 0] += self._input(b, b * mass[j], distinct[j], s.rows, mass[j] < 1)
                     fwd_rows = distinct[j] + 1 if self.forward.dedup else b
                     out[s.rank, 1] += fwd_rows * s.width * FP32 / self.forward.ratio_rows
                     out[r, 2] += b * s.width * FP32 / self.backward.ratio_rows
@@ -158,10 +163,19 @@ class TrafficModel:
             for r in range(ws):
                 if r == s.rank:
                     continue
-                out[r, 0] += b * len_b + b * cold * val_b
+                cold_distinct = self.distinct(freq, skip_top=self.hot.get(t.name, 0))
+                out[r, 0] += self._input(b, b * cold, cold_distinct, t.num_embeddings, cold < 1)
                 out[s.rank, 1] += rows_f * s.width * FP32 / self.forward.ratio_ids
                 out[r, 2] += rows_b * s.width * FP32 / self.backward.ratio_ids
         return out
+
+    def _input(self, bags: float, ids: float, distinct: float, id_range: float, lengths_vary: bool) -> float:
+        """Input-dist bytes of one key's chunk: TorchRec's values and lengths, or coded (sorted
+        distinct ids + an index per lookup, :func:`compression.ids_codec.expected_bytes`)."""
+        if self.input_coded:
+            return expected_bytes(bags, ids, distinct, id_range, lengths_vary)
+        val_b, len_b = self.index_bytes
+        return bags * len_b + ids * val_b
 
     def _row_ranges(self, t: TablePlacement, freq: FeatureFrequency) -> tuple[list[float], list[float]]:
         """Per row range: the probability mass of its ids and E[distinct ids] of it in a batch. Top
@@ -190,6 +204,8 @@ class TrafficModel:
         out = np.zeros((ws, len(PATHS)))
         for _ in set(kinds) - {"data_parallel"}:
             out[:, 0] += ID_BYTES * 3 * (ws - 1)  # lengths, values, stride
+            if self.input_coded:  # and each payload's size, and its header
+                out[:, 0] += (ID_BYTES + PAYLOAD_BYTES) * (ws - 1)
             out[:, 1] += ID_BYTES * (ws - 1) if self.forward.framed else 0
             out[:, 2] += ID_BYTES * (ws - 1) if self.backward.framed else 0
         return out

@@ -183,6 +183,7 @@ def wire_metrics(
         backward=dirs["backward"],
         hot=hot or {},
         sync=sync or ReplicaSync(),
+        input_coded=spec.input == "ids",
     )
     features_of = dict(zip(table_names(features), features, strict=True))
     distinct = measured_distinct(sums) if dedup["forward"] else {}

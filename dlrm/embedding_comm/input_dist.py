@@ -1,0 +1,185 @@
+"""The input (KJT) all-to-all with its ids and lengths coded losslessly (``compression.input: ids``).
+
+Mirrors TorchRec's ``KJTAllToAll`` (``torchrec/distributed/dist_data.py``) and keeps its two
+awaitables, so that ``TrainPipelineSparseDist`` still runs the input dist one batch ahead: the
+first exchanges TorchRec's splits plus each payload's size (one collective, one host
+synchronisation), the second sends the payloads of :class:`compression.ids_codec.IdsCodec` in
+one byte all-to-all and rebuilds, with TorchRec's own ``dist_init`` and recat, exactly the
+``KeyedJaggedTensor`` the stock all-to-all delivers. A rank's own share never travels or is coded.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.dist_data import KJTAllToAll, KJTAllToAllTensorsAwaitable, _get_recat
+from torchrec.distributed.types import Awaitable
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from dlrm.embedding_comm.stats import CommStats
+from dlrm_compression.format import PayloadError
+from dlrm_compression.ids_codec import IdsCodec
+
+
+def stock_input_bytes(pg: Any, splits: list[int], kjt: KeyedJaggedTensor) -> int:
+    """Bytes a rank's stock KJT all-to-all sends to other ranks: each tensor's share for the
+    peers, and the splits exchange before it (one int64 per tensor and the stride, per peer)."""
+    ws, me = pg.size(), pg.rank()
+    if ws == 1:
+        return 0
+    sent = 0
+    for tsplits, t in zip(kjt.dist_splits(splits), kjt.dist_tensors(), strict=True):
+        sent += sum(n for p, n in enumerate(tsplits) if p != me) * t.element_size()
+    words = len(kjt.dist_labels()) + (0 if kjt.variable_stride_per_key() else 1)
+    return sent + 8 * words * (ws - 1)
+
+
+class CompressedKJTAllToAll(KJTAllToAll):
+    """``KJTAllToAll`` whose lengths, ids and weights travel as one coded payload per peer."""
+
+    def __init__(self, pg: dist.ProcessGroup, splits: list[int], stagger: int, codec: IdsCodec, stats: CommStats):
+        super().__init__(pg, splits, stagger)
+        self.codec, self.stats = codec, stats
+        self.calls = 0
+
+    @classmethod
+    def from_stock(cls, stock: KJTAllToAll, codec: IdsCodec, stats: CommStats) -> CompressedKJTAllToAll:
+        return cls(stock._pg, stock._splits, stock._stagger, codec, stats)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Keep our ``forward``: TrainPipelineSparseDist replaces every input dist's forward by one
+        that hands TorchRec's splits to a fused exchange, which would send the ids uncoded."""
+        if name != "forward":
+            super().__setattr__(name, value)
+
+    def forward(self, input: KeyedJaggedTensor) -> Awaitable[KJTAllToAllTensorsAwaitable]:
+        if self._pg.size() == 1:
+            return super().forward(input)
+        with torch.no_grad():
+            self.calls += 1
+            return _CodedSplitsAwaitable(self, input)
+
+
+class _CodedSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
+    """Codes the payloads and launches the splits + sizes exchange; its wait launches the bytes."""
+
+    def __init__(self, module: CompressedKJTAllToAll, kjt: KeyedJaggedTensor) -> None:
+        super().__init__()
+        pg, splits = module._pg, module._splits
+        ws, me = pg.size(), pg.rank()
+        self.module, self.kjt = module, kjt
+        self.labels = kjt.dist_labels()
+        self.input_splits = kjt.dist_splits(splits)
+        self.tensors = kjt.dist_tensors()
+        device = kjt.device()
+        weights = kjt.weights_or_none()
+        t0 = time.perf_counter()
+        payloads = module.codec.encode(kjt.lengths(), kjt.values(), kjt.stride_per_key(), weights, splits)
+        module.stats.add("input/codec_ms", 1e3 * (time.perf_counter() - t0))
+        payloads[me] = torch.zeros(0, dtype=torch.uint8, device=device)  # our own share stays raw
+        self.payloads = payloads
+        words = [list(s) for s in self.input_splits]
+        if not kjt.variable_stride_per_key():
+            words.append([kjt.stride()] * ws)
+        words.append([p.numel() for p in payloads])
+        send = torch.tensor(words, dtype=torch.int64, device=device).t().contiguous()
+        self.recv = torch.empty_like(send)
+        self.work = dist.all_to_all_single(self.recv, send, group=pg, async_op=True)
+        module.stats.add("input/wire_bytes", sum(p.numel() for p in payloads) + 8 * len(words) * (ws - 1))
+        module.stats.add("input/raw_bytes", stock_input_bytes(pg, splits, kjt))
+        module.stats.add("input/calls", 1)
+
+    def _wait_impl(self) -> KJTAllToAllTensorsAwaitable:
+        self.work.wait()
+        got = self.recv.t().tolist()  # the one host synchronisation of the exchange
+        output_splits, sizes = got[: len(self.labels)], got[-1]
+        stride_per_rank = None if self.kjt.variable_stride_per_key() else got[len(self.labels)]
+        return _CodedTensorsAwaitable(self, output_splits, sizes, stride_per_rank)
+
+
+class _CodedTensorsAwaitable(KJTAllToAllTensorsAwaitable):
+    """The byte all-to-all of the payloads; its wait decodes them into TorchRec's output tensors.
+
+    A ``KJTAllToAllTensorsAwaitable`` (its attributes set as TorchRec sets them), so that TorchRec
+    copies its splits, recat and batch sizes into the sharding context as for the stock one."""
+
+    def __init__(
+        self, req: _CodedSplitsAwaitable, output_splits: list[list[int]], sizes: list[int], stride: list[int] | None
+    ) -> None:
+        Awaitable.__init__(self)
+        module, kjt = req.module, req.kjt
+        self._pg, self._workers, self._device = module._pg, module._pg.size(), kjt.device()
+        self._input, self._splits, self._stagger = kjt, module._splits, module._stagger
+        self._input_splits_list, self._output_splits_list = req.input_splits, output_splits
+        self._input_splits = dict(zip(req.labels, req.input_splits, strict=True))
+        self._output_splits = dict(zip(req.labels, output_splits, strict=True))
+        me = self._pg.rank()
+        self._keys = kjt.keys()[sum(self._splits[:me]) : sum(self._splits[: me + 1])]
+        self._stride_per_rank = stride
+        self._recat = _get_recat(
+            local_split=self._splits[me],
+            num_splits=len(self._splits),
+            stagger=self._stagger,
+            device=self._device,
+            batch_size_per_rank=stride,
+        )
+        self._req, self._sizes, self._labels = req, sizes, req.labels
+        self._input_tensors: list[torch.Tensor] = []  # the stock clear_inputs frees nothing of ours
+        self._awaitables: list[Any] = []
+        self._buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=self._device)
+        send = torch.cat(req.payloads)
+        self._work = dist.all_to_all_single(
+            self._buffer, send, sizes, [p.numel() for p in req.payloads], group=self._pg, async_op=True
+        )
+
+    def _wait_impl(self) -> KeyedJaggedTensor:
+        self._work.wait()
+        me, req = self._pg.rank(), self._req
+        parts: list[list[torch.Tensor]] = [[] for _ in self._labels]
+        for src, chunk in enumerate(torch.split(self._buffer, self._sizes)):
+            if src == me:
+                own = [t[sum(s[:me]) : sum(s[: me + 1])] for t, s in zip(req.tensors, req.input_splits, strict=True)]
+                for out, t in zip(parts, own, strict=True):
+                    out.append(t)
+                continue
+            t0 = time.perf_counter()
+            for out, t in zip(parts, self._decode(chunk, src), strict=True):
+                out.append(t)
+            req.module.stats.add("input/codec_ms", 1e3 * (time.perf_counter() - t0))
+        tensors = [torch.cat(p) for p in parts]
+        return type(self._input).dist_init(
+            keys=self._keys,
+            tensors=tensors,
+            variable_stride_per_key=self._input.variable_stride_per_key(),
+            num_workers=self._workers,
+            recat=self._recat,
+            stride_per_rank=self._stride_per_rank,
+            stagger=self._stagger,
+        )
+
+    def _decode(self, chunk: torch.Tensor, src: int) -> list[torch.Tensor]:
+        """One peer's share as TorchRec's tensors, in its labels' order."""
+        module = self._req.module
+        where = (
+            f"input all-to-all payload from rank {src} to rank {self._pg.rank()} "
+            f"(keys {self._keys}, call {module.calls})"
+        )
+        try:
+            part = module.codec.decode(chunk, where)
+        except PayloadError as e:
+            raise PayloadError(str(e) if where in str(e) else f"{where}: {e}") from None
+        by_label = {"lengths": part.lengths, "values": part.values, "weights": part.weights}
+        by_label["strides"] = torch.tensor(part.bags_per_key, dtype=torch.int64, device=chunk.device)
+        expect = {label: self._output_splits[label][src] for label in self._labels}
+        out = []
+        for label in self._labels:
+            t = by_label[label]
+            if t is None or t.numel() != expect[label]:
+                raise PayloadError(
+                    f"{where}: {label} holds {None if t is None else t.numel()}, splits say {expect[label]}"
+                )
+            out.append(t)
+        return out

@@ -1,0 +1,212 @@
+"""compression.input=ids on real gloo ranks: every rank receives the KJT TorchRec's all-to-all
+delivers, bit for bit, for every sharding type, uneven batches and TorchRec's pipeline."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from multiprocess import run_ranks
+from test_comm import (
+    LOSSY,
+    NONE,
+    Batch,
+    batch,
+    build,
+    build_planned,
+    full_weights,
+    grad_weights,
+    ours,
+    run_steps,
+    size_of,
+)
+from torchrec import KeyedJaggedTensor
+
+IDS = {**NONE, "input": "ids"}
+LOSSY_IDS = {**LOSSY, "input": "ids"}
+
+
+def _record_received() -> list[list[KeyedJaggedTensor]]:
+    """Patch this rank's sharded EBC to keep every KJT its input dists deliver (this process only)."""
+    from dlrm.embedding_comm.embeddingbag import CompressedShardedEmbeddingBagCollection as EBC
+
+    seen: list[list[KeyedJaggedTensor]] = []
+    stash = EBC._stash_post_a2a
+
+    def record(self, ctx, dist_input):
+        seen.append(list(dist_input))
+        return stash(self, ctx, dist_input)
+
+    EBC._stash_post_a2a = record
+    return seen
+
+
+def _same_kjt(a: KeyedJaggedTensor, b: KeyedJaggedTensor, where: str) -> None:
+    assert a.keys() == b.keys(), where
+    assert a.stride() == b.stride() and a.stride_per_key() == b.stride_per_key(), where
+    assert a.variable_stride_per_key() == b.variable_stride_per_key(), where
+    for name in ("lengths", "values"):
+        x, y = getattr(a, name)(), getattr(b, name)()
+        assert x.dtype == y.dtype and torch.equal(x, y), f"{where}: {name} differ"
+    wa, wb = a.weights_or_none(), b.weights_or_none()
+    assert (wa is None) == (wb is None) and (wa is None or torch.equal(wa, wb)), f"{where}: weights differ"
+
+
+def _received_and_trained(rank: int, ws: int) -> dict:
+    from dlrm.telemetry.comm_stats import comm_stats
+
+    seen = _record_received()
+    cases = [("mixed", [16, 11, 7][:ws]), ("tw_cw", [16, 9, 12][:ws])]  # TW, CW, RW (bucketized), TWRW; uneven
+    out: dict = {}
+    for plan, sizes in cases:
+        runs = {}
+        for name, cfg in (("none", NONE), ("ids", IDS)):
+            seen.clear()
+            model = build(ours(cfg), plan, ws, full_weights())
+            outs = run_steps(model, rank, sizes, 3)
+            runs[name] = (list(seen), outs, model)
+        (ref, ref_out, m0), (got, got_out, m1) = runs["none"], runs["ids"]
+        assert len(ref) == len(got) == 3
+        for step, (a, b) in enumerate(zip(ref, got, strict=True)):
+            assert len(a) == len(b)
+            for i, (x, y) in enumerate(zip(a, b, strict=True)):
+                _same_kjt(x, y, f"rank {rank} {plan} step {step} sharding {i}")
+        assert all(torch.equal(x, y) for x, y in zip(ref_out, got_out, strict=True))
+        out[plan] = (comm_stats(m0), comm_stats(m1))
+    # table_column_wise and data_parallel (no all-to-all: untouched), through TorchRec's planner
+    constraints = {"t2": ["table_column_wise"], "t0": ["data_parallel"], "t1": ["table_wise"], "t4": ["row_wise"]}
+    kjts = []
+    for cfg in (NONE, IDS):
+        seen.clear()
+        model = build_planned(ours(cfg), constraints, ws, full_weights(2))
+        types = {t: ps.sharding_type for t, ps in model.plan.plan["ebc"].items()}
+        assert all(types[t] == want[0] for t, want in constraints.items()), types
+        run_steps(model, rank, [16] * ws, 2)
+        kjts.append(list(seen))
+    for step, (a, b) in enumerate(zip(*kjts, strict=True)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _same_kjt(x, y, f"rank {rank} planned step {step} sharding {i}")
+    return out
+
+
+def test_every_sharding_type_receives_torchrecs_kjt_bit_for_bit_2_ranks():
+    for per_plan in run_ranks(_received_and_trained, 2):
+        for plan, (none, ids) in per_plan.items():
+            assert ids["comm/input/calls"] == none["comm/input/calls"] > 0
+            assert ids["comm/input/raw_bytes"] == none["comm/input/wire_bytes"], plan  # the stock count
+            # 16-sample batches: the framing (header, per-key plan) weighs as much as the ids; the
+            # byte saving at training batch sizes is the trainer test's and the benchmark's
+            assert 0 < ids["comm/input/wire_bytes"] != none["comm/input/wire_bytes"], plan
+
+
+def test_three_ranks_receive_torchrecs_kjt_bit_for_bit():
+    for per_plan in run_ranks(_received_and_trained, 3):
+        assert per_plan["tw_cw"][1]["comm/input/wire_bytes"] > 0
+
+
+def _pipeline_ids(rank: int, ws: int) -> dict:
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+    from dlrm.telemetry.comm_stats import comm_stats
+
+    steps, sizes = 4, [16, 10]
+    data = [
+        Batch(
+            dense_features=grad_weights(rank, s, size_of(rank, s, sizes, steps)),
+            sparse_features=batch(rank, s, size_of(rank, s, sizes, steps)),
+            labels=torch.zeros(size_of(rank, s, sizes, steps)),
+        )
+        for s in range(steps)
+    ]
+    results = {}
+    for name, cfg in (("lossy", LOSSY), ("ids", LOSSY_IDS)):
+        piped = build(ours(cfg), "mixed", ws, full_weights(5), pipe=True)
+        dense = [p for n, p in piped.named_parameters() if n.endswith("scale")]
+        pipeline = TrainPipelineSparseDist(piped, torch.optim.SGD(dense, lr=0.0), torch.device("cpu"))
+        it, got = iter(data), []
+        while True:
+            try:
+                got.append(pipeline.progress(it))
+            except StopIteration:
+                break
+        results[name] = (got, comm_stats(piped))
+    for a, b in zip(results["lossy"][0], results["ids"][0], strict=True):
+        assert torch.equal(a, b), float((a - b).abs().max())
+    return {k: v[1] for k, v in results.items()}
+
+
+def test_train_pipeline_runs_the_coded_input_dist_and_gives_the_same_numbers():
+    for s in run_ranks(_pipeline_ids, 2):
+        assert s["ids"]["comm/input/calls"] == s["lossy"]["comm/input/calls"] > 0
+        assert s["ids"]["comm/input/raw_bytes"] == s["lossy"]["comm/input/wire_bytes"]
+
+
+def _corrupt(rank: int, ws: int) -> None:
+    """Rank 1 flips one bit of what it receives: it must raise the named error, not use wrong ids."""
+    from dlrm_compression.ids_codec import IdsCodec
+
+    decode = IdsCodec.decode
+
+    def flip(self, payload, what="ids payload"):
+        bad = payload.clone()
+        bad[bad.numel() // 2] ^= 4
+        return decode(self, bad, what)
+
+    if rank == 1:
+        IdsCodec.decode = flip
+    model = build(ours(IDS), "tw", ws, full_weights())
+    run_steps(model, rank, [8, 8], 1)
+
+
+def test_a_corrupted_input_payload_raises_naming_the_source_keys_and_call():
+    with pytest.raises(
+        AssertionError,
+        match=r"PayloadError: input all-to-all payload from rank 0 to rank 1 \(keys \[.*\], call 1\): checksum",
+    ):
+        run_ranks(_corrupt, 2, timeout=120)
+
+
+def _kjt(rank: int, variable: bool) -> KeyedJaggedTensor:
+    """A weighted KJT of 4 keys: bags of 0-3 ids (int64 ends included), rank-dependent batch sizes
+    (``variable``: a batch size per key, TorchRec's variable stride per key)."""
+    g = torch.Generator().manual_seed(rank)
+    strides = [2 + rank, 1, 3 + rank, 2] if variable else [3 + rank] * 4
+    lengths = torch.randint(0, 4, (sum(strides),), generator=g, dtype=torch.int32)
+    ends = torch.tensor([torch.iinfo(torch.int64).min, torch.iinfo(torch.int64).max, -1, 0])
+    values = ends[torch.randint(0, 4, (int(lengths.sum()),), generator=g)]
+    values[::3] = torch.randint(0, 50, values[::3].shape, generator=g)
+    weights = torch.rand(values.numel(), generator=g)
+    keys = ["a", "b", "c", "d"]
+    if variable:
+        return KeyedJaggedTensor(
+            keys=keys, values=values, lengths=lengths, weights=weights, stride_per_key_per_rank=[[s] for s in strides]
+        )
+    return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, weights=weights, stride=strides[0])
+
+
+def _direct(rank: int, ws: int) -> int:
+    """TorchRec's KJTAllToAll and ours on the same weighted KJTs, compared field by field."""
+    import torch.distributed as dist
+    from torchrec.distributed.dist_data import KJTAllToAll
+
+    from dlrm.embedding_comm.input_dist import CompressedKJTAllToAll
+    from dlrm.embedding_comm.stats import CommStats
+    from dlrm_compression.ids_codec import IdsCodec
+
+    splits = [2, 1, 1][:ws] if ws == 3 else [3, 1]
+    stock = KJTAllToAll(dist.GroupMember.WORLD, splits)
+    ours = CompressedKJTAllToAll.from_stock(stock, IdsCodec(), CommStats())
+    checked = 0
+    for variable in (False, True):
+        want = stock(_kjt(rank, variable)).wait().wait()
+        got = ours(_kjt(rank, variable)).wait().wait()
+        _same_kjt(want, got, f"rank {rank} variable={variable}")
+        if variable:
+            assert want.stride_per_key_per_rank() == got.stride_per_key_per_rank()
+        assert torch.equal(want.weights(), got.weights())
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_weighted_and_variable_stride_kjts_match_torchrecs_all_to_all(ws):
+    assert run_ranks(_direct, ws) == [2] * ws
