@@ -18,7 +18,7 @@ import pytest
 from run_artifacts import raw_losses
 from trainer_runs import launch, losses, train, worker_pids
 
-from dlrm.bench.netbench import BenchError, Namespace
+from dlrm.bench.netns import Namespace, NetnsError
 from dlrm.process.timeout import ROLL_CALL_S, CollectiveTimeout, named_collective
 
 NETEM = ("netem", "loss", "1%", "delay", "5ms")
@@ -97,7 +97,7 @@ def _netem_unavailable() -> str | None:
     try:
         with Namespace(f"dlrm-netem-probe-{os.getpid()}") as ns:
             ns.run("tc", "qdisc", "replace", "dev", "lo", "root", *NETEM)
-    except BenchError as e:
+    except NetnsError as e:
         return f"no network namespace with tc netem here (kernel module sch_netem?): {e}"
     return None
 
