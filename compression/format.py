@@ -47,7 +47,7 @@ class Header:
     rows: int
     cols: int
     widths: list[int]
-    bounds: list[float]
+    bounds: list[float] | torch.Tensor  # float64 per block; a tensor (pack) is copied in on its device
     flags: int = 0
     info: list[int] = field(default_factory=lambda: [0] * N_INFO)
 
@@ -69,13 +69,14 @@ def pack(header: Header, sections: list[torch.Tensor], device: torch.device | No
     if len(header.info) != N_INFO:
         raise ValueError(f"codec info must have {N_INFO} words, got {len(header.info)}")
     body_parts = [_as_bytes_tensor(s) for s in sections]
+    on_device = isinstance(header.bounds, torch.Tensor)
     lengths = [int(p.numel()) for p in body_parts]
     nb, ns = len(header.widths), len(body_parts)
     rest = b"".join(
         [
             _FIXED.pack(header.rows, header.cols, nb, ns),
             struct.pack(f"<{nb}I", *header.widths),
-            struct.pack(f"<{nb}d", *header.bounds),
+            bytes(8 * nb) if on_device else struct.pack(f"<{nb}d", *header.bounds),
             struct.pack(f"<{N_INFO}I", *header.info),
             struct.pack(f"<{ns}Q", *lengths),
         ]
@@ -92,6 +93,9 @@ def pack(header: Header, sections: list[torch.Tensor], device: torch.device | No
         if _pad(n):
             pieces.append(zeros[: _pad(n)])
     out = torch.cat(pieces)  # one copy of every section into the payload
+    if isinstance(header.bounds, torch.Tensor):  # the bounds' bytes, written where they are (no host copy)
+        at = _PREFIX.size + _FIXED.size + 4 * nb
+        out[at : at + 8 * nb] = _as_bytes_tensor(_on(header.bounds.to(torch.float64), device))
     prefix = _PREFIX.pack(
         MAGIC, VERSION, header.codec_id, DTYPES[header.dtype], header.flags, header_len, out.numel(), 0
     )[:_CRC_AT]

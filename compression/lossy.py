@@ -14,7 +14,17 @@ import torch
 
 from . import coders, dedup, quantize, reference
 from . import format as fmt
-from .base import Bound, Codec, check_ids, check_input, check_out, register, resolve_blocks, resolve_bounds
+from .base import (
+    Bound,
+    Codec,
+    check_ids,
+    check_input,
+    check_out,
+    device_bounds,
+    register,
+    resolve_blocks,
+    resolve_bounds,
+)
 from .format import PayloadError
 
 Entropy = bool | str
@@ -108,7 +118,12 @@ class LossyCodec(Codec):
         check_input(x)
         rows, cols = x.shape
         widths = resolve_blocks(cols, eb, ids, blocks)
-        bounds = resolve_bounds(eb, widths, required=True)
+        # a tensor of bounds stays on its device (no host wait); host numbers are checked on the host
+        bounds: list[float] | torch.Tensor
+        if isinstance(eb, torch.Tensor):
+            bounds = device_bounds(eb, widths, x.device)
+        else:
+            bounds = resolve_bounds(eb, widths, required=True)
         keys = check_ids(ids, rows, len(widths), "lossy encode")
         if keys is not None and keys.device != x.device:
             raise ValueError(f"lossy encode: ids on {keys.device}, x on {x.device}")
