@@ -69,8 +69,17 @@ def _as_bytes_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype != torch.uint8 else t
 
 
-def pack(header: Header, sections: list[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
-    """Serialise a header and its sections into one uint8 payload tensor on ``device``."""
+def pack(
+    header: Header,
+    sections: list[torch.Tensor],
+    device: torch.device | None = None,
+    device_info: dict[int, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Serialise a header and its sections into one uint8 payload tensor on ``device``.
+
+    ``device_info``: codec info words (index -> int64 0-d tensor in [0, 2**32)) computed on the
+    device, written in place of ``header.info``'s, so that the host never reads them.
+    """
     if len(header.widths) != len(header.bounds):
         raise ValueError(f"{len(header.widths)} block widths but {len(header.bounds)} bounds")
     if len(header.info) != N_INFO:
@@ -106,9 +115,12 @@ def pack(header: Header, sections: list[torch.Tensor], device: torch.device | No
         if _pad(n):
             pieces.append(zeros[: _pad(n)])
     out = torch.cat(pieces)  # one copy of every section into the payload
-    if isinstance(header.bounds, torch.Tensor):  # the bounds' bytes, written where they are (no host copy)
-        at = _PREFIX.size + _FIXED.size + 4 * nb
+    at = _PREFIX.size + _FIXED.size + 4 * nb  # device values written where they are (no host copy)
+    if isinstance(header.bounds, torch.Tensor):
         out[at : at + 8 * nb] = _as_bytes_tensor(_on(header.bounds.to(torch.float64), device))
+    for i, v in (device_info or {}).items():  # a u32 word: the low 4 bytes of an int64 (little-endian)
+        word = at + 8 * nb + 4 * i
+        out[word : word + 4] = _on(v.to(torch.int64).reshape(1), device).view(torch.uint8)[:4]
     if check == "adler32":  # computed and written on the device: the payload never leaves it
         out[_CRC_AT : _PREFIX.size] = adler32(_checked_bytes(out)).reshape(1).view(torch.uint8)[:4]
     else:

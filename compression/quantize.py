@@ -14,31 +14,30 @@ from .format import PayloadError, view_as
 
 
 def steps_and_margins(
-    bounds: list[float] | torch.Tensor, sizes: list[int], device: torch.device
+    bounds: list[float] | torch.Tensor, sizes: torch.Tensor, n: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-value (or one shared) float32 bin width ``2 eb`` and strict margin ``ed`` (<= eb);
-    ``bounds`` per block, Python floats or a float64 tensor on ``device`` (kept there: no sync)."""
+    """Per-value (or one shared) float32 bin width ``2 eb`` and strict margin ``ed`` (<= eb).
+
+    ``bounds`` per block, Python floats or a float64 tensor on ``device`` (kept there); ``sizes``
+    the values per block (int64 on ``device``) and ``n`` their sum, known on the host from the
+    values' shape, so that nothing here waits for the device.
+    """
     if isinstance(bounds, torch.Tensor):
         step = (2.0 * bounds).float()  # the same roundings as reference.step_of / float32_at_most
         e = bounds.float()
         ed = torch.where(e.double() > bounds, torch.nextafter(e, torch.full_like(e, -torch.inf)), e)
         if bounds.numel() == 1:
             return step.reshape(()), ed.reshape(())
-        n, counts = sum(sizes), torch.tensor(sizes).to(device, non_blocking=True)
-        return torch.repeat_interleave(step, counts, output_size=n), torch.repeat_interleave(ed, counts, output_size=n)
-    steps = [reference.step_of(e) for e in bounds]
-    eds = [reference.float32_at_most(e) for e in bounds]
-    if len(set(zip(steps, eds, strict=True))) <= 1:  # one bound for the whole payload: broadcast a scalar
-        return (
-            torch.tensor(steps[0] if steps else 1.0, device=device),
-            torch.tensor(eds[0] if eds else 0.0, device=device),
-        )
-    # the output size is known on the host: repeat_interleave need not read it from the device
-    n, counts = sum(sizes), torch.tensor(sizes, device=device)
-    return (
-        torch.repeat_interleave(torch.tensor(steps, device=device), counts, output_size=n),
-        torch.repeat_interleave(torch.tensor(eds, device=device), counts, output_size=n),
-    )
+    else:
+        steps = [reference.step_of(e) for e in bounds]
+        eds = [reference.float32_at_most(e) for e in bounds]
+        if len(set(zip(steps, eds, strict=True))) <= 1:  # one bound for the whole payload: broadcast a scalar
+            return (
+                torch.tensor(steps[0] if steps else 1.0, device=device),
+                torch.tensor(eds[0] if eds else 0.0, device=device),
+            )
+        step, ed = torch.tensor(steps, device=device), torch.tensor(eds, device=device)
+    return torch.repeat_interleave(step, sizes, output_size=n), torch.repeat_interleave(ed, sizes, output_size=n)
 
 
 def encode(

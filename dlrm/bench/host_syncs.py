@@ -15,14 +15,18 @@ Then the static listing of the per-chunk host copies (:mod:`dlrm.bench.host_copi
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from compression import dedup
+from compression import format as fmt
 from compression.host_syncs import HostSyncCounter
 from compression.synthetic import KAGGLE_CARDINALITIES, criteo_like_batch
 from data.layout import SPARSE_NAMES
@@ -43,13 +47,31 @@ WORLD_SIZES = (2, 8, 64)
 
 
 @contextmanager
-def device_paths() -> Iterator[None]:
-    """Run the codec's device code on CPU tensors (as tests do), restoring the CPU shortcut after."""
-    saved, dedup.HOST_NUMPY = dedup.HOST_NUMPY, False
+def device_paths(counter: HostSyncCounter | None = None) -> Iterator[None]:
+    """Run the codec's device code on CPU tensors (as tests do): torch's dedup, not numpy's, and
+    the device payload check (Adler-32), restoring the CPU choices after. With ``counter``, each
+    ``.tolist()`` / ``.cpu()`` of a tensor also counts, as ``host_read``: on a device each is a
+    copy to the host that waits, and the dispatcher cannot see them on CPU tensors."""
+    saved = dedup.HOST_NUMPY, fmt._check_for, torch.Tensor.tolist, torch.Tensor.cpu
+    dedup.HOST_NUMPY = False
+    fmt._check_for = lambda device: "adler32"
+    if counter is not None:
+
+        def reads(method: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapped(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+                f = sys._getframe(1)
+                counter.note("host_read", f"{os.path.relpath(f.f_code.co_filename)}:{f.f_lineno}")
+                return method(t, *args, **kwargs)
+
+            return wrapped
+
+        torch.Tensor.tolist = reads(saved[2])  # type: ignore[method-assign]
+        torch.Tensor.cpu = reads(saved[3])  # type: ignore[method-assign]
     try:
         yield
     finally:
-        dedup.HOST_NUMPY = saved
+        dedup.HOST_NUMPY, fmt._check_for = saved[0], saved[1]
+        torch.Tensor.tolist, torch.Tensor.cpu = saved[2], saved[3]  # type: ignore[method-assign]
 
 
 def codecs(features: Sequence[str], dim: int) -> dict[str, DirectionCodec]:
@@ -83,7 +105,7 @@ def count_chunk(
     ids = torch.stack([t["ids"] for t in batch.values()], 1)
     widths = [dim] * tables
     counter = HostSyncCounter(trace=trace)
-    with device_paths(), counter:
+    with device_paths(counter), counter:
         for d, dc in dcs.items():
             chunk = chunks[d]
             with counter.label(f"{d}/bounds"):
