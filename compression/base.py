@@ -180,6 +180,16 @@ def resolve_bounds(eb: Bound | None, widths: list[int], required: bool) -> list[
     return bounds
 
 
+HOST_BOUNDS = True  # a CPU tensor of bounds is read as Python floats: no wait on a CPU, and cheaper
+# there than the device code's small tensor ops (tests and the sync count switch it off to run the
+# device code on CPU tensors)
+
+
+def on_device(eb: Bound | None) -> bool:
+    """Whether the bounds take the device path: a tensor, unless a CPU one read on the host."""
+    return isinstance(eb, torch.Tensor) and not (HOST_BOUNDS and eb.device.type == "cpu")
+
+
 def device_bounds(eb: torch.Tensor, widths: list[int], device: torch.device) -> torch.Tensor:
     """One absolute bound per block as a float64 tensor on ``device``, without a host wait: a
     device tensor of bounds (e.g. :func:`compression.relative_to_absolute`'s) stays there, and

@@ -21,6 +21,7 @@ from .base import (
     check_input,
     check_out,
     device_bounds,
+    on_device,
     register,
     resolve_blocks,
     resolve_bounds,
@@ -125,7 +126,7 @@ class LossyCodec(Codec):
         widths = resolve_blocks(cols, eb, ids, blocks)
         # a tensor of bounds stays on its device (no host wait); host numbers are checked on the host
         bounds: list[float] | torch.Tensor
-        if isinstance(eb, torch.Tensor):
+        if isinstance(eb, torch.Tensor) and on_device(eb):
             bounds = device_bounds(eb, widths, x.device)
         else:
             bounds = resolve_bounds(eb, widths, required=True)

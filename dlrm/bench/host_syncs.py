@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from compression import dedup
+from compression import base, dedup
 from compression import format as fmt
 from compression.host_syncs import HostSyncCounter
 from compression.synthetic import KAGGLE_CARDINALITIES, criteo_like_batch
@@ -48,12 +48,13 @@ WORLD_SIZES = (2, 8, 64)
 
 @contextmanager
 def device_paths(counter: HostSyncCounter | None = None) -> Iterator[None]:
-    """Run the codec's device code on CPU tensors (as tests do): torch's dedup, not numpy's, and
-    the device payload check (Adler-32), restoring the CPU choices after. With ``counter``, each
-    ``.tolist()`` / ``.cpu()`` of a tensor also counts, as ``host_read``: on a device each is a
-    copy to the host that waits, and the dispatcher cannot see them on CPU tensors."""
-    saved = dedup.HOST_NUMPY, fmt._check_for, torch.Tensor.tolist, torch.Tensor.cpu
-    dedup.HOST_NUMPY = False
+    """Run the codec's device code on CPU tensors (as tests do): torch's dedup, not numpy's, the
+    bounds kept as a tensor and the device payload check (Adler-32), restoring the CPU choices
+    after. With ``counter``, each ``.tolist()`` / ``.cpu()`` of a tensor also counts, as
+    ``host_read``: on a device each is a copy to the host that waits, and the dispatcher cannot
+    see them on CPU tensors."""
+    saved = dedup.HOST_NUMPY, fmt._check_for, torch.Tensor.tolist, torch.Tensor.cpu, base.HOST_BOUNDS
+    dedup.HOST_NUMPY = base.HOST_BOUNDS = False
     fmt._check_for = lambda device: "adler32"
     if counter is not None:
 
@@ -70,7 +71,7 @@ def device_paths(counter: HostSyncCounter | None = None) -> Iterator[None]:
     try:
         yield
     finally:
-        dedup.HOST_NUMPY, fmt._check_for = saved[0], saved[1]
+        dedup.HOST_NUMPY, fmt._check_for, base.HOST_BOUNDS = saved[0], saved[1], saved[4]
         torch.Tensor.tolist, torch.Tensor.cpu = saved[2], saved[3]  # type: ignore[method-assign]
 
 

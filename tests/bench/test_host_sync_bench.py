@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from compression import dedup
+from compression import base, dedup
 from compression import format as fmt
 from dlrm.bench import host_syncs
 
@@ -20,7 +20,7 @@ def test_bench_counts_a_tiny_chunk_by_stage(capsys):
     assert "compression/quantize.py:" in out  # --trace names the lines
     assert "dlrm.embedding_comm.ids:chunk_ids:" in out  # the static listing follows
     assert dedup.HOST_NUMPY  # the CPU shortcut is restored, and the CPU check, and the tensor methods
-    assert fmt._check_for(torch.device("cpu")) == "crc32"
+    assert fmt._check_for(torch.device("cpu")) == "crc32" and base.HOST_BOUNDS
     assert torch.Tensor.tolist is TOLIST
 
 

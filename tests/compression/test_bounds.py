@@ -59,9 +59,15 @@ def test_device_bounds_on_criteo_like_rows_and_one_shared_fraction():
     assert torch.equal(compression.relative_to_absolute(x, frac, [16] * 13), got)
 
 
+@pytest.fixture
+def device_code(monkeypatch):
+    """CPU tensors of bounds through the device code (on a CPU they are read on the host)."""
+    monkeypatch.setattr(compression.base, "HOST_BOUNDS", False)
+
+
 @pytest.mark.parametrize("entropy", [False, True])
 @pytest.mark.parametrize("with_ids", [False, True])
-def test_codec_takes_a_tensor_of_bounds_with_the_floats_payload(entropy, with_ids):
+def test_codec_takes_a_tensor_of_bounds_with_the_floats_payload(entropy, with_ids, device_code):
     batch = criteo_like_batch(rows=300, tables=4, dim=8, seed=5)
     x = torch.cat([t["values"] for t in batch.values()], 1)
     ids = torch.stack([t["ids"] for t in batch.values()], 1) if with_ids else None
@@ -78,7 +84,7 @@ def test_codec_takes_a_tensor_of_bounds_with_the_floats_payload(entropy, with_id
 
 
 @pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf])
-def test_a_bad_bound_tensor_is_refused(bad):
+def test_a_bad_bound_tensor_is_refused(bad, device_code):
     codec = compression.get_codec("lossy")
     with pytest.raises(RuntimeError, match="error bounds must be finite and >= 0"):
         codec.encode(torch.randn(4, 4), torch.tensor([0.1, bad], dtype=torch.float64), blocks=[2, 2])
