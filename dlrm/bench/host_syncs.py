@@ -5,8 +5,9 @@
 One chunk as a rank sends it to one peer (Criteo-like single-valued ids, bit-identical rows per
 id), through the trainer's own :class:`~dlrm.embedding_comm.codec.DirectionCodec` with
 ``compression=lossy policy=dual`` (rel bounds, dedup by id) and the fixed-length coder used on
-CUDA (``params.entropy=false``), on the device code paths (``dedup.HOST_NUMPY`` off: the numpy
-shortcuts taken for CPU tensors are invisible to the counter). Both directions are counted; the
+CUDA (``params.entropy=false``), on the device code paths (:func:`device_paths`: the host
+shortcuts taken for CPU tensors off, and each ``.tolist()``/``.cpu()`` counted as a ``host_read``,
+which the dispatcher cannot see on CPU tensors). Both directions are counted; the
 backward also sums duplicate-id gradients (sender) and keeps one row per id (receiver). An
 iteration has (W - 1) chunks per direction; the projection assumes each is like this one.
 Then the static listing of the per-chunk host copies (:mod:`dlrm.bench.host_copies`).
