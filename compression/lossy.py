@@ -158,8 +158,7 @@ class LossyCodec(Codec):
         else:
             plan = dedup.identity_plan(rows, len(widths), x.device)
         values = dedup.gather(x, widths, plan)
-        sizes = plan.counts * torch.tensor(widths, dtype=torch.int64).to(x.device, non_blocking=True)
-        step, ed = quantize.steps_and_margins(bounds, sizes, values.numel(), x.device)
+        step, ed = quantize.steps_and_margins(bounds, plan.counts, widths, values.numel(), x.device)
         codes, exceptions = quantize.encode(values, step, ed, backend)
 
         if plan.mode == dedup.VALUE:
@@ -216,10 +215,8 @@ class LossyCodec(Codec):
                 raise PayloadError("dedup index points past its block's unique rows")
         elif any(u != rows for u in host_counts):
             raise PayloadError(f"undeduplicated payload with counts {host_counts[:8]} != {rows}")
-        sizes = [u * w for u, w in zip(host_counts, widths, strict=True)]
-        n = sum(sizes)
+        n = sum(u * w for u, w in zip(host_counts, widths, strict=True))
         codes = coder.decode(codes_s, n, "codes")
-        sizes_t = torch.tensor(sizes, dtype=torch.int64).to(device, non_blocking=True)
-        step, _ = quantize.steps_and_margins(header.bounds, sizes_t, n, device)
+        step, _ = quantize.steps_and_margins(header.bounds, counts, widths, n, device)
         values = quantize.decode(codes, step, exc_s, header.dtype, "exceptions", backend)
         return dedup.scatter(values, widths, counts.to(device), inverse, rows, out)

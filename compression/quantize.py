@@ -14,13 +14,13 @@ from .format import PayloadError, view_as
 
 
 def steps_and_margins(
-    bounds: list[float] | torch.Tensor, sizes: torch.Tensor, n: int, device: torch.device
+    bounds: list[float] | torch.Tensor, counts: torch.Tensor, widths: list[int], n: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-value (or one shared) float32 bin width ``2 eb`` and strict margin ``ed`` (<= eb).
 
-    ``bounds`` per block, Python floats or a float64 tensor on ``device`` (kept there); ``sizes``
-    the values per block (int64 on ``device``) and ``n`` their sum, known on the host from the
-    values' shape, so that nothing here waits for the device.
+    ``bounds`` per block, Python floats or a float64 tensor on ``device`` (kept there); the
+    values are ``counts`` (rows per block, int64 on ``device``) x ``widths``, ``n`` in all, known
+    on the host from the values' shape, so that nothing here waits for the device.
     """
     if isinstance(bounds, torch.Tensor):
         step = (2.0 * bounds).float()  # the same roundings as reference.step_of / float32_at_most
@@ -37,6 +37,7 @@ def steps_and_margins(
                 torch.tensor(eds[0] if eds else 0.0, device=device),
             )
         step, ed = torch.tensor(steps, device=device), torch.tensor(eds, device=device)
+    sizes = counts * torch.tensor(widths, dtype=torch.int64).to(device, non_blocking=True)
     return torch.repeat_interleave(step, sizes, output_size=n), torch.repeat_interleave(ed, sizes, output_size=n)
 
 
