@@ -203,7 +203,8 @@ def unpack(payload: torch.Tensor) -> tuple[Header, list[torch.Tensor]]:
             f"payload of {size} bytes is shorter than the {_PREFIX.size}-byte prefix "
             "(truncated or not a dlrm-compress payload)"
         )
-    prefix = _host_bytes(payload, _PREFIX.size)
+    head, verdict = _read_head(payload)
+    prefix = head[: _PREFIX.size]
     magic, version, codec_id, dtype_code, flags, header_len, total, crc = _PREFIX.unpack(prefix)
     if magic != MAGIC:
         raise PayloadError(f"bad magic {magic!r}, expected {MAGIC!r}: not a dlrm-compress payload")
@@ -215,10 +216,12 @@ def unpack(payload: torch.Tensor) -> tuple[Header, list[torch.Tensor]]:
         )
     if not _PREFIX.size + _FIXED.size <= header_len <= size:
         raise PayloadError(f"header length {header_len} out of range for a {size}-byte payload")
-    if flags & ADLER32:  # checked on the device; its verdict comes back with the header's bytes
+    if flags & ADLER32 and verdict is not None and header_len <= len(head):  # read with the prefix
+        good, raw = verdict == 1, head
+    elif flags & ADLER32:  # checked on the device; its verdict comes back with the header's bytes
         ok = (adler32(_checked_bytes(payload)) == crc).to(torch.uint8).reshape(1)
         raw = _host_bytes(torch.cat([payload[:header_len], ok]), header_len + 1)
-        good, raw = raw[-1], raw[:-1]
+        good, raw = raw[-1] == 1, raw[:-1]
     else:
         good = _crc32(payload[_PREFIX.size :], zlib.crc32(prefix[:_CRC_AT])) == crc
         raw = _host_bytes(payload, header_len)
@@ -262,6 +265,25 @@ def unpack(payload: torch.Tensor) -> tuple[Header, list[torch.Tensor]]:
         info=info,
     )
     return header, sections
+
+
+_HEAD = 1024  # bytes read with the prefix where the device checks: the header of up to ~75 blocks
+
+
+def _read_head(payload: torch.Tensor) -> tuple[bytes, int | None]:
+    """The payload's first bytes for the host, and, where this device writes Adler-32, the
+    verdict of that check computed on the device: one read for the prefix, the header and the
+    check (the payload's own flags say later whether the verdict applies)."""
+    if _check_for(payload.device) != "adler32":
+        return _host_bytes(payload, _PREFIX.size), None
+    n = min(payload.numel(), _HEAD)
+    stored = (payload[_CRC_AT : _PREFIX.size].long() << _BYTE_SHIFTS.to(payload.device)).sum()
+    ok = (adler32(_checked_bytes(payload)) == stored).to(torch.uint8).reshape(1)
+    head = _host_bytes(torch.cat([payload[:n], ok]), n + 1)
+    return head[:-1], head[-1]
+
+
+_BYTE_SHIFTS = torch.tensor([0, 8, 16, 24])
 
 
 def view_as(section: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:

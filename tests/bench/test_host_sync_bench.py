@@ -38,13 +38,13 @@ def test_one_chunk_of_the_issue_syncs_by_stage_and_op():
     and backward 67 counted at the dispatcher (bounds 26, encode 7, decode 8, duplicate ids 13 +
     13), plus host reads. What is left depends on the data, and sizes the payload: encode the
     unique rows (bool_index), the packed words (item) and the exceptions (nonzero); decode reads
-    the prefix, the header (with the check's verdict), the counts (with what the ids say) and
-    the coder's group widths."""
+    the prefix and header (with the check's verdict), the counts (with what the ids say) and the
+    coder's group widths."""
     c = host_syncs.count_chunk()
     want = {
         "bounds": {},
         "encode": {"bool_index": 1, "item": 1, "nonzero": 1},
-        "decode": {"host_read": 4},
+        "decode": {"host_read": 3},
     }
     for d in ("forward", "backward"):
         for stage, ops in want.items():

@@ -153,19 +153,18 @@ def test_the_device_check_is_zlibs_adler32_and_either_check_decodes_anywhere(mon
 
 
 def test_the_device_check_reads_only_the_header_on_the_host(check, monkeypatch):
-    """crc32 hands the host every byte of the payload; Adler-32 only the header and its verdict
-    (seen by the bytes that reach numpy: on CPU tensors no dispatcher op shows a host copy). The
-    codec's device path: fixed-length coder, torch dedup."""
+    """crc32 hands the host every byte of the payload; Adler-32 only its first kilobyte (prefix
+    and header) with the verdict (seen by the bytes that reach numpy: on CPU tensors no
+    dispatcher op shows a host copy). The codec's device path: fixed-length coder, torch dedup."""
     monkeypatch.setattr(compression.dedup, "HOST_NUMPY", False)
-    x, ids = _inputs()
+    x, ids = torch.randn(2048, 16, generator=torch.Generator().manual_seed(2)), torch.arange(2048)
     codec = compression.get_codec("lossy", entropy=False)
     seen: list[int] = []
     real = torch.Tensor.numpy
     monkeypatch.setattr(torch.Tensor, "numpy", lambda t, *a, **k: seen.append(t.numel()) or real(t, *a, **k))
     payload = codec.encode(x, 1e-3, ids)
     codec.decode(payload, ids)
-    header_len = int.from_bytes(payload[8:12].numpy().tobytes(), "little")
     if check == "adler32":
-        assert max(seen) <= header_len + 1 < payload.numel() // 2
+        assert max(seen) <= 1024 + 1 < payload.numel() // 8
     else:
         assert max(seen) >= payload.numel() - 24
