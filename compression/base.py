@@ -180,6 +180,30 @@ def resolve_bounds(eb: Bound | None, widths: list[int], required: bool) -> list[
     return bounds
 
 
+HOST_BOUNDS = True  # a CPU tensor of bounds is read as Python floats: no wait on a CPU, and cheaper
+# there than the device code's small tensor ops (tests and the sync count switch it off to run the
+# device code on CPU tensors)
+
+
+def on_device(eb: Bound | None) -> bool:
+    """Whether the bounds take the device path: a tensor, unless a CPU one read on the host."""
+    return isinstance(eb, torch.Tensor) and not (HOST_BOUNDS and eb.device.type == "cpu")
+
+
+def device_bounds(eb: torch.Tensor, widths: list[int], device: torch.device) -> torch.Tensor:
+    """One absolute bound per block as a float64 tensor on ``device``, without a host wait: a
+    device tensor of bounds (e.g. :func:`compression.relative_to_absolute`'s) stays there, and
+    is checked there by an asynchronous assert (finite and >= 0)."""
+    b = eb.detach().to(device=device, dtype=torch.float64).reshape(-1)
+    if b.numel() == 1 and len(widths) != 1:
+        b = b.expand(len(widths))
+    if b.numel() != len(widths):
+        raise ValueError(f"{b.numel()} error bounds for {len(widths)} blocks {widths}")
+    ok = (b >= 0).logical_and_(b.isfinite()).all()
+    torch._assert_async(ok, "error bounds must be finite and >= 0")
+    return b
+
+
 @overload
 def check_ids(ids: torch.Tensor, rows: int, n_blocks: int, where: str) -> torch.Tensor: ...
 @overload

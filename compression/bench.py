@@ -21,7 +21,7 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -115,7 +115,7 @@ def _timed(fn: Callable[[], _T], repeats: int) -> tuple[float, _T]:
     return max(statistics.median(times), 1e-9), out
 
 
-def run_variant(v: Variant, tables: dict, bounds: list[list[float]] | None, repeats: int) -> tuple:
+def run_variant(v: Variant, tables: dict, bounds: Sequence[list[float] | torch.Tensor] | None, repeats: int) -> tuple:
     """(seconds to encode all tables, to decode into fresh tensors, to decode into reused
     buffers, bytes out, max abs error per table)."""
     codec = compression.get_codec(v.codec, **v.params)
@@ -181,15 +181,16 @@ def benchmark(
             continue
         for mode in ("abs", "rel"):
             for eb in bound_values:
-                per_table = [
+                # rel: the bounds as the trainer hands them over, a tensor on the values' device
+                per_table: list[list[float] | torch.Tensor] = [
                     [eb] if mode == "abs" else compression.relative_to_absolute(t["values"], eb)
                     for t in tables.values()
                 ]
                 t_enc, t_dec, t_into, out, errs = run_variant(v, tables, per_table, repeats)
-                held = all(err <= b[0] for err, b in zip(errs, per_table, strict=True))
+                firsts = [float(b[0]) for b in per_table]
+                held = all(err <= b for err, b in zip(errs, firsts, strict=True))
                 worst = max(
-                    (err / b[0] if b[0] > 0 else (0.0 if err == 0 else math.inf))
-                    for err, b in zip(errs, per_table, strict=True)
+                    (err / b if b > 0 else (0.0 if err == 0 else math.inf)) for err, b in zip(errs, firsts, strict=True)
                 )
                 rows.append(
                     Row(

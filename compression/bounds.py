@@ -1,4 +1,9 @@
-"""Relative-to-range error bounds (the mode of Feng et al.): eb = rel * (max - min) per block."""
+"""Relative-to-range error bounds (the mode of Feng et al.): eb = rel * (max - min) per block.
+
+Computed on the tensor's device as one segmented reduction, with no host synchronisation: the
+bounds come back as a float64 tensor that the lossy codec takes as it is (a Python number taken
+from a device tensor would stall the device once per block).
+"""
 
 from __future__ import annotations
 
@@ -8,34 +13,65 @@ import torch
 
 from .base import check_input, resolve_blocks
 
+_BLOCK_OF: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
 
 def relative_to_absolute(
     x: torch.Tensor, rel: float | Sequence[float] | torch.Tensor, blocks: Sequence[int] | None = None
-) -> list[float]:
-    """Absolute bound per column block: ``rel`` times the block's finite value range.
+) -> torch.Tensor:
+    """Absolute bound per column block (float64 ``[n_blocks]`` on ``x``'s device): ``rel`` times
+    the block's finite value range.
 
     Non-finite values are left out of the range; an empty or constant block gets bound 0 (its
-    values are then sent exactly).
+    values are then sent exactly). The range is taken in float32 and widened to float64 before
+    the subtraction, as Python floats of the block's max and min would be.
     """
     check_input(x)
     widths = resolve_blocks(x.shape[1], rel, None, blocks)
-    if isinstance(rel, torch.Tensor):
-        rel = rel.detach().cpu().double().reshape(-1).tolist() if rel.dim() else float(rel)
-    rels = [float(rel)] * len(widths) if isinstance(rel, (int, float)) else [float(r) for r in rel]
-    if len(rels) != len(widths):
-        raise ValueError(f"{len(rels)} relative bounds for {len(widths)} blocks {widths}")
-    if any(not r >= 0 for r in rels):
-        raise ValueError(f"relative bounds must be >= 0, got {rels}")
+    rels = _relative(rel, len(widths), x.device)
     if x.numel() == 0:
-        return [0.0] * len(widths)
+        return torch.zeros(len(widths), dtype=torch.float64, device=x.device)
     xf = x.float()
     finite = torch.isfinite(xf)
     hi = torch.where(finite, xf, float("-inf")).amax(dim=0)  # per column
     lo = torch.where(finite, xf, float("inf")).amin(dim=0)
-    starts = torch.tensor([0, *widths[:-1]]).cumsum(0).tolist()
-    out = []
-    for r, s, w in zip(rels, starts, widths, strict=True):
-        top, bottom = (hi[s : s + w].max().item(), lo[s : s + w].min().item()) if w else (0.0, 0.0)
-        span = top - bottom if top >= bottom else 0.0  # no finite value: empty range
-        out.append(r * span)
-    return out
+    top, bottom = _per_block(hi, widths, "amax"), _per_block(lo, widths, "amin")
+    top, bottom = top.double(), bottom.double()
+    span = torch.where(top >= bottom, top - bottom, 0.0)  # no finite value: an empty range
+    return rels * span
+
+
+def _relative(rel: float | Sequence[float] | torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
+    """The relative bounds as float64 ``[n]`` on ``device``; host values are checked on the host,
+    a tensor's on its device (an asynchronous assert: no wait)."""
+    if isinstance(rel, torch.Tensor):
+        r = rel.detach().to(device=device, dtype=torch.float64).reshape(-1)
+        if r.numel() == 1:
+            r = r.expand(n)
+        if r.numel() != n:
+            raise ValueError(f"{r.numel()} relative bounds for {n} blocks")
+        torch._assert_async((r >= 0).all(), "relative bounds must be >= 0")
+        return r
+    rels = [float(rel)] * n if isinstance(rel, (int, float)) else [float(r) for r in rel]
+    if len(rels) != n:
+        raise ValueError(f"{len(rels)} relative bounds for {n} blocks")
+    if any(not r >= 0 for r in rels):
+        raise ValueError(f"relative bounds must be >= 0, got {rels}")
+    return torch.tensor(rels, dtype=torch.float64).to(device, non_blocking=True)
+
+
+def _per_block(col: torch.Tensor, widths: list[int], how: str) -> torch.Tensor:
+    """Reduce per-column values to one per block (``amax``/``amin``; an empty block gets the
+    reduction's identity, -inf/inf): a view when the blocks are equal, else one scatter_reduce."""
+    nb = len(widths)
+    if nb and min(widths) == max(widths) > 0:
+        v = col.view(nb, widths[0])
+        return v.amax(1) if how == "amax" else v.amin(1)
+    key = (tuple(widths), col.device)
+    if key not in _BLOCK_OF:
+        if len(_BLOCK_OF) > 64:
+            _BLOCK_OF.clear()
+        _BLOCK_OF[key] = torch.tensor([b for b, w in enumerate(widths) for _ in range(w)], device=col.device)
+    fill = float("-inf") if how == "amax" else float("inf")
+    out = torch.full((nb,), fill, dtype=col.dtype, device=col.device)
+    return out.scatter_reduce(0, _BLOCK_OF[key], col, how, include_self=True)

@@ -51,9 +51,10 @@ class BlockCoder:
         if section.numel() < head:
             raise PayloadError(f"{what}: {section.numel()} bytes cannot hold {g} group widths")
         widths = section[:g]
-        if g and int(widths.max()) > 31:
-            raise PayloadError(f"{what}: group width {int(widths.max())} > 31")
-        need = int(widths.long().sum()) * 4 if g else 0
+        top, total = torch.stack([widths.max(), widths.sum()]).tolist() if g else (0, 0)  # one host read
+        if top > 31:
+            raise PayloadError(f"{what}: group width {top} > 31")
+        need = total * 4
         if section.numel() - head != need:
             raise PayloadError(f"{what}: {section.numel() - head} bytes of packed words, widths say {need}")
         words = view_as(section[head:], torch.int32, what)

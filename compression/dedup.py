@@ -216,7 +216,7 @@ def gather(x: torch.Tensor, widths: list[int], plan: Plan) -> torch.Tensor:
         d, nb = widths[0], len(widths)
         if nb == 1:
             return torch.index_select(x, 0, plan.first).view(-1)
-        blk = torch.repeat_interleave(torch.arange(nb, device=x.device), plan.counts)
+        blk = torch.repeat_interleave(torch.arange(nb, device=x.device), plan.counts, output_size=plan.first.numel())
         return torch.index_select(x.reshape(-1, d), 0, plan.first * nb + blk).view(-1)
     parts, start, row0 = [], 0, 0
     for w, u in zip(widths, plan.counts.tolist(), strict=True):

@@ -3,13 +3,18 @@
 Layout (little-endian)::
 
     magic "DLCZ" | version u8 | codec id u8 | dtype u8 | flags u8 | header_len u32 | total_len u64
-    | crc32 u32 (over every other byte of the payload) | rows u64 | cols u32
+    | check u32 (over every other byte of the payload) | rows u64 | cols u32
     | n_blocks u32 | n_sections u32 | block widths u32 * n_blocks | bounds f64 * n_blocks
     | codec info u32 * 4 | section lengths u64 * n_sections | zero padding to 8 bytes
     | section 0 | pad to 8 | section 1 | pad ...
 
 Every check that fails raises :class:`PayloadError` naming the field, so a truncated, corrupted
 or foreign buffer is never decoded into wrong values.
+
+The check is zlib's crc32 for a payload built on the CPU (the fastest there), and Adler-32
+computed with torch integer ops where the payload is on an accelerator, so that it is never
+copied to the host; bit 0 of ``flags`` says which (:data:`ADLER32`), and the decoder verifies
+whichever the payload carries, on any device. Either one catches every single-bit flip.
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ import torch
 
 MAGIC = b"DLCZ"
 VERSION = 1
-_PREFIX = struct.Struct("<4sBBBBIQI")  # magic, version, codec, dtype, flags, header_len, total_len, crc
-_CRC_AT = _PREFIX.size - 4  # the crc is the prefix's last field and covers every other byte
+_PREFIX = struct.Struct("<4sBBBBIQI")  # magic, version, codec, dtype, flags, header_len, total_len, check
+_CRC_AT = _PREFIX.size - 4  # the check is the prefix's last field and covers every other byte
+ADLER32 = 1  # flags bit: the check is Adler-32 computed on the payload's device (else zlib crc32)
+_ADLER_MOD = 65521
 _FIXED = struct.Struct("<QIII")  # rows, cols, n_blocks, n_sections
 N_INFO = 4  # codec-private u32 words (e.g. the lossy codec's stage choices)
 _ALIGN = 8
@@ -47,7 +54,7 @@ class Header:
     rows: int
     cols: int
     widths: list[int]
-    bounds: list[float]
+    bounds: list[float] | torch.Tensor  # float64 per block; a tensor (pack) is copied in on its device
     flags: int = 0
     info: list[int] = field(default_factory=lambda: [0] * N_INFO)
 
@@ -62,20 +69,30 @@ def _as_bytes_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype != torch.uint8 else t
 
 
-def pack(header: Header, sections: list[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
-    """Serialise a header and its sections into one uint8 payload tensor on ``device``."""
+def pack(
+    header: Header,
+    sections: list[torch.Tensor],
+    device: torch.device | None = None,
+    device_info: dict[int, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Serialise a header and its sections into one uint8 payload tensor on ``device``.
+
+    ``device_info``: codec info words (index -> int64 0-d tensor in [0, 2**32)) computed on the
+    device, written in place of ``header.info``'s, so that the host never reads them.
+    """
     if len(header.widths) != len(header.bounds):
         raise ValueError(f"{len(header.widths)} block widths but {len(header.bounds)} bounds")
     if len(header.info) != N_INFO:
         raise ValueError(f"codec info must have {N_INFO} words, got {len(header.info)}")
     body_parts = [_as_bytes_tensor(s) for s in sections]
+    on_device = isinstance(header.bounds, torch.Tensor)
     lengths = [int(p.numel()) for p in body_parts]
     nb, ns = len(header.widths), len(body_parts)
     rest = b"".join(
         [
             _FIXED.pack(header.rows, header.cols, nb, ns),
             struct.pack(f"<{nb}I", *header.widths),
-            struct.pack(f"<{nb}d", *header.bounds),
+            bytes(8 * nb) if on_device else struct.pack(f"<{nb}d", *header.bounds),
             struct.pack(f"<{N_INFO}I", *header.info),
             struct.pack(f"<{ns}Q", *lengths),
         ]
@@ -85,27 +102,64 @@ def pack(header: Header, sections: list[torch.Tensor], device: torch.device | No
     header_len += _pad(header_len)
     if device is None:
         device = body_parts[0].device if body_parts else torch.device("cpu")
-    pieces = [_on(torch.frombuffer(bytearray(bytes(_PREFIX.size) + rest), dtype=torch.uint8), device)]
+    if header.flags & ADLER32:
+        raise ValueError(f"header flags {header.flags:#x}: bit {ADLER32} is the format's (which check)")
+    check = _check_for(device)
+    total = header_len + sum(n + _pad(n) for n in lengths)
+    flags = header.flags | (ADLER32 if check == "adler32" else 0)
+    prefix = _PREFIX.pack(MAGIC, VERSION, header.codec_id, DTYPES[header.dtype], flags, header_len, total, 0)
+    pieces = [_on(torch.frombuffer(bytearray(prefix + rest), dtype=torch.uint8), device)]
     zeros = _on(_ZEROS, device)
     for p, n in zip(body_parts, lengths, strict=True):
         pieces.append(_on(p, device))
         if _pad(n):
             pieces.append(zeros[: _pad(n)])
     out = torch.cat(pieces)  # one copy of every section into the payload
-    prefix = _PREFIX.pack(
-        MAGIC, VERSION, header.codec_id, DTYPES[header.dtype], header.flags, header_len, out.numel(), 0
-    )[:_CRC_AT]
-    crc = _crc32(out[_PREFIX.size :], zlib.crc32(prefix))
-    prefix += struct.pack("<I", crc)
-    out[: _PREFIX.size] = _on(torch.frombuffer(bytearray(prefix), dtype=torch.uint8), device)
+    at = _PREFIX.size + _FIXED.size + 4 * nb  # device values written where they are (no host copy)
+    if isinstance(header.bounds, torch.Tensor):
+        out[at : at + 8 * nb] = _as_bytes_tensor(_on(header.bounds.to(torch.float64), device))
+    for i, v in (device_info or {}).items():  # a u32 word: the low 4 bytes of an int64 (little-endian)
+        word = at + 8 * nb + 4 * i
+        out[word : word + 4] = _on(v.to(torch.int64).reshape(1), device).view(torch.uint8)[:4]
+    if check == "adler32":  # computed and written on the device: the payload never leaves it
+        out[_CRC_AT : _PREFIX.size] = adler32(_checked_bytes(out)).reshape(1).view(torch.uint8)[:4]
+    else:
+        crc = _crc32(out[_PREFIX.size :], zlib.crc32(prefix[:_CRC_AT]))
+        out[_CRC_AT : _PREFIX.size] = torch.frombuffer(bytearray(struct.pack("<I", crc)), dtype=torch.uint8)
     return out
+
+
+def _check_for(device: torch.device) -> str:
+    """The check a payload built on ``device`` carries: zlib crc32 on the CPU, where it is the
+    fastest, Adler-32 on the device elsewhere (crc32 would copy the payload to the host)."""
+    return "crc32" if device.type == "cpu" else "adler32"
+
+
+def _checked_bytes(payload: torch.Tensor) -> torch.Tensor:
+    """Every byte of the payload but its check field, in order."""
+    return torch.cat([payload[:_CRC_AT], payload[_PREFIX.size :]])
+
+
+def adler32(t: torch.Tensor) -> torch.Tensor:
+    """zlib's Adler-32 of a 1-D uint8 tensor, as an int64 0-d tensor on its device (no host wait).
+
+    A = 1 + sum(d) and B = n + sum((n - j) d_j), both mod 65521: each term is below 2**24 (the
+    weights are reduced first), so the int64 sums stay exact up to 2**39 bytes.
+    """
+    n = t.numel()
+    d = t.long()
+    w = torch.arange(n, 0, -1, dtype=torch.int64, device=t.device).remainder_(_ADLER_MOD)
+    a = (d.sum() + 1).remainder_(_ADLER_MOD)
+    b = (torch.dot(d, w) + n).remainder_(_ADLER_MOD)
+    return b * 65536 + a
 
 
 _ZEROS = torch.zeros(_ALIGN, dtype=torch.uint8)
 
 
 def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return t if t.device == device else t.to(device)
+    """``t`` on ``device``; host bytes (the header) go up without waiting for the device's queue."""
+    return t if t.device == device else t.to(device, non_blocking=t.device.type == "cpu")
 
 
 def _crc32(t: torch.Tensor, start: int) -> int:
@@ -149,7 +203,8 @@ def unpack(payload: torch.Tensor) -> tuple[Header, list[torch.Tensor]]:
             f"payload of {size} bytes is shorter than the {_PREFIX.size}-byte prefix "
             "(truncated or not a dlrm-compress payload)"
         )
-    prefix = _host_bytes(payload, _PREFIX.size)
+    head, verdict = _read_head(payload)
+    prefix = head[: _PREFIX.size]
     magic, version, codec_id, dtype_code, flags, header_len, total, crc = _PREFIX.unpack(prefix)
     if magic != MAGIC:
         raise PayloadError(f"bad magic {magic!r}, expected {MAGIC!r}: not a dlrm-compress payload")
@@ -161,10 +216,18 @@ def unpack(payload: torch.Tensor) -> tuple[Header, list[torch.Tensor]]:
         )
     if not _PREFIX.size + _FIXED.size <= header_len <= size:
         raise PayloadError(f"header length {header_len} out of range for a {size}-byte payload")
-    if _crc32(payload[_PREFIX.size :], zlib.crc32(prefix[:_CRC_AT])) != crc:
-        raise PayloadError("checksum mismatch: the payload is corrupted")
-    # The crc covers everything below, so what follows only guards against encoder bugs.
-    raw = _host_bytes(payload, header_len)
+    if flags & ADLER32 and verdict is not None and header_len <= len(head):  # read with the prefix
+        good, raw = verdict == 1, head
+    elif flags & ADLER32:  # checked on the device; its verdict comes back with the header's bytes
+        ok = (adler32(_checked_bytes(payload)) == crc).to(torch.uint8).reshape(1)
+        raw = _host_bytes(torch.cat([payload[:header_len], ok]), header_len + 1)
+        good, raw = raw[-1] == 1, raw[:-1]
+    else:
+        good = _crc32(payload[_PREFIX.size :], zlib.crc32(prefix[:_CRC_AT])) == crc
+        raw = _host_bytes(payload, header_len)
+    if not good:
+        raise PayloadError(f"checksum mismatch ({'adler32' if flags & ADLER32 else 'crc32'}): the payload is corrupted")
+    # The check covers everything below, so what follows only guards against encoder bugs.
     if dtype_code not in _DTYPE_OF:
         raise PayloadError(f"unknown dtype code {dtype_code} in header")
     rows, cols, nb, ns = _FIXED.unpack_from(raw, _PREFIX.size)
@@ -202,6 +265,25 @@ def unpack(payload: torch.Tensor) -> tuple[Header, list[torch.Tensor]]:
         info=info,
     )
     return header, sections
+
+
+_HEAD = 1024  # bytes read with the prefix where the device checks: the header of up to ~75 blocks
+
+
+def _read_head(payload: torch.Tensor) -> tuple[bytes, int | None]:
+    """The payload's first bytes for the host, and, where this device writes Adler-32, the
+    verdict of that check computed on the device: one read for the prefix, the header and the
+    check (the payload's own flags say later whether the verdict applies)."""
+    if _check_for(payload.device) != "adler32":
+        return _host_bytes(payload, _PREFIX.size), None
+    n = min(payload.numel(), _HEAD)
+    stored = (payload[_CRC_AT : _PREFIX.size].long() << _BYTE_SHIFTS.to(payload.device)).sum()
+    ok = (adler32(_checked_bytes(payload)) == stored).to(torch.uint8).reshape(1)
+    head = _host_bytes(torch.cat([payload[:n], ok]), n + 1)
+    return head[:-1], head[-1]
+
+
+_BYTE_SHIFTS = torch.tensor([0, 8, 16, 24])
 
 
 def view_as(section: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:

@@ -104,11 +104,17 @@ class HostSyncCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         op = self._sync(func, args, kwargs)
         if op is not None:
-            label = "/".join(self._stack)
-            self.counts[(label, op)] += 1
-            if self.trace:
-                self.events.append(Sync(op, label, _caller()))
+            self.note(op)
         return func(*args, **kwargs)
+
+    def note(self, op: str, where: str | None = None) -> None:
+        """Count one sync of kind ``op`` under the active label (also for syncs the dispatcher
+        cannot see, e.g. ``.tolist()`` of a CPU tensor standing for a device one, made at
+        ``where``: ``file:line``; default: the first caller outside torch and this module)."""
+        label = "/".join(self._stack)
+        self.counts[(label, op)] += 1
+        if self.trace:
+            self.events.append(Sync(op, label, where or _caller()))
 
     def _on_device(self, t: Any) -> bool:
         return isinstance(t, torch.Tensor) and (t.device.type != "cpu" or self.count_cpu)

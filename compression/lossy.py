@@ -14,7 +14,18 @@ import torch
 
 from . import coders, dedup, quantize, reference
 from . import format as fmt
-from .base import Bound, Codec, check_ids, check_input, check_out, register, resolve_blocks, resolve_bounds
+from .base import (
+    Bound,
+    Codec,
+    check_ids,
+    check_input,
+    check_out,
+    device_bounds,
+    on_device,
+    register,
+    resolve_blocks,
+    resolve_bounds,
+)
 from .format import PayloadError
 
 Entropy = bool | str
@@ -29,6 +40,11 @@ def ids_fingerprint(ids: torch.Tensor) -> int:
     Weights are odd, so changing any single id changes the sum; one id column shared by every
     block (a [rows] id tensor) is summed once.
     """
+    return int(fingerprint_of(ids))
+
+
+def fingerprint_of(ids: torch.Tensor) -> torch.Tensor:
+    """:func:`ids_fingerprint` as an int64 0-d tensor on the ids' device (no host wait)."""
     rows, nb = ids.shape
     key = (rows, nb, ids.device)
     if key not in _WEIGHTS:
@@ -42,7 +58,7 @@ def ids_fingerprint(ids: torch.Tensor) -> int:
         total = torch.dot(ids[:, 0], w_row) * w_blk.sum()
     else:
         total = ((ids * w_row[:, None]).sum(0) * w_blk).sum()
-    return int(total) & 0xFFFFFFFF
+    return total & 0xFFFFFFFF
 
 
 def _backend(name: str, device: torch.device):
@@ -108,7 +124,12 @@ class LossyCodec(Codec):
         check_input(x)
         rows, cols = x.shape
         widths = resolve_blocks(cols, eb, ids, blocks)
-        bounds = resolve_bounds(eb, widths, required=True)
+        # a tensor of bounds stays on its device (no host wait); host numbers are checked on the host
+        bounds: list[float] | torch.Tensor
+        if isinstance(eb, torch.Tensor) and on_device(eb):
+            bounds = device_bounds(eb, widths, x.device)
+        else:
+            bounds = resolve_bounds(eb, widths, required=True)
         keys = check_ids(ids, rows, len(widths), "lossy encode")
         if keys is not None and keys.device != x.device:
             raise ValueError(f"lossy encode: ids on {keys.device}, x on {x.device}")
@@ -137,8 +158,7 @@ class LossyCodec(Codec):
         else:
             plan = dedup.identity_plan(rows, len(widths), x.device)
         values = dedup.gather(x, widths, plan)
-        sizes = [u * w for u, w in zip(plan.counts.tolist(), widths, strict=True)]
-        step, ed = quantize.steps_and_margins(bounds, sizes, x.device)
+        step, ed = quantize.steps_and_margins(bounds, plan.counts, widths, values.numel(), x.device)
         codes, exceptions = quantize.encode(values, step, ed, backend)
 
         if plan.mode == dedup.VALUE:
@@ -146,9 +166,11 @@ class LossyCodec(Codec):
             index = coder.encode(plan.inverse.reshape(-1).to(torch.int32))
         else:
             index = torch.zeros(0, dtype=torch.uint8, device=x.device)
-        info = [plan.mode | kind << 2, ids_fingerprint(keys) if keys is not None else 0, 0, 0]
+        info = [plan.mode | kind << 2, 0, 0, 0]  # word 1: the ids' fingerprint, computed on the device
         header = fmt.Header(self.codec_id, x.dtype, rows, cols, widths, bounds, info=info)
-        return fmt.pack(header, [plan.counts, index, coder.encode(codes), exceptions], device=x.device)
+        sections = [plan.counts, index, coder.encode(codes), exceptions]
+        fingerprint = None if keys is None else {1: fingerprint_of(keys)}
+        return fmt.pack(header, sections, device=x.device, device_info=fingerprint)
 
     def decode(
         self, payload: torch.Tensor, ids: torch.Tensor | None = None, *, out: torch.Tensor | None = None
@@ -167,29 +189,34 @@ class LossyCodec(Codec):
         backend = _backend(self.backend, device)
         coder = self._coder(kind, backend)
         counts = fmt.view_as(counts_s, torch.int64, "dedup counts").clone()
-        if counts.numel() != nb or (nb and (int(counts.min()) < min(rows, 1) or int(counts.max()) > rows)):
-            raise PayloadError(f"dedup counts {counts.tolist()[:8]} invalid for {nb} blocks of {rows} rows")
-
+        if counts.numel() != nb:
+            raise PayloadError(f"{counts.numel()} dedup counts for {nb} blocks")
+        inverse: torch.Tensor | None = None
         if mode == dedup.IDS:
             if ids is None:
                 raise PayloadError("payload was encoded with ids and carries no row index: pass the same ids to decode")
             keys = check_ids(ids, rows, nb, "lossy decode").to(device)
-            if ids_fingerprint(keys) != header.info[1]:
-                raise PayloadError("ids differ from the ids the payload was encoded with")
             mine, inverse = dedup.inverse_from_ids(keys)
-            if not torch.equal(mine, counts):
+            # one host read: the payload's counts (the sizes), and the counts and fingerprint of these ids
+            host = torch.cat([counts, mine, fingerprint_of(keys).reshape(1)]).tolist()
+            host_counts = host[:nb]
+        else:
+            host_counts = counts.tolist()
+        if nb and (min(host_counts) < min(rows, 1) or max(host_counts) > rows):
+            raise PayloadError(f"dedup counts {host_counts[:8]} invalid for {nb} blocks of {rows} rows")
+        if mode == dedup.IDS:
+            if host[2 * nb] != header.info[1]:
+                raise PayloadError("ids differ from the ids the payload was encoded with")
+            if host[nb : 2 * nb] != host_counts:
                 raise PayloadError("ids give other unique counts than the payload's")
         elif mode == dedup.VALUE:
             inverse = coder.decode(index_s, nb * rows, "dedup index").long().view(nb, rows)
             if nb and rows and bool((inverse >= counts[:, None]).any()):
                 raise PayloadError("dedup index points past its block's unique rows")
-        else:
-            if bool((counts != rows).any()):
-                raise PayloadError(f"undeduplicated payload with counts {counts.tolist()[:8]} != {rows}")
-            inverse = None
-        sizes = [u * w for u, w in zip(counts.tolist(), widths, strict=True)]
-        n = sum(sizes)
+        elif any(u != rows for u in host_counts):
+            raise PayloadError(f"undeduplicated payload with counts {host_counts[:8]} != {rows}")
+        n = sum(u * w for u, w in zip(host_counts, widths, strict=True))
         codes = coder.decode(codes_s, n, "codes")
-        step, _ = quantize.steps_and_margins(header.bounds, sizes, device)
+        step, _ = quantize.steps_and_margins(header.bounds, counts, widths, n, device)
         values = quantize.decode(codes, step, exc_s, header.dtype, "exceptions", backend)
         return dedup.scatter(values, widths, counts.to(device), inverse, rows, out)

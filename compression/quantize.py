@@ -13,20 +13,32 @@ from . import reference
 from .format import PayloadError, view_as
 
 
-def steps_and_margins(bounds: list[float], sizes: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-value (or one shared) float32 bin width ``2 eb`` and strict margin ``ed`` (<= eb)."""
-    steps = [reference.step_of(e) for e in bounds]
-    eds = [reference.float32_at_most(e) for e in bounds]
-    if len(set(zip(steps, eds, strict=True))) <= 1:  # one bound for the whole payload: broadcast a scalar
-        return (
-            torch.tensor(steps[0] if steps else 1.0, device=device),
-            torch.tensor(eds[0] if eds else 0.0, device=device),
-        )
-    counts = torch.tensor(sizes, device=device)
-    return (
-        torch.repeat_interleave(torch.tensor(steps, device=device), counts),
-        torch.repeat_interleave(torch.tensor(eds, device=device), counts),
-    )
+def steps_and_margins(
+    bounds: list[float] | torch.Tensor, counts: torch.Tensor, widths: list[int], n: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-value (or one shared) float32 bin width ``2 eb`` and strict margin ``ed`` (<= eb).
+
+    ``bounds`` per block, Python floats or a float64 tensor on ``device`` (kept there); the
+    values are ``counts`` (rows per block, int64 on ``device``) x ``widths``, ``n`` in all, known
+    on the host from the values' shape, so that nothing here waits for the device.
+    """
+    if isinstance(bounds, torch.Tensor):
+        step = (2.0 * bounds).float()  # the same roundings as reference.step_of / float32_at_most
+        e = bounds.float()
+        ed = torch.where(e.double() > bounds, torch.nextafter(e, torch.full_like(e, -torch.inf)), e)
+        if bounds.numel() == 1:
+            return step.reshape(()), ed.reshape(())
+    else:
+        steps = [reference.step_of(e) for e in bounds]
+        eds = [reference.float32_at_most(e) for e in bounds]
+        if len(set(zip(steps, eds, strict=True))) <= 1:  # one bound for the whole payload: broadcast a scalar
+            return (
+                torch.tensor(steps[0] if steps else 1.0, device=device),
+                torch.tensor(eds[0] if eds else 0.0, device=device),
+            )
+        step, ed = torch.tensor(steps, device=device), torch.tensor(eds, device=device)
+    sizes = counts * torch.tensor(widths, dtype=torch.int64).to(device, non_blocking=True)
+    return torch.repeat_interleave(step, sizes, output_size=n), torch.repeat_interleave(ed, sizes, output_size=n)
 
 
 def encode(

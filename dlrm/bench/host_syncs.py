@@ -5,8 +5,9 @@
 One chunk as a rank sends it to one peer (Criteo-like single-valued ids, bit-identical rows per
 id), through the trainer's own :class:`~dlrm.embedding_comm.codec.DirectionCodec` with
 ``compression=lossy policy=dual`` (rel bounds, dedup by id) and the fixed-length coder used on
-CUDA (``params.entropy=false``), on the device code paths (``dedup.HOST_NUMPY`` off: the numpy
-shortcuts taken for CPU tensors are invisible to the counter). Both directions are counted; the
+CUDA (``params.entropy=false``), on the device code paths (:func:`device_paths`: the host
+shortcuts taken for CPU tensors off, and each ``.tolist()``/``.cpu()`` counted as a ``host_read``,
+which the dispatcher cannot see on CPU tensors). Both directions are counted; the
 backward also sums duplicate-id gradients (sender) and keeps one row per id (receiver). An
 iteration has (W - 1) chunks per direction; the projection assumes each is like this one.
 Then the static listing of the per-chunk host copies (:mod:`dlrm.bench.host_copies`).
@@ -15,10 +16,13 @@ Then the static listing of the per-chunk host copies (:mod:`dlrm.bench.host_copi
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,7 +32,8 @@ from dlrm.embedding_comm.codec import DirectionCodec
 from dlrm.embedding_comm.config import parse_compression_cfg
 from dlrm.embedding_comm.ids import keep_first_duplicates, sum_duplicates
 from dlrm.embedding_comm.policy import build_policy, table_stats
-from dlrm_compression import dedup
+from dlrm_compression import base, dedup
+from dlrm_compression import format as fmt
 from dlrm_compression.host_syncs import HostSyncCounter
 from dlrm_compression.synthetic import KAGGLE_CARDINALITIES, criteo_like_batch
 
@@ -43,13 +48,32 @@ WORLD_SIZES = (2, 8, 64)
 
 
 @contextmanager
-def device_paths() -> Iterator[None]:
-    """Run the codec's device code on CPU tensors (as tests do), restoring the CPU shortcut after."""
-    saved, dedup.HOST_NUMPY = dedup.HOST_NUMPY, False
+def device_paths(counter: HostSyncCounter | None = None) -> Iterator[None]:
+    """Run the codec's device code on CPU tensors (as tests do): torch's dedup, not numpy's, the
+    bounds kept as a tensor and the device payload check (Adler-32), restoring the CPU choices
+    after. With ``counter``, each ``.tolist()`` / ``.cpu()`` of a tensor also counts, as
+    ``host_read``: on a device each is a copy to the host that waits, and the dispatcher cannot
+    see them on CPU tensors."""
+    saved = dedup.HOST_NUMPY, fmt._check_for, torch.Tensor.tolist, torch.Tensor.cpu, base.HOST_BOUNDS
+    dedup.HOST_NUMPY = base.HOST_BOUNDS = False
+    fmt._check_for = lambda device: "adler32"
+    if counter is not None:
+
+        def reads(method: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapped(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+                f = sys._getframe(1)
+                counter.note("host_read", f"{os.path.relpath(f.f_code.co_filename)}:{f.f_lineno}")
+                return method(t, *args, **kwargs)
+
+            return wrapped
+
+        torch.Tensor.tolist = reads(saved[2])  # type: ignore[method-assign]
+        torch.Tensor.cpu = reads(saved[3])  # type: ignore[method-assign]
     try:
         yield
     finally:
-        dedup.HOST_NUMPY = saved
+        dedup.HOST_NUMPY, fmt._check_for, base.HOST_BOUNDS = saved[0], saved[1], saved[4]
+        torch.Tensor.tolist, torch.Tensor.cpu = saved[2], saved[3]  # type: ignore[method-assign]
 
 
 def codecs(features: Sequence[str], dim: int) -> dict[str, DirectionCodec]:
@@ -83,7 +107,7 @@ def count_chunk(
     ids = torch.stack([t["ids"] for t in batch.values()], 1)
     widths = [dim] * tables
     counter = HostSyncCounter(trace=trace)
-    with device_paths(), counter:
+    with device_paths(counter), counter:
         for d, dc in dcs.items():
             chunk = chunks[d]
             with counter.label(f"{d}/bounds"):

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 BoundFn = Callable[[str, str, int], float]
+Bounds = list[float] | torch.Tensor  # absolute, per block: policy values (abs), or on the chunk's device (rel)
 
 
 class fixed_bound:
@@ -44,11 +45,20 @@ def policy_values(bound_fn: BoundFn, features: Sequence[str], direction: str, it
     return out
 
 
-def absolute_bounds(x: torch.Tensor, widths: Sequence[int], values: Sequence[float], mode: str) -> list[float]:
+def absolute_bounds(x: torch.Tensor, widths: Sequence[int], values: Sequence[float], mode: str) -> Bounds:
     """Per-block absolute bounds of a chunk: the policy values, times the block's finite value
-    range in rel mode (the compressor's own definition; a constant block gets 0, sent exactly)."""
+    range in rel mode (the compressor's own definition; a constant block gets 0, sent exactly),
+    then a float64 tensor on the chunk's device that the codec takes without a host wait."""
     if mode == "abs":
         return list(values)
     from dlrm_compression import relative_to_absolute
 
     return relative_to_absolute(x, list(values), list(widths))
+
+
+def host_bounds(bounds: Bounds | None) -> list[float] | None:
+    """The bounds as Python floats, for the paths that read them on the host (sampling, the
+    calibration of compression=auto, the row cache and its probe): one host wait, not per chunk."""
+    if bounds is None or isinstance(bounds, list):
+        return bounds
+    return [float(b) for b in bounds.tolist()]

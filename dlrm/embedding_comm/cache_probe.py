@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from dlrm.embedding_comm.bounds import host_bounds
 from dlrm.embedding_comm.codec import DirectionCodec, abs_error
 from dlrm.embedding_comm.forward_cache import ForwardCache
 from dlrm.embedding_comm.stage import Outgoing, Stage
@@ -56,10 +57,11 @@ class CacheProbe(Stage):
         return self.shadows[scheme].nbytes
 
     def measure(self, c: Outgoing) -> bool:
-        if not (c.direction == "forward" and c.ids is not None and c.dc.dedup and c.bounds):
+        bounds = host_bounds(c.bounds) if c.direction == "forward" else None  # the probe reads floats
+        if not (c.ids is not None and c.dc.dedup and bounds):
             return False
         assert c.payload is not None
-        self.observe(c.dc, c.chunk, c.ids, c.payload, c.blocks.features, c.blocks.widths, c.bounds, c.dst, c.stats)
+        self.observe(c.dc, c.chunk, c.ids, c.payload, c.blocks.features, c.blocks.widths, bounds, c.dst, c.stats)
         return True
 
     def observe(

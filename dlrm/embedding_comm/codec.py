@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 import dlrm_compression as compression
-from dlrm.embedding_comm.bounds import BoundFn, absolute_bounds, policy_values
+from dlrm.embedding_comm.bounds import BoundFn, Bounds, absolute_bounds, host_bounds, policy_values
 from dlrm.embedding_comm.config import DirectionSpec
 from dlrm.process.config_checks import flag, integer
 from dlrm_compression.composite import PerBlockCodec, worst_case_error
@@ -79,7 +79,7 @@ class DirectionCodec:
             return [math.inf] * len(features)
         return policy_values(self.bound_fn, features, self.direction, iteration)
 
-    def bounds(self, chunk: torch.Tensor, widths: Sequence[int], values: Sequence[float]) -> list[float] | None:
+    def bounds(self, chunk: torch.Tensor, widths: Sequence[int], values: Sequence[float]) -> Bounds | None:
         """Absolute per-block bounds for this chunk, or None for unbounded (cast) codecs."""
         if not self.bounded:
             return None
@@ -132,7 +132,7 @@ class DirectionCodec:
         self,
         chunk: torch.Tensor,
         widths: Sequence[int],
-        bounds: Sequence[float] | None,
+        bounds: Bounds | None,
         ids: torch.Tensor | None,
         thresholds: Sequence[float] | None = None,
         features: Sequence[str] | None = None,
@@ -144,7 +144,7 @@ class DirectionCodec:
             extra["choice"] = [self.choice.get(f, self.codec.fallback) for f in features]
         return self.codec.encode(
             chunk.contiguous(),
-            None if bounds is None else list(bounds),
+            bounds,
             ids if self.dedup else None,
             blocks=list(widths),
             **extra,
@@ -164,12 +164,13 @@ class DirectionCodec:
         chunk: torch.Tensor,
         features: Sequence[str],
         widths: Sequence[int],
-        bounds: Sequence[float] | None,
+        bounds: Bounds | None,
         ids: torch.Tensor | None,
     ) -> list[tuple[str, str, float, float, float, float, bool]]:
         """compression=auto: every option on every block of a real chunk, as (feature, option, raw
         bytes, wire bytes, encode s, decode s, within the block's bound); and feature ``*``, option
         ``regroup``: gathering and scattering the chunk's columns (the cost of mixing codecs)."""
+        bounds = host_bounds(bounds)
         assert isinstance(self.codec, PerBlockCodec) and bounds is not None
         # what mixing codecs costs: the columns gathered by codec, decoded parts scattered back
         perm = torch.randperm(chunk.shape[1], generator=torch.Generator().manual_seed(0)).to(chunk.device)

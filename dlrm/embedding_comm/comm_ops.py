@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.autograd import Function
 from torchrec.distributed.comm_ops import Request, get_gradient_division
 
+from dlrm.embedding_comm.bounds import Bounds, host_bounds
 from dlrm.embedding_comm.codec import CompressedCommError, DirectionCodec, abs_error
 from dlrm.embedding_comm.stage import Blocks, Incoming, Outgoing, Stage
 from dlrm.embedding_comm.stats import CommStats
@@ -156,7 +157,7 @@ def _sample(
     chunk: torch.Tensor,
     payload: torch.Tensor,
     blocks: Blocks,
-    bounds: list[float] | None,
+    bounds: Bounds | None,
     ids: torch.Tensor | None,
     stats: CommStats,
     d: str,
@@ -165,6 +166,7 @@ def _sample(
 ) -> None:
     """Sender-side sampling: decode our own payload (or take ``decoded``: what an encoding stage
     says the destination holds) for errors, encode each block alone for sizes."""
+    bounds = host_bounds(bounds)  # sampling reads them on the host (once per sample, not per chunk)
     if decoded is None:
         decoded = dc.codec.decode(payload, ids if dc.dedup else None)
     col_err = abs_error(decoded.float(), chunk.float()).amax(dim=0) if chunk.shape[0] else None

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dlrm.embedding_comm.bounds import host_bounds
 from dlrm.embedding_comm.codec import CompressedCommError, DirectionCodec
 from dlrm.embedding_comm.stage import Incoming, Outgoing, Stage
 from dlrm_compression.dedup import plan_by_ids
@@ -187,8 +188,10 @@ class CacheStage(Stage):
         if not (self._applies(c.direction, c.ids, c.dc) and c.bounds is not None):
             return False
         assert c.ids is not None
+        bounds = host_bounds(c.bounds)  # the cache is host-side: it reads the bounds as floats
+        assert bounds is not None
         c.payload, c.held, counts = self.cache.encode(
-            c.dc, c.chunk, c.ids, c.blocks.features, c.blocks.widths, c.bounds, c.dst
+            c.dc, c.chunk, c.ids, c.blocks.features, c.blocks.widths, bounds, c.dst
         )
         for name, n in counts.items():
             if "/" not in name:  # totals (the per-feature counts serve the probe)
@@ -289,7 +292,7 @@ def _code(
         if s.shape[0]:
             cols[s.shape[0] :, c : c + w] = s[:1]
         c += w
-    return dc.encode(torch.from_numpy(cols), widths, bounds, torch.from_numpy(ids))
+    return dc.encode(torch.from_numpy(cols), widths, list(bounds), torch.from_numpy(ids))
 
 
 def _decode(

@@ -60,25 +60,35 @@ def chunk_ids(kjt: KeyedJaggedTensor | None, regions: Sequence[Region]) -> list[
 def sum_duplicates(g: torch.Tensor, ids: torch.Tensor, widths: Sequence[int]) -> torch.Tensor:
     """Give every row of each block the sum of its block's rows with the same id (a new tensor).
 
-    The codec (deduplicating by id) then sends each sum once; the owner keeps it on one row.
+    The codec (deduplicating by id) then sends each sum once; the owner keeps it on one row. Each
+    id's rows are summed in row order into the slot of its first row (no unique ids: no host wait).
     """
     out, c = g.clone(), 0
+    first = first_rows(ids) if any(widths) else None
     for k, w in enumerate(widths):
         if w:
-            uniq, inverse = torch.unique(ids[:, k], return_inverse=True)
-            sums = g.new_zeros(uniq.numel(), w).index_add_(0, inverse, g[:, c : c + w])
-            out[:, c : c + w] = sums[inverse]
+            assert first is not None
+            sums = torch.zeros_like(g[:, c : c + w]).index_add_(0, first[k], g[:, c : c + w])
+            out[:, c : c + w] = sums[first[k]]
         c += w
     return out
 
 
-def first_occurrence(ids: torch.Tensor) -> torch.Tensor:
-    """Boolean mask of the first row holding each id of a 1-D id vector."""
-    uniq, inverse = torch.unique(ids, return_inverse=True)
-    pos = torch.arange(ids.numel(), device=ids.device)
-    first = torch.full((uniq.numel(),), ids.numel(), device=ids.device, dtype=pos.dtype)
-    first.scatter_reduce_(0, inverse, pos, reduce="amin")
-    return first[inverse] == pos
+def first_rows(ids: torch.Tensor) -> torch.Tensor:
+    """``[n_blocks, rows]``: for each block and row, the first row holding the same id.
+
+    One stable sort of every block's ids at once, then segment starts by boundary flags and a
+    running maximum: no output whose size depends on the data (``torch.unique`` has one, a host
+    wait per call on an accelerator).
+    """
+    ids = ids.t()
+    rows = ids.shape[1]
+    sorted_ids, perm = torch.sort(ids, dim=1, stable=True)  # equal ids keep their row order
+    new = torch.ones_like(sorted_ids, dtype=torch.bool)
+    new[:, 1:] = sorted_ids[:, 1:] != sorted_ids[:, :-1]
+    pos = torch.arange(rows, device=ids.device).expand_as(perm)
+    start = torch.where(new, pos, 0).cummax(dim=1).values  # sorted position where each id's run starts
+    return torch.empty_like(perm).scatter_(1, perm, perm.gather(1, start))
 
 
 def keep_first_duplicates(g: torch.Tensor, ids: torch.Tensor, widths: Sequence[int]) -> torch.Tensor:
@@ -87,10 +97,12 @@ def keep_first_duplicates(g: torch.Tensor, ids: torch.Tensor, widths: Sequence[i
     Under sum pooling the table-batched kernel adds the gradients of all bags of an id, so one
     row holding the per-id sum and zeros elsewhere gives the same per-id gradient.
     """
+    if not any(widths):
+        return g
+    keep = first_rows(ids) == torch.arange(ids.shape[0], device=ids.device)  # [n_blocks, rows]
     c = 0
     for k, w in enumerate(widths):
         if w:
-            keep = first_occurrence(ids[:, k]).unsqueeze(1)
-            g[:, c : c + w] = torch.where(keep, g[:, c : c + w], 0.0)  # not `*= mask`: inf * 0 is nan
+            g[:, c : c + w] = torch.where(keep[k, :, None], g[:, c : c + w], 0.0)  # not `*= mask`: inf * 0 is nan
         c += w
     return g

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 
+from dlrm.embedding_comm.bounds import Bounds
 from dlrm.embedding_comm.codec import DirectionCodec
 from dlrm.embedding_comm.stats import CommStats
 
@@ -40,7 +41,7 @@ class Outgoing:
     chunk: torch.Tensor
     ids: torch.Tensor | None  # [rows, n_blocks], or None (dedup by value)
     blocks: Blocks
-    bounds: list[float] | None  # absolute, per block (None: an unbounded codec)
+    bounds: Bounds | None  # absolute, per block (None: an unbounded codec)
     dc: DirectionCodec
     stats: CommStats
     payload: torch.Tensor | None = None

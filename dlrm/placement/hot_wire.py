@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dlrm.embedding_comm.bounds import host_bounds
 from dlrm.embedding_comm.codec import DirectionCodec
 from dlrm_compression.composite import PerBlockCodec
 
@@ -89,8 +90,8 @@ class SyncWire:
                 out.append(math.inf)
                 continue
             (value,) = self.direction.policy([f], iteration)
-            (b,) = self.direction.bounds(r, [r.shape[1]], [value]) or [math.inf]
-            out.append(float(b))
+            b = host_bounds(self.direction.bounds(r, [r.shape[1]], [value]))
+            out.append(math.inf if b is None else b[0])
         return out
 
     def encode(self, slots: Sequence[torch.Tensor], rows: Sequence[torch.Tensor], iteration: int) -> torch.Tensor:

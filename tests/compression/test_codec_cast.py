@@ -97,5 +97,5 @@ def test_relative_to_absolute_uses_each_blocks_finite_range():
     eb = compression.relative_to_absolute(x, [0.1, 0.01], blocks=[1, 2])
     assert eb[0] == pytest.approx(0.1 * 2.0)
     assert eb[1] == pytest.approx(0.01 * 20.0)
-    assert compression.relative_to_absolute(torch.zeros(0, 3), 0.1) == [0.0]
+    assert compression.relative_to_absolute(torch.zeros(0, 3), 0.1).tolist() == [0.0]
     assert math.isclose(compression.relative_to_absolute(x, 0.5)[0], 0.5 * 20.0)

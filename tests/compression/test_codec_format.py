@@ -1,12 +1,24 @@
-"""The payload container: truncation, bit flips and foreign bytes always raise PayloadError."""
+"""The payload container: truncation, bit flips and foreign bytes always raise PayloadError, with
+either check (crc32, built on the CPU; Adler-32 on the device, forced here on CPU tensors)."""
 
 import random
+import zlib
 
 import pytest
 import torch
 
 import dlrm_compression as compression
 from dlrm_compression import PayloadError
+from dlrm_compression import format as fmt
+
+CHECKS = ["crc32", "adler32"]
+
+
+@pytest.fixture(params=CHECKS)
+def check(request, monkeypatch):
+    """Which check the payloads built in the test carry (the device's choice, forced)."""
+    monkeypatch.setattr(fmt, "_check_for", lambda device: request.param)
+    return request.param
 
 
 def _inputs():
@@ -23,13 +35,13 @@ KEYS = sorted(
     [name for name in compression.available_codecs()]
     + [name + "+ids" for name in compression.available_codecs() if compression.get_codec(name).bounded]
 )
-_CACHE: dict[str, tuple] = {}
+_CACHE: dict[tuple[str, str], tuple] = {}
 
 
-def _payload(key: str) -> tuple:
+def _payload(key: str, check: str = "crc32") -> tuple:
     """(codec, payload, ids) of one small payload; a codec that cannot run here (e.g. an fbgemm
     baseline without its kernels) skips the case, naming why, instead of vanishing from the list."""
-    if key not in _CACHE:
+    if (key, check) not in _CACHE:
         name, with_ids = key.removesuffix("+ids"), key.endswith("+ids")
         codec = compression.get_codec(name)
         x, ids = _inputs()
@@ -37,21 +49,22 @@ def _payload(key: str) -> tuple:
             payload = codec.encode(x, 1e-3, ids if with_ids else None)
         except NotImplementedError as e:
             pytest.skip(f"codec {name!r} does not run here: {e}")
-        _CACHE[key] = (codec, payload, ids if with_ids else None)
-    return _CACHE[key]
+        assert bool(payload[7] & fmt.ADLER32) == (check == "adler32")  # the flags record the check
+        _CACHE[(key, check)] = (codec, payload, ids if with_ids else None)
+    return _CACHE[(key, check)]
 
 
 @pytest.mark.parametrize("key", KEYS)
-def test_every_truncation_raises(key):
-    codec, payload, ids = _payload(key)
+def test_every_truncation_raises(key, check):
+    codec, payload, ids = _payload(key, check)
     for n in sorted({0, 1, 5, 23, 24, 31, 32, payload.numel() // 2, payload.numel() - 1}):
         with pytest.raises(PayloadError):
             codec.decode(payload[:n].clone(), ids)
 
 
 @pytest.mark.parametrize("key", KEYS)
-def test_every_single_bit_flip_raises(key):
-    codec, payload, ids = _payload(key)
+def test_every_single_bit_flip_raises(key, check):
+    codec, payload, ids = _payload(key, check)
     rng = random.Random(key)
     positions = list(range(min(64, payload.numel()))) + rng.sample(range(payload.numel()), min(64, payload.numel()))
     for pos in positions:
@@ -62,8 +75,8 @@ def test_every_single_bit_flip_raises(key):
 
 
 @pytest.mark.parametrize("key", KEYS)
-def test_decode_into_a_callers_tensor(key):
-    codec, payload, ids = _payload(key)
+def test_decode_into_a_callers_tensor(key, check):
+    codec, payload, ids = _payload(key, check)
     want = codec.decode(payload, ids)
     rows = torch.full((50, want.shape[1]), -1.0)  # a row window and a column window of bigger tensors
     cols = torch.full((want.shape[0], want.shape[1] + 4), -1.0)
@@ -76,7 +89,7 @@ def test_decode_into_a_callers_tensor(key):
             codec.decode(payload, ids, out=bad)
 
 
-def test_foreign_bytes_raise():
+def test_foreign_bytes_raise(check):
     codec = compression.get_codec("none")
     for junk in [
         torch.zeros(0, dtype=torch.uint8),
@@ -91,14 +104,14 @@ def test_foreign_bytes_raise():
         codec.decode(torch.zeros(40, dtype=torch.float32))
 
 
-def test_trailing_bytes_raise():
-    codec, payload, ids = _payload("none")
+def test_trailing_bytes_raise(check):
+    codec, payload, ids = _payload("none", check)
     with pytest.raises(PayloadError, match="trailing"):
         codec.decode(torch.cat([payload, torch.zeros(8, dtype=torch.uint8)]), ids)
 
 
-def test_sections_survive_an_unaligned_payload_view():
-    codec, payload, _ = _payload("none")
+def test_sections_survive_an_unaligned_payload_view(check):
+    codec, payload, _ = _payload("none", check)
     buf = torch.zeros(payload.numel() + 3, dtype=torch.uint8)
     buf[3:] = payload
     assert torch.equal(codec.decode(buf[3:]), codec.decode(payload))
@@ -116,3 +129,42 @@ def test_an_empty_section_at_any_offset_reads_as_empty(offset):
         assert torch.equal(
             view_as(buf[offset : offset + n], dtype, "one"), buf[offset : offset + n].clone().view(dtype)
         )
+
+
+def test_the_device_check_is_zlibs_adler32_and_either_check_decodes_anywhere(monkeypatch):
+    x, ids = _inputs()
+    codec = compression.get_codec("lossy")
+    by_check = {}
+    for c in CHECKS:
+        monkeypatch.setattr(fmt, "_check_for", lambda device, c=c: c)
+        by_check[c] = codec.encode(x, 1e-3, ids)
+    monkeypatch.undo()  # decoding reads the check from the flags, whatever the device
+    for c, p in by_check.items():
+        body = p[:20].numpy().tobytes() + p[24:].numpy().tobytes()  # all but the check field
+        want = zlib.adler32(body) if c == "adler32" else zlib.crc32(body)
+        assert int.from_bytes(p[20:24].numpy().tobytes(), "little") == want
+        assert torch.equal(codec.decode(p, ids), codec.decode(by_check["crc32"], ids))
+    same = [p[torch.arange(p.numel()) // 4 != 5] for p in by_check.values()]  # only the check and flag differ
+    assert torch.equal(same[0][torch.arange(same[0].numel()) != 7], same[1][torch.arange(same[1].numel()) != 7])
+    for n in (0, 1, 65521, 300_000):  # the mod-65521 sums, over and past a wrap, exact in int64
+        t = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+        assert int(fmt.adler32(t)) == zlib.adler32(t.numpy().tobytes())
+    assert int(fmt.adler32(torch.full((1 << 20,), 255, dtype=torch.uint8))) == zlib.adler32(bytes([255]) * (1 << 20))
+
+
+def test_the_device_check_reads_only_the_header_on_the_host(check, monkeypatch):
+    """crc32 hands the host every byte of the payload; Adler-32 only its first kilobyte (prefix
+    and header) with the verdict (seen by the bytes that reach numpy: on CPU tensors no
+    dispatcher op shows a host copy). The codec's device path: fixed-length coder, torch dedup."""
+    monkeypatch.setattr(compression.dedup, "HOST_NUMPY", False)
+    x, ids = torch.randn(2048, 16, generator=torch.Generator().manual_seed(2)), torch.arange(2048)
+    codec = compression.get_codec("lossy", entropy=False)
+    seen: list[int] = []
+    real = torch.Tensor.numpy
+    monkeypatch.setattr(torch.Tensor, "numpy", lambda t, *a, **k: seen.append(t.numel()) or real(t, *a, **k))
+    payload = codec.encode(x, 1e-3, ids)
+    codec.decode(payload, ids)
+    if check == "adler32":
+        assert max(seen) <= 1024 + 1 < payload.numel() // 8
+    else:
+        assert max(seen) >= payload.numel() - 24

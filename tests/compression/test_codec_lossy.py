@@ -79,6 +79,12 @@ def test_bound_holds_on_every_element(case, entropy, id_form):
         ids = None
     codec = compression.get_codec("lossy", entropy=entropy)
     payload = codec.encode(x, eb, ids, blocks=widths)
+    # the bounds as a float64 tensor (relative_to_absolute's form), through the device code: same payload
+    compression.base.HOST_BOUNDS = False
+    try:
+        assert torch.equal(codec.encode(x, torch.tensor(eb, dtype=torch.float64), ids, blocks=widths), payload)
+    finally:
+        compression.base.HOST_BOUNDS = True
     y = codec.decode(payload, ids)
     check_bound(x, y, widths, eb)
     # Into a caller's buffer: a strided column window of a wider tensor, the rest untouched.

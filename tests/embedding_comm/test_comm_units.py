@@ -164,6 +164,31 @@ def test_duplicate_id_gradients_sum_to_the_same_per_id_totals_with_inf():
             assert torch.equal(received[rows, c0:c1].sum(0), g[rows, c0:c1].sum(0))
 
 
+def test_duplicate_id_sums_and_first_rows_match_a_row_by_row_reference_bit_for_bit():
+    """Zipf ids (many duplicates, empty bags), unequal and empty blocks: each id's rows summed in
+    row order in float32, the first row per id kept, as a plain loop over the rows does it."""
+    from dlrm_compression.synthetic import criteo_like_batch
+
+    batch = criteo_like_batch(rows=300, tables=4, dim=3, seed=7)
+    ids = torch.stack([t["ids"] for t in batch.values()], 1)
+    ids[::17, 2] = EMPTY_BAG
+    widths = [5, 0, 3, 7]
+    g = torch.randn(300, sum(widths), generator=torch.Generator().manual_seed(7)) * 1e3
+    want_sum, want_keep, c = g.clone(), torch.zeros_like(g), 0
+    for k, w in enumerate(widths):
+        acc: dict[int, torch.Tensor] = {}
+        first: dict[int, int] = {}
+        for r, i in enumerate(ids[:, k].tolist()):
+            acc[i] = acc.get(i, torch.zeros(w)) + g[r, c : c + w]
+            first.setdefault(i, r)
+        for r, i in enumerate(ids[:, k].tolist()):
+            want_sum[r, c : c + w] = acc[i]
+            want_keep[r, c : c + w] = g[r, c : c + w] if first[i] == r else 0.0
+        c += w
+    assert torch.equal(sum_duplicates(g, ids, widths).view(torch.int32), want_sum.view(torch.int32))
+    assert torch.equal(keep_first_duplicates(g.clone(), ids, widths).view(torch.int32), want_keep.view(torch.int32))
+
+
 # -- layouts ----------------------------------------------------------------------------------------
 
 
