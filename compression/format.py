@@ -150,7 +150,7 @@ def adler32(t: torch.Tensor) -> torch.Tensor:
     d = t.long()
     w = torch.arange(n, 0, -1, dtype=torch.int64, device=t.device).remainder_(_ADLER_MOD)
     a = (d.sum() + 1).remainder_(_ADLER_MOD)
-    b = (torch.dot(d, w) + n).remainder_(_ADLER_MOD)
+    b = ((d * w).sum() + n).remainder_(_ADLER_MOD)  # not torch.dot: CUDA has no int64 dot
     return b * 65536 + a
 
 

@@ -55,7 +55,7 @@ def fingerprint_of(ids: torch.Tensor) -> torch.Tensor:
         _WEIGHTS[key] = (w_row, w_blk)
     w_row, w_blk = _WEIGHTS[key]
     if nb == 1 or ids.stride(1) == 0:
-        total = torch.dot(ids[:, 0], w_row) * w_blk.sum()
+        total = (ids[:, 0] * w_row).sum() * w_blk.sum()  # not torch.dot: CUDA has no int64 dot
     else:
         total = ((ids * w_row[:, None]).sum(0) * w_blk).sum()
     return total & 0xFFFFFFFF

@@ -72,7 +72,7 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
     telemetry = Telemetry(cfg, env, run_dir, model, data, compression, dense, placement)
     strategy = Strategy(env, compression, dense, run_dir, telemetry.text)
     components += [strategy, telemetry]
-    parts = {"lr_schedule": schedule, **checkpoint_parts(components)}
+    parts = checkpoint_parts(components, lr_schedule=schedule)
     ckpt = Checkpointer(Path(cfg.checkpoint.dir), env, model, optimizer, parts, keep=cfg.checkpoint.keep)
     state = ckpt.resume(cfg.resume)
     set_iteration(model, state.iteration)  # the policies' iteration continues where it was

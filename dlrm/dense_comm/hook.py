@@ -48,7 +48,7 @@ import dlrm_compression as compression
 from dlrm.dense_comm.config import DenseCommSpec
 from dlrm.embedding_comm.stats import CommStats
 from dlrm.process.instrument import on_the_wire
-from dlrm.trainer.state import PerRank, numpy_rng_state, numpy_rng_tuple
+from dlrm.trainer.state import CheckpointError, PerRank, numpy_rng_state, numpy_rng_tuple
 from dlrm_compression.cost_model import ring_allreduce_bytes
 from dlrm_compression.sparse import ThresholdCodec, kth_largest_abs, refresh_due
 
@@ -335,7 +335,7 @@ class DenseComm(PerRank):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if state.get("name", self.spec.name) != self.spec.name:
-            raise ValueError(
+            raise CheckpointError(
                 f"the checkpoint holds dense_comm={state.get('name')!r} state; this run uses "
                 f"dense_comm={self.spec.name!r} (resume with the same dense_comm, or start anew)"
             )
@@ -344,7 +344,7 @@ class DenseComm(PerRank):
         self.residuals = {str(k): v.clone() for k, v in state.get("residuals", {}).items()}
         if self.powersgd is not None and "powersgd" in state:
             if state.get("powersgd_rank") != self.spec.rank:
-                raise ValueError(
+                raise CheckpointError(
                     f"the checkpoint's PowerSGD factors have rank {state.get('powersgd_rank')}; "
                     f"dense_comm.rank is {self.spec.rank} (resume with the same rank, or start anew)"
                 )

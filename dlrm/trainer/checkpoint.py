@@ -223,6 +223,8 @@ class Checkpointer:
         keep: int = 2,
     ) -> None:
         self.root, self.env, self.model, self.optimizer, self.keep = root, env, model, optimizer, keep
+        if "rng" in parts:
+            raise ValueError("a checkpoint part named 'rng' would replace this rank's random streams")
         self.parts: dict[str, Stateful] = {"rng": RngState(), **parts}
 
     def resume(self, mode: Any) -> TrainState:
@@ -244,8 +246,8 @@ class Checkpointer:
         for name, part in self.parts.items():  # before any tensor is read: a part may refuse the checkpoint
             try:
                 part.load_state_dict((mine if isinstance(part, PerRank) else saved).get(name, {}))
-            except CheckpointError as e:
-                raise CheckpointError(f"checkpoint {last}: {e}") from None
+            except (CheckpointError, ValueError) as e:  # compression/'s row cache refuses with ValueError
+                raise CheckpointError(f"checkpoint {last}: {name}: {e}") from None
         with named_collective(f"loading checkpoint {last}"):
             load_model(last, self.model, self.optimizer)
         state = TrainState(iteration=saved["iteration"], epoch=saved["epoch"], batch_in_epoch=saved["batch_in_epoch"])

@@ -62,12 +62,11 @@ class Component:
         return
 
 
-def checkpoint_parts(components: Iterable[Component]) -> dict[str, Stateful]:
-    """Every component's checkpoint parts, in component order; a name taken twice is a bug."""
+def checkpoint_parts(components: Iterable[Component], **own: Stateful) -> dict[str, Stateful]:
+    """The trainer's ``own`` parts and every component's, in component order; a name taken twice is a bug."""
     out: dict[str, Stateful] = {}
-    for c in components:
-        for name, part in c.parts.items():
-            if name in out:
-                raise ValueError(f"two components save a checkpoint part named {name!r}")
-            out[name] = part
+    for name, part in [*own.items(), *((n, p) for c in components for n, p in c.parts.items())]:
+        if name in out:
+            raise ValueError(f"two checkpoint parts are named {name!r}")
+        out[name] = part
     return out

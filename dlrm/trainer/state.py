@@ -31,7 +31,7 @@ def numpy_rng_state(state: Any) -> list[Any]:
 def numpy_rng_tuple(state: list[Any]) -> tuple[Any, ...]:
     """The inverse of :func:`numpy_rng_state`, for ``set_state``."""
     name, keys, pos, has_gauss, cached = state
-    return (name, keys.numpy().astype(np.uint32), pos, has_gauss, cached)
+    return (name, keys.cpu().numpy().astype(np.uint32), pos, has_gauss, cached)
 
 
 class RngState(PerRank):

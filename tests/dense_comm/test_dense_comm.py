@@ -119,6 +119,7 @@ def _train(
     }
     if dense is not None and dense.spec.name == "powersgd":  # a rank's checkpoint, restored in a twin
         from dlrm.dense_comm.hook import DenseComm
+        from dlrm.trainer.state import CheckpointError
 
         buf = io.BytesIO()
         torch.save(dense.state_dict(), buf)
@@ -132,7 +133,7 @@ def _train(
         try:
             other.load_state_dict(saved)
             out["rank_mismatch"] = "accepted"
-        except ValueError as e:
+        except CheckpointError as e:  # the checkpointer names the checkpoint in it
             out["rank_mismatch"] = str(e)
     if dense is not None:
         out.update(
