@@ -57,8 +57,10 @@ class CacheProbe(Stage):
         return self.shadows[scheme].nbytes
 
     def measure(self, c: Outgoing) -> bool:
-        bounds = host_bounds(c.bounds) if c.direction == "forward" else None  # the probe reads floats
-        if not (c.ids is not None and c.dc.dedup and bounds):
+        if not (c.direction == "forward" and c.ids is not None and c.dc.dedup and c.bounds is not None):
+            return False
+        bounds = host_bounds(c.bounds)  # the probe reads floats: only for chunks it measures
+        if not bounds:
             return False
         assert c.payload is not None
         self.observe(c.dc, c.chunk, c.ids, c.payload, c.blocks.features, c.blocks.widths, bounds, c.dst, c.stats)
