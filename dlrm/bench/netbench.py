@@ -41,8 +41,17 @@ from dlrm_compression import cost_model as cm
 
 REPO = Path(__file__).resolve().parents[2]
 # Compression configs, with `+D` for dense_comm=D: the baseline, stock TorchRec's best effort
-# (QComms fp16 on the all-to-alls, fp16 all-reduce), ours, and ours with each dense option.
-DEFAULT_CONFIGS = ("none", "qcomm_fp16+fp16", "lossy", "lossy+fp16", "lossy+powersgd", "lossy+dct")
+# (QComms fp16 on the all-to-alls, fp16 all-reduce), the production bar (QComms MX4, groups of
+# 8/16), ours, and ours with each dense option.
+DEFAULT_CONFIGS = (
+    "none",
+    "qcomm_fp16+fp16",
+    "qcomm_mx4+fp16",
+    "lossy",
+    "lossy+fp16",
+    "lossy+powersgd",
+    "lossy+dct",
+)
 # The published Terabyte model (notes/papers.md §1.5) on synthetic Criteo-like data, table-wise,
 # 2,048 samples per rank.
 TRAINER_DEFAULTS = (

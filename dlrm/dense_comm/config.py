@@ -26,7 +26,7 @@ _KEYS = {
     "powersgd": {"rank", "start_iter", "warm_start", "min_compression_rate"},
     "dct": {"keep", "refresh_every", "refresh_warmup", "min_numel", "values", "values_eb"},
 }
-_KEYS["auto"] = _KEYS["dct"]  # auto may choose dct, with these settings
+_KEYS["auto"] = _KEYS["dct"] | {"fallback"}  # auto may choose dct, with these settings
 _COMMON = {"name", "bucket_cap_mb"}
 
 
@@ -48,6 +48,8 @@ class DenseCommSpec:
     min_numel: int = 256  # smaller buckets are all-reduced, smaller parameters sent whole
     values: str = "none"  # codec of the sent values: none (fp32) | fp16 | bf16 | lossy
     values_eb: float = 0.01  # lossy values: bound as a fraction of the largest sent |value|
+    # auto: the option that travels while the strategy calibrates and measures (and before it)
+    fallback: str = "none"
 
     @property
     def hooked(self) -> bool:
@@ -73,6 +75,8 @@ def parse_dense_comm_cfg(cfg: Mapping[str, Any] | None) -> DenseCommSpec:
             min_compression_rate=number(cfg, "min_compression_rate", where, d.min_compression_rate),
         )
         out["warm_start"] = flag(cfg, "warm_start", where, d.warm_start)
+    if name == "auto":
+        out["fallback"] = one_of(cfg, "fallback", where, AUTO_OPTIONS, d.fallback)
     if name in ("dct", "auto"):
         keep = number(cfg, "keep", where, d.keep, positive=True)
         if keep > 1:

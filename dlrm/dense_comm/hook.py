@@ -91,7 +91,7 @@ class DenseComm(PerRank):
         self.powersgd: PowerSGDState | None = None
         # dense_comm=auto: the option in use (the others' name is their own), and while
         # calibrating, every option measured on the real buckets as (option, raw, wire, enc s, dec s)
-        self.mode = "none" if spec.name == "auto" else spec.name
+        self.mode = spec.fallback if spec.name == "auto" else spec.name
         self.calibrating = False
         self.samples: list[tuple[str, float, float, float, float]] = []
 

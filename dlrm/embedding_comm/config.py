@@ -4,8 +4,9 @@ Two kinds of config exist (see `configs/compression/`):
 
 * ``kind: compressed`` (default) - our variable-size compressed all-to-alls, with ``forward`` and
   ``backward`` each ``{codec, mode, dedup, params}`` (the bounds come from the `policy` group);
-* ``kind: qcomm`` - TorchRec's stock QComms path (fixed-rate fp16/bf16/int8 casts inside the
-  stock collectives), with ``qcomm: {forward_precision, backward_precision}``.
+* ``kind: qcomm`` - TorchRec's stock QComms path (fixed-rate fp16/bf16/int8/MX4 inside the
+  stock collectives), with ``qcomm: {forward_precision, backward_precision}`` (MX4 also takes its
+  group sizes, ``mx4_quantize_dim`` forward and ``mx4_quantize_dim_bwd`` backward).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dlrm.process.config_checks import MOVED, check_keys, flag, integer, one_of,
 
 KINDS = ("compressed", "qcomm")
 MODES = ("abs", "rel")
-QCOMM_PRECISIONS = ("fp32", "fp16", "bf16", "int8")
+QCOMM_PRECISIONS = ("fp32", "fp16", "bf16", "int8", "mx4")
 # Sharding types our sharder may let the planner choose; RW/TWRW are allowed on CPU too.
 ALL_SHARDING_TYPES = ("data_parallel", "table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise")
 ROW_SUM_SHARDING_TYPES = ("row_wise", "table_row_wise")  # forward rows are partial sums (reduce-scatter)
@@ -40,7 +41,7 @@ _DIR_KEYS = {"codec", "mode", "dedup", "params", "cache"}
 _CACHE_KEYS = {"enabled", "capacity_rows"}
 _STATS_KEYS = {"sample_every", "cache_probe"}
 _CACHE_PROBE_KEYS = {"enabled", "capacity_rows"}
-_QCOMM_KEYS = {"forward_precision", "backward_precision"}
+_QCOMM_KEYS = {"forward_precision", "backward_precision", "mx4_quantize_dim", "mx4_quantize_dim_bwd"}
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,9 @@ class CompressionSpec:
     backward: DirectionSpec | None = None
     qcomm_forward: str = "fp32"
     qcomm_backward: str = "fp32"
+    # MX4's group sizes (values sharing one exponent), forward and backward; None: FBGEMM's default
+    qcomm_mx4_dim: int | None = None
+    qcomm_mx4_dim_bwd: int | None = None
     sample_every: int = 10  # sender-side error and per-feature size sampling period (0: never)
     # compression.stats.cache_probe: measure what a forward row cache would save (None: off);
     # its value is the cache's capacity in rows per destination and table (0: unlimited)
@@ -163,7 +167,20 @@ def parse_compression_cfg(cfg: Mapping[str, Any]) -> CompressionSpec:
         for key, val in (("forward_precision", fwd), ("backward_precision", bwd)):
             if val not in QCOMM_PRECISIONS:
                 raise ValueError(f"{where}.qcomm.{key} must be one of {QCOMM_PRECISIONS}, got {val!r}")
-        return CompressionSpec(qcomm_forward=fwd, qcomm_backward=bwd, **common)
+        mx4_keys = ("mx4_quantize_dim", "mx4_quantize_dim_bwd")
+        dims = {key: integer(q, key, f"{where}.qcomm", 0) or None for key in mx4_keys}  # 0/absent: FBGEMM's
+        if "mx4" not in (fwd, bwd) and any(dims.values()):
+            raise ValueError(
+                f"{where}.qcomm.mx4_quantize_dim(_bwd) only apply to MX4: set forward_precision or "
+                f"backward_precision to mx4 (got {fwd!r}, {bwd!r})"
+            )
+        return CompressionSpec(
+            qcomm_forward=fwd,
+            qcomm_backward=bwd,
+            qcomm_mx4_dim=dims["mx4_quantize_dim"],
+            qcomm_mx4_dim_bwd=dims["mx4_quantize_dim_bwd"],
+            **common,
+        )
     if "qcomm" in cfg:
         raise ValueError(f"{where}.qcomm is only read with kind: qcomm (kind is {kind!r})")
     for key in ("forward", "backward"):

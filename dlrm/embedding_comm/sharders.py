@@ -24,8 +24,18 @@ from dlrm.embedding_comm.forward_cache import ForwardCache
 from dlrm_compression.ids_codec import IdsCodec
 
 
+def qcomms_config(spec: CompressionSpec) -> QCommsConfig:
+    """TorchRec's QCommsConfig for a ``kind: qcomm`` spec (precisions, MX4's group sizes)."""
+    return QCommsConfig(
+        forward_precision=CommType(spec.qcomm_forward),
+        backward_precision=CommType(spec.qcomm_backward),
+        mx4_quantize_dim=spec.qcomm_mx4_dim,
+        mx4_quantize_dim_bwd=spec.qcomm_mx4_dim_bwd,
+    )
+
+
 def _qcomm_registry(spec: CompressionSpec) -> dict[str, Any] | None:
-    cfg = QCommsConfig(forward_precision=CommType(spec.qcomm_forward), backward_precision=CommType(spec.qcomm_backward))
+    cfg = qcomms_config(spec)
     # No device argument, as in TorchRec's examples: with device="cpu" TorchRec silently turns
     # bf16 into fp16, although bf16 runs on gloo with torch 2.13.
     return get_qcomm_codecs_registry(cfg)
@@ -35,12 +45,11 @@ def qcomm_ratios(spec: CompressionSpec, width: int = 128) -> dict[str, float]:
     """``forward_ratio``/``backward_ratio`` of a QComms config, measured: fp32 bytes over the bytes
     TorchRec's own codec makes of rows ``width`` wide (the stock path has no byte counters, but its
     codecs are fixed-rate, so one encoding measures every payload)."""
-    cfg = QCommsConfig(forward_precision=CommType(spec.qcomm_forward), backward_precision=CommType(spec.qcomm_backward))
-    codecs = get_qcomm_codecs(cfg)
+    codecs = get_qcomm_codecs(qcomms_config(spec))
     rows = torch.rand(32, width, generator=torch.Generator().manual_seed(0)) - 0.5
     out = {}
     for direction, codec in (("forward", codecs.forward), ("backward", codecs.backward)):
-        payload = codec.encode(rows, codec.create_context()) if codec is not None else rows
+        payload = codec.encode(rows, codec.create_context()) if codec is not None else rows  # MX4: uint8 groups
         out[f"{direction}_ratio"] = rows.numel() * rows.element_size() / (payload.numel() * payload.element_size())
     return out
 

@@ -6,10 +6,14 @@ chosen by :func:`compression.strategy.choose` from measurements of this run:
 1. the link: timed all-to-alls of several sizes on the run's own process group, fitted as
    ``latency + bytes / bandwidth`` (per rank, every rank sending at once, as in training);
 2. the codecs: for ``calibrate_iterations`` training iterations every option is also encoded and
-   decoded on every real chunk (one peer per call) and every dense bucket, for its ratio and
-   time; options whose worst-case error could exceed the policy's bound are left out;
-3. the compute: the mean iteration time over the next ``measure_iterations`` (running the bounded
-   fallback and the plain all-reduce), less what the model gives those options.
+   decoded on the side (not sent) on a real chunk per direction and call and on every dense
+   bucket, for its ratio and time; options whose worst-case error could exceed the policy's bound
+   are left out. Meanwhile the safe defaults travel: the bounded fallback codec of the all-to-alls
+   (``compression.*.params.fallback``) and ``dense_comm.fallback`` (dct in auto.yaml), so these
+   iterations send what those fixed choices send;
+3. the compute: the median iteration time over the next ``measure_iterations`` (steady state: the
+   same defaults, no calibration work), less what the model gives those defaults. The iterations
+   timed are recorded in the plan (``timed_iterations``).
 
 Rank 0 decides and broadcasts, so every rank runs the same strategy. The plan is re-made every
 ``replan_every`` iterations, and when the measured iteration time drifts more than ``drift`` from
@@ -182,6 +186,7 @@ class StrategyController:
         self.regroup = 0.0  # seconds per raw byte of mixing codecs within an all-to-all (calibrated)
         self.phase, self.phase_start = "idle", 0
         self.times: list[float] = []  # seconds of the iterations measured since the last event
+        self.timed: list[int] = []  # and which iterations they were
         self._last = 0.0
 
     @property
@@ -201,7 +206,7 @@ class StrategyController:
                 if plan["choice"] is not None and plan["from_iteration"] <= iteration:
                     self._apply(plan["choice"], iteration)
                 elif plan["calibrated_from"] <= iteration:
-                    self._apply_fallback()
+                    self._apply_fallback(plan.get("fallback"))
             return
         self.link = calibrate_link(self.env)
         if self.decided:  # resumed: the restored plan runs until the next re-plan
@@ -221,7 +226,7 @@ class StrategyController:
         if self.spec.file:  # the saved run's codecs at the same iterations: its fallback while it calibrated
             for plan in self.replay:
                 if plan["calibrated_from"] == iteration:
-                    self._apply_fallback()
+                    self._apply_fallback(plan.get("fallback"))
                 if plan["choice"] is not None and plan["from_iteration"] == iteration:
                     self._apply(plan["choice"], iteration)
             return
@@ -231,10 +236,12 @@ class StrategyController:
             self._begin("measure", iteration)
         elif self.phase == "measure":
             self.times.append(elapsed)
+            self.timed.append(iteration)
             if done >= self.spec.measure_iterations:
                 self._plan(iteration)
         elif self.phase == "run":
             self.times.append(elapsed)
+            self.timed.append(iteration)
             if done >= self.spec.replan_every:  # a full re-plan: the codecs measured anew
                 self._begin("calibrate", iteration)
             elif done % self.spec.measure_iterations == 0:
@@ -258,23 +265,37 @@ class StrategyController:
             self._set_calibrating(True)
             # recorded now, decided later: a replay needs the fallback from here even if the run
             # ends before the plan
-            self.plans.append({"calibrated_from": iteration, "from_iteration": None, "choice": None})
+            self.plans.append(
+                {"calibrated_from": iteration, "from_iteration": None, "choice": None, "fallback": self.fallback}
+            )
             self._write()
-        self.phase, self.phase_start, self.times = phase, iteration, []
+        self.phase, self.phase_start, self.times, self.timed = phase, iteration, [], []
 
     def _set_calibrating(self, on: bool) -> None:
         if self.runtime is not None:
             self.runtime.calibrating = on
         if self.dense is not None:
             self.dense.calibrating = on
-        if on:  # measure with the bounded fallback and the plain all-reduce, as in the first iterations
+        if on:  # the defaults travel while every option is measured on the side
             self._apply_fallback()
 
-    def _apply_fallback(self) -> None:
+    @property
+    def fallback(self) -> dict[str, str]:
+        """What travels while calibrating, per stage: the all-to-alls' bounded fallback codec and
+        ``dense_comm.fallback``."""
+        codecs = self.runtime.codecs if self.runtime is not None else {}
+        out = {d: str(getattr(c.codec, "fallback", "")) for d, c in codecs.items()}
+        if self.dense is not None:
+            out["dense"] = self.dense.spec.fallback
+        return out
+
+    def _apply_fallback(self, saved: Mapping[str, str] | None = None) -> None:
+        """The defaults (the all-to-alls' fallback: an empty choice); ``saved``: a replayed plan's
+        (a strategy.json without it is from before ``dense_comm.fallback``: the plain all-reduce)."""
         if self.runtime is not None:
             self.runtime.forward.choice, self.runtime.backward.choice = {}, {}
         if self.dense is not None:
-            self.dense.mode = "none"
+            self.dense.mode = (saved or {}).get("dense", "none") if self.spec.file else self.dense.spec.fallback
 
     def _slowest_recent(self) -> float:
         """The slowest rank's median of its last ``measure_iterations`` iterations (a collective)."""
@@ -315,9 +336,12 @@ class StrategyController:
         if self.env.is_main:
             units = _units(samples, dense_samples, self.spec.calibrate_iterations, self.env.world_size)
             self.regroup = regroup_cost(samples)
-            fallback = {u.name: ("lossy/zstd" if u.stage != "dense" else "none") for u in units}
+            # what the timed iterations ran (dct leaves buckets under its min_numel to the all-reduce)
+            ran = {u.name: self.fallback[u.stage] for u in units}
+            fallback = {u.name: ran[u.name] if any(x.name == ran[u.name] for x in u.options) else "none" for u in units}
             measured = statistics.median(self.times) if self.times else 0.0
             decided[0] = self._decide(iteration, units, measured, fallback, self.plans[-1]["calibrated_from"])
+            decided[0].update(fallback=self.fallback, timed_iterations=list(self.timed))
         self._adopt(decided, iteration, replace=True)
 
     def _replan(self, iteration: int, measured: float) -> None:
@@ -332,6 +356,7 @@ class StrategyController:
                 for u in last["units"]
             ]
             decided[0] = self._decide(iteration, units, measured, last["choice"], iteration)
+            decided[0].update(fallback=self.fallback, timed_iterations=self.timed[-self.spec.measure_iterations :])
         self._adopt(decided, iteration, replace=False)
 
     def _adopt(self, decided: list[Any], iteration: int, replace: bool) -> None:

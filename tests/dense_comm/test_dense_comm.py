@@ -430,3 +430,13 @@ def test_a_corrupted_dense_payload_is_an_error_naming_ranks_bucket_and_iteration
         other = 1 - rank
         assert f"rank {rank}: cannot decode the dense gradient payload of bucket" in error, error
         assert f"from rank {other} at iteration 1" in error and "PayloadError" in error
+
+
+def test_dense_fallback_is_one_of_autos_options_and_read_by_auto_only():
+    """``dense_comm.fallback`` (what travels while auto calibrates): a switchable option, named in errors."""
+    from dlrm.dense_comm.config import parse_dense_comm_cfg
+
+    with pytest.raises(ValueError, match=r"dense_comm\.fallback must be one of none, fp16, bf16, dct"):
+        parse_dense_comm_cfg({"name": "auto", "fallback": "powersgd"})  # needs warm-up: not switched to
+    with pytest.raises(ValueError, match="fallback"):
+        parse_dense_comm_cfg({"name": "dct", "fallback": "dct"})

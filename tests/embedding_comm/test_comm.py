@@ -623,6 +623,46 @@ def _dedup_and_qcomm(rank: int, ws: int) -> dict:
     return out
 
 
+def mx4_reference(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``x`` through FBGEMM's own Python reference of MX4 (e2m1 values, one shared exponent per
+    ``group`` consecutive values, round-to-even exponent as QComms uses)."""
+    from fbgemm_gpu.quantize_utils import RoundingMode, py_dequantize_mx4, py_quantize_mx4
+
+    flat = x.contiguous().view(-1)
+    return py_dequantize_mx4(py_quantize_mx4(flat, group, rounding_mode=RoundingMode.even), group).view(x.shape)
+
+
+def _qcomm_mx4(rank: int, ws: int) -> dict:
+    # Every table's dim is a multiple of 8, so each forward MX4 group of 8 lies inside one table's
+    # block of one pooled row: FBGEMM's reference applied per table block is what must arrive.
+    w, size = full_weights(6), 32
+    stock, mx4 = build(stock_sharder(), "tw", ws, w), build(ours(shipped("qcomm_mx4")), "tw", ws, w)
+    (ref,), (got,) = run_steps(stock, rank, [size] * ws, 1), run_steps(mx4, rank, [size] * ws, 1)
+    expected = torch.cat([mx4_reference(ref[:, columns(f)], 8) for f in FEATURES], dim=1)
+    assert torch.equal(got, expected), f"rank {rank}: forward differs from MX4(8) by {(got - expected).abs().max()}"
+    # Backward (groups of 16, which may span two tables of a sender's chunk): each gradient value
+    # errs by at most a quarter of its group's largest magnitude (e2m1's top spacing, 2, against a
+    # group maximum scaled into [4, 8)); bounded here by a quarter of the sender's whole row.
+    wa, wb = gather_weights(stock), gather_weights(mx4)
+    kjts = [batch(r, 0, size) for r in range(ws)]
+    worst, moved = 0.0, 0.0
+    for (n, r, _), f in zip(TABLES, FEATURES, strict=True):
+        bound = torch.zeros(r)
+        for q, kjt in enumerate(kjts):
+            row_max = grad_weights(q, 0, size).abs().amax(1)
+            bound.index_add_(0, kjt.to_dict()[f].values(), row_max / 4)
+        diff = (wa[n] - wb[n]).abs().amax(1)
+        seen = bound > 0
+        worst = max(worst, float((diff[seen] / (LR / ws * bound[seen])).max()))
+        moved = max(moved, float(diff.max()))
+    return {"worst_over_bound": worst, "moved": moved}
+
+
+def test_qcomm_mx4_sends_fbgemms_mx4_at_the_production_group_sizes():
+    for r in run_ranks(_qcomm_mx4, 2):
+        assert r["moved"] > 0 and r["worst_over_bound"] <= 1.0, r  # MX4 really travelled backward, within bound
+
+
 REL_BACKWARD = {
     "name": "rel_bwd",
     "forward": {"codec": "none"},

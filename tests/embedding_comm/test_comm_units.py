@@ -37,7 +37,8 @@ def test_every_shipped_config_parses_and_builds_a_sharder():
         (sharder,) = make_sharders(cfg, bound_fn_forward=bound, bound_fn_backward=bound)
         assert "table_wise" in sharder.sharding_types("cpu")
         names.add(spec.name)
-    shipped = {"none", "fp16", "bf16", "int8", "qcomm_fp16", "qcomm_bf16", "qcomm_int8", "lossy", "auto", "dct_mp"}
+    shipped = {"none", "fp16", "bf16", "int8", "qcomm_fp16", "qcomm_bf16", "qcomm_int8", "qcomm_mx4", "lossy", "auto"}
+    shipped.add("dct_mp")
     assert shipped <= names
 
 
@@ -90,6 +91,10 @@ def test_a_bounded_codec_without_a_policy_says_what_it_needs():
             "unknown key(s) ['bound']",
         ),
         ({"name": "x", "kind": "qcomm", "qcomm": {"forward_precision": "fp12"}}, "compression.qcomm.forward_precision"),
+        (
+            {"name": "x", "kind": "qcomm", "qcomm": {"forward_precision": "fp16", "mx4_quantize_dim": 8}},
+            "compression.qcomm.mx4_quantize_dim(_bwd) only apply to MX4",
+        ),
         ({"name": "x", "kind": "zip"}, "compression.kind"),
         (
             {
@@ -227,8 +232,9 @@ def test_reduce_scatter_layout_sums_partials_in_rank_order():
 @pytest.mark.parametrize("width", [16, 128])
 def test_qcomm_ratios_are_what_the_formats_send(width):
     """The measured ratio against the formats' own layout: fp16/bf16 values of half an fp32's
-    bytes (torch's element sizes), and fbgemm's row-wise int8 with an fp32 scale and bias per 32
-    values (QCommsConfig's default row length)."""
+    bytes (torch's element sizes), fbgemm's row-wise int8 with an fp32 scale and bias per 32
+    values (QCommsConfig's default row length), and MX4's 4-bit values with one 8-bit exponent
+    per group (8 forward, 16 backward in qcomm_mx4.yaml)."""
     import yaml
 
     from dlrm.embedding_comm import parse_compression_cfg, qcomm_ratios
@@ -244,6 +250,9 @@ def test_qcomm_ratios_are_what_the_formats_send(width):
     for name, ratio in expected.items():
         spec = parse_compression_cfg(yaml.safe_load((configs / f"{name}.yaml").read_text()))
         assert qcomm_ratios(spec, width) == {"forward_ratio": ratio, "backward_ratio": ratio}, name
+    mx4 = parse_compression_cfg(yaml.safe_load((configs / "qcomm_mx4.yaml").read_text()))
+    per_group = {g: g * fp32 / (g * 4 / 8 + 1) for g in (8, 16)}  # e2m1 nibbles + one exponent byte
+    assert qcomm_ratios(mx4, width) == {"forward_ratio": per_group[8], "backward_ratio": per_group[16]}
 
 
 def test_dct_mp_thresholds_refresh_on_training_chunks_only_and_survive_a_checkpoint():

@@ -243,3 +243,31 @@ def test_the_cost_model_without_overlap_is_the_timeline_with_no_compute_after_th
     overlapped = Timeline(link, w.ranks, before=w.compute_s - 0.005, after=0.005)
     saved = modelled.total - simulate(units, {"f": "c", "b": "c", "d": "c"}, overlapped).total
     assert saved == pytest.approx(0.005, rel=1e-9)
+
+
+def test_while_auto_calibrates_the_wire_carries_the_fixed_defaults_and_the_plan_times_steady_iterations(
+    tmp_path, cache
+):
+    """While auto calibrates and measures, its options are tried on the side: what travels is the
+    all-to-alls' bounded fallback (lossy) and dense_comm.fallback (dct), so each of those
+    iterations sends the bytes that a `compression=lossy dense_comm=dct` run of the same seed
+    sends; and the plan's compute comes from the measuring iterations only."""
+    common = ["max_iterations=7", "loss_log=true", "policy=fixed"]
+    auto = [
+        "compression=auto",
+        "dense_comm=auto",
+        "compression.strategy.calibrate_iterations=3",
+        "compression.strategy.measure_iterations=2",
+    ]
+    train(tmp_path / "auto", cache, [*common, *auto])
+    train(tmp_path / "fixed", cache, [*common, "compression=lossy", "dense_comm=dct"])
+    from run_artifacts import scalars
+
+    plan = json.loads((tmp_path / "auto" / "strategy.json").read_text())["plans"][0]
+    assert plan["calibrated_from"] == 0 and plan["from_iteration"] == 5
+    assert plan["timed_iterations"] == [4, 5]  # after the 3 calibrating iterations, none of them
+    got, ref = scalars(tmp_path / "auto", "comm/"), scalars(tmp_path / "fixed", "comm/")
+    for path in ("forward", "backward", "dense"):
+        a, b = got[f"comm/{path}/wire_bytes"], ref[f"comm/{path}/wire_bytes"]
+        for it in range(1, plan["from_iteration"] + 1):
+            assert a[it] == pytest.approx(b[it], rel=0.01), (path, it, a[it], b[it])
