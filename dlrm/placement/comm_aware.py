@@ -28,10 +28,8 @@ from torchrec.distributed.types import ModuleSharder
 
 from data.frequency import FeatureFrequency
 from dlrm.embedding_comm.config import CompressionSpec
-from dlrm.embedding_comm.dist import CompressionRuntime
-from dlrm.placement.codec_ratio import priced_directions
 from dlrm.placement.config import PlacementSpec
-from dlrm.placement.traffic import FP32, PATHS, Shard, TablePlacement, TrafficModel
+from dlrm.placement.traffic import FP32, PATHS, Direction, Shard, TablePlacement, TrafficModel
 from dlrm.process.env import DistEnv
 from dlrm.strategy.controller import calibrate_link
 from dlrm.trainer.model import table_names
@@ -154,22 +152,21 @@ def build_planner(
     sharding_cfg: Mapping[str, Any],
     placement: PlacementSpec,
     spec: CompressionSpec,
-    runtime: CompressionRuntime | None,
+    directions: tuple[Direction, Direction],
     dense_hooked: bool,
     features: Sequence[str],
     freqs: Sequence[FeatureFrequency],
     batch_size: int,
     dim: int,
-    seed: int,
     fused_only: bool = False,
 ) -> tuple[EmbeddingShardingPlanner, TrafficModel]:
     """The comm_aware planner of a run, and the traffic model it plans with: the link given
-    (``placement.link_mbit``) or timed now (a collective), the forward codec's ratio calibrated
-    on a first-forward-like chunk (the gradients' ratio is not known before training: taken equal)."""
+    (``placement.link_mbit``) or timed now (a collective), and the all-to-alls as
+    :func:`dlrm.placement.codec_ratio.priced_directions` prices them."""
     names = table_names(features)
     link = calibrate_link(env) if placement.link_mbit is None else Link(placement.link_mbit * 1e6 / 8)
     memory_budget = placement.memory_budget
-    fwd, bwd = priced_directions(spec, runtime, features, freqs, batch_size, dim, seed)
+    fwd, bwd = directions
     traffic = TrafficModel(env.world_size, batch_size, forward=fwd, backward=bwd)
     types = allowed_types(spec.sharding_types, dense_hooked, fused_only)
     log.info(

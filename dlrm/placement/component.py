@@ -3,6 +3,7 @@ and hot-row replication once the model is sharded (replicas, their optimizer, th
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -13,9 +14,11 @@ from torch.distributed.checkpoint.stateful import Stateful
 from dlrm.dense_comm.component import DenseCommunication
 from dlrm.embedding_comm.component import EmbeddingCompression
 from dlrm.embedding_comm.config import CompressionSpec
+from dlrm.placement.codec_ratio import priced_directions
 from dlrm.placement.comm_aware import build_planner
 from dlrm.placement.config import PlacementSpec, parse_placement_cfg
 from dlrm.placement.replication import Replication, setup_replication
+from dlrm.placement.traffic import Direction
 from dlrm.process.env import DistEnv
 from dlrm.trainer.component import Component, Sharding
 from dlrm.trainer.datasets import RunData
@@ -48,13 +51,12 @@ class Placement(Component):
             self.cfg.sharding,
             self.spec,
             self.compression.spec,
-            self.compression.runtime,
+            self.directions,
             self.dense.dense.spec.hooked,
             self.data.features,
             self.freqs,
             self.cfg.batch_size,
             int(self.cfg.model.embedding_dim),
-            self.cfg.seed,
             fused_only=sharding.fused_only,
         )
 
@@ -71,7 +73,17 @@ class Placement(Component):
             self.cfg.batch_size,
             int(self.cfg.model.embedding_dim),
             runtime=runtime,
-            seed=self.cfg.seed,
+            directions=self.directions if self.spec.replicates else None,
+        )
+
+    @functools.cached_property
+    def directions(self) -> tuple[Direction, Direction]:
+        """The all-to-alls as the traffic model prices them, measured once for the planner and the
+        hot rows (a calibration encode of our codecs, or TorchRec's QComms codec on rows)."""
+        c = self.compression
+        dim = int(self.cfg.model.embedding_dim)
+        return priced_directions(
+            c.spec, c.runtime, self.data.features, self.freqs, self.cfg.batch_size, dim, self.cfg.seed
         )
 
     @property

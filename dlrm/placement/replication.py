@@ -20,7 +20,6 @@ from torchrec.distributed.types import ShardingType
 from data.frequency import FeatureFrequency
 from dlrm.embedding_comm.config import CompressionSpec
 from dlrm.embedding_comm.dist import CompressionRuntime
-from dlrm.placement.codec_ratio import priced_directions
 from dlrm.placement.config import PlacementSpec
 from dlrm.placement.hot_choice import STATE_BYTES_PER_ROW, SYNC_CODEC_RATIO, SYNC_CODEC_SLOT_BYTES, Wire, choose_auto
 from dlrm.placement.hot_rows import HotSplit, install
@@ -189,12 +188,12 @@ def setup_replication(
     compression: CompressionSpec,
     batch_size: int,
     dim: int,
-    runtime: CompressionRuntime | None = None,
-    seed: int = 0,
+    runtime: CompressionRuntime | None,
+    directions: tuple[Direction, Direction] | None,
 ) -> Replication | None:
-    """Replicate the chosen hot rows in the sharded ``model`` (None when none are chosen);
-    ``runtime`` (our codecs; None for QComms) prices the all-to-alls (calibrated with ``seed``), and
-    its backward codec codes the sync with ``sync_codec=backward``."""
+    """Replicate the chosen hot rows in the sharded ``model`` (None when none are chosen), priced
+    with the all-to-alls' ``directions`` (:func:`dlrm.placement.codec_ratio.priced_directions`);
+    ``runtime``'s backward codec (ours; None for QComms) codes the sync with ``sync_codec=backward``."""
     if not spec.replicates:
         return None
     backward_codec = runtime.backward if runtime is not None else None
@@ -215,7 +214,7 @@ def setup_replication(
     used = table_memory_per_rank(model, rule)
     free = float("inf") if spec.memory_budget is None else spec.memory_budget - max(used)
     tables = table_names(features)
-    directions = priced_directions(compression, runtime, features, freqs, batch_size, dim, seed)
+    assert directions is not None, "placement.hot_rows prices with the all-to-alls' directions"
     wire = wire_of(directions, batch_size, world, dim, spec.sync_every, row_bytes, spec.sync_codec)
     sizes = choose_sizes(spec, tables, freqs, wire, free)
     for t in data_parallel_tables(model) & set(sizes):

@@ -103,7 +103,7 @@ def test_sync_codec_backward_needs_an_error_bounded_backward_codec():
     opt = {"sparse": {"name": "rowwise_adagrad", "lr": 0.1}}
     with pytest.raises(ValueError, match=r"placement.sync_codec=backward .* compression=none"):
         none = CompressionSpec(name="none")
-        setup_replication(spec, torch.nn.Module(), [], [], opt, none, 64, DIM, runtime=None)
+        setup_replication(spec, torch.nn.Module(), [], [], opt, none, 64, DIM, runtime=None, directions=None)
 
 
 # --- the sync on 2 gloo ranks ----------------------------------------------------------------------
