@@ -4,7 +4,7 @@ Trains each variant for a few iterations on 2 gloo ranks (torchrun) and prints t
 iteration of each path from its metrics.json, with each variant's ratio against the first (the
 baseline measured in the same invocation)::
 
-    python -m dlrm.bench.input_bytes --out /tmp/input_bytes -- data=synthetic batch_size=1024 model.embedding_dim=64
+    python -m dlrm.bench.input_bytes --out runs/input_bytes -- data=synthetic batch_size=1024 model.embedding_dim=64
 """
 
 from __future__ import annotations

@@ -365,12 +365,7 @@ def parse_args(argv: Sequence[str] | None) -> Options:
         default=PUBLISHED_LINK_GBPS,
         help="per-GPU link GB/s of the published cluster for the projection (default %(default)s)",
     )
-    args, rest = p.parse_known_args(argv)
-    if rest and rest[0] == "--":
-        rest = rest[1:]
-    bad = [a for a in rest if a.startswith("-")]
-    if bad:
-        p.error(f"unknown option(s) {bad}; Hydra overrides go after `--`")
+    args, rest = netreport.parse_with_overrides(p, argv)
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
     variants = [variant_of(n) for n in names]
     for item in args.variant:

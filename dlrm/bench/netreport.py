@@ -9,11 +9,12 @@ with the baseline of the same repeat; :func:`validate_model` checks the cost mod
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import re
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -44,6 +45,20 @@ _SIZE_SCALE = {
     "mbit": 1024**2 / 8,
     "gbit": 1024**3 / 8,
 }
+
+
+def parse_with_overrides(
+    p: argparse.ArgumentParser, argv: Sequence[str] | None
+) -> tuple[argparse.Namespace, list[str]]:
+    """The driver's own options, and the trainer's Hydra overrides that follow them (after an
+    optional ``--``); an unknown option is an error naming it."""
+    args, rest = p.parse_known_args(argv)
+    if rest and rest[0] == "--":
+        rest = rest[1:]
+    bad = [a for a in rest if a.startswith("-")]
+    if bad:
+        p.error(f"unknown option(s) {bad}; the trainer's Hydra overrides go after `--`")
+    return args, rest
 
 
 def size_bytes(size: str) -> float:

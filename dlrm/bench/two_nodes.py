@@ -184,12 +184,7 @@ def parse_args(argv: Sequence[str]) -> Options:
     p.add_argument("--module", default="dlrm.train", help="the module torchrun runs (%(default)s)")
     p.add_argument("--report", type=Path, default=None, help="also write the measurements to this JSON file")
     p.add_argument("--tag", default=str(os.getpid()), help="unique name part of the namespaces and links (pid)")
-    args, rest = p.parse_known_args(argv)
-    if rest and rest[0] == "--":
-        rest = rest[1:]
-    bad = [a for a in rest if a.startswith("-")]
-    if bad:
-        p.error(f"unknown option(s) {bad}; trainer overrides go after `--`")
+    args, rest = netreport.parse_with_overrides(p, argv)
     try:
         netreport.rate_bytes_per_s(args.rate)
         netreport.size_bytes(args.burst)
