@@ -38,7 +38,7 @@ from dlrm.embedding_comm.comm_ops import (
     compressed_all_to_all,
 )
 from dlrm.embedding_comm.forward_cache import CacheStage, ForwardCache
-from dlrm.embedding_comm.ids import Region, chunk_ids
+from dlrm.embedding_comm.ids import Region, chunk_ids_of
 from dlrm.embedding_comm.stage import Stage
 from dlrm.embedding_comm.stats import CommStats
 from dlrm.trainer.state import PerRank
@@ -231,12 +231,16 @@ class CompressedTwPooledEmbeddingDist(CompressedDist, TwPooledEmbeddingDist):
         starts = list(itertools.accumulate(bs, initial=0))
         n_mine = len(self._blocks[me].features)
         peers = [p for p in range(ws) if p != me]  # our own chunk never travels
-        # Sender: the post-all-to-all KJT (our tables' bags, source rank then sample).
-        send = chunk_ids(getattr(ctx, "post_a2a_kjt", None), [Region(0, n_mine, starts[r], bs[r]) for r in peers])
-        # Receiver: the KJT we sent in the input dist (all features, our samples).
-        recv = chunk_ids(
-            getattr(ctx, "pre_a2a_kjt", None),
-            [Region(self._key_starts[s], len(self._blocks[s].features), 0, bs[me]) for s in peers],
+        send, recv = chunk_ids_of(  # one host sync for both sides
+            [
+                # Sender: the post-all-to-all KJT (our tables' bags, source rank then sample).
+                (getattr(ctx, "post_a2a_kjt", None), [Region(0, n_mine, starts[r], bs[r]) for r in peers]),
+                # Receiver: the KJT we sent in the input dist (all features, our samples).
+                (
+                    getattr(ctx, "pre_a2a_kjt", None),
+                    [Region(self._key_starts[s], len(self._blocks[s].features), 0, bs[me]) for s in peers],
+                ),
+            ]
         )
         send.insert(me, None)
         recv.insert(me, None)

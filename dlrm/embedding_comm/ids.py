@@ -35,26 +35,48 @@ def chunk_ids(kjt: KeyedJaggedTensor | None, regions: Sequence[Region]) -> list[
 
     ``kjt`` is feature-major with a fixed stride (TorchRec's layout for non-VBE batches).
     """
-    if kjt is None or kjt.weights_or_none() is not None or kjt.variable_stride_per_key() or not regions:
-        return [None] * len(regions)
-    stride = kjt.stride()
-    lengths = kjt.lengths().view(-1, stride)
-    checks = [
-        (lengths[r.key_start : r.key_start + r.n_keys, r.bag_start : r.bag_start + r.count] <= 1).all() for r in regions
+    return chunk_ids_of([(kjt, regions)])[0]
+
+
+def chunk_ids_of(
+    requests: Sequence[tuple[KeyedJaggedTensor | None, Sequence[Region]]],
+) -> list[list[torch.Tensor | None]]:
+    """:func:`chunk_ids` of several KJTs' regions (a collective's send and receive sides), with one
+    host sync for all of them."""
+    usable = [
+        kjt is not None and kjt.weights_or_none() is None and not kjt.variable_stride_per_key() and bool(regions)
+        for kjt, regions in requests
     ]
-    single = torch.stack(checks).tolist()
-    offsets, values, dev = kjt.offsets(), kjt.values(), lengths.device
-    out: list[torch.Tensor | None] = []
-    for r, ok in zip(regions, single, strict=True):
-        if not ok or r.n_keys == 0:
-            out.append(None)
+    checks = []
+    for ok, (kjt, regions) in zip(usable, requests, strict=True):
+        if ok:
+            assert kjt is not None
+            lengths = kjt.lengths().view(-1, kjt.stride())
+            checks += [
+                (lengths[r.key_start : r.key_start + r.n_keys, r.bag_start : r.bag_start + r.count] <= 1).all()
+                for r in regions
+            ]
+    single = iter(torch.stack(checks).tolist() if checks else [])
+    out: list[list[torch.Tensor | None]] = []
+    for ok, (kjt, regions) in zip(usable, requests, strict=True):
+        if not ok:
+            out.append([None] * len(regions))
             continue
-        keys = torch.arange(r.key_start, r.key_start + r.n_keys, device=dev)
-        bags = keys[None, :] * stride + r.bag_start + torch.arange(r.count, device=dev)[:, None]
-        first = offsets[bags].clamp(max=max(values.numel() - 1, 0))
-        ids = values[first].long() if values.numel() else torch.zeros_like(first)
-        out.append(torch.where(lengths.flatten()[bags] == 1, ids, EMPTY_BAG))  # [count, n_keys]
+        assert kjt is not None
+        out.append([_ids(kjt, r) if next(single) and r.n_keys else None for r in regions])
     return out
+
+
+def _ids(kjt: KeyedJaggedTensor, r: Region) -> torch.Tensor:
+    """The ids of a single-valued region, ``[count, n_keys]`` (:data:`EMPTY_BAG` for an empty bag)."""
+    stride, offsets, values = kjt.stride(), kjt.offsets(), kjt.values()
+    lengths = kjt.lengths()
+    dev = lengths.device
+    keys = torch.arange(r.key_start, r.key_start + r.n_keys, device=dev)
+    bags = keys[None, :] * stride + r.bag_start + torch.arange(r.count, device=dev)[:, None]
+    first = offsets[bags].clamp(max=max(values.numel() - 1, 0))
+    ids = values[first].long() if values.numel() else torch.zeros_like(first)
+    return torch.where(lengths[bags] == 1, ids, EMPTY_BAG)
 
 
 def sum_duplicates(g: torch.Tensor, ids: torch.Tensor, widths: Sequence[int]) -> torch.Tensor:

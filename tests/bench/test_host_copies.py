@@ -14,7 +14,7 @@ def test_static_check_lists_the_known_host_copies():
         ("compression.format", "_crc32", "numpy"),
         ("compression.dedup", "_unique", "numpy"),  # numpy's sort on CPU tensors
         ("compression.dedup", "mismatched_blocks", "numpy"),
-        ("dlrm.embedding_comm.ids", "chunk_ids", "tolist"),  # which chunks are single-valued
+        ("dlrm.embedding_comm.ids", "chunk_ids_of", "tolist"),  # which chunks are single-valued
     }
     assert known <= sites
 

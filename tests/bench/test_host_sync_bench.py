@@ -18,7 +18,7 @@ def test_bench_counts_a_tiny_chunk_by_stage(capsys):
         assert f"\n{stage} " in out
     assert "W =  64: 63 peers" in out
     assert "compression/quantize.py:" in out  # --trace names the lines
-    assert "dlrm.embedding_comm.ids:chunk_ids:" in out  # the static listing follows
+    assert "dlrm.embedding_comm.ids:chunk_ids_of:" in out  # the static listing follows
     assert dedup.HOST_NUMPY  # the CPU shortcut is restored, and the CPU check, and the tensor methods
     assert fmt._check_for(torch.device("cpu")) == "crc32" and base.HOST_BOUNDS
     assert torch.Tensor.tolist is TOLIST

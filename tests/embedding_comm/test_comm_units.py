@@ -13,7 +13,7 @@ from torchrec import KeyedJaggedTensor
 
 from dlrm.embedding_comm.comm_ops import Blocks, PooledA2ALayout, ReduceScatterLayout
 from dlrm.embedding_comm.config import parse_compression_cfg
-from dlrm.embedding_comm.ids import EMPTY_BAG, Region, chunk_ids, keep_first_duplicates, sum_duplicates
+from dlrm.embedding_comm.ids import EMPTY_BAG, Region, chunk_ids, chunk_ids_of, keep_first_duplicates, sum_duplicates
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "compression"
 
@@ -152,6 +152,19 @@ def test_chunk_ids_gives_ids_only_where_every_bag_holds_at_most_one_id():
     assert chunk_ids(kjt([[2, 1]], [5, 6, 7]), [Region(0, 1, 0, 2)]) == [None]  # a bag of two ids
     assert torch.equal(got[3], torch.tensor([[23]]))
     assert chunk_ids(kjt([[1, 1]], [1, 2], weights=True), [Region(0, 1, 0, 2)]) == [None]  # weighted
+
+
+def test_chunk_ids_of_several_kjts_gives_each_kjts_own_chunk_ids():
+    one = kjt([[1, 1, 1, 1], [1, 1, 0, 1]], [10, 11, 12, 13, 20, 21, 23])
+    two = kjt([[2, 1]], [5, 6, 7])
+    r1, r2 = [Region(0, 2, 0, 2), Region(1, 1, 2, 2)], [Region(0, 1, 0, 2), Region(0, 1, 1, 1)]
+    got = chunk_ids_of([(one, r1), (None, r1), (two, r2)])
+    want = [chunk_ids(one, r1), [None, None], chunk_ids(two, r2)]
+    assert len(got) == 3
+    for g, w in zip(got, want, strict=True):
+        assert [x is None for x in g] == [x is None for x in w]
+        assert all(torch.equal(a, b) for a, b in zip(g, w, strict=True) if a is not None)
+    assert got[2][1] is not None and torch.equal(got[2][1], torch.tensor([[7]]))  # the second bag holds one id
 
 
 def test_duplicate_id_gradients_sum_to_the_same_per_id_totals_with_inf():
