@@ -78,6 +78,18 @@ def size_of(rank: int, step: int, sizes: list[int], steps: int) -> int:
     return sizes[rank] if step == steps - 1 else sizes[0]  # the last batch may be uneven
 
 
+def pipeline_batches(rank: int, steps: int, sizes: list[int]) -> list[Batch]:
+    """``steps`` batches of this rank for a pipelined run (sizes per :func:`size_of`)."""
+    return [
+        Batch(
+            dense_features=grad_weights(rank, s, size_of(rank, s, sizes, steps)),
+            sparse_features=batch(rank, s, size_of(rank, s, sizes, steps)),
+            labels=torch.zeros(size_of(rank, s, sizes, steps)),
+        )
+        for s in range(steps)
+    ]
+
+
 _STARTS = [sum(d for _, _, d in TABLES[:i]) for i in range(len(TABLES))]
 COLUMNS = {f: slice(a, a + d) for f, a, (_, _, d) in zip(FEATURES, _STARTS, TABLES, strict=True)}  # output columns
 
@@ -711,14 +723,7 @@ def _pipeline(rank: int, ws: int) -> dict:
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
     steps, sizes = 4, [16, 10]
-    data = [
-        Batch(
-            dense_features=grad_weights(rank, s, size_of(rank, s, sizes, steps)),
-            sparse_features=batch(rank, s, size_of(rank, s, sizes, steps)),
-            labels=torch.zeros(size_of(rank, s, sizes, steps)),
-        )
-        for s in range(steps)
-    ]
+    data = pipeline_batches(rank, steps, sizes)
     w = full_weights(5)
     piped = build(ours(LOSSY), "mixed", ws, w, pipe=True)
     dense = [p for n, p in piped.named_parameters() if n.endswith("scale")]

@@ -9,15 +9,12 @@ from multiprocess import run_ranks
 from test_comm import (
     LOSSY,
     NONE,
-    Batch,
-    batch,
     build,
     build_planned,
     full_weights,
-    grad_weights,
     ours,
+    pipeline_batches,
     run_steps,
-    size_of,
 )
 from torchrec import KeyedJaggedTensor
 
@@ -109,14 +106,7 @@ def _pipeline_ids(rank: int, ws: int) -> dict:
     from dlrm.telemetry.comm_stats import comm_stats
 
     steps, sizes = 4, [16, 10]
-    data = [
-        Batch(
-            dense_features=grad_weights(rank, s, size_of(rank, s, sizes, steps)),
-            sparse_features=batch(rank, s, size_of(rank, s, sizes, steps)),
-            labels=torch.zeros(size_of(rank, s, sizes, steps)),
-        )
-        for s in range(steps)
-    ]
+    data = pipeline_batches(rank, steps, sizes)
     results = {}
     for name, cfg in (("lossy", LOSSY), ("ids", LOSSY_IDS)):
         piped = build(ours(cfg), "mixed", ws, full_weights(5), pipe=True)
