@@ -101,9 +101,11 @@ class Codec(ABC):
 
     # -- shared helpers -------------------------------------------------------------------------
 
-    def _header(self, payload: torch.Tensor) -> tuple[fmt.Header, list[torch.Tensor]]:
-        """Unpack and check that this codec wrote the payload."""
-        header, sections = fmt.unpack(payload)
+    def _header(
+        self, payload: torch.Tensor, head: fmt.HostHead | None = None
+    ) -> tuple[fmt.Header, list[torch.Tensor]]:
+        """Unpack (from its ``head`` if read already) and check that this codec wrote the payload."""
+        header, sections = fmt.unpack(payload, head)
         if header.codec_id != self.codec_id:
             other = _BY_ID.get(header.codec_id)
             raise PayloadError(

@@ -24,7 +24,7 @@ class Coder(Protocol):
 
     def encode(self, codes: torch.Tensor) -> torch.Tensor: ...
 
-    def decode(self, section: torch.Tensor, n: int, what: str) -> torch.Tensor: ...
+    def decode(self, section: torch.Tensor, n: int, what: str, checked: bool = False) -> torch.Tensor: ...
 
 
 class BlockCoder:
@@ -44,13 +44,26 @@ class BlockCoder:
         pad = torch.zeros(-widths.numel() % 4, dtype=torch.uint8, device=codes.device)
         return torch.cat([widths, pad, words.view(torch.uint8)])
 
-    def decode(self, section: torch.Tensor, n: int, what: str) -> torch.Tensor:
-        """Unpack ``n`` codes, checking that the section has exactly the bytes they need."""
+    def encode_capacity(self, codes: torch.Tensor, n: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """:meth:`encode` of the first ``n`` (an int64 0-d tensor) of ``codes`` (zeros after), as
+        pieces with their lengths on the device: no host wait."""
+        widths, words = self.backend.block_pack(codes, capacity=True)
+        g = (n + reference.GROUP - 1) // reference.GROUP
+        pad = torch.zeros(4, dtype=torch.uint8, device=codes.device)
+        total = widths.long().sum()  # groups past the n-th code have width 0
+        return [(widths, g), (pad, (-g).remainder(4)), (words.view(torch.uint8), 4 * total)]
+
+    def decode(self, section: torch.Tensor, n: int, what: str, checked: bool = False) -> torch.Tensor:
+        """Unpack ``n`` codes, checking that the section has exactly the bytes they need;
+        ``checked``: the payload's check passed already, so nothing is read back (no host wait)."""
         g = -(-n // reference.GROUP)
         head = g + (-g % 4)
         if section.numel() < head:
             raise PayloadError(f"{what}: {section.numel()} bytes cannot hold {g} group widths")
         widths = section[:g]
+        if checked:  # only an encoder bug could make the widths disagree with the section's length
+            words = view_as(section[head:], torch.int32, what)
+            return self.backend.block_unpack(widths.clamp(max=31), words, n)
         top, total = torch.stack([widths.max(), widths.sum()]).tolist() if g else (0, 0)  # one host read
         if top > 31:
             raise PayloadError(f"{what}: group width {top} > 31")
@@ -110,8 +123,9 @@ class ZstdCoder:
         out[1:] = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
         return out.to(device)
 
-    def decode(self, section: torch.Tensor, n: int, what: str) -> torch.Tensor:
-        """Decompress ``n`` codes; the frame must hold exactly ``planes * n`` bytes."""
+    def decode(self, section: torch.Tensor, n: int, what: str, checked: bool = False) -> torch.Tensor:
+        """Decompress ``n`` codes; the frame must hold exactly ``planes * n`` bytes (read on the
+        host whatever ``checked`` says)."""
         if section.numel() < 1:
             raise PayloadError(f"{what}: empty section")
         host = section.cpu()

@@ -42,7 +42,11 @@ def unique_per_block(
     """Per column of ``keys`` [rows, n_blocks]: (counts, a source row of each unique key in
     block-major canonical order, inverse [n_blocks, rows] index within the block)."""
     rows, nb = keys.shape
-    if nb == 1 or keys.stride(1) == 0:  # one key column shared by every block: one unique
+    shared = nb == 1 or keys.stride(1) == 0
+    if shared and not want_first and not _host(keys):  # the receiver: a sort, not torch.unique (no host wait)
+        counts, _, inverse = _sorted_unique(keys[:, :1].t().contiguous(), False)
+        return counts.expand(nb), None, inverse.expand(nb, rows)
+    if shared:  # one key column shared by every block: one unique
         uniq, inv = _unique(keys[:, 0])
         first = None
         if want_first:
@@ -50,7 +54,12 @@ def unique_per_block(
             first = first.repeat(nb) if nb > 1 else first
         counts = torch.full((nb,), uniq.numel(), dtype=torch.int64, device=keys.device)
         return counts, first, inv.expand(nb, rows)
-    s, perm = _sort_rows(keys.t().contiguous())  # one vectorised sort for every block
+    return _sorted_unique(keys.t().contiguous(), want_first)
+
+
+def _sorted_unique(k: torch.Tensor, want_first: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """:func:`unique_per_block` of ``k`` [n_blocks, rows] by one vectorised sort for every block."""
+    s, perm = _sort_rows(k)
     new = torch.ones_like(s, dtype=torch.bool)
     new[:, 1:] = s[:, 1:] != s[:, :-1]
     local = new.cumsum(1)
@@ -81,6 +90,44 @@ def _sort_rows(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         perm = np.argsort(k.numpy(), axis=1)
         return torch.from_numpy(np.take_along_axis(k.numpy(), perm, axis=1)), torch.from_numpy(perm)
     return torch.sort(k, dim=1)
+
+
+def first_capacity(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`unique_per_block`'s counts and source rows, without a host wait: the source rows as
+    [n_blocks, rows], block b's first ``counts[b]`` in canonical order, the rest 0."""
+    rows, nb = keys.shape
+    shared = nb == 1 or keys.stride(1) == 0
+    k = keys[:, :1].t().contiguous() if shared else keys.t().contiguous()
+    s, perm = torch.sort(k, dim=1)
+    new = torch.ones_like(s, dtype=torch.bool)
+    new[:, 1:] = s[:, 1:] != s[:, :-1]
+    slot = torch.where(new, new.cumsum(1) - 1, rows)  # repeats go to a spare column
+    first = torch.zeros(k.shape[0], rows + 1, dtype=torch.int64, device=keys.device).scatter_(1, slot, perm)
+    counts, first = new.sum(1), first[:, :rows]
+    return (counts.expand(nb), first.expand(nb, rows)) if shared else (counts, first)
+
+
+def gather_capacity(x: torch.Tensor, widths: list[int], first: torch.Tensor) -> torch.Tensor:
+    """Flat values of ``first``'s rows ([n_blocks, rows]), block after block, each block
+    ``rows x width`` row-major: :func:`gather`'s values with every block at its capacity."""
+    rows = x.shape[0]
+    if len(set(widths)) == 1 and widths[0] > 0:
+        nb, d = len(widths), widths[0]
+        return x.reshape(rows, nb, d)[first, torch.arange(nb, device=x.device)[:, None]].reshape(-1)
+    parts, start = [], 0
+    for b, w in enumerate(widths):
+        parts.append(torch.index_select(x[:, start : start + w], 0, first[b]).reshape(-1))
+        start += w
+    return torch.cat(parts) if parts else x.new_zeros(0)
+
+
+def valid_capacity(counts: torch.Tensor, widths: list[int], rows: int) -> torch.Tensor:
+    """bool, in :func:`gather_capacity`'s layout: which values are unique rows' (not capacity)."""
+    live = torch.arange(rows, device=counts.device)[None, :] < counts[:, None]  # [n_blocks, rows]
+    if len(set(widths)) == 1 and widths[0] > 0:
+        return live[:, :, None].expand(-1, -1, widths[0]).reshape(-1)
+    parts = [live[b, :, None].expand(-1, w).reshape(-1) for b, w in enumerate(widths)]
+    return torch.cat(parts) if parts else live.new_zeros(0)
 
 
 def identity_plan(rows: int, n_blocks: int, device: torch.device) -> Plan:
@@ -232,9 +279,10 @@ def scatter(
     inverse: torch.Tensor | None,
     rows: int,
     out: torch.Tensor | None = None,
+    host_counts: list[int] | None = None,
 ) -> torch.Tensor:
     """Inverse of :func:`gather`: the full [rows, cols] tensor from the unique rows' values,
-    written into ``out`` (any strides) when given."""
+    written into ``out`` (any strides) when given; ``host_counts``: ``counts`` as read already."""
     cols = sum(widths)
     if out is None:
         out = values.new_empty(rows, cols)
@@ -257,7 +305,7 @@ def scatter(
         return out
     start, pos = 0, 0
     for b, w in enumerate(widths):
-        u = int(counts[b])
+        u = int(counts[b]) if host_counts is None else host_counts[b]
         torch.index_select(values[pos : pos + u * w].view(u, w), 0, inverse[b], out=out[:, start : start + w])
         start, pos = start + w, pos + u * w
     return out

@@ -22,6 +22,7 @@ from __future__ import annotations
 import struct
 import zlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -57,6 +58,48 @@ class Header:
     bounds: list[float] | torch.Tensor  # float64 per block; a tensor (pack) is copied in on its device
     flags: int = 0
     info: list[int] = field(default_factory=lambda: [0] * N_INFO)
+    offsets: list[int] = field(default_factory=list)  # where each section starts (unpack fills it)
+
+
+@dataclass
+class HostHead:
+    """What the host needs of one payload to decode it, read with every other payload of its
+    collective in one host synchronisation (:func:`read_heads`)."""
+
+    data: bytes  # the payload's first bytes: its header, and what follows it as far as read
+    good: bool  # the verdict of its Adler-32 check, computed on the device
+    extra: list[int]  # int64 values the decoder asked for (e.g. what the receiver's ids give)
+    state: Any = None  # the decoder's device tensors that go with ``extra``
+
+    def section(self, header: Header, i: int, n: int) -> bytes | None:
+        """Section ``i``'s first ``n`` bytes, if they were read."""
+        at = header.offsets[i]
+        return self.data[at : at + n] if at + n <= len(self.data) else None
+
+
+def read_heads(payloads: list[torch.Tensor], extras: list[torch.Tensor | None]) -> list[HostHead]:
+    """Every payload's first bytes, the verdict of its device check and the ``extras`` (int64
+    tensors on the device), in one host synchronisation for all of them."""
+    parts: list[torch.Tensor] = []
+    spans = []
+    for p, e in zip(payloads, extras, strict=True):
+        n = min(p.numel(), _HEAD)
+        if p.numel() >= _PREFIX.size:
+            stored = (p[_CRC_AT : _PREFIX.size].long() << _BYTE_SHIFTS.to(p.device)).sum()
+            ok = adler32(_checked_bytes(p)) == stored
+        else:
+            ok = torch.zeros((), dtype=torch.bool, device=p.device)
+        ex = torch.zeros(0, dtype=torch.int64, device=p.device) if e is None else e.to(torch.int64).reshape(-1)
+        parts += [p[:n], ok.to(torch.uint8).reshape(1), ex.view(torch.uint8)]
+        spans.append((n, ex.numel()))
+    host = torch.cat(parts).cpu().numpy().tobytes() if parts else b""
+    heads, at = [], 0
+    for n, k in spans:
+        data, good = host[at : at + n], host[at + n] == 1
+        extra = list(struct.unpack_from(f"<{k}q", host, at + n + 1))
+        heads.append(HostHead(data, good, extra))
+        at += n + 1 + 8 * k
+    return heads
 
 
 def _pad(n: int) -> int:
@@ -129,6 +172,112 @@ def pack(
     return out
 
 
+Length = int | torch.Tensor  # a byte count known on the host, or an int64 0-d tensor on the device
+
+
+@dataclass
+class Deferred:
+    """A payload whose length is still on the device: its bytes are ``buffer[:length]``, the rest
+    of ``buffer`` is capacity. The transport reads every length of a collective in one host
+    synchronisation (its size exchange) and then slices (:func:`settle`)."""
+
+    buffer: torch.Tensor  # uint8
+    length: torch.Tensor  # int64 0-d, on the buffer's device
+
+    def take(self, n: int) -> torch.Tensor:
+        return self.buffer[:n]
+
+
+def settle(payloads: list[torch.Tensor | Deferred | None]) -> list[torch.Tensor | None]:
+    """Every payload as bytes: the deferred lengths read in one host synchronisation."""
+    late = [p for p in payloads if isinstance(p, Deferred)]
+    if not late:
+        return [p for p in payloads if not isinstance(p, Deferred)]
+    sizes = iter(torch.stack([p.length for p in late]).tolist())
+    return [p.take(next(sizes)) if isinstance(p, Deferred) else p for p in payloads]
+
+
+def pack_deferred(
+    header: Header,
+    sections: list[list[tuple[torch.Tensor, Length]]],
+    device: torch.device,
+    device_info: dict[int, torch.Tensor] | None = None,
+) -> Deferred:
+    """:func:`pack` for sections whose lengths are known on the device only, with the Adler-32
+    check: the same bytes, built without a host synchronisation.
+
+    Each section is a list of pieces (bytes tensor of at least ``length`` bytes, ``length``),
+    joined without padding; the payload is one gather from the pieces' bytes, so its capacity
+    is the header plus every piece's capacity.
+    """
+    nb, ns = len(header.widths), len(sections)
+    if header.flags & ADLER32:
+        raise ValueError(f"header flags {header.flags:#x}: bit {ADLER32} is the format's (which check)")
+    on_device = isinstance(header.bounds, torch.Tensor)
+    rest = b"".join(
+        [
+            _FIXED.pack(header.rows, header.cols, nb, ns),
+            struct.pack(f"<{nb}I", *header.widths),
+            bytes(8 * nb) if on_device else struct.pack(f"<{nb}d", *header.bounds),
+            struct.pack(f"<{N_INFO}I", *header.info),
+            bytes(8 * ns),  # section lengths: written from the device below
+        ]
+    )
+    header_len = _PREFIX.size + len(rest)
+    rest += bytes(_pad(header_len))
+    header_len += _pad(header_len)
+    flags = header.flags | ADLER32
+    prefix = _PREFIX.pack(MAGIC, VERSION, header.codec_id, DTYPES[header.dtype], flags, header_len, 0, 0)
+    head = _on(torch.frombuffer(bytearray(prefix + rest), dtype=torch.uint8), device)
+    # Every piece's bytes one after another (the gather's source), and its length on the device.
+    pieces = [_as_bytes_tensor(_on(t, device)) for sec in sections for t, _ in sec]
+    lens = torch.stack([_length(n, device) for sec in sections for _, n in sec])
+    caps = [p.numel() for p in pieces]
+    src_start = _on(torch.tensor([sum(caps[:i]) for i in range(len(caps))], dtype=torch.int64), device)
+    sec_of, lead = [], []  # each piece's section, and the index of that section's first piece
+    for i, sec in enumerate(sections):
+        lead += [len(sec_of)] * len(sec)
+        sec_of += [i] * len(sec)
+    sec_of_t = _on(torch.tensor(sec_of, dtype=torch.int64), device)
+    sec_len = torch.zeros(ns, dtype=torch.int64, device=device).index_add_(0, sec_of_t, lens)
+    padded = sec_len + (-sec_len).remainder(_ALIGN)
+    ends = header_len + padded.cumsum(0)
+    sec_start = ends - padded
+    before = lens.cumsum(0) - lens  # bytes of the pieces before each, over all sections
+    dst_start = sec_start[sec_of_t] + before - before[_on(torch.tensor(lead, dtype=torch.int64), device)]
+    total = ends[-1] if ns else _length(header_len, device)
+    # One gather: payload byte j comes from the piece whose window holds it, else it is padding.
+    capacity = header_len + sum(caps) + _ALIGN * ns
+    j = torch.arange(header_len, capacity, device=device)
+    k = (torch.searchsorted(dst_start, j, right=True) - 1).clamp_(min=0)
+    off = j - dst_start[k]
+    inside = (off >= 0) & (off < lens[k])
+    source = torch.cat([*pieces, torch.zeros(1, dtype=torch.uint8, device=device)])
+    body = source[torch.where(inside, src_start[k] + off, source.numel() - 1)]
+    out = torch.cat([head, body])
+    out[12:20] = total.reshape(1).view(torch.uint8)  # total_len u64, after magic, version, codec, dtype, flags, header_len
+    at = _PREFIX.size + _FIXED.size + 4 * nb
+    if on_device:
+        assert isinstance(header.bounds, torch.Tensor)
+        out[at : at + 8 * nb] = _as_bytes_tensor(_on(header.bounds.to(torch.float64), device))
+    for i, v in (device_info or {}).items():
+        word = at + 8 * nb + 4 * i
+        out[word : word + 4] = _on(v.to(torch.int64).reshape(1), device).view(torch.uint8)[:4]
+    lengths_at = at + 8 * nb + 4 * N_INFO
+    out[lengths_at : lengths_at + 8 * ns] = sec_len.view(torch.uint8)
+    checked = _checked_bytes(out)
+    n = total - 4
+    out[_CRC_AT : _PREFIX.size] = adler32(checked, n).reshape(1).view(torch.uint8)[:4]
+    return Deferred(out, total)
+
+
+def _length(n: Length, device: torch.device) -> torch.Tensor:
+    """A byte count as an int64 0-d tensor on ``device`` (a host number goes up without waiting)."""
+    if isinstance(n, torch.Tensor):
+        return n.to(device, torch.int64).reshape(())
+    return _on(torch.tensor(n, dtype=torch.int64), device)
+
+
 def _check_for(device: torch.device) -> str:
     """The check a payload built on ``device`` carries: zlib crc32 on the CPU, where it is the
     fastest, Adler-32 on the device elsewhere (crc32 would copy the payload to the host)."""
@@ -140,17 +289,24 @@ def _checked_bytes(payload: torch.Tensor) -> torch.Tensor:
     return torch.cat([payload[:_CRC_AT], payload[_PREFIX.size :]])
 
 
-def adler32(t: torch.Tensor) -> torch.Tensor:
-    """zlib's Adler-32 of a 1-D uint8 tensor, as an int64 0-d tensor on its device (no host wait).
+def adler32(t: torch.Tensor, n: torch.Tensor | None = None) -> torch.Tensor:
+    """zlib's Adler-32 of a 1-D uint8 tensor (of its first ``n`` bytes, ``n`` an int64 0-d tensor
+    on its device), as an int64 0-d tensor on its device (no host wait).
 
     A = 1 + sum(d) and B = n + sum((n - j) d_j), both mod 65521: each term is below 2**24 (the
     weights are reduced first), so the int64 sums stay exact up to 2**39 bytes.
     """
-    n = t.numel()
     d = t.long()
-    w = torch.arange(n, 0, -1, dtype=torch.int64, device=t.device).remainder_(_ADLER_MOD)
+    if n is None:
+        n_ = t.numel()
+        w = torch.arange(n_, 0, -1, dtype=torch.int64, device=t.device).remainder_(_ADLER_MOD)
+    else:  # bytes at n and past weigh 0
+        n_ = n  # type: ignore[assignment]
+        left = n - torch.arange(t.numel(), dtype=torch.int64, device=t.device)
+        d = d * (left > 0)
+        w = left.clamp_(min=0).remainder_(_ADLER_MOD)
     a = (d.sum() + 1).remainder_(_ADLER_MOD)
-    b = ((d * w).sum() + n).remainder_(_ADLER_MOD)  # not torch.dot: CUDA has no int64 dot
+    b = ((d * w).sum() + n_).remainder_(_ADLER_MOD)  # not torch.dot: CUDA has no int64 dot
     return b * 65536 + a
 
 
@@ -188,22 +344,24 @@ def peek_codec_id(payload: torch.Tensor) -> int:
     return int(codec_id)
 
 
-def unpack(payload: torch.Tensor) -> tuple[Header, list[torch.Tensor]]:
-    """Validate a payload and return its header and section views (on the payload's device)."""
+def unpack(payload: torch.Tensor, head: HostHead | None = None) -> tuple[Header, list[torch.Tensor]]:
+    """Validate a payload and return its header and section views (on the payload's device);
+    ``head``: its first bytes and check, already read (:func:`read_heads`), so that nothing here
+    waits for the device."""
     if not isinstance(payload, torch.Tensor):
         raise PayloadError(f"payload must be a torch.uint8 tensor, got {type(payload).__name__}")
     if payload.dtype != torch.uint8 or payload.dim() != 1:
         raise PayloadError(
             f"payload must be a 1-D torch.uint8 tensor, got {payload.dtype} with shape {tuple(payload.shape)}"
         )
-    payload = payload.contiguous()
+    payload, head_ = payload.contiguous(), head
     size = payload.numel()
     if size < _PREFIX.size:
         raise PayloadError(
             f"payload of {size} bytes is shorter than the {_PREFIX.size}-byte prefix "
             "(truncated or not a dlrm-compress payload)"
         )
-    head, verdict = _read_head(payload)
+    head, verdict = _read_head(payload) if head_ is None else (head_.data, int(head_.good))
     prefix = head[: _PREFIX.size]
     magic, version, codec_id, dtype_code, flags, header_len, total, crc = _PREFIX.unpack(prefix)
     if magic != MAGIC:
@@ -246,11 +404,12 @@ def unpack(payload: torch.Tensor) -> tuple[Header, list[torch.Tensor]]:
     lengths = struct.unpack_from(f"<{ns}Q", raw, pos)
     if sum(widths) != cols:
         raise PayloadError(f"block widths {widths} sum to {sum(widths)}, header says {cols} columns")
-    sections, start = [], header_len
+    sections, offsets, start = [], [], header_len
     for i, n in enumerate(lengths):
         if start + n > size:
             raise PayloadError(f"section {i} ({n} bytes at offset {start}) runs past the payload end")
         sections.append(payload[start : start + n])
+        offsets.append(start)
         start += n + _pad(n)
     if start != size:
         raise PayloadError(f"sections end at byte {start}, payload has {size}")
@@ -263,6 +422,7 @@ def unpack(payload: torch.Tensor) -> tuple[Header, list[torch.Tensor]]:
         bounds=bounds,
         flags=flags,
         info=info,
+        offsets=offsets,
     )
     return header, sections
 

@@ -186,8 +186,9 @@ def dequantize(codes: torch.Tensor, step: torch.Tensor, block: int = QUANT_BLOCK
     return out
 
 
-def block_pack(v: torch.Tensor, groups: int = PACK_GROUPS) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kernel version of :func:`reference.block_pack` (one host sync to size the words)."""
+def block_pack(v: torch.Tensor, capacity: bool = False, groups: int = PACK_GROUPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel version of :func:`reference.block_pack` (one host sync to size the words, none
+    with ``capacity``)."""
     v = v.contiguous()
     n = v.numel()
     n_groups = -(-n // GROUP)
@@ -198,7 +199,7 @@ def block_pack(v: torch.Tensor, groups: int = PACK_GROUPS) -> tuple[torch.Tensor
     widths_kernel[grid](v, widths, n, n_groups, G=groups, **_LAUNCH)
     ends = widths.long().cumsum(0)
     offsets = ends - widths.long()
-    words = torch.empty(int(ends[-1]), dtype=torch.int32, device=v.device)
+    words = torch.empty(GROUP * n_groups if capacity else int(ends[-1]), dtype=torch.int32, device=v.device)
     pack_kernel[grid](v, widths, offsets, words, n, n_groups, G=groups, **_LAUNCH)
     return widths, words
 

@@ -8,6 +8,7 @@ word 0 = dedup mode | coder << 2, word 1 = fingerprint of the ids in id mode.
 from __future__ import annotations
 
 import os
+import struct
 from collections.abc import Sequence
 
 import torch
@@ -119,8 +120,13 @@ class LossyCodec(Codec):
         ids: torch.Tensor | None = None,
         *,
         blocks: Sequence[int] | None = None,
-    ) -> torch.Tensor:
-        """Compress ``x`` under absolute bound(s) ``eb``; see the package docstring."""
+        deferred: bool = False,
+    ) -> torch.Tensor | fmt.Deferred:
+        """Compress ``x`` under absolute bound(s) ``eb``; see the package docstring.
+
+        ``deferred``: where the payload is built on the device (fixed-length coder, Adler-32
+        check) and its rows are deduplicated by id or not at all, return it with its length on
+        the device (:class:`~compression.format.Deferred`), made without a host wait."""
         check_input(x)
         rows, cols = x.shape
         widths = resolve_blocks(cols, eb, ids, blocks)
@@ -140,6 +146,15 @@ class LossyCodec(Codec):
             else coders.FIXED
         )
         coder = self._coder(kind, backend)
+        if (
+            deferred
+            and kind == coders.FIXED
+            and fmt._check_for(x.device) == "adler32"
+            and (keys is not None or not self.dedup or rows <= 1)
+            and x.numel() < 2**31
+            and not self.verify_ids
+        ):
+            return self._encode_deferred(x, widths, bounds, keys, backend)
 
         if keys is not None:
             plan = dedup.plan_by_ids(keys)
@@ -172,11 +187,60 @@ class LossyCodec(Codec):
         fingerprint = None if keys is None else {1: fingerprint_of(keys)}
         return fmt.pack(header, sections, device=x.device, device_info=fingerprint)
 
+    def _encode_deferred(
+        self,
+        x: torch.Tensor,
+        widths: list[int],
+        bounds: list[float] | torch.Tensor,
+        keys: torch.Tensor | None,
+        backend,
+    ) -> fmt.Deferred:
+        """:meth:`encode`'s payload, the same bytes, built with every size on the device: each
+        block's unique rows stay at its capacity (all rows), are quantised there and moved to
+        the front; the sections' lengths are written by the device."""
+        rows, nb = x.shape[0], len(widths)
+        if keys is not None:
+            mode = dedup.IDS
+            counts, first = dedup.first_capacity(keys)
+        else:
+            mode = dedup.NONE
+            counts = torch.full((nb,), rows, dtype=torch.int64, device=x.device)
+            first = torch.arange(rows, device=x.device).expand(nb, rows)
+        values = dedup.gather_capacity(x, widths, first)
+        valid = dedup.valid_capacity(counts, widths, rows)
+        full = torch.full((nb,), rows, dtype=torch.int64, device=x.device)
+        step, ed = quantize.steps_and_margins(bounds, full, widths, values.numel(), x.device)
+        codes, exceptions = quantize.encode_capacity(values, valid, step, ed, backend)
+        coded = coders.BlockCoder(backend).encode_capacity(codes, valid.sum())
+        header = fmt.Header(self.codec_id, x.dtype, rows, x.shape[1], widths, bounds, info=[mode | coders.FIXED << 2, 0, 0, 0])
+        none = torch.zeros(0, dtype=torch.uint8, device=x.device)
+        sections = [[(counts, 8 * nb)], [(none, 0)], coded, exceptions]
+        fingerprint = None if keys is None else {1: fingerprint_of(keys)}
+        return fmt.pack_deferred(header, sections, x.device, fingerprint)
+
+    def prepare_decode(self, payload: torch.Tensor, ids: torch.Tensor | None) -> tuple[torch.Tensor | None, object]:
+        """The device values :meth:`decode` reads on the host besides the payload's head (what
+        the receiver's ``ids`` give: unique counts per block and fingerprint), computed ahead so
+        that a collective reads them with every payload's head at once
+        (:func:`~compression.format.read_heads`); and the device tensors that go with them."""
+        if ids is None or ids.dim() != 2 or ids.shape[0] == 0:
+            return None, None
+        keys = ids.to(payload.device)
+        mine, inverse = dedup.inverse_from_ids(keys)
+        return torch.cat([mine, fingerprint_of(keys).reshape(1)]), (mine, inverse)
+
     def decode(
-        self, payload: torch.Tensor, ids: torch.Tensor | None = None, *, out: torch.Tensor | None = None
+        self,
+        payload: torch.Tensor,
+        ids: torch.Tensor | None = None,
+        *,
+        out: torch.Tensor | None = None,
+        head: fmt.HostHead | None = None,
     ) -> torch.Tensor:
-        """Rebuild the tensor (into ``out`` if given); payloads encoded with ids need the same ids."""
-        header, sections = self._header(payload)
+        """Rebuild the tensor (into ``out`` if given); payloads encoded with ids need the same ids.
+        ``head``: the payload's head and :meth:`prepare_decode`'s values, read already: with the
+        fixed-length coder, nothing then waits for the device."""
+        header, sections = self._header(payload, head)
         check_out(out, header, payload.device)
         if len(sections) != 4:
             raise PayloadError(f"lossy payload has {len(sections)} sections, expected 4")
@@ -191,17 +255,22 @@ class LossyCodec(Codec):
         counts = fmt.view_as(counts_s, torch.int64, "dedup counts").clone()
         if counts.numel() != nb:
             raise PayloadError(f"{counts.numel()} dedup counts for {nb} blocks")
+        read = None if head is None else head.section(header, 0, 8 * nb)  # the counts, read with the head
         inverse: torch.Tensor | None = None
         if mode == dedup.IDS:
             if ids is None:
                 raise PayloadError("payload was encoded with ids and carries no row index: pass the same ids to decode")
             keys = check_ids(ids, rows, nb, "lossy decode").to(device)
-            mine, inverse = dedup.inverse_from_ids(keys)
-            # one host read: the payload's counts (the sizes), and the counts and fingerprint of these ids
-            host = torch.cat([counts, mine, fingerprint_of(keys).reshape(1)]).tolist()
+            if read is not None and head is not None and head.state is not None and len(head.extra) == nb + 1:
+                host = [*struct.unpack(f"<{nb}q", read), *head.extra]
+                inverse = head.state[1]
+            else:
+                mine, inverse = dedup.inverse_from_ids(keys)
+                # one host read: the payload's counts (the sizes), and the counts and fingerprint of these ids
+                host = torch.cat([counts, mine, fingerprint_of(keys).reshape(1)]).tolist()
             host_counts = host[:nb]
         else:
-            host_counts = counts.tolist()
+            host_counts = list(struct.unpack(f"<{nb}q", read)) if read is not None else counts.tolist()
         if nb and (min(host_counts) < min(rows, 1) or max(host_counts) > rows):
             raise PayloadError(f"dedup counts {host_counts[:8]} invalid for {nb} blocks of {rows} rows")
         if mode == dedup.IDS:
@@ -216,7 +285,8 @@ class LossyCodec(Codec):
         elif any(u != rows for u in host_counts):
             raise PayloadError(f"undeduplicated payload with counts {host_counts[:8]} != {rows}")
         n = sum(u * w for u, w in zip(host_counts, widths, strict=True))
-        codes = coder.decode(codes_s, n, "codes")
+        checked = head is not None and kind == coders.FIXED  # the check passed on the device: read nothing back
+        codes = coder.decode(codes_s, n, "codes", checked)
         step, _ = quantize.steps_and_margins(header.bounds, counts, widths, n, device)
-        values = quantize.decode(codes, step, exc_s, header.dtype, "exceptions", backend)
-        return dedup.scatter(values, widths, counts.to(device), inverse, rows, out)
+        values = quantize.decode(codes, step, exc_s, header.dtype, "exceptions", backend, checked)
+        return dedup.scatter(values, widths, counts.to(device), inverse, rows, out, host_counts)

@@ -56,10 +56,36 @@ def encode(
     return codes, section
 
 
+def encode_capacity(
+    values: torch.Tensor, valid: torch.Tensor, step: torch.Tensor, ed: torch.Tensor, backend=reference
+) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """:func:`encode` of the ``valid`` values, kept where they are (the rest is capacity), with no
+    host wait: the codes of the valid values moved to the front (zeros after), and the exception
+    section as pieces with their lengths on the device. Same codes and section bytes as
+    :func:`encode` of ``values[valid]``."""
+    n = values.numel()
+    codes, miss = backend.quantize(values.float(), step, ed, values.dtype)
+    miss &= valid
+    dest = torch.where(valid, valid.cumsum(0) - 1, n)  # each valid value's place among them; the rest: a spare slot
+    packed = torch.zeros(n + 1, dtype=torch.int32, device=values.device).scatter_(0, dest, codes)[:n]
+    slot = torch.where(miss, miss.cumsum(0) - 1, n)
+    pos = torch.zeros(n + 1, dtype=torch.int32, device=values.device).scatter_(0, slot, dest.to(torch.int32))[:n]
+    raw = values.new_zeros(n + 1).scatter_(0, slot, values)[:n]
+    k = miss.sum()
+    return packed, [(pos.view(torch.uint8), 4 * k), (raw.view(torch.uint8), values.element_size() * k)]
+
+
 def decode(
-    codes: torch.Tensor, step: torch.Tensor, section: torch.Tensor, dtype: torch.dtype, what: str, backend=reference
+    codes: torch.Tensor,
+    step: torch.Tensor,
+    section: torch.Tensor,
+    dtype: torch.dtype,
+    what: str,
+    backend=reference,
+    checked: bool = False,
 ) -> torch.Tensor:
-    """Values in ``dtype`` from codes, with the exceptions restored bit for bit."""
+    """Values in ``dtype`` from codes, with the exceptions restored bit for bit; ``checked``: the
+    payload's check passed already, so positions are clamped instead of read back (no host wait)."""
     n = codes.numel()
     pos_dtype, pos_size = (torch.int32, 4) if n < 2**31 else (torch.int64, 8)
     item = pos_size + dtype.itemsize
@@ -68,7 +94,9 @@ def decode(
     k = section.numel() // item
     pos = view_as(section[: k * pos_size], pos_dtype, what).long()
     raw = view_as(section[k * pos_size :], dtype, what)
-    if k and (int(pos.min()) < 0 or int(pos.max()) >= n):
+    if checked:  # only an encoder bug could put one outside: keep any such write inside
+        pos = pos.clamp(0, max(n - 1, 0))
+    elif k and (int(pos.min()) < 0 or int(pos.max()) >= n):
         raise PayloadError(f"{what}: exception position outside [0, {n})")
     out = backend.dequantize(codes, step)
     if dtype != torch.float32:

@@ -49,7 +49,7 @@ def quantize(
 
 def dequantize(codes: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     """float32 reconstruction ``q * step`` from zig-zag codes (exceptions are patched later)."""
-    if step.dim() == 0 and codes.numel() > _TABLE_MAX:
+    if step.dim() == 0 and codes.numel() > _TABLE_MAX and codes.device.type == "cpu":  # a CPU cache trick
         top = int(codes.max())
         if top < _TABLE_MAX:  # one gather from the (same-arithmetic) table of every code's value
             return torch.index_select(
@@ -94,8 +94,10 @@ def _per_code(widths: torch.Tensor) -> list[torch.Tensor]:
     return [torch.index_select(t, 0, widths) for t in _TABLES[device]]
 
 
-def block_pack(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pack non-negative int32 codes: (uint8 widths per group of 32, int32 words)."""
+def block_pack(v: torch.Tensor, capacity: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pack non-negative int32 codes: (uint8 widths per group of 32, int32 words); ``capacity``:
+    no host wait, the words' buffer sized for the widest groups (its first ``widths.sum()``
+    words are the packed ones)."""
     n = v.numel()
     g = -(-n // GROUP)
     vp = v.to(torch.int32)
@@ -104,7 +106,7 @@ def block_pack(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     vp = vp.view(g, GROUP)
     w = bit_length(vp.amax(dim=1)) if g else torch.zeros(0, dtype=torch.int64, device=v.device)
     ends = w.cumsum(0)
-    total = int(ends[-1]) if g else 0
+    total = (GROUP * g if capacity else int(ends[-1])) if g else 0
     word, shift, spill, _ = _per_code(w)
     index = ((ends - w)[:, None] + word).view(-1)  # global word of each code
     out = torch.zeros(total + 2, dtype=torch.int32, device=v.device)  # zero-width tail groups point past the end

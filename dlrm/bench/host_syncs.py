@@ -1,6 +1,6 @@
-"""Host synchronisations of one compressed chunk, by stage and op, and per iteration at W ranks.
+"""Host synchronisations of one compressed collective, by stage and op, and per iteration at W ranks.
 
-    python -m dlrm.bench.host_syncs [--rows 2048] [--tables 13] [--dim 64] [--trace]
+    python -m dlrm.bench.host_syncs [--rows 2048] [--tables 13] [--dim 64] [--peers 2] [--trace]
 
 One chunk as a rank sends it to one peer (Criteo-like single-valued ids, bit-identical rows per
 id), through the trainer's own :class:`~dlrm.embedding_comm.codec.DirectionCodec` with
@@ -9,7 +9,9 @@ CUDA (``params.entropy=false``), on the device code paths (:func:`device_paths`:
 shortcuts taken for CPU tensors off, and each ``.tolist()``/``.cpu()`` counted as a ``host_read``,
 which the dispatcher cannot see on CPU tensors). Both directions are counted; the
 backward also sums duplicate-id gradients (sender) and keeps one row per id (receiver). An
-iteration has (W - 1) chunks per direction; the projection assumes each is like this one.
+iteration has (W - 1) chunks and one collective per direction; the projection assumes each chunk
+is like this one. The payloads are encoded as the transport asks (lengths left on the device) and
+read as it reads them (every length at once, then every received head at once).
 Then the static listing of the per-chunk host copies (:mod:`dlrm.bench.host_copies`).
 """
 
@@ -93,10 +95,16 @@ def codecs(features: Sequence[str], dim: int) -> dict[str, DirectionCodec]:
     }
 
 
+COLLECTIVE_STAGES = ("size_exchange", "heads")  # once per collective, whatever the number of peers
+
+
 def count_chunk(
-    rows: int = 2048, tables: int = 13, dim: int = 64, seed: int = 0, trace: bool = False
+    rows: int = 2048, tables: int = 13, dim: int = 64, seed: int = 0, trace: bool = False, peers: int = 1
 ) -> HostSyncCounter:
-    """Count one chunk's syncs in both directions, labelled ``<direction>/<stage>``."""
+    """Count one collective's syncs in both directions, with ``peers`` chunks like this one,
+    labelled ``<direction>/<stage>``: per chunk the bounds, duplicate ids, encode and decode;
+    per collective the size exchange (every payload's length read at once, as the transport
+    does) and the heads (every received payload's header, check and ids counts read at once)."""
     features = SPARSE_NAMES[:tables]
     dcs = codecs(features, dim)
     batch = criteo_like_batch(rows=rows, tables=tables, dim=dim, seed=seed)
@@ -109,48 +117,69 @@ def count_chunk(
     counter = HostSyncCounter(trace=trace)
     with device_paths(counter), counter:
         for d, dc in dcs.items():
-            chunk = chunks[d]
-            with counter.label(f"{d}/bounds"):
-                bounds = dc.bounds(chunk, widths, dc.policy(features, 0))
-            if d == "backward":  # the sender sums duplicate-id gradients, the receiver keeps one row per id
-                with counter.label(f"{d}/sum_duplicates"):
-                    chunk = sum_duplicates(chunk, ids, widths)
-            with counter.label(f"{d}/encode"):
-                payload = dc.encode(chunk, widths, bounds, ids)
-            with counter.label(f"{d}/decode"):
-                out = dc.decode(
-                    payload,
-                    (rows, tables * dim),
-                    ids,
-                    src=1,
-                    dst=0,
-                    features=features,
-                    tables=features,
-                    iteration=0,
-                    where="bench",
-                )
-            if d == "backward":
-                with counter.label(f"{d}/keep_first"):
-                    keep_first_duplicates(out, ids, widths)
+            sent = []
+            for _ in range(peers):
+                chunk = chunks[d]
+                with counter.label(f"{d}/bounds"):
+                    bounds = dc.bounds(chunk, widths, dc.policy(features, 0))
+                if d == "backward":  # the sender sums duplicate-id gradients, the receiver keeps one row per id
+                    with counter.label(f"{d}/sum_duplicates"):
+                        chunk = sum_duplicates(chunk, ids, widths)
+                with counter.label(f"{d}/encode"):
+                    sent.append(dc.encode(chunk, widths, bounds, ids, deferred=True))
+            with counter.label(f"{d}/size_exchange"):
+                payloads = [p for p in fmt.settle(sent) if p is not None]
+            with counter.label(f"{d}/heads"):
+                prepared = [dc.prepare_decode(p, ids) for p in payloads]
+                heads = fmt.read_heads(payloads, [None if q is None else q[0] for q in prepared])
+                for h, q in zip(heads, prepared, strict=True):
+                    h.state = None if q is None else q[1]
+            for payload, head in zip(payloads, heads, strict=True):
+                with counter.label(f"{d}/decode"):
+                    out = dc.decode(
+                        payload,
+                        (rows, tables * dim),
+                        ids,
+                        src=1,
+                        dst=0,
+                        features=features,
+                        tables=features,
+                        iteration=0,
+                        where="bench",
+                        head=head,
+                    )
+                if d == "backward":
+                    with counter.label(f"{d}/keep_first"):
+                        keep_first_duplicates(out, ids, widths)
     return counter
 
 
-def report(counter: HostSyncCounter, world_sizes: Sequence[int] = WORLD_SIZES) -> str:
-    """The table by stage and op, the total per chunk and direction, and the iteration projection."""
+def per_direction(counter: HostSyncCounter, peers: int = 1) -> dict[str, tuple[float, int]]:
+    """(syncs per chunk, syncs per collective) of each direction."""
+    out = {}
+    for d in ("forward", "backward"):
+        mine = {s.split("/", 1)[1]: n for s, n in counter.by_label.items() if s.startswith(d + "/")}
+        once = sum(n for s, n in mine.items() if s in COLLECTIVE_STAGES)
+        out[d] = ((sum(mine.values()) - once) / peers, once)
+    return out
+
+
+def report(counter: HostSyncCounter, world_sizes: Sequence[int] = WORLD_SIZES, peers: int = 1) -> str:
+    """The table by stage and op, the totals per chunk and per collective in each direction, and
+    the iteration projection: (W - 1) chunks and one collective per direction."""
     ops = sorted(counter.by_op)
     lines = [f"{'stage':25}" + "".join(f"{op:>{len(op) + 2}}" for op in ops) + f"{'total':>7}"]
     for s in counter.labels:
         cells = "".join(f"{counter.counts[(s, op)] or '':>{len(op) + 2}}" for op in ops)
         lines.append(f"{s:25}{cells}{counter.by_label[s]:>7}")
-    per_dir = Counter(
-        {d: sum(n for s, n in counter.by_label.items() if s.startswith(d)) for d in ("forward", "backward")}
-    )
-    lines.append(f"per chunk: forward {per_dir['forward']}, backward {per_dir['backward']}")
-    f, b = per_dir["forward"], per_dir["backward"]
+    per = per_direction(counter, peers)
+    (fc, fo), (bc, bo) = per["forward"], per["backward"]
+    lines.append(f"per chunk: forward {fc:g}, backward {bc:g}; per collective: forward {fo}, backward {bo}")
     for w in world_sizes:
-        total = (w - 1) * (f + b)
+        total = (w - 1) * (fc + bc) + fo + bo
         lines.append(
-            f"W = {w:>3}: {w - 1:>2} peers x (forward {f} + backward {b}) = {total:,} host syncs per iteration"
+            f"W = {w:>3}: {w - 1:>2} peers x (forward {fc:g} + backward {bc:g}) + collectives ({fo} + {bo})"
+            f" = {total:,g} host syncs per iteration"
         )
     return "\n".join(lines)
 
@@ -161,11 +190,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tables", type=int, default=13)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--peers", type=int, default=2, help="chunks per collective (W - 1)")
     p.add_argument("--trace", action="store_true", help="also list each sync's file:line")
     args = p.parse_args(argv)
-    counter = count_chunk(args.rows, args.tables, args.dim, args.seed, args.trace)
-    print(f"one chunk: {args.rows} rows x {args.tables} tables x dim {args.dim}, {' '.join(OVERRIDES)}")
-    print(report(counter))
+    counter = count_chunk(args.rows, args.tables, args.dim, args.seed, args.trace, args.peers)
+    print(
+        f"one collective of {args.peers} chunks, each {args.rows} rows x {args.tables} tables x dim {args.dim}, "
+        f"{' '.join(OVERRIDES)}"
+    )
+    print(report(counter, peers=args.peers))
     if args.trace:
         for site, n in sorted(Counter((e.label, e.op, e.where) for e in counter.events).items()):
             print(f"  {site[0]:25} {site[1]:18} {site[2]}  x{n}")

@@ -18,7 +18,10 @@ import dlrm_compression as compression
 from dlrm.embedding_comm.bounds import BoundFn, Bounds, absolute_bounds, host_bounds, policy_values
 from dlrm.embedding_comm.config import DirectionSpec
 from dlrm.process.config_checks import flag, integer
+from dlrm_compression import format as fmt
 from dlrm_compression.composite import PerBlockCodec, worst_case_error
+from dlrm_compression.format import Deferred, HostHead
+from dlrm_compression.lossy import LossyCodec
 from dlrm_compression.sparse import ThresholdCodec, kth_largest_abs, refresh_due
 
 
@@ -136,12 +139,17 @@ class DirectionCodec:
         ids: torch.Tensor | None,
         thresholds: Sequence[float] | None = None,
         features: Sequence[str] | None = None,
-    ) -> torch.Tensor:
+        deferred: bool = False,
+    ) -> torch.Tensor | Deferred:
         """Payload (uint8, 1-D) of one chunk; ``ids`` ``[rows, n_blocks]`` or None (value dedup);
-        ``features`` name the blocks (the per_block codec's choice is per feature)."""
+        ``features`` name the blocks (the per_block codec's choice is per feature); ``deferred``:
+        the payload may come with its length still on the device (the error-bounded codec on a
+        device: :meth:`LossyCodec.encode`)."""
         extra: dict[str, Any] = {} if thresholds is None else {"thresholds": list(thresholds)}
         if isinstance(self.codec, PerBlockCodec) and features is not None:
             extra["choice"] = [self.choice.get(f, self.codec.fallback) for f in features]
+        if deferred and isinstance(self.codec, LossyCodec):
+            extra["deferred"] = True
         return self.codec.encode(
             chunk.contiguous(),
             bounds,
@@ -211,12 +219,21 @@ class DirectionCodec:
         mask.view(-1)[self.codec.positions(payload)] = True
         return mask
 
+    def prepare_decode(self, payload: torch.Tensor, ids: torch.Tensor | None) -> tuple[torch.Tensor | None, Any] | None:
+        """Where decoding ``payload`` can read everything it needs on the host in its collective's
+        one read (:func:`dlrm_compression.format.read_heads`): the device values to read with its
+        head and the state that goes with them; else None (it reads for itself)."""
+        if not isinstance(self.codec, LossyCodec) or fmt._check_for(payload.device) != "adler32":
+            return None
+        return self.codec.prepare_decode(payload, ids if self.dedup else None)
+
     def decode(
         self,
         payload: torch.Tensor,
         shape: tuple[int, int],
         ids: torch.Tensor | None,
         *,
+        head: HostHead | None = None,
         src: int,
         dst: int,
         features: Sequence[str],
@@ -233,7 +250,10 @@ class DirectionCodec:
             f"iteration {iteration}"
         )
         try:
-            out = self.codec.decode(payload, ids if self.dedup else None, out=out)
+            if head is not None and isinstance(self.codec, LossyCodec):
+                out = self.codec.decode(payload, ids if self.dedup else None, out=out, head=head)
+            else:
+                out = self.codec.decode(payload, ids if self.dedup else None, out=out)
         except Exception as e:  # any codec failure: name the transfer, keep the cause chained
             raise CompressedCommError(f"{what}: {type(e).__name__}: {e}") from e
         if tuple(out.shape) != tuple(shape):

@@ -24,6 +24,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,8 @@ from dlrm.embedding_comm.bounds import Bounds, host_bounds
 from dlrm.embedding_comm.codec import CompressedCommError, DirectionCodec, abs_error
 from dlrm.embedding_comm.stage import Blocks, Incoming, Outgoing, Stage
 from dlrm.embedding_comm.stats import CommStats
-from dlrm.process.instrument import embedding_collective, on_the_wire
+from dlrm.process.instrument import embedding_collective, on_the_wire, payload_hooked
+from dlrm_compression.format import Deferred, HostHead, read_heads, settle
 from dlrm.process.timeout import named_collective
 
 
@@ -269,7 +271,10 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
     me, ws = pg.rank(), pg.size()
     ids_per_peer = info.send_ids(d)
     t0 = time.perf_counter()
-    payloads: list[torch.Tensor | None] = [None] * ws
+    payloads: list[torch.Tensor | Deferred | None] = [None] * ws
+    # Payloads may keep their lengths on the device until the size exchange reads them all at
+    # once, unless a stage looks at them (it would read each).
+    defer = not any(_overrides(s, "measure") for s in stages)
     memo: dict[int, torch.Tensor] = {}  # the same chunk object (row-wise backward) is encoded once
     reuse = not any(s.per_peer(d) for s in stages)
     policy: dict[int, list[float]] = {}
@@ -298,7 +303,9 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
                 c.chunk, blocks.features, blocks.widths, info.iteration, info.training, info.collective
             )
             if not any(s.encode(c) for s in stages):
-                c.payload = dc.encode(c.chunk, blocks.widths, bounds, ids, thresholds, blocks.features)
+                late = defer and not sample  # a sampled chunk's payload is measured now
+                encoded = dc.encode(c.chunk, blocks.widths, bounds, ids, thresholds, blocks.features, late)
+                c.payload = encoded  # type: ignore[assignment]  # a Deferred goes no further than this loop
             assert c.payload is not None
             for s in stages:
                 ts = time.perf_counter()
@@ -313,23 +320,27 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
             if ids is None:
                 memo[id(chunks[peer])] = c.payload
             payloads[peer] = c.payload
-        encoded = payloads[peer]
-        assert encoded is not None  # every non-empty chunk was encoded (or reused) above
-        payloads[peer] = on_the_wire(
-            encoded,
-            src=info.global_ranks[me],
-            dst=info.global_ranks[peer],
-            direction=d,
-            iteration=info.iteration,
-        )
+    if payload_hooked():  # a test's hook sees (and may cut) each payload: their bytes first
+        ready = settle(payloads)
+        payloads = [
+            None
+            if p is None
+            else on_the_wire(p, src=info.global_ranks[me], dst=info.global_ranks[q], direction=d, iteration=info.iteration)
+            for q, p in enumerate(ready)
+        ]
     t1 = time.perf_counter()
     device = chunks[me].device
-    send_sizes = [0 if p is None else int(p.numel()) for p in payloads]
+    sizes = torch.tensor([p.numel() if isinstance(p, torch.Tensor) else 0 for p in payloads], dtype=torch.int64)
+    sizes = sizes.to(device, non_blocking=True)
+    for q, p in enumerate(payloads):
+        if isinstance(p, Deferred):
+            sizes[q] = p.length
     recv_t = torch.empty(ws, dtype=torch.int64, device=device)
     with embedding_collective(d), named_collective(f"the size exchange of {_a2a_name(info, d)}"):
-        dist.all_to_all_single(recv_t, torch.tensor(send_sizes, dtype=torch.int64, device=device), group=pg)
-    recv_sizes = recv_t.tolist()
-    sent = [p for p in payloads if p is not None]
+        dist.all_to_all_single(recv_t, sizes, group=pg)
+    both = torch.cat([sizes, recv_t]).tolist()  # the collective's one host synchronisation
+    send_sizes, recv_sizes = both[:ws], both[ws:]
+    sent = [p.take(n) if isinstance(p, Deferred) else p for p, n in zip(payloads, send_sizes, strict=True) if p is not None]
     send_buf = torch.cat(sent) if sent else torch.empty(0, dtype=torch.uint8, device=device)
     recv_buf = torch.empty(sum(max(n, 0) for n in recv_sizes), dtype=torch.uint8, device=device)
     bad = [(info.global_ranks[p], n) for p, n in enumerate(recv_sizes) if n < 0]
@@ -351,7 +362,33 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
     return _Transfer(work, recv_buf, recv_sizes, chunks[me])
 
 
-def _decode(info: CompressedA2AInfo, r: Incoming) -> torch.Tensor:
+def _overrides(stage: Stage, hook: str) -> bool:
+    """Whether ``stage`` implements ``hook`` (a stage that measures or decodes sees payloads)."""
+    return getattr(type(stage), hook) is not getattr(Stage, hook)
+
+
+def _read_heads(info: CompressedA2AInfo, d: str, tr: _Transfer) -> dict[int, HostHead]:
+    """Every received payload's head and what its decoder needs on the host, in one host
+    synchronisation for the collective (none where the codec reads for itself, on the CPU)."""
+    if tr.raw or any(_overrides(s, "decode") for s in info.stages):
+        return {}
+    dc, layout, ids_per_peer = info.codecs[d], info.layout, info.recv_ids(d)
+    todo: list[tuple[int, torch.Tensor, Any]] = []
+    offsets = [sum(tr.recv_sizes[:p]) for p in range(len(tr.recv_sizes))]
+    for peer, n in enumerate(tr.recv_sizes):
+        if n <= 0 or math.prod(layout.recv_shape(d, peer)) == 0:
+            continue
+        payload = tr.recv_buf[offsets[peer] : offsets[peer] + n]
+        prepared = dc.prepare_decode(payload, ids_per_peer[peer])
+        if prepared is not None:
+            todo.append((peer, payload, prepared))
+    heads = read_heads([t[1] for t in todo], [t[2][0] for t in todo]) if todo else []
+    for (_, _, prepared), head in zip(todo, heads, strict=True):
+        head.state = prepared[1]
+    return {t[0]: head for t, head in zip(todo, heads, strict=True)}
+
+
+def _decode(info: CompressedA2AInfo, r: Incoming, head: HostHead | None = None) -> torch.Tensor:
     """The first stage that decodes the payload, else the direction's codec."""
     for s in info.stages:
         part = s.decode(r)
@@ -368,6 +405,7 @@ def _decode(info: CompressedA2AInfo, r: Incoming) -> torch.Tensor:
         iteration=r.iteration,
         where=r.where,
         out=r.window,
+        head=head,
     )
 
 
@@ -384,6 +422,7 @@ def _receive(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, tr: _Transf
     target = layout.output(d, tr.self_part)
     out, windows = target if target is not None else (None, [None] * ws)
     ids_per_peer = info.recv_ids(d)
+    heads = _read_heads(info, d, tr)
     parts, offset = [], 0
     for peer in range(ws):
         n, shape, window = tr.recv_sizes[peer], layout.recv_shape(d, peer), windows[peer]
@@ -416,7 +455,7 @@ def _receive(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, tr: _Transf
         r = Incoming(
             d, peer, src, dst, payload, shape, ids_per_peer[peer], blocks, window, dc, stats, info.iteration, info.where
         )
-        decoded = _decode(info, r)
+        decoded = _decode(info, r, heads.get(peer))
         for s in info.stages:
             s.after_decode(r, decoded)
         parts.append(decoded)

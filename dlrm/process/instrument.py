@@ -30,6 +30,11 @@ def set_payload_hook(hook: PayloadHook | None) -> None:
     _payload_hook = hook
 
 
+def payload_hooked() -> bool:
+    """Whether a hook sees payloads before they are sent (then their bytes must be known first)."""
+    return _payload_hook is not None
+
+
 def on_the_wire(payload: torch.Tensor, *, src: int, dst: int, direction: str, iteration: int) -> torch.Tensor:
     """The payload as sent: ``payload``, or what the installed hook makes of it."""
     if _payload_hook is None:

@@ -17,7 +17,7 @@ def test_bench_counts_a_tiny_chunk_by_stage(capsys):
     for stage in stages:
         assert f"\n{stage} " in out
     assert "W =  64: 63 peers" in out
-    assert "compression/quantize.py:" in out  # --trace names the lines
+    assert "compression/format.py:" in out  # --trace names the lines
     assert "dlrm.embedding_comm.ids:chunk_ids_of:" in out  # the static listing follows
     assert dedup.HOST_NUMPY  # the CPU shortcut is restored, and the CPU check, and the tensor methods
     assert fmt._check_for(torch.device("cpu")) == "crc32" and base.HOST_BOUNDS
@@ -35,19 +35,18 @@ def test_bounds_and_duplicate_ids_take_no_host_sync(tables):
 
 def test_one_chunk_of_the_issue_syncs_by_stage_and_op():
     """2,048 rows x 13 tables x dim 64, ids, the fixed-length coder, dual policy. Was forward 41
-    and backward 67 counted at the dispatcher (bounds 26, encode 7, decode 8, duplicate ids 13 +
-    13), plus host reads. What is left depends on the data, and sizes the payload: encode the
-    unique rows (bool_index), the packed words (item) and the exceptions (nonzero); decode reads
-    the prefix and header (with the check's verdict), the counts (with what the ids say) and the
-    coder's group widths."""
-    c = host_syncs.count_chunk()
-    want = {
-        "bounds": {},
-        "encode": {"bool_index": 1, "item": 1, "nonzero": 1},
-        "decode": {"host_read": 3},
-    }
+    and backward 67 per chunk counted at the dispatcher (bounds 26, encode 7, decode 8, duplicate
+    ids 13 + 13), plus host reads; then 6 per chunk (the sizes the data decides). Now nothing per
+    chunk: the payload is framed with its lengths on the device and the collective reads every
+    length once (the size exchange), and every received head, check and ids count once."""
+    c = host_syncs.count_chunk(peers=2)
     for d in ("forward", "backward"):
-        for stage, ops in want.items():
-            assert f"{d}/{stage}" in c.labels
-            assert {op: n for (label, op), n in c.counts.items() if label == f"{d}/{stage}"} == ops, (d, stage)
+        for stage in ("bounds", "encode", "decode"):
+            assert c.by_label[f"{d}/{stage}"] == 0, (d, stage, c.counts)
+        assert c.by_label[f"{d}/size_exchange"] == c.by_label[f"{d}/heads"] == 1
     assert c.by_label["backward/sum_duplicates"] == c.by_label["backward/keep_first"] == 0
+
+
+def test_syncs_per_collective_do_not_grow_with_the_peers():
+    one, three = (host_syncs.per_direction(host_syncs.count_chunk(rows=64, tables=3, dim=8, peers=p), p) for p in (1, 3))
+    assert one == three == {"forward": (0, 2), "backward": (0, 2)}

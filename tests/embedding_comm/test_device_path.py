@@ -1,0 +1,70 @@
+"""The compressed all-to-all on the device code path, on real gloo ranks: the same numbers as the
+host path, and host synchronisations per collective that do not grow with the rank count.
+
+The device path (fixed-length coder, payloads framed and checked on the device, lengths read
+once per collective) is what runs on a GPU; :func:`dlrm.bench.host_syncs.device_paths` turns
+it on for CPU tensors, and its counter sees every host read (see there)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from multiprocess import run_ranks
+
+import test_comm as tc
+
+DEVICE_LOSSY = {
+    "name": "lossy",
+    "forward": {"codec": "lossy", "eb": 1e-3, "params": {"entropy": False}},
+    "backward": {"codec": "lossy", "eb": 1e-3, "params": {"entropy": False}},
+    "stats": {"sample_every": 0},
+}
+
+
+def _counted(rank: int, ws: int, plan: str) -> dict:
+    """Three training steps on the host path, then the same on the device path, counted."""
+    from dlrm.bench.host_syncs import device_paths
+    from dlrm.embedding_comm import comm_ops
+    from dlrm_compression.host_syncs import HostSyncCounter
+
+    counter, calls = HostSyncCounter(), Counter()
+    send, receive = comm_ops._send, comm_ops._receive
+
+    def counted_send(pg, info, d, chunks):
+        calls[f"{d}/send"] += 1
+        with counter.label(f"{d}/send"):
+            return send(pg, info, d, chunks)
+
+    def counted_receive(pg, info, d, tr):
+        calls[f"{d}/receive"] += 1
+        with counter.label(f"{d}/receive"):
+            return receive(pg, info, d, tr)
+
+    comm_ops._send, comm_ops._receive = counted_send, counted_receive
+    runs = {}
+    for path in ("host", "device"):
+        model = tc.build(tc.ours(DEVICE_LOSSY), plan, ws, tc.full_weights(5))
+        if path == "host":
+            outs = tc.run_steps(model, rank, [12, 9, 7][:ws], 3)
+        else:
+            counter.counts.clear()
+            with device_paths(counter), counter:
+                outs = tc.run_steps(model, rank, [12, 9, 7][:ws], 3)
+        runs[path] = (outs, tc.local_weights(model))
+    same = all(a.equal(b) for a, b in zip(runs["host"][0], runs["device"][0], strict=True))
+    same_w = all(runs["host"][1][k].equal(v) for k, v in runs["device"][1].items())
+    syncs = {k: n for k, n in counter.by_label.items() if k}  # TorchRec's own (input dist, optimizer) are not ours
+    return {"same": same, "same_weights": same_w, "syncs": syncs, "calls": dict(calls)}
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_device_path_gives_the_host_paths_numbers_with_one_host_sync_per_collective_side(ws):
+    for r in run_ranks(_counted, ws, "tw"):
+        assert r["same"] and r["same_weights"]  # bit for bit: the framing moved, not the values
+        calls = {k: n // 2 for k, n in r["calls"].items()}  # the device run's half
+        for side, n in r["syncs"].items():
+            # one read of every size (send) and one of every payload's head and check (receive),
+            # whatever the number of peers: none per chunk
+            assert n == calls[side], (ws, side, n, calls[side], r["syncs"])
+        assert set(r["syncs"]) == {"forward/send", "forward/receive", "backward/send", "backward/receive"}
