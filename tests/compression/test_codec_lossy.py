@@ -1,6 +1,7 @@
 """The lossy codec: the error bound holds on every element, whatever the data, ids and blocks."""
 
 import math
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -227,3 +228,88 @@ def test_verify_ids_catches_rows_that_break_the_id_contract():
     shared = torch.tensor([0, 1, 0, 2])
     good = x[shared]
     check_bound(good, codec.decode(codec.encode(good, 1e-3, shared), shared), [8], [1e-3])
+
+
+# -- the device framing: lengths left on the device, heads read once per collective --------------
+
+
+@contextmanager
+def _device_code():
+    """The code a CUDA tensor takes, on CPU tensors: torch's dedup, the bounds kept as a tensor,
+    the Adler-32 check (dlrm.bench.host_syncs.device_paths does the same for the benchmark)."""
+    from dlrm_compression import base, dedup
+    from dlrm_compression import format as fmt
+
+    saved = dedup.HOST_NUMPY, base.HOST_BOUNDS, fmt._check_for
+    dedup.HOST_NUMPY = base.HOST_BOUNDS = False
+    fmt._check_for = lambda device: "adler32"
+    try:
+        yield
+    finally:
+        dedup.HOST_NUMPY, base.HOST_BOUNDS, fmt._check_for = saved
+
+
+def _deferred_round_trip(codec, x, eb, ids, widths):
+    """(the usual payload, the deferred one settled, its decode through a read head, the syncs
+    of the deferred encode and of that decode)."""
+    from dlrm_compression import format as fmt
+    from dlrm_compression.host_syncs import HostSyncCounter
+
+    want = codec.encode(x, eb, ids, blocks=widths)
+    enc, dec = HostSyncCounter(), HostSyncCounter()
+    with enc:
+        late = codec.encode(x, eb, ids, blocks=widths, deferred=True)
+    assert isinstance(late, fmt.Deferred)
+    [payload] = fmt.settle([late])
+    extra, state = codec.prepare_decode(payload, ids)
+    [head] = fmt.read_heads([payload], [extra])
+    head.state = state
+    with dec:
+        y = codec.decode(payload, ids, head=head)
+    return want, payload, y, enc.total, dec.total
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases(), use_ids=st.booleans())
+def test_device_framing_writes_the_same_payload_and_decodes_it_without_host_syncs(case, use_ids):
+    x, widths, eb, ids = case
+    i = ids if use_ids else None
+    codec = compression.get_codec("lossy", entropy=False, dedup=use_ids)  # rows by id, or not deduplicated
+    with _device_code():
+        want, payload, y, enc_syncs, dec_syncs = _deferred_round_trip(
+            codec, x, torch.tensor(eb, dtype=torch.float64), i, widths
+        )
+        plain = codec.decode(want, i)
+    assert torch.equal(payload, want)  # byte for byte: lengths, check and sections
+    assert enc_syncs == dec_syncs == 0
+    ints = {torch.float32: torch.int32}.get(x.dtype, torch.int16)
+    assert torch.equal(y.view(ints), plain.view(ints))
+
+
+def test_device_framing_with_one_id_column_shared_by_every_block_and_a_corrupted_payload():
+    from dlrm_compression import format as fmt
+
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 9, (70, 1), generator=g)
+    x = (torch.randn(9, 30, generator=g) * 0.1)[ids[:, 0]]
+    x[ids[:, 0] == ids[0, 0], 5] = float("nan")  # an exception, the same in every row of that id
+    codec = compression.get_codec("lossy", entropy=False)
+    shared = ids.expand(70, 3)
+    with _device_code():
+        want, payload, y, enc_syncs, dec_syncs = _deferred_round_trip(codec, x, [1e-3, 1e-2, 0.0], shared, [10] * 3)
+        assert torch.equal(payload, want) and enc_syncs == dec_syncs == 0
+        assert torch.equal(y.view(torch.int32), codec.decode(want, shared).view(torch.int32))
+        bad = payload.clone()
+        bad[bad.numel() // 2] ^= 0x10
+        extra, state = codec.prepare_decode(bad, shared)
+        [head] = fmt.read_heads([bad], [extra])
+        head.state = state
+        with pytest.raises(fmt.PayloadError, match="checksum"):
+            codec.decode(bad, shared, head=head)
+        other = shared.clone()
+        other[0, :] += 1  # the receiver's ids differ from the sender's: caught from the read values
+        extra, state = codec.prepare_decode(payload, other)
+        [head] = fmt.read_heads([payload], [extra])
+        head.state = state
+        with pytest.raises(fmt.PayloadError, match="ids"):
+            codec.decode(payload, other, head=head)

@@ -119,6 +119,15 @@ def _check_interpret() -> None:
                 p1 = triton_codec.encode(xi, eb, i, blocks=[8, 8, 8])
                 p2 = torch_codec.encode(xi, eb, i, blocks=[8, 8, 8])
                 same(p1, p2, f"payload {dtype} entropy={entropy} ids={use_ids}")
+                if not entropy and use_ids:  # the device framing (lengths left on the device): same bytes
+                    from dlrm_compression import format as fmt
+
+                    check, fmt._check_for = fmt._check_for, lambda device: "adler32"
+                    try:
+                        [p3] = fmt.settle([triton_codec.encode(xi, eb, i, blocks=[8, 8, 8], deferred=True)])
+                        same(p3, torch_codec.encode(xi, eb, i, blocks=[8, 8, 8]), f"deferred payload {dtype}")
+                    finally:
+                        fmt._check_for = check
                 same(
                     triton_codec.decode(p2, i).view(-1).view(torch.uint8),
                     torch_codec.decode(p2, i).view(-1).view(torch.uint8),

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+import torch.distributed as dist
 from multiprocess import run_ranks
 
 import test_comm as tc
@@ -68,3 +69,28 @@ def test_device_path_gives_the_host_paths_numbers_with_one_host_sync_per_collect
             # whatever the number of peers: none per chunk
             assert n == calls[side], (ws, side, n, calls[side], r["syncs"])
         assert set(r["syncs"]) == {"forward/send", "forward/receive", "backward/send", "backward/receive"}
+
+
+def _fault(rank: int, ws: int) -> str:
+    from datetime import timedelta
+
+    from dlrm.bench.host_syncs import device_paths
+    from dlrm.process.instrument import set_payload_hook
+
+    pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=30))
+    with device_paths():
+        model = tc.build(tc.ours(DEVICE_LOSSY), "tw", ws, tc.full_weights(8), pg=pg)
+        set_payload_hook(tc.corrupt_rank0_to_rank1)
+        try:
+            tc.run_steps(model, rank, [8, 8], 3)
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_a_corrupted_payload_on_the_device_path_is_named_from_the_one_read():
+    errors = run_ranks(_fault, 2, timeout=120)
+    assert errors[1].startswith("CompressedCommError: rank 1 (table_wise)") and "from rank 0" in errors[1]
+    assert "tables ['t0', 't2', 't4']" in errors[1] and "iteration 1" in errors[1]
+    assert "checksum mismatch (adler32)" in errors[1]
+    assert errors[0] != "no error"
