@@ -302,9 +302,8 @@ class StrategyController:
 
     def _slowest_recent(self) -> float:
         """The slowest rank's median of its last ``measure_iterations`` iterations (a collective)."""
-        recent = torch.tensor(
-            [statistics.median(self.times[-self.spec.measure_iterations :])], dtype=torch.float64, device=collective_device()
-        )
+        median = statistics.median(self.times[-self.spec.measure_iterations :])
+        recent = torch.tensor([median], dtype=torch.float64, device=collective_device())
         dist.all_reduce(recent, op=dist.ReduceOp.MAX)
         return float(recent)
 
