@@ -20,7 +20,7 @@ import os
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -94,20 +94,22 @@ def codecs(features: Sequence[str], dim: int) -> dict[str, DirectionCodec]:
 
 
 def count_chunk(
-    rows: int = 2048, tables: int = 13, dim: int = 64, seed: int = 0, trace: bool = False
+    rows: int = 2048, tables: int = 13, dim: int = 64, seed: int = 0, trace: bool = False, device: str = "cpu"
 ) -> HostSyncCounter:
-    """Count one chunk's syncs in both directions, labelled ``<direction>/<stage>``."""
+    """Count one chunk's syncs in both directions, labelled ``<direction>/<stage>``. On a CUDA
+    ``device`` the codec takes its own device paths and only syncs on device tensors count."""
     features = SPARSE_NAMES[:tables]
     dcs = codecs(features, dim)
     batch = criteo_like_batch(rows=rows, tables=tables, dim=dim, seed=seed)
     chunks = {
-        "forward": torch.cat([t["values"] for t in batch.values()], 1),
-        "backward": torch.randn(rows, tables * dim, generator=torch.Generator().manual_seed(seed)),
+        "forward": torch.cat([t["values"] for t in batch.values()], 1).to(device),
+        "backward": torch.randn(rows, tables * dim, generator=torch.Generator().manual_seed(seed)).to(device),
     }
-    ids = torch.stack([t["ids"] for t in batch.values()], 1)
+    ids = torch.stack([t["ids"] for t in batch.values()], 1).to(device)
     widths = [dim] * tables
-    counter = HostSyncCounter(trace=trace)
-    with device_paths(counter), counter:
+    on_cpu = torch.device(device).type == "cpu"
+    counter = HostSyncCounter(count_cpu=on_cpu, trace=trace)
+    with device_paths(counter) if on_cpu else nullcontext(), counter:
         for d, dc in dcs.items():
             chunk = chunks[d]
             with counter.label(f"{d}/bounds"):
