@@ -8,7 +8,7 @@ ARGS   ?=
 
 NETARGS ?=
 
-.PHONY: venv train test lint bench bench-network clean
+.PHONY: venv train test test-gpu lint bench bench-network clean
 
 venv:
 	@PYTHON=$(PYTHON) bash scripts/setup_env.sh $(VENV)
@@ -19,6 +19,12 @@ train: venv
 
 test: venv
 	@$(PY) -m pytest -q $(ARGS)
+
+# The GPU suite (tests/gpu, marker gpu; `make test` leaves it out): codecs and kernels on CUDA against
+# the CPU, host syncs under CUDA's sync debug mode, codec GB/s beside the CPU's, the trainer on NCCL.
+# Without CUDA every test skips, saying so. -rA prints the figures the tests measure.
+test-gpu: venv
+	@$(PY) -m pytest -m gpu tests/gpu -rA $(ARGS)
 
 # ruff (lint, then format check) and mypy, configured in pyproject.toml; all three run, any failure fails.
 lint: venv

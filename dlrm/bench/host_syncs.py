@@ -22,7 +22,7 @@ import os
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -99,23 +99,32 @@ COLLECTIVE_STAGES = ("size_exchange", "heads")  # once per collective, whatever 
 
 
 def count_chunk(
-    rows: int = 2048, tables: int = 13, dim: int = 64, seed: int = 0, trace: bool = False, peers: int = 1
+    rows: int = 2048,
+    tables: int = 13,
+    dim: int = 64,
+    seed: int = 0,
+    trace: bool = False,
+    peers: int = 1,
+    device: str = "cpu",
 ) -> HostSyncCounter:
     """Count one collective's syncs in both directions, with ``peers`` chunks like this one,
     labelled ``<direction>/<stage>``: per chunk the bounds, duplicate ids, encode and decode;
     per collective the size exchange (every payload's length read at once, as the transport
-    does) and the heads (every received payload's header, check and ids counts read at once)."""
+    does) and the heads (every received payload's header, check and ids counts read at once).
+    On a CUDA ``device`` the codec takes its own device paths and only syncs on device tensors
+    count."""
     features = SPARSE_NAMES[:tables]
     dcs = codecs(features, dim)
     batch = criteo_like_batch(rows=rows, tables=tables, dim=dim, seed=seed)
     chunks = {
-        "forward": torch.cat([t["values"] for t in batch.values()], 1),
-        "backward": torch.randn(rows, tables * dim, generator=torch.Generator().manual_seed(seed)),
+        "forward": torch.cat([t["values"] for t in batch.values()], 1).to(device),
+        "backward": torch.randn(rows, tables * dim, generator=torch.Generator().manual_seed(seed)).to(device),
     }
-    ids = torch.stack([t["ids"] for t in batch.values()], 1)
+    ids = torch.stack([t["ids"] for t in batch.values()], 1).to(device)
     widths = [dim] * tables
-    counter = HostSyncCounter(trace=trace)
-    with device_paths(counter), counter:
+    on_cpu = torch.device(device).type == "cpu"
+    counter = HostSyncCounter(count_cpu=on_cpu, trace=trace)
+    with device_paths(counter) if on_cpu else nullcontext(), counter:
         for d, dc in dcs.items():
             sent = []
             for _ in range(peers):

@@ -24,6 +24,7 @@ from torchrec.datasets.utils import Batch
 from torchrec.distributed.model_parallel import get_unwrapped_module
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from dlrm.process.env import collective_device
 from dlrm.trainer.model import table_names
 
 HOT_SUFFIX = "@hot"
@@ -168,7 +169,7 @@ def copy_from_tables(ebc: torch.nn.Module, hot: HotRows, hot_ids: Mapping[str, t
             mine = (ids >= r0) & (ids < r0 + nr)
             replica[mine, c0 : c0 + nc] = shard.tensor[ids[mine] - r0].to(replica.dtype)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        flat = torch.cat([w.flatten() for w in hot.weights.values()])
+        flat = torch.cat([w.flatten() for w in hot.weights.values()]).to(collective_device())
         dist.all_reduce(flat)
         offset = 0
         for w in hot.weights.values():

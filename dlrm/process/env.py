@@ -69,6 +69,25 @@ def init_distributed(device: str = "auto", timeout_s: float = 600.0) -> DistEnv:
     return DistEnv(rank, world_size, local_rank, local_world_size, dev, backend)
 
 
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device a tensor must be on for ``group``'s collectives (default: the world): the current
+    CUDA device when the group runs NCCL (which rejects CPU tensors), else the CPU (gloo, or no
+    process group at all)."""
+    if not dist.is_initialized():
+        return torch.device("cpu")
+    backend = str(dist.get_backend(group))  # "nccl", "gloo", or per device type: "cpu:gloo,cuda:nccl"
+    if any(entry.rpartition(":")[2] == "nccl" for entry in backend.split(",")):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def device_synchronize(device: torch.device) -> None:
+    """Wait until ``device`` has run everything queued on it, before a clock is read around a timed
+    region (kernels and NCCL collectives return to the host before they finish); no-op on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _free_port() -> int:
     import socket
 

@@ -42,7 +42,7 @@ from dlrm.dense_comm.config import AUTO_OPTIONS
 from dlrm.dense_comm.hook import DenseComm
 from dlrm.embedding_comm.dist import CompressionRuntime
 from dlrm.process.config_checks import check_keys, integer, plain_config
-from dlrm.process.env import DistEnv
+from dlrm.process.env import DistEnv, collective_device, device_synchronize
 from dlrm_compression.cost_model import Link
 from dlrm_compression.strategy import Option, Timeline, Unit, choose, simulate
 
@@ -79,19 +79,22 @@ def parse_strategy_cfg(cfg: Mapping[str, Any] | None, file: str | None) -> Strat
 
 def calibrate_link(env: DistEnv, sizes: tuple[int, ...] = LINK_SIZES, repeats: int = 3) -> Link:
     """``latency + bytes / bandwidth`` fitted to timed all-to-alls of ``sizes`` bytes per peer
-    (every rank sends to every other at once, as the training collectives do). A collective."""
-    ws = env.world_size
+    (every rank sends to every other at once, as the training collectives do), on the process
+    group's device, which is synchronised before each clock reading. A collective."""
+    ws, device = env.world_size, collective_device()
     points = []
     for size in sizes:
-        send = torch.zeros(size * ws, dtype=torch.uint8, device=env.device)
+        send = torch.zeros(size * ws, dtype=torch.uint8, device=device)
         recv = torch.empty_like(send)
         times = []
         for _ in range(repeats):
             dist.barrier()
+            device_synchronize(device)
             t0 = time.perf_counter()
             dist.all_to_all_single(recv, send)
+            device_synchronize(device)
             times.append(time.perf_counter() - t0)
-        slowest = torch.tensor([statistics.median(times)], dtype=torch.float64)
+        slowest = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the collective ends with its slowest rank
         points.append((float(size * (ws - 1)), float(slowest)))  # bytes each rank sends, seconds
     return fit_link(points)
@@ -299,7 +302,8 @@ class StrategyController:
 
     def _slowest_recent(self) -> float:
         """The slowest rank's median of its last ``measure_iterations`` iterations (a collective)."""
-        recent = torch.tensor([statistics.median(self.times[-self.spec.measure_iterations :])], dtype=torch.float64)
+        median = statistics.median(self.times[-self.spec.measure_iterations :])
+        recent = torch.tensor([median], dtype=torch.float64, device=collective_device())
         dist.all_reduce(recent, op=dist.ReduceOp.MAX)
         return float(recent)
 

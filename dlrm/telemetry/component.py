@@ -1,6 +1,7 @@
 """Telemetry as a component: TensorBoard, the console progress (and losses.txt), the wire meter
-watching training steps, and at the end the measured and predicted wire bytes (with the hot-row
-replicas' figures, which the prediction prices)."""
+and the host-synchronisation meter watching training steps, and at the end the measured and
+predicted wire bytes (with the hot-row replicas' figures, which the prediction prices) and the host
+synchronisations per iteration."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from dlrm.placement.comm_aware import log_plan
 from dlrm.placement.component import Placement
 from dlrm.process.env import DistEnv
 from dlrm.strategy.controller import StrategyController
+from dlrm.telemetry.host_syncs import HostSyncMeter
 from dlrm.telemetry.progress import Progress
 from dlrm.telemetry.tb_logger import TensorBoardLogger
 from dlrm.telemetry.wire import WireMeter, placements, wire_metrics
@@ -54,6 +56,7 @@ class Telemetry(Component):
             env.world_size,
             (lambda: hot.optimizer.sent_bytes) if hot else None,
         )
+        self.syncs = HostSyncMeter(env.device)
         self.tb = TensorBoardLogger(run_dir / "tensorboard" if env.is_main else None)
         self.plan = describe_plan(model)
         if env.is_main:
@@ -94,14 +97,15 @@ class Telemetry(Component):
 
     @property
     def observers(self) -> list[StepObserver]:
-        return [self.meter]
+        return [self.meter, self.syncs]
 
     def close(self) -> None:
         if self.progress is not None:
             self.progress.close()
 
     def metrics(self, model: torch.nn.Module, state: TrainState) -> dict[str, Any]:
-        """The wire bytes measured and predicted, and the replicas' figures (collectives)."""
+        """The wire bytes measured and predicted, the replicas' figures and the host
+        synchronisations per iteration (collectives)."""
         hot = self.placement.replication
         hot_metrics = hot.metrics(self.meter.iterations) if hot else {}
         wire = wire_metrics(
@@ -122,4 +126,7 @@ class Telemetry(Component):
                 wire["wire_bytes_per_iteration"],
                 wire["predicted_wire_bytes_per_iteration"],
             )
-        return {"sharding_plan": self.plan, **wire, **hot_metrics}
+        syncs = self.syncs.metrics()
+        if self.env.is_main and syncs["host_syncs_per_iteration"] is not None:
+            log.info("host synchronisations per iteration (each rank): %.1f", syncs["host_syncs_per_iteration"])
+        return {"sharding_plan": self.plan, **wire, **hot_metrics, **syncs}

@@ -52,6 +52,10 @@ def test_two_ranks_write_metrics_and_tensorboard(tmp_path, cache):
     bounds = {t: events.Scalars(t)[-1].value for t in tags if t.startswith("comm/forward/eb/")}
     assert len(set(bounds.values())) == 3  # tight, base and loose table classes
     assert len(events.Scalars("train/loss")) == 12
+    # counted on a few steady-state iterations (dlrm.telemetry.host_syncs): lossy's codec syncs
+    assert metrics["host_syncs_per_iteration"] > 0
+    assert metrics["host_syncs_by_op"]["item"] > 0
+    assert sum(metrics["host_syncs_by_op"].values()) == pytest.approx(metrics["host_syncs_per_iteration"])
 
 
 def test_lossy_keeps_the_test_auc_of_uncompressed_training_on_real_rows(tmp_path, cache):
