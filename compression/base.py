@@ -101,9 +101,7 @@ class Codec(ABC):
 
     # -- shared helpers -------------------------------------------------------------------------
 
-    def _header(
-        self, payload: torch.Tensor, head: fmt.HostHead | None = None
-    ) -> tuple[fmt.Header, list[torch.Tensor]]:
+    def _header(self, payload: torch.Tensor, head: fmt.HostHead | None = None) -> tuple[fmt.Header, list[torch.Tensor]]:
         """Unpack (from its ``head`` if read already) and check that this codec wrote the payload."""
         header, sections = fmt.unpack(payload, head)
         if header.codec_id != self.codec_id:

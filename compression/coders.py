@@ -44,7 +44,7 @@ class BlockCoder:
         pad = torch.zeros(-widths.numel() % 4, dtype=torch.uint8, device=codes.device)
         return torch.cat([widths, pad, words.view(torch.uint8)])
 
-    def encode_capacity(self, codes: torch.Tensor, n: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def encode_capacity(self, codes: torch.Tensor, n: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor | int]]:
         """:meth:`encode` of the first ``n`` (an int64 0-d tensor) of ``codes`` (zeros after), as
         pieces with their lengths on the device: no host wait."""
         widths, words = self.backend.block_pack(codes, capacity=True)

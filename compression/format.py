@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -188,7 +189,7 @@ class Deferred:
         return self.buffer[:n]
 
 
-def settle(payloads: list[torch.Tensor | Deferred | None]) -> list[torch.Tensor | None]:
+def settle(payloads: Sequence[torch.Tensor | Deferred | None]) -> list[torch.Tensor | None]:
     """Every payload as bytes: the deferred lengths read in one host synchronisation."""
     late = [p for p in payloads if isinstance(p, Deferred)]
     if not late:
@@ -234,7 +235,8 @@ def pack_deferred(
     lens = torch.stack([_length(n, device) for sec in sections for _, n in sec])
     caps = [p.numel() for p in pieces]
     src_start = _on(torch.tensor([sum(caps[:i]) for i in range(len(caps))], dtype=torch.int64), device)
-    sec_of, lead = [], []  # each piece's section, and the index of that section's first piece
+    sec_of: list[int] = []  # each piece's section
+    lead: list[int] = []  # the index of the first piece of each piece's section
     for i, sec in enumerate(sections):
         lead += [len(sec_of)] * len(sec)
         sec_of += [i] * len(sec)
@@ -255,7 +257,9 @@ def pack_deferred(
     source = torch.cat([*pieces, torch.zeros(1, dtype=torch.uint8, device=device)])
     body = source[torch.where(inside, src_start[k] + off, source.numel() - 1)]
     out = torch.cat([head, body])
-    out[12:20] = total.reshape(1).view(torch.uint8)  # total_len u64, after magic, version, codec, dtype, flags, header_len
+    out[12:20] = total.reshape(1).view(
+        torch.uint8
+    )  # total_len u64, after magic, version, codec, dtype, flags, header_len
     at = _PREFIX.size + _FIXED.size + 4 * nb
     if on_device:
         assert isinstance(header.bounds, torch.Tensor)
@@ -344,9 +348,9 @@ def peek_codec_id(payload: torch.Tensor) -> int:
     return int(codec_id)
 
 
-def unpack(payload: torch.Tensor, head: HostHead | None = None) -> tuple[Header, list[torch.Tensor]]:
+def unpack(payload: torch.Tensor, read: HostHead | None = None) -> tuple[Header, list[torch.Tensor]]:
     """Validate a payload and return its header and section views (on the payload's device);
-    ``head``: its first bytes and check, already read (:func:`read_heads`), so that nothing here
+    ``read``: its first bytes and check, already read (:func:`read_heads`), so that nothing here
     waits for the device."""
     if not isinstance(payload, torch.Tensor):
         raise PayloadError(f"payload must be a torch.uint8 tensor, got {type(payload).__name__}")
@@ -354,14 +358,14 @@ def unpack(payload: torch.Tensor, head: HostHead | None = None) -> tuple[Header,
         raise PayloadError(
             f"payload must be a 1-D torch.uint8 tensor, got {payload.dtype} with shape {tuple(payload.shape)}"
         )
-    payload, head_ = payload.contiguous(), head
+    payload = payload.contiguous()
     size = payload.numel()
     if size < _PREFIX.size:
         raise PayloadError(
             f"payload of {size} bytes is shorter than the {_PREFIX.size}-byte prefix "
             "(truncated or not a dlrm-compress payload)"
         )
-    head, verdict = _read_head(payload) if head_ is None else (head_.data, int(head_.good))
+    head, verdict = _read_head(payload) if read is None else (read.data, int(read.good))
     prefix = head[: _PREFIX.size]
     magic, version, codec_id, dtype_code, flags, header_len, total, crc = _PREFIX.unpack(prefix)
     if magic != MAGIC:

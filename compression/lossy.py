@@ -120,13 +120,33 @@ class LossyCodec(Codec):
         ids: torch.Tensor | None = None,
         *,
         blocks: Sequence[int] | None = None,
-        deferred: bool = False,
-    ) -> torch.Tensor | fmt.Deferred:
-        """Compress ``x`` under absolute bound(s) ``eb``; see the package docstring.
+    ) -> torch.Tensor:
+        """Compress ``x`` under absolute bound(s) ``eb``; see the package docstring."""
+        payload = self._encode(x, eb, ids, blocks, deferred=False)
+        assert isinstance(payload, torch.Tensor)
+        return payload
 
-        ``deferred``: where the payload is built on the device (fixed-length coder, Adler-32
-        check) and its rows are deduplicated by id or not at all, return it with its length on
-        the device (:class:`~compression.format.Deferred`), made without a host wait."""
+    def encode_deferred(
+        self,
+        x: torch.Tensor,
+        eb: Bound | None = None,
+        ids: torch.Tensor | None = None,
+        *,
+        blocks: Sequence[int] | None = None,
+    ) -> torch.Tensor | fmt.Deferred:
+        """:meth:`encode`, but where the payload is built on the device (fixed-length coder,
+        Adler-32 check) and its rows are deduplicated by id or not at all, with its length left
+        on the device (:class:`~compression.format.Deferred`): made without a host wait."""
+        return self._encode(x, eb, ids, blocks, deferred=True)
+
+    def _encode(
+        self,
+        x: torch.Tensor,
+        eb: Bound | None,
+        ids: torch.Tensor | None,
+        blocks: Sequence[int] | None,
+        deferred: bool,
+    ) -> torch.Tensor | fmt.Deferred:
         check_input(x)
         rows, cols = x.shape
         widths = resolve_blocks(cols, eb, ids, blocks)
@@ -212,9 +232,11 @@ class LossyCodec(Codec):
         step, ed = quantize.steps_and_margins(bounds, full, widths, values.numel(), x.device)
         codes, exceptions = quantize.encode_capacity(values, valid, step, ed, backend)
         coded = coders.BlockCoder(backend).encode_capacity(codes, valid.sum())
-        header = fmt.Header(self.codec_id, x.dtype, rows, x.shape[1], widths, bounds, info=[mode | coders.FIXED << 2, 0, 0, 0])
+        header = fmt.Header(
+            self.codec_id, x.dtype, rows, x.shape[1], widths, bounds, info=[mode | coders.FIXED << 2, 0, 0, 0]
+        )
         none = torch.zeros(0, dtype=torch.uint8, device=x.device)
-        sections = [[(counts, 8 * nb)], [(none, 0)], coded, exceptions]
+        sections: list[list[tuple[torch.Tensor, fmt.Length]]] = [[(counts, 8 * nb)], [(none, 0)], coded, exceptions]
         fingerprint = None if keys is None else {1: fingerprint_of(keys)}
         return fmt.pack_deferred(header, sections, x.device, fingerprint)
 

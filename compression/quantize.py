@@ -58,7 +58,7 @@ def encode(
 
 def encode_capacity(
     values: torch.Tensor, valid: torch.Tensor, step: torch.Tensor, ed: torch.Tensor, backend=reference
-) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor | int]]]:
     """:func:`encode` of the ``valid`` values, kept where they are (the rest is capacity), with no
     host wait: the codes of the valid values moved to the front (zeros after), and the exception
     section as pieces with their lengths on the device. Same codes and section bytes as

@@ -135,7 +135,7 @@ def count_chunk(
                     with counter.label(f"{d}/sum_duplicates"):
                         chunk = sum_duplicates(chunk, ids, widths)
                 with counter.label(f"{d}/encode"):
-                    sent.append(dc.encode(chunk, widths, bounds, ids, deferred=True))
+                    sent.append(dc.encode_deferred(chunk, widths, bounds, ids))
             with counter.label(f"{d}/size_exchange"):
                 payloads = [p for p in fmt.settle(sent) if p is not None]
             with counter.label(f"{d}/heads"):

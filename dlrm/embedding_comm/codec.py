@@ -139,17 +139,12 @@ class DirectionCodec:
         ids: torch.Tensor | None,
         thresholds: Sequence[float] | None = None,
         features: Sequence[str] | None = None,
-        deferred: bool = False,
-    ) -> torch.Tensor | Deferred:
+    ) -> torch.Tensor:
         """Payload (uint8, 1-D) of one chunk; ``ids`` ``[rows, n_blocks]`` or None (value dedup);
-        ``features`` name the blocks (the per_block codec's choice is per feature); ``deferred``:
-        the payload may come with its length still on the device (the error-bounded codec on a
-        device: :meth:`LossyCodec.encode`)."""
+        ``features`` name the blocks (the per_block codec's choice is per feature)."""
         extra: dict[str, Any] = {} if thresholds is None else {"thresholds": list(thresholds)}
         if isinstance(self.codec, PerBlockCodec) and features is not None:
             extra["choice"] = [self.choice.get(f, self.codec.fallback) for f in features]
-        if deferred and isinstance(self.codec, LossyCodec):
-            extra["deferred"] = True
         return self.codec.encode(
             chunk.contiguous(),
             bounds,
@@ -157,6 +152,23 @@ class DirectionCodec:
             blocks=list(widths),
             **extra,
         )
+
+    def encode_deferred(
+        self,
+        chunk: torch.Tensor,
+        widths: Sequence[int],
+        bounds: Bounds | None,
+        ids: torch.Tensor | None,
+        thresholds: Sequence[float] | None = None,
+        features: Sequence[str] | None = None,
+    ) -> torch.Tensor | Deferred:
+        """:meth:`encode`, with the payload's length left on the device where the codec can (the
+        error-bounded codec on a device: :meth:`LossyCodec.encode_deferred`)."""
+        if isinstance(self.codec, LossyCodec) and thresholds is None:
+            return self.codec.encode_deferred(
+                chunk.contiguous(), bounds, ids if self.dedup else None, blocks=list(widths)
+            )
+        return self.encode(chunk, widths, bounds, ids, thresholds, features)
 
     def passthrough(self, features: Sequence[str]) -> bool:
         """compression=auto: every feature of a collective chose ``none``, so it travels as

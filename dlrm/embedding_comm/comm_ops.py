@@ -36,8 +36,8 @@ from dlrm.embedding_comm.codec import CompressedCommError, DirectionCodec, abs_e
 from dlrm.embedding_comm.stage import Blocks, Incoming, Outgoing, Stage
 from dlrm.embedding_comm.stats import CommStats
 from dlrm.process.instrument import embedding_collective, on_the_wire, payload_hooked
-from dlrm_compression.format import Deferred, HostHead, read_heads, settle
 from dlrm.process.timeout import named_collective
+from dlrm_compression.format import Deferred, HostHead, read_heads, settle
 
 
 class PooledA2ALayout:
@@ -275,7 +275,7 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
     # Payloads may keep their lengths on the device until the size exchange reads them all at
     # once, unless a stage looks at them (it would read each).
     defer = not any(_overrides(s, "measure") for s in stages)
-    memo: dict[int, torch.Tensor] = {}  # the same chunk object (row-wise backward) is encoded once
+    memo: dict[int, torch.Tensor | Deferred] = {}  # the same chunk object (row-wise backward) is encoded once
     reuse = not any(s.per_peer(d) for s in stages)
     policy: dict[int, list[float]] = {}
     sample, sample_s = info.sample, 0.0
@@ -302,30 +302,37 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
             thresholds = dc.thresholds(
                 c.chunk, blocks.features, blocks.widths, info.iteration, info.training, info.collective
             )
+            late: torch.Tensor | Deferred | None
             if not any(s.encode(c) for s in stages):
-                late = defer and not sample  # a sampled chunk's payload is measured now
-                encoded = dc.encode(c.chunk, blocks.widths, bounds, ids, thresholds, blocks.features, late)
-                c.payload = encoded  # type: ignore[assignment]  # a Deferred goes no further than this loop
-            assert c.payload is not None
+                if defer and not sample:  # (a sampled chunk's payload is measured now)
+                    late = dc.encode_deferred(c.chunk, blocks.widths, bounds, ids, thresholds, blocks.features)
+                else:
+                    late = c.payload = dc.encode(c.chunk, blocks.widths, bounds, ids, thresholds, blocks.features)
+            else:
+                late = c.payload
+            assert late is not None
             for s in stages:
                 ts = time.perf_counter()
                 if s.measure(c):
                     sample_s += time.perf_counter() - ts
             if sample:
                 ts = time.perf_counter()
+                assert c.payload is not None  # a sampled chunk is encoded whole
                 _sample(dc, c.chunk, c.payload, blocks, bounds, ids, stats, d, thresholds, c.held)
                 _count_distinct(stats, d, c.chunk, blocks, ids, dc.dedup)
                 sample = False
                 sample_s += time.perf_counter() - ts
             if ids is None:
-                memo[id(chunks[peer])] = c.payload
-            payloads[peer] = c.payload
+                memo[id(chunks[peer])] = late
+            payloads[peer] = late
     if payload_hooked():  # a test's hook sees (and may cut) each payload: their bytes first
         ready = settle(payloads)
         payloads = [
             None
             if p is None
-            else on_the_wire(p, src=info.global_ranks[me], dst=info.global_ranks[q], direction=d, iteration=info.iteration)
+            else on_the_wire(
+                p, src=info.global_ranks[me], dst=info.global_ranks[q], direction=d, iteration=info.iteration
+            )
             for q, p in enumerate(ready)
         ]
     t1 = time.perf_counter()
@@ -340,7 +347,9 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
         dist.all_to_all_single(recv_t, sizes, group=pg)
     both = torch.cat([sizes, recv_t]).tolist()  # the collective's one host synchronisation
     send_sizes, recv_sizes = both[:ws], both[ws:]
-    sent = [p.take(n) if isinstance(p, Deferred) else p for p, n in zip(payloads, send_sizes, strict=True) if p is not None]
+    sent = [
+        p.take(n) if isinstance(p, Deferred) else p for p, n in zip(payloads, send_sizes, strict=True) if p is not None
+    ]
     send_buf = torch.cat(sent) if sent else torch.empty(0, dtype=torch.uint8, device=device)
     recv_buf = torch.empty(sum(max(n, 0) for n in recv_sizes), dtype=torch.uint8, device=device)
     bad = [(info.global_ranks[p], n) for p, n in enumerate(recv_sizes) if n < 0]

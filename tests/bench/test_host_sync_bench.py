@@ -48,5 +48,7 @@ def test_one_chunk_of_the_issue_syncs_by_stage_and_op():
 
 
 def test_syncs_per_collective_do_not_grow_with_the_peers():
-    one, three = (host_syncs.per_direction(host_syncs.count_chunk(rows=64, tables=3, dim=8, peers=p), p) for p in (1, 3))
+    one, three = (
+        host_syncs.per_direction(host_syncs.count_chunk(rows=64, tables=3, dim=8, peers=p), p) for p in (1, 3)
+    )
     assert one == three == {"forward": (0, 2), "backward": (0, 2)}

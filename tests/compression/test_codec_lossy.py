@@ -258,7 +258,7 @@ def _deferred_round_trip(codec, x, eb, ids, widths):
     want = codec.encode(x, eb, ids, blocks=widths)
     enc, dec = HostSyncCounter(), HostSyncCounter()
     with enc:
-        late = codec.encode(x, eb, ids, blocks=widths, deferred=True)
+        late = codec.encode_deferred(x, eb, ids, blocks=widths)
     assert isinstance(late, fmt.Deferred)
     [payload] = fmt.settle([late])
     extra, state = codec.prepare_decode(payload, ids)

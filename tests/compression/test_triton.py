@@ -124,7 +124,7 @@ def _check_interpret() -> None:
 
                     check, fmt._check_for = fmt._check_for, lambda device: "adler32"
                     try:
-                        [p3] = fmt.settle([triton_codec.encode(xi, eb, i, blocks=[8, 8, 8], deferred=True)])
+                        [p3] = fmt.settle([triton_codec.encode_deferred(xi, eb, i, blocks=[8, 8, 8])])
                         same(p3, torch_codec.encode(xi, eb, i, blocks=[8, 8, 8]), f"deferred payload {dtype}")
                     finally:
                         fmt._check_for = check

@@ -10,10 +10,9 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+import test_comm as tc
 import torch.distributed as dist
 from multiprocess import run_ranks
-
-import test_comm as tc
 
 DEVICE_LOSSY = {
     "name": "lossy",
