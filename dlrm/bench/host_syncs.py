@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -195,10 +195,11 @@ def count_dct_bucket(side: int = 1024, keep: float = 0.005, seed: int = 0) -> tu
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         dense = DenseComm(parse_dense_comm_cfg({"name": "dct", "keep": keep}))
+        assert dist.group.WORLD is not None
         dense.prepare(layer, dist.group.WORLD)
         hook, peer = HostSyncCounter(), HostSyncCounter()
         with device_paths(hook), hook:
-            dense.hook(_Bucket(layer)).wait()
+            dense.hook(cast(dist.GradBucket, _Bucket(layer))).wait()  # the hook reads only these methods
         codec, f = dense._codec, _Bucket(layer).buffer().view(1, -1)
         with device_paths():
             mask = codec.mask(f, [f.numel()], [sparse.kth_largest_abs_tensor(f, keep)]).view(-1)

@@ -96,7 +96,7 @@ def test_a_device_bucket_makes_one_host_sync_the_size_read(buckets):
     # payload, refresh iterations included (0 and 2): only the read of the sizes waits
     for r in buckets:
         assert r["device"]["syncs"] == [1, 1, 1, 1], r["device"]["events"]
-        assert all(e.op == "host_read" and "dense_comm/hook.py" in e.where for e in sum(r["device"]["events"], []))
+        assert all(e.op == "host_read" and "dense_comm/hook.py" in e.where for it in r["device"]["events"] for e in it)
 
 
 def test_the_device_path_gives_the_host_paths_gradients_and_residuals_bit_for_bit(buckets):
