@@ -11,11 +11,20 @@ either delta-coded through the zstd byte-plane coder or as a bitmap, whichever i
 (``info[0]``: 0 = deltas, 1 = bitmap); ``info[1]`` = the number kept. Values are a payload of
 another codec of this package (``values``: ``none`` = exact fp32, ``fp16``, ``bf16``, or
 ``lossy`` under the bound ``eb``, absolute), as a ``[kept, 1]`` column.
+
+On an accelerator the positions are coded with torch ops on the device instead (zstd and numpy
+would copy them to the host): the bitmap (the same bytes as numpy's), or the deltas bit-packed at
+one width, that of the largest (``info[0]`` = 2, ``info[2]`` = the width), whichever is smaller.
+With the count and the width known on the host (:func:`delta_width`, read once with a collective's
+sizes), :meth:`ThresholdCodec.encode_known`, :meth:`~ThresholdCodec.payload_size` and
+:meth:`~ThresholdCodec.decode_known` make no host synchronisation at all (DCT's all-gather).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import zlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -26,8 +35,28 @@ from . import format as fmt
 from .base import Bound, Codec, check_input, check_out, codec_for, get_codec, register, resolve_blocks
 from .format import PayloadError
 
-DELTAS, BITMAP = 0, 1
+DELTAS, BITMAP, PACKED = 0, 1, 2
 VALUE_CODECS = ("none", "fp16", "bf16", "lossy")
+HOST_POSITIONS = True  # CPU tensors' positions are coded on the host (zstd, numpy): smaller and faster there
+Threshold = float | torch.Tensor  # a 0-d float32 tensor stays on its device (no host wait)
+
+
+def coded_on_host(x: torch.Tensor) -> bool:
+    """Whether ``x``'s positions take the host coding (CPU tensors; :data:`HOST_POSITIONS` off
+    runs the device coding on CPU tensors too, as tests and the host-sync bench do)."""
+    return HOST_POSITIONS and x.device.type == "cpu"
+
+
+def kth_largest_abs_tensor(x: torch.Tensor, keep: float) -> torch.Tensor:
+    """:func:`kth_largest_abs` as a 0-d float32 tensor on ``x``'s device (no host wait)."""
+    if not keep > 0.0:  # NaN fails too
+        raise ValueError(f"keep must be > 0, got {keep}")
+    n = x.numel()
+    if keep >= 1.0 or n == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    k = max(1, math.ceil(keep * n))
+    mags = x.detach().reshape(-1).abs().float().nan_to_num(nan=math.inf, posinf=math.inf)
+    return torch.kthvalue(mags, n - k + 1).values
 
 
 def kth_largest_abs(x: torch.Tensor, keep: float) -> float:
@@ -35,21 +64,68 @@ def kth_largest_abs(x: torch.Tensor, keep: float) -> float:
 
     ``keep >= 1`` gives 0.0 (everything passes ``|x| >= 0``); NaN counts as the largest value.
     """
-    if not keep > 0.0:  # NaN fails too
-        raise ValueError(f"keep must be > 0, got {keep}")
-    n = x.numel()
-    if keep >= 1.0 or n == 0:
-        return 0.0
-    k = max(1, math.ceil(keep * n))
-    mags = x.detach().reshape(-1).abs().float().nan_to_num(nan=math.inf, posinf=math.inf)
-    return float(torch.kthvalue(mags, n - k + 1).values)
+    return float(kth_largest_abs_tensor(x, keep))
 
 
-def _checked(threshold: float | Sequence[float]) -> list[float]:
-    ts = [float(threshold)] if isinstance(threshold, (int, float)) else [float(t) for t in threshold]
-    if any(not t >= 0.0 for t in ts):  # NaN fails too
+def _checked(threshold: Threshold | Sequence[Threshold]) -> list[Threshold]:
+    """Thresholds as floats or 0-d tensors; the floats checked (a tensor's check would wait for it)."""
+    given = [threshold] if isinstance(threshold, (int, float, torch.Tensor)) else list(threshold)
+    ts = [t if isinstance(t, torch.Tensor) else float(t) for t in given]
+    if any(not t >= 0.0 for t in ts if isinstance(t, float)):  # NaN fails too
         raise ValueError(f"threshold must be >= 0, got {threshold!r}")
     return ts
+
+
+def delta_width(keep: torch.Tensor) -> torch.Tensor:
+    """Bits of the largest delta between kept positions (the first from 0) of a flat mask, at
+    least 1: the width of the bit-packed deltas, as an int64 0-d tensor on the mask's device."""
+    pos = torch.arange(keep.numel(), device=keep.device)
+    last = torch.where(keep, pos, -1).cummax(0).values  # the last kept position at or before each
+    prev = torch.cat([last.new_zeros(1), last[:-1]]).clamp_(min=0)
+    largest = torch.where(keep, pos - prev, 0).max() if keep.numel() else pos.new_zeros(())
+    return (largest >> torch.arange(63, device=keep.device)).gt(0).sum().clamp_(min=1)
+
+
+def positions_mode(n: int, count: int, width: int) -> int:
+    """The device coding of ``count`` positions among ``n`` with deltas of ``width`` bits: the
+    bit-packed deltas when smaller than the bitmap."""
+    return PACKED if (count * width + 7) // 8 < (n + 7) // 8 else BITMAP
+
+
+def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
+    """Non-negative int64 values below ``2**width`` as one little-endian bit stream (uint8)."""
+    bits = values.reshape(-1, 1).bitwise_right_shift(torch.arange(width, device=values.device)).bitwise_and_(1)
+    return _bytes_of(bits.reshape(-1), msb_first=False)
+
+
+def unpack_bits(section: torch.Tensor, count: int, width: int) -> torch.Tensor:
+    """The ``count`` int64 values of ``width`` bits that :func:`pack_bits` wrote."""
+    bits = _bits_of(section, count * width, msb_first=False).view(count, width).long()
+    return bits.bitwise_left_shift_(torch.arange(width, device=section.device)).sum(1)
+
+
+def _bytes_of(bits: torch.Tensor, msb_first: bool) -> torch.Tensor:
+    """0/1 values, 8 to a byte (the first in the high bit with ``msb_first``: numpy's packbits)."""
+    bits = torch.cat([bits.to(torch.int32), bits.new_zeros(-bits.numel() % 8, dtype=torch.int32)])
+    shifts = torch.arange(8, device=bits.device, dtype=torch.int32)
+    weights = torch.ones(8, dtype=torch.int32, device=bits.device)
+    weights.bitwise_left_shift_(shifts.flip(0) if msb_first else shifts)
+    return (bits.view(-1, 8) * weights).sum(1, dtype=torch.int32).to(torch.uint8)
+
+
+def _bits_of(section: torch.Tensor, n: int, msb_first: bool) -> torch.Tensor:
+    """The first ``n`` bits of a byte stream, as uint8 0/1 (inverse of :func:`_bytes_of`)."""
+    shifts = torch.arange(8, device=section.device, dtype=torch.uint8)
+    bits = section.reshape(-1, 1).bitwise_right_shift(shifts.flip(0) if msb_first else shifts).bitwise_and_(1)
+    return bits.reshape(-1)[:n]
+
+
+def _compact(keep: torch.Tensor, count: int) -> torch.Tensor:
+    """The flat indices of the first ``count`` set entries of a mask, without ``nonzero`` (its
+    output size would have to be read on the host); entries past ``count`` are dropped."""
+    slot = keep.cumsum(0).sub_(1).masked_fill_(~keep, count).clamp_(max=count)
+    idx = torch.zeros(count + 1, dtype=torch.int64, device=keep.device)
+    return idx.scatter_(0, slot, torch.arange(keep.numel(), device=keep.device))[:count]
 
 
 def refresh_due(iteration: int, every: int, warmup: bool = True) -> bool:
@@ -86,7 +162,9 @@ class ThresholdCodec(Codec):
     def __repr__(self) -> str:
         return f"ThresholdCodec(threshold={self.thresholds}, values={self.values!r})"
 
-    def mask(self, x: torch.Tensor, widths: Sequence[int], thresholds: Sequence[float] | None = None) -> torch.Tensor:
+    def mask(
+        self, x: torch.Tensor, widths: Sequence[int], thresholds: Sequence[Threshold] | None = None
+    ) -> torch.Tensor:
         """Which entries of ``x`` [rows, cols] travel (``|x| >= threshold`` of their block, or NaN)."""
         ts = self.thresholds if thresholds is None else _checked(thresholds)
         ts = ts * len(widths) if len(ts) == 1 else ts
@@ -111,7 +189,7 @@ class ThresholdCodec(Codec):
         ids: torch.Tensor | None = None,
         *,
         blocks: Sequence[int] | None = None,
-        thresholds: Sequence[float] | None = None,
+        thresholds: Sequence[Threshold] | None = None,
     ) -> torch.Tensor:
         """Positions and values of the kept entries; ``ids`` are not used (no dedup);
         ``thresholds`` (one per block) replace the codec's own for this call."""
@@ -119,20 +197,103 @@ class ThresholdCodec(Codec):
         rows, cols = x.shape
         widths = resolve_blocks(cols, None, None, blocks)
         keep = self.mask(x, widths, thresholds).reshape(-1)
+        bound = self._bound(eb)
+        if not coded_on_host(x):  # the device coding: one host read, the count and the delta width
+            count, width = torch.stack([keep.sum(), delta_width(keep)]).tolist()
+            return self.encode_known(x, keep, count, width, widths, bound)
         flat = x.reshape(-1)
         idx = keep.nonzero().view(-1)
         kept = flat[idx].float().view(-1, 1)
-        bound = None
-        if self.values == "lossy":
-            if eb is None or isinstance(eb, (Sequence, torch.Tensor)):
-                raise ValueError("threshold codec with lossy values needs one absolute bound eb (a float)")
-            bound = float(eb)
         positions, mode = self._positions(idx, keep)
         values = self._values.encode(kept, bound)
         header = fmt.Header(
             self.codec_id, x.dtype, rows, cols, widths, [math.inf] * len(widths), info=[mode, int(idx.numel()), 0, 0]
         )
         return fmt.pack(header, [positions, values], device=x.device)
+
+    def _bound(self, eb: Bound | None) -> float | None:
+        if self.values != "lossy":
+            return None
+        if eb is None or isinstance(eb, (Sequence, torch.Tensor)):
+            raise ValueError("threshold codec with lossy values needs one absolute bound eb (a float)")
+        return float(eb)
+
+    def encode_known(
+        self,
+        x: torch.Tensor,
+        keep: torch.Tensor,
+        count: int,
+        width: int,
+        blocks: Sequence[int],
+        eb: float | None = None,
+    ) -> torch.Tensor:
+        """The device coding of ``x`` [rows, cols] where ``keep`` (its flat :meth:`mask`) is set,
+        with the mask's count and :func:`delta_width` known on the host: no host synchronisation
+        (for cast values; lossy values are their own codec's)."""
+        rows, cols = x.shape
+        idx = _compact(keep, count)
+        mode = positions_mode(keep.numel(), count, width)
+        if mode == PACKED:
+            positions = pack_bits(torch.diff(idx, prepend=idx.new_zeros(1)), width)
+        else:
+            positions = _bytes_of(keep, msb_first=True)
+        values = self._values.encode(x.reshape(-1).index_select(0, idx).float().view(-1, 1), eb)
+        info = [mode, count, width if mode == PACKED else 0, 0]
+        header = fmt.Header(self.codec_id, x.dtype, rows, cols, list(blocks), [math.inf] * len(blocks), info=info)
+        return fmt.pack(header, [positions, values], device=x.device)
+
+    def payload_size(self, n: int, blocks: Sequence[int], count: int, width: int) -> int:
+        """Bytes of :meth:`encode_known`'s payload of ``n`` entries in ``blocks`` (cast values)."""
+        if self.values == "lossy":
+            raise ValueError("threshold codec: lossy values have a data-dependent size")
+        p = (count * width + 7) // 8 if positions_mode(n, count, width) == PACKED else (n + 7) // 8
+        v = _payload_len(self.values, 1, 1) + count * _WIRE_ITEM[self.values]
+        return _payload_len("threshold", len(blocks), 2) + p + (-p % 8) + v + (-v % 8)
+
+    def decode_known(
+        self,
+        payload: torch.Tensor,
+        shape: tuple[int, int],
+        dtype: torch.dtype,
+        blocks: Sequence[int],
+        count: int,
+        width: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`decode` of an :meth:`encode_known` payload whose shape, count and width the
+        host knows, without a host synchronisation: the dense tensor, and whether the payload's
+        check holds as a 0-d bool tensor (to be read later; until then a damaged payload decodes
+        into wrong values, its positions kept in range). A wrong length raises at once."""
+        rows, cols = shape
+        n = rows * cols
+        size = self.payload_size(n, blocks, count, width)
+        if payload.numel() != size:
+            raise PayloadError(
+                f"threshold payload of {payload.numel()} bytes, expected {size} for {count} of {n} entries "
+                f"({'truncated' if payload.numel() < size else 'trailing bytes'})"
+            )
+        at = _payload_len("threshold", len(blocks), 2)
+        if positions_mode(n, count, width) == PACKED:
+            p = (count * width + 7) // 8
+            idx = unpack_bits(payload[at : at + p], count, width).cumsum(0).clamp_(0, max(n - 1, 0))
+        else:
+            p = (n + 7) // 8
+            idx = _compact(_bits_of(payload[at : at + p], n, msb_first=True).bool(), count)
+        at += p + (-p % 8) + _payload_len(self.values, 1, 1)
+        wire = _WIRE_DTYPE[self.values]
+        values = fmt.view_as(payload[at : at + count * wire.itemsize], wire, "threshold values").to(torch.float32)
+        dense = torch.zeros(rows, cols, dtype=dtype, device=payload.device)
+        dense.view(-1).index_copy_(0, idx, values.to(dtype))  # as decode: the cast codec's fp32, then dtype
+        return dense, _verdict(payload)
+
+    def sent(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """What :meth:`decode` of ``x``'s payload gives, computed from ``x`` (cast values): the
+        kept entries through the values' cast, zeros elsewhere."""
+        if self.values == "lossy":
+            raise ValueError("threshold codec: lossy values are known only from their payload")
+        kept = x.float()
+        if self.values != "none":
+            kept = kept.to(_WIRE_DTYPE[self.values]).to(torch.float32)
+        return torch.where(keep.view_as(x), kept.to(x.dtype), 0.0)
 
     def _positions(self, idx: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The smaller of delta-coded indices (zstd byte planes) and a bitmap."""
@@ -156,8 +317,16 @@ class ThresholdCodec(Codec):
         if mode == BITMAP:
             if section.numel() != (n + 7) // 8:
                 raise PayloadError(f"threshold bitmap: {section.numel()} bytes for {n} entries")
-            bits = np.unpackbits(section.cpu().numpy(), count=n).astype(bool)
-            idx = torch.from_numpy(np.flatnonzero(bits)).to(section.device)
+            if coded_on_host(section):
+                bits = np.unpackbits(section.cpu().numpy(), count=n).astype(bool)
+                idx = torch.from_numpy(np.flatnonzero(bits)).to(section.device)
+            else:
+                idx = _bits_of(section, n, msb_first=True).nonzero().view(-1)
+        elif mode == PACKED:
+            width = header.info[2]
+            if not 1 <= width <= 63 or section.numel() != (count * width + 7) // 8:
+                raise PayloadError(f"threshold positions: {section.numel()} bytes for {count} deltas of {width} bits")
+            idx = unpack_bits(section, count, width).cumsum(0)
         elif mode == DELTAS and count == 0:
             if section.numel():
                 raise PayloadError(f"threshold positions: {section.numel()} bytes for no position")
@@ -193,3 +362,26 @@ class ThresholdCodec(Codec):
         dense = out if out.is_contiguous() else torch.zeros_like(out)  # a strided window: scatter, then copy
         dense.view(-1).index_copy_(0, idx, values.to(header.dtype))
         return out if dense is out else out.copy_(dense)
+
+
+_WIRE_DTYPE = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_WIRE_ITEM = {name: dtype.itemsize for name, dtype in _WIRE_DTYPE.items()}
+
+
+@functools.cache
+def _payload_len(codec: str, blocks: int, sections: int) -> int:
+    """Bytes of a payload of ``codec`` with ``blocks`` blocks and empty sections: its header."""
+    header = fmt.Header(get_codec(codec).codec_id, torch.float32, 1, blocks, [1] * blocks, [math.inf] * blocks)
+    return fmt.pack(header, [torch.zeros(0, dtype=torch.uint8)] * sections).numel()
+
+
+def _verdict(payload: torch.Tensor) -> torch.Tensor:
+    """Whether a payload's check (the one :func:`format.pack` writes on this device) holds, as a
+    0-d bool tensor computed where the payload is (read later, with other host numbers)."""
+    stored = payload[fmt._CRC_AT : fmt._PREFIX.size].long()
+    if fmt._check_for(payload.device) == "adler32":
+        shifts = torch.arange(0, 32, 8, device=payload.device)
+        return fmt.adler32(fmt._checked_bytes(payload)) == stored.bitwise_left_shift(shifts).sum()
+    host = payload.numpy()  # crc32 is written on the CPU only, where this read is free
+    crc = zlib.crc32(host[fmt._PREFIX.size :].tobytes(), zlib.crc32(host[: fmt._CRC_AT].tobytes()))
+    return torch.tensor(crc == int.from_bytes(host[fmt._CRC_AT : fmt._PREFIX.size].tobytes(), "little"))

@@ -12,7 +12,8 @@ backward also sums duplicate-id gradients (sender) and keeps one row per id (rec
 iteration has (W - 1) chunks and one collective per direction; the projection assumes each chunk
 is like this one. The payloads are encoded as the transport asks (lengths left on the device) and
 read as it reads them (every length at once, then every received head at once).
-Then the static listing of the per-chunk host copies (:mod:`dlrm.bench.host_copies`).
+Then one DCT bucket (``dense_comm=dct``, :func:`count_dct_bucket`) and the static listing of the
+per-chunk host copies (:mod:`dlrm.bench.host_copies`).
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 
 from data.layout import SPARSE_NAMES
 from dlrm.bench.host_copies import host_copies
@@ -34,7 +36,7 @@ from dlrm.embedding_comm.codec import DirectionCodec
 from dlrm.embedding_comm.config import parse_compression_cfg
 from dlrm.embedding_comm.ids import keep_first_duplicates, sum_duplicates
 from dlrm.embedding_comm.policy import build_policy, table_stats
-from dlrm_compression import base, dedup
+from dlrm_compression import base, dedup, sparse
 from dlrm_compression import format as fmt
 from dlrm_compression.host_syncs import HostSyncCounter
 from dlrm_compression.synthetic import KAGGLE_CARDINALITIES, criteo_like_batch
@@ -52,12 +54,13 @@ WORLD_SIZES = (2, 8, 64)
 @contextmanager
 def device_paths(counter: HostSyncCounter | None = None) -> Iterator[None]:
     """Run the codec's device code on CPU tensors (as tests do): torch's dedup, not numpy's, the
-    bounds kept as a tensor and the device payload check (Adler-32), restoring the CPU choices
-    after. With ``counter``, each ``.tolist()`` / ``.cpu()`` of a tensor also counts, as
-    ``host_read``: on a device each is a copy to the host that waits, and the dispatcher cannot
-    see them on CPU tensors."""
+    bounds kept as a tensor, the device payload check (Adler-32) and DCT's device position
+    coding, restoring the CPU choices after. With ``counter``, each ``.tolist()`` / ``.cpu()`` of
+    a tensor also counts, as ``host_read``: on a device each is a copy to the host that waits,
+    and the dispatcher cannot see them on CPU tensors."""
     saved = dedup.HOST_NUMPY, fmt._check_for, torch.Tensor.tolist, torch.Tensor.cpu, base.HOST_BOUNDS
-    dedup.HOST_NUMPY = base.HOST_BOUNDS = False
+    positions = sparse.HOST_POSITIONS
+    dedup.HOST_NUMPY = base.HOST_BOUNDS = sparse.HOST_POSITIONS = False
     fmt._check_for = lambda device: "adler32"
     if counter is not None:
 
@@ -75,6 +78,7 @@ def device_paths(counter: HostSyncCounter | None = None) -> Iterator[None]:
         yield
     finally:
         dedup.HOST_NUMPY, fmt._check_for, base.HOST_BOUNDS = saved[0], saved[1], saved[4]
+        sparse.HOST_POSITIONS = positions
         torch.Tensor.tolist, torch.Tensor.cpu = saved[2], saved[3]  # type: ignore[method-assign]
 
 
@@ -193,6 +197,60 @@ def report(counter: HostSyncCounter, world_sizes: Sequence[int] = WORLD_SIZES, p
     return "\n".join(lines)
 
 
+class _Bucket:
+    """The part of DDP's ``GradBucket`` a comm hook reads: one bucket of ``module``'s gradients."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.params = list(module.parameters())
+        self.buf = torch.cat([p.grad.reshape(-1) for p in self.params if p.grad is not None])
+
+    def buffer(self) -> torch.Tensor:
+        return self.buf
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return self.params
+
+    def index(self) -> int:
+        return 0
+
+    def is_last(self) -> bool:
+        return True
+
+
+def count_dct_bucket(side: int = 1024, keep: float = 0.005, seed: int = 0) -> tuple[int, int]:
+    """Host syncs of one ``dense_comm=dct`` bucket (a ``side`` x ``side`` linear layer) on the
+    device path: the hook on one rank (compress, the size all-gather and its read, our own
+    contribution), and the decode of one other rank's payload (W - 1 of them per bucket)."""
+    from dlrm.dense_comm.config import parse_dense_comm_cfg
+    from dlrm.dense_comm.hook import DenseComm
+
+    torch.manual_seed(seed)
+    layer = torch.nn.Linear(side, side)
+    for p in layer.parameters():
+        p.grad = torch.randn_like(p)
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        dense = DenseComm(parse_dense_comm_cfg({"name": "dct", "keep": keep}))
+        assert dist.group.WORLD is not None
+        dense.prepare(layer, dist.group.WORLD)
+        hook, peer = HostSyncCounter(), HostSyncCounter()
+        with device_paths(hook), hook:
+            dense.hook(cast(dist.GradBucket, _Bucket(layer))).wait()  # the hook reads only these methods
+        codec, f = dense._codec, _Bucket(layer).buffer().view(1, -1)
+        with device_paths():
+            mask = codec.mask(f, [f.numel()], [sparse.kth_largest_abs_tensor(f, keep)]).view(-1)
+            count, width = int(mask.sum()), int(sparse.delta_width(mask))
+            payload = codec.encode_known(f, mask, count, width, [f.numel()])
+            with device_paths(peer), peer:
+                codec.decode_known(payload, (1, f.numel()), f.dtype, [f.numel()], count, width)
+    finally:
+        if own:
+            dist.destroy_process_group()
+    return hook.total, peer.total
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=2048)
@@ -211,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.trace:
         for site, n in sorted(Counter((e.label, e.op, e.where) for e in counter.events).items()):
             print(f"  {site[0]:25} {site[1]:18} {site[2]}  x{n}")
+    hook, peer = count_dct_bucket()
+    print(f"one DCT bucket (dense_comm=dct, 1024 x 1024 + 1024, keep 0.005), device path: {hook} host syncs")
+    print(f"  + {peer} per other rank's payload decoded: {hook} + (W - 1) x {peer} per bucket at W ranks")
     copies = host_copies()
     print(f"host copies in the per-chunk code (static; on CPU tensors the counter cannot see them): {len(copies)}")
     for c in copies:

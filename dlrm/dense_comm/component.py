@@ -23,3 +23,6 @@ class DenseCommunication(Component):
     @property
     def parts(self) -> Mapping[str, Stateful]:
         return {"dense_comm": self.dense}
+
+    def close(self) -> None:
+        self.dense.check()  # the last payloads' checks, read on the device path at the end of the run

@@ -18,6 +18,17 @@ after DDP's first iteration or a resume, keeps them) and checkpointed per rank. 
 fails to decode raises on the receiving ranks; the sender stops at its next collective's timeout
 (the process group's).
 
+On an accelerator (:func:`compression.sparse.coded_on_host` false; cast values) a bucket makes
+one host synchronisation, the read of the size all-gather: each rank gathers one word, its count
+and delta width (from which every rank computes every payload's size), and the same read brings
+this rank's statistics (residual norm, threshold) and the checks of the payloads received before.
+Thresholds stay 0-d tensors, positions are coded and every payload decoded on the device
+(:meth:`~compression.sparse.ThresholdCodec.encode_known`), and our own contribution is computed
+from ``f``, not decoded. A damaged payload found by such a check raises at the next read (the
+next bucket's, or :meth:`DenseComm.check`: at checkpoints and the end of the run), naming where it
+was received; its contribution is left out meanwhile. On the CPU the positions are zstd-coded
+on the host, smaller and faster there.
+
 Statistics (``dense/*`` keys of :mod:`dlrm.embedding_comm.stats`): ``raw_bytes`` is what stock DDP's ring
 all-reduce of fp32 gradients sends per rank (2 (W-1)/W x 4 bytes per element), ``wire_bytes``
 what the chosen hook sends (a ring all-reduce of the cast or low-rank factors; for DCT the
@@ -31,6 +42,7 @@ after DDP has waited for every bucket's future (so a read never races a write).
 
 from __future__ import annotations
 
+import struct
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -50,7 +62,9 @@ from dlrm.embedding_comm.stats import CommStats
 from dlrm.process.instrument import on_the_wire
 from dlrm.trainer.state import CheckpointError, PerRank, numpy_rng_state, numpy_rng_tuple
 from dlrm_compression.cost_model import ring_allreduce_bytes
-from dlrm_compression.sparse import ThresholdCodec, kth_largest_abs, refresh_due
+from dlrm_compression.format import PayloadError
+from dlrm_compression.sparse import ThresholdCodec, coded_on_host, delta_width, kth_largest_abs, refresh_due
+from dlrm_compression.sparse import kth_largest_abs_tensor as kth_largest
 
 Future = torch.futures.Future
 
@@ -80,11 +94,12 @@ class DenseComm(PerRank):
         self.stats = CommStats()
         self.iteration = 0  # DDP backward passes seen (DCT's refresh schedule; checkpointed)
         self._process_iterations = 0  # backward passes of this process (not restored on resume)
-        self.thresholds: dict[str, float] = {}  # parameter name -> threshold
+        self.thresholds: dict[str, torch.Tensor] = {}  # parameter name -> threshold (0-d, on the gradients' device)
         self.refreshes: list[tuple[int, str]] = []  # (iteration, parameter name) of every refresh
         self.residuals: dict[str, torch.Tensor] = {}  # parameter name -> flat residual
         self._names: dict[int, str] = {}
         self._norm_sq = 0.0  # squared residual norm of the buckets seen this iteration
+        self._unread: list[tuple[torch.Tensor, str]] = []  # device path: (check holds, where) of received payloads
         self._codec = ThresholdCodec(values=spec.values)
         self._lock = threading.Lock()  # future callbacks run on the collectives' threads
         self.pg: dist.ProcessGroup | None = None
@@ -130,7 +145,8 @@ class DenseComm(PerRank):
         kind = self.mode
         t0 = time.perf_counter()
         if kind == "dct" and buf.numel() >= self.spec.min_numel:
-            fut = self._dct(bucket, t0)
+            device = self.spec.values != "lossy" and not coded_on_host(buf)
+            fut = self._dct_device(bucket, t0) if device else self._dct(bucket, t0)
         else:
             if kind == "powersgd":
                 fut, sent = self._powersgd(bucket)
@@ -186,7 +202,9 @@ class DenseComm(PerRank):
         layout = [(self._names.get(id(p), f"param{i}"), p.numel()) for i, p in enumerate(bucket.parameters())]
         numels = [n for _, n in layout]
         f = buf + torch.cat([self._residual(name, numel, buf) for name, numel in layout])
-        thresholds = [self._threshold(name, piece) for (name, _), piece in zip(layout, f.split(numels), strict=True)]
+        thresholds = [
+            float(self._threshold(name, piece)) for (name, _), piece in zip(layout, f.split(numels), strict=True)
+        ]
         # the bound scales with the largest finite |f|: non-finite entries travel exactly, unbounded
         eb = spec.values_eb * float(f.abs().nan_to_num(0.0, 0.0).max()) if spec.values == "lossy" else None
         payload = self._codec.encode(f.view(1, -1), eb, blocks=numels, thresholds=thresholds)
@@ -243,6 +261,96 @@ class DenseComm(PerRank):
 
         return fut.then(finish)
 
+    def _dct_device(self, bucket: dist.GradBucket, t0: float) -> Future[torch.Tensor]:
+        """:meth:`_dct` with one host synchronisation: the read of the size all-gather."""
+        assert self.pg is not None
+        pg, codec = self.pg, self._codec
+        ws, me = pg.size(), pg.rank()
+        buf = bucket.buffer()
+        layout = [(self._names.get(id(p), f"param{i}"), p.numel()) for i, p in enumerate(bucket.parameters())]
+        numels = [n for _, n in layout]
+        f = buf + torch.cat([self._residual(name, numel, buf) for name, numel in layout])
+        thresholds = [self._threshold(name, piece) for (name, _), piece in zip(layout, f.split(numels), strict=True)]
+        keep = codec.mask(f.view(1, -1), numels, thresholds).view(-1)
+        sent = codec.sent(f, keep)  # exactly what every rank decodes from our payload
+        residual = (f - sent).masked_fill_(~f.isfinite(), 0.0)  # sent exactly; inf - inf is no residual
+        for (name, _), piece in zip(layout, residual.split(numels), strict=True):
+            self.residuals[name] = piece
+        t1 = time.perf_counter()
+        word = (keep.sum() * 64 + delta_width(keep) - 1).reshape(1)  # count and delta width (1..64)
+        words = [torch.empty_like(word) for _ in range(ws)]
+        dist.all_gather(words, word, group=pg)
+        with self._lock:
+            unread, self._unread = self._unread, []
+        mine = [torch.linalg.vector_norm(residual), torch.stack(thresholds).max()]  # float32, exact as float64
+        checks = [ok.reshape(1).long() for ok, _ in unread]
+        read = torch.cat([*words, torch.stack(mine).double().view(torch.int64), *checks])
+        values = read.tolist()  # the one host synchronisation of the bucket
+        self._raise_damaged(unread, values[ws + 2 :])
+        norm, threshold = struct.unpack("<2d", struct.pack("<2q", *values[ws : ws + 2]))
+        self._norm_sq += norm**2
+        counts, widths = [v >> 6 for v in values[:ws]], [(v & 63) + 1 for v in values[:ws]]
+        lengths = [codec.payload_size(buf.numel(), numels, counts[r], widths[r]) for r in range(ws)]
+        payload = codec.encode_known(f.view(1, -1), keep, counts[me], widths[me], numels)
+        global_rank = [dist.get_global_rank(pg, r) for r in range(ws)]
+        payload = on_the_wire(payload, src=global_rank[me], dst=-1, direction="dense", iteration=self.iteration)
+        padded = torch.zeros(max(lengths), dtype=torch.uint8, device=buf.device)
+        padded[: payload.numel()] = payload
+        outs = [torch.empty_like(padded) for _ in range(ws)]
+        fut = dist.all_gather(outs, padded, group=pg, async_op=True).get_future()
+        launched = time.perf_counter()
+        self._record(
+            raw=ring_allreduce_bytes(buf.numel(), ws),
+            wire=(ws - 1) * (8 + max(lengths)),  # each rank's padded payload and size word to every other
+            codec_ms=1e3 * (t1 - t0),
+            comm_ms=1e3 * (launched - t1),
+            kept=counts[me],
+            numel=buf.numel(),
+            threshold=threshold,
+        )
+        index, iteration = bucket.index(), self.iteration
+
+        def finish(done: Future[list[torch.Tensor]]) -> torch.Tensor:
+            t2 = time.perf_counter()
+            parts = done.value()
+            torch.div(sent, ws, out=buf)  # our own contribution needs no decoding
+            for r in range(ws):
+                if r == me:
+                    continue
+                what = (
+                    f"rank {global_rank[me]}: cannot decode the dense gradient payload of bucket {index} "
+                    f"({lengths[r]} bytes) from rank {global_rank[r]} at iteration {iteration}"
+                )
+                try:
+                    other, ok = codec.decode_known(
+                        parts[r][: lengths[r]], (1, buf.numel()), buf.dtype, numels, counts[r], widths[r]
+                    )
+                except PayloadError as e:
+                    raise DenseCommError(f"{what}: {type(e).__name__}: {e}") from e
+                with self._lock:
+                    self._unread.append((ok, what))
+                buf.add_(other.view(-1).masked_fill_(~ok, 0.0).div_(ws))  # a damaged payload adds nothing
+            t3 = time.perf_counter()
+            self._record(comm_ms=1e3 * (t2 - launched), codec_ms=1e3 * (t3 - t2))
+            return buf
+
+        return fut.then(finish)
+
+    def check(self) -> None:
+        """Read the checks of the payloads received on the device path and not read yet (one host
+        synchronisation); raise :class:`DenseCommError` for the first damaged one."""
+        with self._lock:
+            unread, self._unread = self._unread, []
+        if unread:
+            self._raise_damaged(unread, torch.stack([ok for ok, _ in unread]).tolist())
+
+    @staticmethod
+    def _raise_damaged(unread: list[tuple[torch.Tensor, str]], holds: list[Any]) -> None:
+        for (_, what), ok in zip(unread, holds, strict=True):
+            if not ok:
+                e = PayloadError("checksum mismatch: the payload is corrupted")
+                raise DenseCommError(f"{what}: {type(e).__name__}: {e}")
+
     def _calibrate(self, buf: torch.Tensor, ws: int) -> list[tuple[str, float, float, float, float]]:
         """dense_comm=auto: what each option would cost on this bucket (raw and wire bytes per rank
         as a ring all-reduce would send them, encode and decode seconds)."""
@@ -277,15 +385,18 @@ class DenseComm(PerRank):
         """Whether thresholds are refreshed at ``iteration`` (:func:`compression.sparse.refresh_due`)."""
         return refresh_due(iteration, self.spec.refresh_every, self.spec.refresh_warmup)
 
-    def _threshold(self, name: str, f: torch.Tensor) -> float:
-        """A parameter's threshold: refreshed on schedule (and when first seen); 0 (send all) for
-        parameters under ``min_numel``. Kept per parameter, not per bucket, so that DDP's bucket
-        rebuild after its first iterations (and a resume) does not move the schedule."""
+    def _threshold(self, name: str, f: torch.Tensor) -> torch.Tensor:
+        """A parameter's threshold (a 0-d float32 tensor on ``f``'s device: no host wait):
+        refreshed on schedule (and when first seen); 0 (send all) for parameters under
+        ``min_numel``. Kept per parameter, not per bucket, so that DDP's bucket rebuild after its
+        first iterations (and a resume) does not move the schedule."""
         if f.numel() < self.spec.min_numel:
-            return 0.0
+            return torch.zeros((), dtype=torch.float32, device=f.device)
         if name not in self.thresholds or self.refresh_due(self.iteration):
-            self.thresholds[name] = kth_largest_abs(f, self.spec.keep)
+            self.thresholds[name] = kth_largest(f, self.spec.keep)
             self.refreshes.append((self.iteration, name))
+        elif self.thresholds[name].device != f.device:  # restored from a checkpoint: moved once
+            self.thresholds[name] = self.thresholds[name].to(f.device, non_blocking=True)
         return self.thresholds[name]
 
     # -- statistics and checkpoints -------------------------------------------------------------
@@ -321,10 +432,11 @@ class DenseComm(PerRank):
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state (tensors; saved per rank): iteration, thresholds, residuals, PowerSGD's."""
+        self.check()  # no checkpoint of a run that received a damaged payload
         state: dict[str, Any] = {
             "name": self.spec.name,
             "iteration": self.iteration,
-            "thresholds": dict(self.thresholds),
+            "thresholds": {n: float(t) for n, t in self.thresholds.items()},
             "residuals": {n: r.detach().cpu() for n, r in self.residuals.items()},
         }
         if self.powersgd is not None:
@@ -340,7 +452,9 @@ class DenseComm(PerRank):
                 f"dense_comm={self.spec.name!r} (resume with the same dense_comm, or start anew)"
             )
         self.iteration = int(state.get("iteration", 0))
-        self.thresholds = {str(k): float(v) for k, v in state.get("thresholds", {}).items()}
+        self.thresholds = {
+            str(k): torch.tensor(float(v), dtype=torch.float32) for k, v in state.get("thresholds", {}).items()
+        }
         self.residuals = {str(k): v.clone() for k, v in state.get("residuals", {}).items()}
         if self.powersgd is not None and "powersgd" in state:
             if state.get("powersgd_rank") != self.spec.rank:

@@ -114,3 +114,83 @@ def test_many_non_finite_values_give_an_infinite_threshold_that_still_encodes():
     y = codec.decode(codec.encode(x))
     assert y[0, [0, 2, 5]].tolist() == [0.0, 0.0, 0.0]
     assert y[0, 1] == float("inf") and y[0, 4] == float("-inf") and torch.isnan(y[0, 3])
+
+
+# --------------------------------------------------------------------------- the device coding
+
+
+@pytest.fixture
+def device_coding():
+    """The device coding of the positions (and the device payload check) on CPU tensors."""
+    from dlrm.bench.host_syncs import device_paths
+
+    with device_paths():
+        yield
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
+
+
+@pytest.mark.parametrize("values", ["none", "fp16", "bf16"])
+@pytest.mark.parametrize("keep", [0.0005, 0.005, 0.1, 0.5, 1.0])
+def test_the_device_coding_decodes_to_the_host_codings_values_bit_for_bit(device_coding, values, keep):
+    from dlrm_compression import sparse
+
+    n = 40000
+    x = gradients(n).view(1, -1).clone()
+    x[0, :3] = torch.tensor([math.nan, math.inf, -0.0])  # non-finite travel; -0.0 keeps its sign at keep 1
+    codec = compression.get_codec("threshold", values=values)
+    tau = sparse.kth_largest_abs_tensor(x, keep)
+    sparse.HOST_POSITIONS = True
+    host = codec.decode(codec.encode(x, thresholds=[float(tau)]))
+    sparse.HOST_POSITIONS = False
+    keep_mask = codec.mask(x, [n], [tau]).view(-1)
+    count, width = int(keep_mask.sum()), int(sparse.delta_width(keep_mask))
+    payload = codec.encode_known(x, keep_mask, count, width, [n])
+    assert payload.numel() == codec.payload_size(n, [n], count, width)  # known before it is built
+    assert torch.equal(codec.encode(x, thresholds=[tau]), payload)  # the plain encode, on a device
+    dense, ok = codec.decode_known(payload, (1, n), torch.float32, [n], count, width)
+    assert bool(ok)
+    for got in (dense, codec.decode(payload), codec.sent(x, keep_mask)):
+        assert torch.equal(_bits(got), _bits(host))
+    # the positions: bit-packed deltas when sparse, the bitmap (numpy's bytes) when dense
+    assert codec._header(payload)[0].info[:3] == [sparse.positions_mode(n, count, width), count, width * (keep <= 0.1)]
+    assert sparse.positions_mode(n, count, width) == (sparse.PACKED if keep <= 0.1 else sparse.BITMAP)
+
+
+def test_device_positions_are_bit_packed_deltas_smaller_than_a_bitmap_at_dcts_keep(device_coding):
+    from dlrm_compression import sparse
+
+    n = 80000
+    x = gradients(n).view(1, -1)
+    codec = compression.get_codec("threshold", threshold=kth_largest_abs(x, 0.005))
+    keep = codec.mask(x, [n]).view(-1)
+    idx = keep.nonzero().view(-1)
+    deltas = torch.diff(idx, prepend=idx.new_zeros(1))
+    width = int(sparse.delta_width(keep))
+    assert width == int(deltas.max()).bit_length()
+    assert torch.equal(sparse.unpack_bits(sparse.pack_bits(deltas, width), idx.numel(), width), deltas)
+    positions = codec._header(codec.encode(x))[1][0].numel()
+    assert positions == math.ceil(idx.numel() * width / 8) < n // 8 // 4  # under a quarter of the bitmap
+
+
+def test_a_damaged_device_payload_fails_its_check_and_a_truncated_one_raises(device_coding):
+    from dlrm_compression import sparse
+
+    n = 20000
+    x = gradients(n).view(1, -1)
+    codec = compression.get_codec("threshold", threshold=kth_largest_abs(x, 0.01))
+    keep = codec.mask(x, [n]).view(-1)
+    count, width = int(keep.sum()), int(sparse.delta_width(keep))
+    payload = codec.encode_known(x, keep, count, width, [n])
+    for at in range(0, payload.numel(), max(1, payload.numel() // 50)):
+        bad = payload.clone()
+        bad[at] ^= 0x10
+        dense, ok = codec.decode_known(bad, (1, n), torch.float32, [n], count, width)  # positions stay in range
+        assert not bool(ok) and dense.shape == (1, n)
+        with pytest.raises(compression.PayloadError):
+            codec.decode(bad)
+    for cut in (payload.numel() // 2, payload.numel() - 1):
+        with pytest.raises(compression.PayloadError, match="truncated"):
+            codec.decode_known(payload[:cut], (1, n), torch.float32, [n], count, width)
