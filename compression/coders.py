@@ -61,9 +61,12 @@ class BlockCoder:
         if section.numel() < head:
             raise PayloadError(f"{what}: {section.numel()} bytes cannot hold {g} group widths")
         widths = section[:g]
-        if checked:  # only an encoder bug could make the widths disagree with the section's length
+        if checked:  # nothing read back: widths that disagree with the words (an encoder bug or a
+            # forged check) decode as zero-width groups rather than read past the words
             words = view_as(section[head:], torch.int32, what)
-            return self.backend.block_unpack(widths.clamp(max=31), words, n)
+            w = widths.clamp(max=31)
+            w = w * (w.long().sum() == words.numel())
+            return self.backend.block_unpack(w, words, n)
         top, total = torch.stack([widths.max(), widths.sum()]).tolist() if g else (0, 0)  # one host read
         if top > 31:
             raise PayloadError(f"{what}: group width {top} > 31")

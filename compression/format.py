@@ -31,6 +31,7 @@ MAGIC = b"DLCZ"
 VERSION = 1
 _PREFIX = struct.Struct("<4sBBBBIQI")  # magic, version, codec, dtype, flags, header_len, total_len, check
 _CRC_AT = _PREFIX.size - 4  # the check is the prefix's last field and covers every other byte
+_TOTAL_AT = _CRC_AT - 8  # total_len, the field before it
 ADLER32 = 1  # flags bit: the check is Adler-32 computed on the payload's device (else zlib crc32)
 _ADLER_MOD = 65521
 _FIXED = struct.Struct("<QIII")  # rows, cols, n_blocks, n_sections
@@ -78,16 +79,23 @@ class HostHead:
         return self.data[at : at + n] if at + n <= len(self.data) else None
 
 
-def read_heads(payloads: list[torch.Tensor], extras: list[torch.Tensor | None]) -> list[HostHead]:
-    """Every payload's first bytes, the verdict of its device check and the ``extras`` (int64
-    tensors on the device), in one host synchronisation for all of them."""
+def head_bytes(n_blocks: int, n_sections: int, then: int = 0) -> int:
+    """The bytes of a payload's header with these counts, and ``then`` bytes after it."""
+    size = _PREFIX.size + _FIXED.size + 12 * n_blocks + 4 * N_INFO + 8 * n_sections
+    return size + _pad(size) + then
+
+
+def read_heads(
+    payloads: list[torch.Tensor], extras: list[torch.Tensor | None], sizes: list[int] | None = None
+) -> list[HostHead]:
+    """Every payload's first bytes (``sizes``, else :data:`_HEAD`), the verdict of its device
+    check and the ``extras`` (int64 tensors on the device), in one host synchronisation for all."""
     parts: list[torch.Tensor] = []
     spans = []
-    for p, e in zip(payloads, extras, strict=True):
-        n = min(p.numel(), _HEAD)
+    for i, (p, e) in enumerate(zip(payloads, extras, strict=True)):
+        n = min(p.numel(), _HEAD if sizes is None else sizes[i])
         if p.numel() >= _PREFIX.size:
-            stored = (p[_CRC_AT : _PREFIX.size].long() << _BYTE_SHIFTS.to(p.device)).sum()
-            ok = adler32(_checked_bytes(p)) == stored
+            ok = adler32(_checked_bytes(p)) == _stored_check(p)
         else:
             ok = torch.zeros((), dtype=torch.bool, device=p.device)
         ex = torch.zeros(0, dtype=torch.int64, device=p.device) if e is None else e.to(torch.int64).reshape(-1)
@@ -214,6 +222,11 @@ def pack_deferred(
     nb, ns = len(header.widths), len(sections)
     if header.flags & ADLER32:
         raise ValueError(f"header flags {header.flags:#x}: bit {ADLER32} is the format's (which check)")
+    if nb != len(header.bounds) or len(header.info) != N_INFO or not all(sections):
+        raise ValueError(
+            f"{nb} block widths, {len(header.bounds)} bounds, {len(header.info)} info words (want "
+            f"{N_INFO}) and sections of {[len(sec) for sec in sections]} pieces (want at least one each)"
+        )
     on_device = isinstance(header.bounds, torch.Tensor)
     rest = b"".join(
         [
@@ -230,11 +243,9 @@ def pack_deferred(
     flags = header.flags | ADLER32
     prefix = _PREFIX.pack(MAGIC, VERSION, header.codec_id, DTYPES[header.dtype], flags, header_len, 0, 0)
     head = _on(torch.frombuffer(bytearray(prefix + rest), dtype=torch.uint8), device)
-    # Every piece's bytes one after another (the gather's source), and its length on the device.
+    # Where each piece goes: its section's start (sections aligned to 8) plus the pieces before it.
     pieces = [_as_bytes_tensor(_on(t, device)) for sec in sections for t, _ in sec]
     lens = torch.stack([_length(n, device) for sec in sections for _, n in sec])
-    caps = [p.numel() for p in pieces]
-    src_start = _on(torch.tensor([sum(caps[:i]) for i in range(len(caps))], dtype=torch.int64), device)
     sec_of: list[int] = []  # each piece's section
     lead: list[int] = []  # the index of the first piece of each piece's section
     for i, sec in enumerate(sections):
@@ -244,22 +255,20 @@ def pack_deferred(
     sec_len = torch.zeros(ns, dtype=torch.int64, device=device).index_add_(0, sec_of_t, lens)
     padded = sec_len + (-sec_len).remainder(_ALIGN)
     ends = header_len + padded.cumsum(0)
-    sec_start = ends - padded
     before = lens.cumsum(0) - lens  # bytes of the pieces before each, over all sections
-    dst_start = sec_start[sec_of_t] + before - before[_on(torch.tensor(lead, dtype=torch.int64), device)]
-    total = ends[-1] if ns else _length(header_len, device)
-    # One gather: payload byte j comes from the piece whose window holds it, else it is padding.
-    capacity = header_len + sum(caps) + _ALIGN * ns
-    j = torch.arange(header_len, capacity, device=device)
-    k = (torch.searchsorted(dst_start, j, right=True) - 1).clamp_(min=0)
-    off = j - dst_start[k]
-    inside = (off >= 0) & (off < lens[k])
-    source = torch.cat([*pieces, torch.zeros(1, dtype=torch.uint8, device=device)])
-    body = source[torch.where(inside, src_start[k] + off, source.numel() - 1)]
-    out = torch.cat([head, body])
-    out[12:20] = total.reshape(1).view(
-        torch.uint8
-    )  # total_len u64, after magic, version, codec, dtype, flags, header_len
+    dst_start = (ends - padded)[sec_of_t] + before - before[_on(torch.tensor(lead, dtype=torch.int64), device)]
+    total = ends[-1]
+    # Each piece's first ``length`` bytes scattered to their place; the rest of its capacity to
+    # a spare byte past the end. Everything else (padding, the unused tail) stays zero.
+    capacity = header_len + sum(p.numel() for p in pieces) + _ALIGN * ns
+    out = torch.zeros(capacity + 1, dtype=torch.uint8, device=device)
+    out[:header_len] = head
+    for i, piece in enumerate(pieces):
+        for start in range(0, piece.numel(), _SLICE):  # in slices: the int64 indices stay small
+            at = torch.arange(start, min(start + _SLICE, piece.numel()), device=device)
+            out.scatter_(0, torch.where(at < lens[i], dst_start[i] + at, capacity), piece[start : start + at.numel()])
+    out = out[:capacity]
+    out[_TOTAL_AT : _TOTAL_AT + 8] = total.reshape(1).view(torch.uint8)
     at = _PREFIX.size + _FIXED.size + 4 * nb
     if on_device:
         assert isinstance(header.bounds, torch.Tensor)
@@ -269,9 +278,7 @@ def pack_deferred(
         out[word : word + 4] = _on(v.to(torch.int64).reshape(1), device).view(torch.uint8)[:4]
     lengths_at = at + 8 * nb + 4 * N_INFO
     out[lengths_at : lengths_at + 8 * ns] = sec_len.view(torch.uint8)
-    checked = _checked_bytes(out)
-    n = total - 4
-    out[_CRC_AT : _PREFIX.size] = adler32(checked, n).reshape(1).view(torch.uint8)[:4]
+    out[_CRC_AT : _PREFIX.size] = adler32(_checked_bytes(out), total - 4).reshape(1).view(torch.uint8)[:4]
     return Deferred(out, total)
 
 
@@ -294,24 +301,30 @@ def _checked_bytes(payload: torch.Tensor) -> torch.Tensor:
 
 
 def adler32(t: torch.Tensor, n: torch.Tensor | None = None) -> torch.Tensor:
-    """zlib's Adler-32 of a 1-D uint8 tensor (of its first ``n`` bytes, ``n`` an int64 0-d tensor
-    on its device), as an int64 0-d tensor on its device (no host wait).
+    """zlib's Adler-32 of a 1-D uint8 tensor, as an int64 0-d tensor on its device (no host wait);
+    ``n`` (an int64 0-d tensor on the device): of its first ``n`` bytes.
 
-    A = 1 + sum(d) and B = n + sum((n - j) d_j), both mod 65521: each term is below 2**24 (the
-    weights are reduced first), so the int64 sums stay exact up to 2**39 bytes.
+    A = 1 + sum(d) and B = n + sum((n - j) d_j), both mod 65521. The bytes go in slices of
+    ``_SLICE``, so the int64 temporaries stay small whatever the payload's size; each term is
+    below 2**24 (the weights are reduced first), so the sums stay exact up to 2**39 bytes.
     """
-    d = t.long()
-    if n is None:
-        n_ = t.numel()
-        w = torch.arange(n_, 0, -1, dtype=torch.int64, device=t.device).remainder_(_ADLER_MOD)
-    else:  # bytes at n and past weigh 0
-        n_ = n  # type: ignore[assignment]
-        left = n - torch.arange(t.numel(), dtype=torch.int64, device=t.device)
-        d = d * (left > 0)
-        w = left.clamp_(min=0).remainder_(_ADLER_MOD)
-    a = (d.sum() + 1).remainder_(_ADLER_MOD)
-    b = ((d * w).sum() + n_).remainder_(_ADLER_MOD)  # not torch.dot: CUDA has no int64 dot
+    length = t.numel() if n is None else n
+    a = torch.zeros((), dtype=torch.int64, device=t.device)
+    b = torch.zeros((), dtype=torch.int64, device=t.device)
+    for start in range(0, t.numel(), _SLICE):
+        d = t[start : start + _SLICE].long()
+        left = length - torch.arange(start, start + d.numel(), dtype=torch.int64, device=t.device)
+        if n is not None:
+            d *= left > 0
+        w = left.remainder_(_ADLER_MOD)
+        a += d.sum()
+        b += (d * w).sum()  # not torch.dot: CUDA has no int64 dot
+    a = (a + 1).remainder_(_ADLER_MOD)
+    b = (b + length).remainder_(_ADLER_MOD)
     return b * 65536 + a
+
+
+_SLICE = 1 << 22  # bytes per slice where a pass over a payload needs int64 temporaries
 
 
 _ZEROS = torch.zeros(_ALIGN, dtype=torch.uint8)
@@ -441,13 +454,15 @@ def _read_head(payload: torch.Tensor) -> tuple[bytes, int | None]:
     if _check_for(payload.device) != "adler32":
         return _host_bytes(payload, _PREFIX.size), None
     n = min(payload.numel(), _HEAD)
-    stored = (payload[_CRC_AT : _PREFIX.size].long() << _BYTE_SHIFTS.to(payload.device)).sum()
-    ok = (adler32(_checked_bytes(payload)) == stored).to(torch.uint8).reshape(1)
+    ok = (adler32(_checked_bytes(payload)) == _stored_check(payload)).to(torch.uint8).reshape(1)
     head = _host_bytes(torch.cat([payload[:n], ok]), n + 1)
     return head[:-1], head[-1]
 
 
-_BYTE_SHIFTS = torch.tensor([0, 8, 16, 24])
+def _stored_check(payload: torch.Tensor) -> torch.Tensor:
+    """The check field as an int64 0-d tensor on the payload's device (little-endian u32)."""
+    b = payload[_CRC_AT : _PREFIX.size].long()
+    return b[0] + (b[1] << 8) + (b[2] << 16) + (b[3] << 24)
 
 
 def view_as(section: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:

@@ -240,6 +240,11 @@ class LossyCodec(Codec):
         fingerprint = None if keys is None else {1: fingerprint_of(keys)}
         return fmt.pack_deferred(header, sections, x.device, fingerprint)
 
+    @staticmethod
+    def head_size(n_blocks: int) -> int:
+        """Bytes a decoder needs on the host: the header and the dedup counts after it."""
+        return fmt.head_bytes(n_blocks, 4, 8 * n_blocks)
+
     def prepare_decode(self, payload: torch.Tensor, ids: torch.Tensor | None) -> tuple[torch.Tensor | None, object]:
         """The device values :meth:`decode` reads on the host besides the payload's head (what
         the receiver's ``ids`` give: unique counts per block and fingerprint), computed ahead so

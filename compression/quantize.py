@@ -32,11 +32,12 @@ def steps_and_margins(
         steps = [reference.step_of(e) for e in bounds]
         eds = [reference.float32_at_most(e) for e in bounds]
         if len(set(zip(steps, eds, strict=True))) <= 1:  # one bound for the whole payload: broadcast a scalar
-            return (
-                torch.tensor(steps[0] if steps else 1.0, device=device),
-                torch.tensor(eds[0] if eds else 0.0, device=device),
-            )
-        step, ed = torch.tensor(steps, device=device), torch.tensor(eds, device=device)
+            steps, eds = [steps[0] if steps else 1.0], [eds[0] if eds else 0.0]
+        # built on the host and sent up without waiting (torch.tensor(..., device=) would wait)
+        step = torch.tensor(steps).to(device, non_blocking=True)
+        ed = torch.tensor(eds).to(device, non_blocking=True)
+        if len(steps) == 1:
+            return step.reshape(()), ed.reshape(())
     sizes = counts * torch.tensor(widths, dtype=torch.int64).to(device, non_blocking=True)
     return torch.repeat_interleave(step, sizes, output_size=n), torch.repeat_interleave(ed, sizes, output_size=n)
 
@@ -70,7 +71,8 @@ def encode_capacity(
     packed = torch.zeros(n + 1, dtype=torch.int32, device=values.device).scatter_(0, dest, codes)[:n]
     slot = torch.where(miss, miss.cumsum(0) - 1, n)
     pos = torch.zeros(n + 1, dtype=torch.int32, device=values.device).scatter_(0, slot, dest.to(torch.int32))[:n]
-    raw = values.new_zeros(n + 1).scatter_(0, slot, values)[:n]
+    bits = values.view(torch.int32 if values.element_size() == 4 else torch.int16)  # NaN payloads kept
+    raw = bits.new_zeros(n + 1).scatter_(0, slot, bits)[:n]
     k = miss.sum()
     return packed, [(pos.view(torch.uint8), 4 * k), (raw.view(torch.uint8), values.element_size() * k)]
 
@@ -94,7 +96,9 @@ def decode(
     k = section.numel() // item
     pos = view_as(section[: k * pos_size], pos_dtype, what).long()
     raw = view_as(section[k * pos_size :], dtype, what)
-    if checked:  # only an encoder bug could put one outside: keep any such write inside
+    if checked:  # only an encoder bug (or a forged check) could put one outside: keep writes inside
+        if n == 0:
+            pos, raw = pos[:0], raw[:0]
         pos = pos.clamp(0, max(n - 1, 0))
     elif k and (int(pos.min()) < 0 or int(pos.max()) >= n):
         raise PayloadError(f"{what}: exception position outside [0, {n})")

@@ -38,6 +38,7 @@ from dlrm.embedding_comm.stats import CommStats
 from dlrm.process.instrument import embedding_collective, on_the_wire, payload_hooked
 from dlrm.process.timeout import named_collective
 from dlrm_compression.format import Deferred, HostHead, read_heads, settle
+from dlrm_compression.lossy import LossyCodec
 
 
 class PooledA2ALayout:
@@ -391,7 +392,8 @@ def _read_heads(info: CompressedA2AInfo, d: str, tr: _Transfer) -> dict[int, Hos
         prepared = dc.prepare_decode(payload, ids_per_peer[peer])
         if prepared is not None:
             todo.append((peer, payload, prepared))
-    heads = read_heads([t[1] for t in todo], [t[2][0] for t in todo]) if todo else []
+    sizes = [LossyCodec.head_size(len(layout.recv_blocks(d, t[0]).widths)) for t in todo]
+    heads = read_heads([t[1] for t in todo], [t[2][0] for t in todo], sizes) if todo else []
     for (_, _, prepared), head in zip(todo, heads, strict=True):
         head.state = prepared[1]
     return {t[0]: head for t, head in zip(todo, heads, strict=True)}

@@ -262,7 +262,7 @@ def _deferred_round_trip(codec, x, eb, ids, widths):
     assert isinstance(late, fmt.Deferred)
     [payload] = fmt.settle([late])
     extra, state = codec.prepare_decode(payload, ids)
-    [head] = fmt.read_heads([payload], [extra])
+    [head] = fmt.read_heads([payload], [extra], [codec.head_size(len(widths))])
     head.state = state
     with dec:
         y = codec.decode(payload, ids, head=head)
@@ -313,3 +313,49 @@ def test_device_framing_with_one_id_column_shared_by_every_block_and_a_corrupted
         head.state = state
         with pytest.raises(fmt.PayloadError, match="ids"):
             codec.decode(payload, other, head=head)
+
+
+@pytest.mark.parametrize("n_blocks", [1, 47, 120])
+def test_device_framing_reads_whole_heads_of_many_blocks_and_keeps_bf16_nan_bits(n_blocks):
+    from dlrm_compression import format as fmt
+
+    g = torch.Generator().manual_seed(n_blocks)
+    ids = torch.randint(0, 5, (9, n_blocks), generator=g)
+    table = torch.randn(5, 4 * n_blocks, generator=g)
+    x = torch.cat([table[ids[:, b], 4 * b : 4 * b + 4] for b in range(n_blocks)], 1).to(torch.bfloat16)
+    x.view(torch.int16)[ids[:, 0] == ids[0, 0], 1] = 0x7FC1  # a NaN with a payload, in every row of that id
+    codec = compression.get_codec("lossy", entropy=False)
+    with _device_code():
+        want, payload, y, enc_syncs, dec_syncs = _deferred_round_trip(codec, x, [1e-2] * n_blocks, ids, [4] * n_blocks)
+        read = fmt.read_heads([payload], [None], [codec.head_size(n_blocks)])[0]
+    assert torch.equal(payload, want) and enc_syncs == dec_syncs == 0
+    assert torch.equal(y.view(torch.int16), codec.decode(want, ids).view(torch.int16))
+    assert int(y.view(torch.int16)[0, 1]) == 0x7FC1  # the exception's bits, as sent
+    header, _ = fmt.unpack(payload, read)
+    assert read.section(header, 0, 8 * n_blocks) is not None  # the counts came with the head
+
+
+def test_a_forged_check_on_the_device_path_cannot_read_past_the_payload():
+    """Widths that disagree with the packed words, under a recomputed (valid) check: the decode
+    reads nothing past the words (zero-width groups), where the host path names the mismatch."""
+    from dlrm_compression import format as fmt
+
+    ids = torch.arange(64)[:, None] % 7
+    x = torch.randn(7, 8)[ids[:, 0]]
+    codec = compression.get_codec("lossy", entropy=False)
+    with _device_code():
+        payload = codec.encode(x, [1e-3], ids, blocks=[8])
+        header, sections = fmt.unpack(payload)
+        codes_at = header.offsets[2]
+        forged = payload.clone()
+        forged[codes_at : codes_at + 2] = 31  # two groups claim 31-bit codes
+        forged[fmt._CRC_AT : fmt._PREFIX.size] = (
+            fmt.adler32(fmt._checked_bytes(forged)).reshape(1).view(torch.uint8)[:4]
+        )
+        extra, state = codec.prepare_decode(forged, ids)
+        [head] = fmt.read_heads([forged], [extra], [codec.head_size(1)])
+        head.state = state
+        y = codec.decode(forged, ids, head=head)  # no IndexError, no read past the words
+        with pytest.raises(PayloadError, match="widths say"):
+            codec.decode(forged, ids)
+    assert y.shape == x.shape
