@@ -265,8 +265,8 @@ def pack_deferred(
     out[:header_len] = head
     for i, piece in enumerate(pieces):
         for start in range(0, piece.numel(), _SLICE):  # in slices: the int64 indices stay small
-            at = torch.arange(start, min(start + _SLICE, piece.numel()), device=device)
-            out.scatter_(0, torch.where(at < lens[i], dst_start[i] + at, capacity), piece[start : start + at.numel()])
+            j = torch.arange(start, min(start + _SLICE, piece.numel()), device=device)
+            out.scatter_(0, torch.where(j < lens[i], dst_start[i] + j, capacity), piece[start : start + j.numel()])
     out = out[:capacity]
     out[_TOTAL_AT : _TOTAL_AT + 8] = total.reshape(1).view(torch.uint8)
     at = _PREFIX.size + _FIXED.size + 4 * nb

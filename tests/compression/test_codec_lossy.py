@@ -345,7 +345,7 @@ def test_a_forged_check_on_the_device_path_cannot_read_past_the_payload():
     codec = compression.get_codec("lossy", entropy=False)
     with _device_code():
         payload = codec.encode(x, [1e-3], ids, blocks=[8])
-        header, sections = fmt.unpack(payload)
+        header, _ = fmt.unpack(payload)
         codes_at = header.offsets[2]
         forged = payload.clone()
         forged[codes_at : codes_at + 2] = 31  # two groups claim 31-bit codes
