@@ -16,7 +16,6 @@ least recent (smallest ``(tick, id)``) go, all chosen at once; if a call brings 
 capacity, its own smallest ids are not kept. Nothing depends on hashing, timing or slot numbers.
 """
 
-
 from __future__ import annotations
 
 from collections.abc import Mapping

@@ -135,7 +135,9 @@ class ForwardCache:
             flags.append(int(delta))
             bits.append(compact(b.moved, b.held, n_held))
             em = b.exact.index_select(0, step.moved_at)
-            sends.append(torch.cat([b.exact.index_select(0, step.fresh_at), em - b.cached[step.moved_at] if delta else em]))
+            sends.append(
+                torch.cat([b.exact.index_select(0, step.fresh_at), em - b.cached[step.moved_at] if delta else em])
+            )
             sent_ids.append(torch.cat([b.uid[step.fresh_at], b.uid[step.moved_at]]))
             coded_bounds.append(room if delta else bound)
             steps.append(step)
