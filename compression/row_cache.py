@@ -84,7 +84,10 @@ class RowCache:
         s = self._index(slots)
         if self._rows.shape[0] == 0:
             return self._rows.new_zeros(s.numel(), self.dim)
-        return torch.where((s >= 0).unsqueeze(1), self._rows[s.clamp(min=0)], 0)
+        rows, miss = self._rows.index_select(0, s.clamp(min=0)), s < 0
+        if HOST_SHORTCUTS and s.device.type == "cpu":  # ~3x faster there than the broadcast where
+            return rows.index_fill_(0, miss.nonzero().flatten(), 0)
+        return torch.where(miss.unsqueeze(1), 0, rows)
 
     def store(
         self,
@@ -113,10 +116,10 @@ class RowCache:
         if excess > 0:
             n_older = n - n_held  # ids not in this call
             if excess <= n_older:  # the least recent (smallest (tick, position)) go; this call's are the most recent
-                key = self._ticks[self._slots] * n + torch.arange(n, device=q.device)
+                key = self._ticks.index_select(0, self._slots) * n + torch.arange(n, device=q.device)
                 gone = torch.topk(key, excess, largest=False).indices
             else:  # every older id goes, and this call's smallest ids (held or new) are not kept
-                older = compact(torch.arange(n, device=q.device), self._ticks[self._slots] < self._clock, n_older)
+                older = positions(self._ticks.index_select(0, self._slots) < self._clock, n_older)
                 out = q <= torch.sort(q).values[excess - n_older - 1]
                 dropped = out & held
                 k = int(dropped.sum())
@@ -125,7 +128,7 @@ class RowCache:
                 new &= ~out
                 n_new -= excess - n_older - k
                 written -= excess - n_older
-            self._free = torch.cat([self._free, self._slots[gone]])
+            self._free = torch.cat([self._free, self._slots.index_select(0, gone)])
             keep = torch.ones(n, dtype=torch.bool, device=q.device)
             keep[gone] = False
             self._ids = compact(self._ids, keep, n - gone.numel())
@@ -136,8 +139,8 @@ class RowCache:
         if written == q.numel():  # the usual case: one copy of every row
             self._rows.index_copy_(0, s, rows)
         elif written:
-            at = compact(torch.arange(q.numel(), device=q.device), s >= 0, written)
-            self._rows.index_copy_(0, s[at], rows.index_select(0, at))
+            at = positions(s >= 0, written)
+            self._rows.index_copy_(0, s.index_select(0, at), rows.index_select(0, at))
 
     def lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(bool [n]: held, rows [n, dim]: the held rows, zeros where not held)."""
@@ -177,7 +180,7 @@ class RowCache:
         if n == 0 or q.numel() == 0:
             return torch.full_like(q, -1)
         pos = torch.searchsorted(self._ids, q).clamp_(max=n - 1)
-        return torch.where(self._ids[pos] == q, self._slots[pos], -1)
+        return torch.where(self._ids.index_select(0, pos) == q, self._slots.index_select(0, pos), -1)
 
     def _insert(self, q: torch.Tensor, new: torch.Tensor, k: int, s: torch.Tensor) -> torch.Tensor:
         """Give the ``k`` ids ``q[new]`` free rows, this call's tick, and their place in the
@@ -186,15 +189,17 @@ class RowCache:
             self._grow(k - self._free.numel())
         got = self._free[self._free.numel() - k :].flip(0)
         self._free = self._free[: self._free.numel() - k]
-        s = torch.where(new, got[(new.cumsum(0) - 1).clamp_(min=0)], s)  # the i-th new id takes got[i]
+        s = torch.where(new, got.index_select(0, (new.cumsum(0) - 1).clamp_(min=0)), s)  # the i-th new id takes got[i]
         self._ticks.index_fill_(0, got, self._clock)
         new_ids, order = torch.sort(compact(q, new, k))
         n = self._ids.numel()
         at = torch.searchsorted(self._ids, new_ids) + torch.arange(k, device=q.device)  # places in the merged index
-        old_at = torch.arange(n, device=q.device) + torch.searchsorted(new_ids, self._ids)
+        old = torch.ones(n + k, dtype=torch.bool, device=q.device)
+        old[at] = False
+        old_at = positions(old, n)
         ids, slots = self._ids.new_empty(n + k), self._slots.new_empty(n + k)
         ids.index_copy_(0, at, new_ids).index_copy_(0, old_at, self._ids)
-        slots.index_copy_(0, at, got[order]).index_copy_(0, old_at, self._slots)
+        slots.index_copy_(0, at, got.index_select(0, order)).index_copy_(0, old_at, self._slots)
         self._ids, self._slots = ids, slots
         return s
 
@@ -211,11 +216,21 @@ class RowCache:
         self._free = torch.cat([torch.arange(size - 1, n - 1, -1, device=self.device), self._free])
 
 
-def compact(x: torch.Tensor, keep: torch.Tensor, n: int) -> torch.Tensor:
-    """``x[keep]`` when the host knows ``n = keep.sum()``: a scatter to each kept element's rank
-    (the others to one spare place), which needs no host synchronisation, unlike a mask index."""
-    if n == x.shape[0]:
-        return x
+HOST_SHORTCUTS = True  # CPU tensors take nonzero (no wait to avoid there, and ~5x faster than the
+# scatter); tests switch it off to run the device code on CPU
+
+
+def positions(keep: torch.Tensor, n: int) -> torch.Tensor:
+    """``keep.nonzero().flatten()`` when the host knows ``n = keep.sum()``: on a device, each kept
+    element's rank scattered to it (the others to one spare place), which needs no host
+    synchronisation, unlike ``nonzero`` or a mask index."""
+    if HOST_SHORTCUTS and keep.device.type == "cpu":
+        return keep.nonzero().flatten()
+    at = torch.arange(keep.numel(), device=keep.device)
     dest = torch.where(keep, keep.cumsum(0) - 1, n)
-    out = x.new_empty(n + 1, *x.shape[1:])
-    return out.index_copy_(0, dest, x)[:n]
+    return at.new_empty(n + 1).index_copy_(0, dest, at)[:n]
+
+
+def compact(x: torch.Tensor, keep: torch.Tensor, n: int) -> torch.Tensor:
+    """``x[keep]`` (along dim 0) when the host knows ``n = keep.sum()``, without a host wait."""
+    return x if n == x.shape[0] else x.index_select(0, positions(keep, n))

@@ -40,7 +40,7 @@ from dlrm.embedding_comm.bounds import Bounds
 from dlrm.embedding_comm.codec import CompressedCommError, DirectionCodec
 from dlrm.embedding_comm.stage import Incoming, Outgoing, Stage
 from dlrm_compression.dedup import plan_by_ids
-from dlrm_compression.row_cache import RowCache, compact
+from dlrm_compression.row_cache import RowCache, compact, positions
 
 EPS = float(torch.finfo(torch.float32).eps)
 
@@ -109,11 +109,11 @@ class ForwardCache:
         looked, sizes, c = [], [], 0
         for k, (f, w) in enumerate(zip(features, widths, strict=True)):
             rows = firsts[k]
-            uid = idn[rows, k]
+            uid = idn[:, k].index_select(0, rows)
             cache = self._cache("send", dst, f, k, w, chunk.dtype, x.device)
             slots, held = cache.find(uid)
             cached = cache.gather(slots)
-            exact = x[rows, c : c + w]
+            exact = x[:, c : c + w].index_select(0, rows)
             # NaN compares false: a row with a NaN (exact or held) is never a hit
             hit = held & ((exact - cached).abs() <= bounds[k]).all(dim=1)
             moved = held & ~hit
@@ -136,9 +136,14 @@ class ForwardCache:
             bits.append(compact(b.moved, b.held, n_held))
             em = b.exact.index_select(0, step.moved_at)
             sends.append(
-                torch.cat([b.exact.index_select(0, step.fresh_at), em - b.cached[step.moved_at] if delta else em])
+                torch.cat(
+                    [
+                        b.exact.index_select(0, step.fresh_at),
+                        em - b.cached.index_select(0, step.moved_at) if delta else em,
+                    ]
+                )
             )
-            sent_ids.append(torch.cat([b.uid[step.fresh_at], b.uid[step.moved_at]]))
+            sent_ids.append(torch.cat([b.uid.index_select(0, step.fresh_at), b.uid.index_select(0, step.moved_at)]))
             coded_bounds.append(room if delta else bound)
             steps.append(step)
             block = {"unique_rows": b.uid.numel(), "held_rows": n_held, "hit_rows": n_hit}
@@ -170,7 +175,7 @@ class ForwardCache:
         nb = len(widths)
         looked = []
         for k, (f, w) in enumerate(zip(features, widths, strict=True)):
-            uid = idn[firsts[k], k]
+            uid = idn[:, k].index_select(0, firsts[k])
             cache = self._cache("recv", src, f, k, w, out.dtype, out.device)
             slots, held = cache.find(uid)
             looked.append(Block(cache, uid, slots, held, held, cache.gather(slots), out[:0]))
@@ -184,14 +189,14 @@ class ForwardCache:
         inner = payload[nb + n_bytes :].clone()  # aligned (format.view_as fails on an empty misaligned section)
         at = 0
         for k, (b, h) in enumerate(zip(looked, held_counts, strict=True)):
-            held_at = compact(torch.arange(b.uid.numel(), device=out.device), b.held, h)
+            held_at = positions(b.held, h)
             looked[k] = b._replace(moved=torch.zeros_like(b.held).index_copy_(0, held_at, bits[at : at + h]))
             at += h
         moved_counts = torch.stack([b.moved.sum() for b in looked]).tolist() if looked else []
         sent_ids, steps = [], []
         for b, h, n_moved, flag in zip(looked, held_counts, moved_counts, flags, strict=True):
             step = b.step(h, n_moved, bool(flag))
-            sent_ids.append(torch.cat([b.uid[step.fresh_at], b.uid[step.moved_at]]))
+            sent_ids.append(torch.cat([b.uid.index_select(0, step.fresh_at), b.uid.index_select(0, step.moved_at)]))
             steps.append(step)
         _finish(steps, _decode(dc, inner, sent_ids, widths), inverse, widths, out)
         return out
@@ -263,10 +268,9 @@ class Block(NamedTuple):
     exact: torch.Tensor
 
     def step(self, n_held: int, n_moved: int, delta: bool) -> Step:
-        at = torch.arange(self.uid.numel(), device=self.uid.device)
-        fresh_at = compact(at, ~self.held, self.uid.numel() - n_held)
+        fresh_at = positions(~self.held, self.uid.numel() - n_held)
         return Step(
-            self.cache, self.uid, self.slots, n_held, fresh_at, compact(at, self.moved, n_moved), self.cached, delta
+            self.cache, self.uid, self.slots, n_held, fresh_at, positions(self.moved, n_moved), self.cached, delta
         )
 
 
@@ -313,10 +317,10 @@ def _finish(
         unique = s.unique
         unique.index_copy_(0, s.fresh_at, values[k][:n_fresh])
         moved_rows = values[k][n_fresh : n_fresh + n_moved]
-        unique.index_copy_(0, s.moved_at, unique[s.moved_at] + moved_rows if s.delta else moved_rows)
+        unique.index_copy_(0, s.moved_at, unique.index_select(0, s.moved_at) + moved_rows if s.delta else moved_rows)
         s.cache.store(s.uid, unique, s.slots, n_held=s.n_held)
         w = widths[k]
-        out[:, c : c + w] = unique[inverse[k]] if inverse is not None else unique
+        out[:, c : c + w] = unique.index_select(0, inverse[k]) if inverse is not None else unique
         c += w
 
 

@@ -33,7 +33,7 @@ from torchrec.optim.keyed import KeyedOptimizer
 from dlrm.placement.hot_wire import SyncWire
 from dlrm.placement.traffic import ID_BYTES
 from dlrm.process.timeout import named_collective
-from dlrm_compression.row_cache import compact
+from dlrm_compression.row_cache import compact, positions
 
 RULES = ("sgd", "adagrad", "rowwise_adagrad")
 
@@ -93,7 +93,7 @@ class HotRowOptimizer(KeyedOptimizer):
         bases = list(itertools.accumulate((p.shape[0] for p in params), initial=0))
         touched = [self.touched[n] for n in self.names]
         n_touched = torch.stack([t.sum() for t in touched]).tolist()
-        slots = [_positions(t, k) + b for t, k, b in zip(touched, n_touched, bases, strict=False)]
+        slots = [positions(t, k) + b for t, k, b in zip(touched, n_touched, bases, strict=False)]
         rows = [compact(self.pending[n], t, k) for n, t, k in zip(self.names, touched, n_touched, strict=True)]
         total = params[0].new_zeros(bases[-1], params[0].shape[1])
         hit = torch.zeros(bases[-1], dtype=torch.bool, device=total.device)
@@ -108,7 +108,7 @@ class HotRowOptimizer(KeyedOptimizer):
         hits = [hit[b : b + p.shape[0]] for p, b in zip(params, bases, strict=False)]
         n_hit = torch.stack([h.sum() for h in hits]).tolist()
         for name, p, b, h, k in zip(self.names, params, bases, hits, n_hit, strict=False):
-            sel = _positions(h, k)
+            sel = positions(h, k)
             self._apply(p, sel, total[b + sel], lr, eps)
             self.pending[name].zero_()
             self.touched[name].zero_()
@@ -176,8 +176,3 @@ class HotRowOptimizer(KeyedOptimizer):
         for n in self.names:
             self.pending[n].copy_(state["pending"][n])
             self.touched[n].copy_(state["touched"][n])
-
-
-def _positions(mask: torch.Tensor, n: int) -> torch.Tensor:
-    """``mask.nonzero().flatten()`` when the host knows ``n = mask.sum()`` (no host wait)."""
-    return compact(torch.arange(mask.numel(), device=mask.device), mask, n)
