@@ -32,7 +32,7 @@ from dlrm.embedding_comm.codec import DirectionCodec
 from dlrm.embedding_comm.config import parse_compression_cfg
 from dlrm.embedding_comm.ids import keep_first_duplicates, sum_duplicates
 from dlrm.embedding_comm.policy import build_policy, table_stats
-from dlrm_compression import base, dedup
+from dlrm_compression import base, dedup, row_cache
 from dlrm_compression import format as fmt
 from dlrm_compression.host_syncs import HostSyncCounter
 from dlrm_compression.synthetic import KAGGLE_CARDINALITIES, criteo_like_batch
@@ -50,12 +50,13 @@ WORLD_SIZES = (2, 8, 64)
 @contextmanager
 def device_paths(counter: HostSyncCounter | None = None) -> Iterator[None]:
     """Run the codec's device code on CPU tensors (as tests do): torch's dedup, not numpy's, the
-    bounds kept as a tensor and the device payload check (Adler-32), restoring the CPU choices
-    after. With ``counter``, each ``.tolist()`` / ``.cpu()`` of a tensor also counts, as
-    ``host_read``: on a device each is a copy to the host that waits, and the dispatcher cannot
-    see them on CPU tensors."""
+    bounds kept as a tensor, the device payload check (Adler-32) and the row cache's device
+    compaction, restoring the CPU choices after. With ``counter``, each ``.tolist()`` /
+    ``.cpu()`` of a tensor also counts, as ``host_read``: on a device each is a copy to the host
+    that waits, and the dispatcher cannot see them on CPU tensors."""
     saved = dedup.HOST_NUMPY, fmt._check_for, torch.Tensor.tolist, torch.Tensor.cpu, base.HOST_BOUNDS
-    dedup.HOST_NUMPY = base.HOST_BOUNDS = False
+    shortcuts = row_cache.HOST_SHORTCUTS
+    dedup.HOST_NUMPY = base.HOST_BOUNDS = row_cache.HOST_SHORTCUTS = False
     fmt._check_for = lambda device: "adler32"
     if counter is not None:
 
@@ -73,6 +74,7 @@ def device_paths(counter: HostSyncCounter | None = None) -> Iterator[None]:
         yield
     finally:
         dedup.HOST_NUMPY, fmt._check_for, base.HOST_BOUNDS = saved[0], saved[1], saved[4]
+        row_cache.HOST_SHORTCUTS = shortcuts
         torch.Tensor.tolist, torch.Tensor.cpu = saved[2], saved[3]  # type: ignore[method-assign]
 
 
