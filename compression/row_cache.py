@@ -46,8 +46,7 @@ class RowCache:
             raise ValueError(f"capacity_rows must be >= 0 (0: unlimited), got {capacity_rows}")
         self.dim, self.capacity = dim, capacity_rows
         empty = torch.empty(0, dtype=torch.int64, device=device)
-        self._ids = empty  # held ids, ascending
-        self._slots = empty  # the row of _rows holding each id of _ids
+        self._index_ = empty.new_empty(2, 0)  # held ids, ascending, over the row of _rows holding each
         self._ticks = empty  # per row of _rows: the store() call that last used it
         self._free = empty  # rows of _rows holding nothing (taken from the end)
         self._rows = torch.empty(0, dim, dtype=dtype, device=device)
@@ -57,13 +56,20 @@ class RowCache:
         return self._ids.numel()
 
     @property
+    def _ids(self) -> torch.Tensor:
+        return self._index_[0]
+
+    @property
+    def _slots(self) -> torch.Tensor:
+        return self._index_[1]
+
+    @property
     def device(self) -> torch.device:
         return self._rows.device
 
     def to_(self, device: torch.device) -> RowCache:
         """Move the cache (index and rows) to ``device``, in place (a restored checkpoint's)."""
-        for k in _INDEX:
-            setattr(self, f"_{k}", getattr(self, f"_{k}").to(device))
+        self._index_, self._ticks, self._free = (t.to(device) for t in (self._index_, self._ticks, self._free))
         self._rows = self._rows.to(device)
         return self
 
@@ -71,7 +77,7 @@ class RowCache:
     def nbytes(self) -> int:
         """Memory allocated: the row table (capacity x dim x dtype once full; grown by doubling
         while it fills) and the index tensors (ids, slots, ticks, free rows)."""
-        index = sum(getattr(self, f"_{k}").numel() * 8 for k in _INDEX)
+        index = (self._index_.numel() + self._ticks.numel() + self._free.numel()) * 8
         return self._rows.numel() * self._rows.element_size() + index
 
     def find(self, ids: torch.Tensor | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,6 +95,14 @@ class RowCache:
             return rows.index_fill_(0, miss.nonzero().flatten(), 0)
         return torch.where(miss.unsqueeze(1), 0, rows)
 
+    def peek(self, slots: torch.Tensor) -> torch.Tensor:
+        """Rows [n, dim] at ``slots`` (from :meth:`find`), unspecified where a slot is -1: for a
+        caller that overwrites those rows (one op, where :meth:`gather` zeroes them)."""
+        s = self._index(slots)
+        if self._rows.shape[0] == 0:
+            return self._rows.new_zeros(s.numel(), self.dim)
+        return self._rows.index_select(0, s.clamp(min=0))
+
     def store(
         self,
         ids: torch.Tensor | np.ndarray,
@@ -104,7 +118,7 @@ class RowCache:
         if q.numel() == 0:
             return
         self._clock += 1
-        s = self._find(q) if slots is None else self._index(slots).clone()
+        s = self._find(q) if slots is None else self._index(slots)  # replaced, never written
         held = s >= 0
         if n_held is None:
             n_held = int(held.sum())  # the host read: the index's new size depends on it
@@ -131,8 +145,7 @@ class RowCache:
             self._free = torch.cat([self._free, self._slots.index_select(0, gone)])
             keep = torch.ones(n, dtype=torch.bool, device=q.device)
             keep[gone] = False
-            self._ids = compact(self._ids, keep, n - gone.numel())
-            self._slots = compact(self._slots, keep, n - gone.numel())
+            self._index_ = self._index_.index_select(1, positions(keep, n - gone.numel()))
         if n_new:
             s = self._insert(q, new, n_new, s)
         rows = rows.to(self._rows.device, self._rows.dtype)
@@ -166,13 +179,17 @@ class RowCache:
                 f"the saved row cache holds rows of width {state['dim']} with capacity {state['capacity']}; this one "
                 f"has width {self.dim} and capacity {self.capacity} (compression.forward.cache.capacity_rows changed?)"
             )
-        for k in _INDEX:
-            setattr(self, f"_{k}", torch.as_tensor(state[k]).to(self.device, torch.int64).clone())
+        ids, slots, self._ticks, self._free = (
+            torch.as_tensor(state[k]).to(self.device, torch.int64).clone() for k in _INDEX
+        )
+        self._index_ = torch.stack([ids, slots])
         self._rows = state["rows"].to(self.device, self._rows.dtype).clone()
         self._clock = int(state["clock"])
 
     def _index(self, x: torch.Tensor | np.ndarray) -> torch.Tensor:
         """int64 [n] ids or slots on the cache's device."""
+        if isinstance(x, torch.Tensor) and x.dtype == torch.int64 and x.dim() == 1 and x.device == self.device:
+            return x.detach()
         return torch.as_tensor(x).detach().reshape(-1).to(self.device, torch.int64)
 
     def _find(self, q: torch.Tensor) -> torch.Tensor:
@@ -180,7 +197,8 @@ class RowCache:
         if n == 0 or q.numel() == 0:
             return torch.full_like(q, -1)
         pos = torch.searchsorted(self._ids, q).clamp_(max=n - 1)
-        return torch.where(self._ids.index_select(0, pos) == q, self._slots.index_select(0, pos), -1)
+        ids, slots = self._index_.index_select(1, pos)
+        return torch.where(ids == q, slots, -1)
 
     def _insert(self, q: torch.Tensor, new: torch.Tensor, k: int, s: torch.Tensor) -> torch.Tensor:
         """Give the ``k`` ids ``q[new]`` free rows, this call's tick, and their place in the
@@ -189,18 +207,17 @@ class RowCache:
             self._grow(k - self._free.numel())
         got = self._free[self._free.numel() - k :].flip(0)
         self._free = self._free[: self._free.numel() - k]
-        s = torch.where(new, got.index_select(0, (new.cumsum(0) - 1).clamp_(min=0)), s)  # the i-th new id takes got[i]
+        new_at = positions(new, k)
+        s = s.index_copy(0, new_at, got)  # the i-th new id takes got[i]
         self._ticks.index_fill_(0, got, self._clock)
-        new_ids, order = torch.sort(compact(q, new, k))
+        new_ids, order = torch.sort(q.index_select(0, new_at))
         n = self._ids.numel()
         at = torch.searchsorted(self._ids, new_ids) + torch.arange(k, device=q.device)  # places in the merged index
         old = torch.ones(n + k, dtype=torch.bool, device=q.device)
         old[at] = False
-        old_at = positions(old, n)
-        ids, slots = self._ids.new_empty(n + k), self._slots.new_empty(n + k)
-        ids.index_copy_(0, at, new_ids).index_copy_(0, old_at, self._ids)
-        slots.index_copy_(0, at, got.index_select(0, order)).index_copy_(0, old_at, self._slots)
-        self._ids, self._slots = ids, slots
+        index = self._index_.new_empty(2, n + k)
+        index.index_copy_(1, at, torch.stack([new_ids, got.index_select(0, order)]))
+        self._index_ = index.index_copy_(1, positions(old, n), self._index_)
         return s
 
     def _grow(self, need: int) -> None:
@@ -224,6 +241,8 @@ def positions(keep: torch.Tensor, n: int) -> torch.Tensor:
     """``keep.nonzero().flatten()`` when the host knows ``n = keep.sum()``: on a device, each kept
     element's rank scattered to it (the others to one spare place), which needs no host
     synchronisation, unlike ``nonzero`` or a mask index."""
+    if n == 0 or n == keep.numel():
+        return torch.arange(n, device=keep.device)
     if HOST_SHORTCUTS and keep.device.type == "cpu":
         return keep.nonzero().flatten()
     at = torch.arange(keep.numel(), device=keep.device)
@@ -233,4 +252,6 @@ def positions(keep: torch.Tensor, n: int) -> torch.Tensor:
 
 def compact(x: torch.Tensor, keep: torch.Tensor, n: int) -> torch.Tensor:
     """``x[keep]`` (along dim 0) when the host knows ``n = keep.sum()``, without a host wait."""
-    return x if n == x.shape[0] else x.index_select(0, positions(keep, n))
+    if n == x.shape[0] or n == 0:
+        return x[:n]
+    return x.index_select(0, positions(keep, n))

@@ -106,28 +106,30 @@ class ForwardCache:
             )
         firsts, inverse, idn = _unpack(ids)
         x = chunk.detach()
-        looked, sizes, c = [], [], 0
+        looked, sums, largest, c = [], [], [], 0
         for k, (f, w) in enumerate(zip(features, widths, strict=True)):
             rows = firsts[k]
             uid = idn[:, k].index_select(0, rows)
             cache = self._cache("send", dst, f, k, w, chunk.dtype, x.device)
             slots, held = cache.find(uid)
-            cached = cache.gather(slots)
+            cached = cache.peek(slots)  # rows not held are overwritten (_finish), never read
             exact = x[:, c : c + w].index_select(0, rows)
             # NaN compares false: a row with a NaN (exact or held) is never a hit
             hit = held & ((exact - cached).abs() <= bounds[k]).all(dim=1)
             moved = held & ~hit
             looked.append(Block(cache, uid, slots, held, moved, cached, exact))
-            sizes.append(torch.stack([held.sum().double(), hit.sum().double(), _largest(exact, cached, moved)]))
+            sums += [held.sum(), hit.sum()]
+            largest.append(_largest(exact, cached, moved))
             c += w
         # the one host read of the blocks' classification: counts, and the bounds they need
-        host = torch.cat([torch.stack(sizes).flatten(), torch.as_tensor(bounds, dtype=torch.float64, device=x.device)])
-        read = host.tolist() if sizes else []
+        if looked:
+            bounds_t = torch.as_tensor(bounds, dtype=torch.float64, device=x.device)
+            read = torch.cat([torch.stack(sums).double(), torch.stack(largest).double(), bounds_t]).tolist()
+        nb = len(looked)
         flags, bits, sends, sent_ids, coded_bounds, steps = [], [], [], [], [], []
         counts = dict.fromkeys(("unique_rows", "held_rows", "hit_rows", "moved_rows"), 0)
         for k, (f, b) in enumerate(zip(features, looked, strict=True)):
-            n_held, n_hit, m = int(read[3 * k]), int(read[3 * k + 1]), read[3 * k + 2]
-            bound = read[3 * len(looked) + k]
+            n_held, n_hit, m, bound = int(read[2 * k]), int(read[2 * k + 1]), read[2 * nb + k], read[3 * nb + k]
             n_moved = n_held - n_hit
             room = _delta_bound(m, n_moved * b.exact.shape[1], bound)
             delta = self.deltas and room > 0 and n_moved > 0
@@ -178,7 +180,7 @@ class ForwardCache:
             uid = idn[:, k].index_select(0, firsts[k])
             cache = self._cache("recv", src, f, k, w, out.dtype, out.device)
             slots, held = cache.find(uid)
-            looked.append(Block(cache, uid, slots, held, held, cache.gather(slots), out[:0]))
+            looked.append(Block(cache, uid, slots, held, held, cache.peek(slots), out[:0]))
         # host reads: the held counts with the flags (the bitmap's length), then the moved counts
         first = [torch.stack([b.held.sum() for b in looked]), payload[:nb].long()] if looked else []
         read = torch.cat(first).tolist() if looked else []
@@ -283,11 +285,11 @@ def _unpack(ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor | None,
 
 
 def _largest(exact: torch.Tensor, held: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:
-    """The largest magnitude of the moved rows' exact and held values (float64 0-d; NaN kept)."""
+    """The largest magnitude of the moved rows' exact and held values (0-d; NaN kept)."""
     if exact.numel() == 0:
-        return exact.new_zeros((), dtype=torch.float64)
+        return exact.new_zeros(())
     both = torch.maximum(exact.abs(), held.abs())
-    return torch.where(moved.unsqueeze(1), both, 0).amax().double()
+    return torch.where(moved.unsqueeze(1), both, 0).amax()
 
 
 def _delta_bound(largest: float, n_values: int, bound: float) -> float:
@@ -315,9 +317,13 @@ def _finish(
     for k, s in enumerate(steps):
         n_fresh, n_moved = s.fresh_at.numel(), s.moved_at.numel()
         unique = s.unique
-        unique.index_copy_(0, s.fresh_at, values[k][:n_fresh])
-        moved_rows = values[k][n_fresh : n_fresh + n_moved]
-        unique.index_copy_(0, s.moved_at, unique.index_select(0, s.moved_at) + moved_rows if s.delta else moved_rows)
+        if n_fresh:
+            unique.index_copy_(0, s.fresh_at, values[k][:n_fresh])
+        if n_moved:
+            moved_rows = values[k][n_fresh : n_fresh + n_moved]
+            unique.index_copy_(
+                0, s.moved_at, unique.index_select(0, s.moved_at) + moved_rows if s.delta else moved_rows
+            )
         s.cache.store(s.uid, unique, s.slots, n_held=s.n_held)
         w = widths[k]
         out[:, c : c + w] = unique.index_select(0, inverse[k]) if inverse is not None else unique
