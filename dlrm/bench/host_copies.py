@@ -17,7 +17,9 @@ HOST_CALLS = ("numpy", "tolist", "cpu")
 
 # module -> its per-chunk functions ("Class.method"), or None for every function of the module.
 # compression=lossy (bounds, dedup, quantise, fixed-length coder, framing), the codecs of auto
-# (per_block) and dct_mp (threshold), and the trainer's per-chunk glue around them.
+# (per_block) and dct_mp (threshold), the trainer's per-chunk glue around them, and the forward
+# row cache and its probe (their reads: one per chunk for all blocks, see
+# tests/embedding_comm/test_cache_hot_host_syncs.py, which also lists hot-row replication's).
 PER_CHUNK: dict[str, tuple[str, ...] | None] = {
     "compression.base": ("check_input", "resolve_blocks", "resolve_bounds", "check_ids", "check_out", "into"),
     "compression.bounds": None,
@@ -39,6 +41,16 @@ PER_CHUNK: dict[str, tuple[str, ...] | None] = {
         "DirectionCodec.kept",
         "DirectionCodec.decode",
     ),
+    "compression.row_cache": ("RowCache.find", "RowCache.gather", "RowCache.store", "positions", "compact"),
+    "dlrm.embedding_comm.forward_cache": (
+        "ForwardCache.encode",
+        "ForwardCache.decode",
+        "_unpack",
+        "_finish",
+        "_code",
+        "_decode",
+    ),
+    "dlrm.embedding_comm.cache_probe": ("CacheProbe.measure", "CacheProbe.observe", "_over_bound"),
 }
 
 

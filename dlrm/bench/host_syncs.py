@@ -36,7 +36,7 @@ from dlrm.embedding_comm.codec import DirectionCodec
 from dlrm.embedding_comm.config import parse_compression_cfg
 from dlrm.embedding_comm.ids import keep_first_duplicates, sum_duplicates
 from dlrm.embedding_comm.policy import build_policy, table_stats
-from dlrm_compression import base, dedup, sparse
+from dlrm_compression import base, dedup, row_cache, sparse
 from dlrm_compression import format as fmt
 from dlrm_compression.host_syncs import HostSyncCounter
 from dlrm_compression.lossy import LossyCodec
@@ -55,13 +55,13 @@ WORLD_SIZES = (2, 8, 64)
 @contextmanager
 def device_paths(counter: HostSyncCounter | None = None) -> Iterator[None]:
     """Run the codec's device code on CPU tensors (as tests do): torch's dedup, not numpy's, the
-    bounds kept as a tensor, the device payload check (Adler-32) and DCT's device position
-    coding, restoring the CPU choices after. With ``counter``, each ``.tolist()`` / ``.cpu()`` of
-    a tensor also counts, as ``host_read``: on a device each is a copy to the host that waits,
-    and the dispatcher cannot see them on CPU tensors."""
+    bounds kept as a tensor, the device payload check (Adler-32), DCT's device position coding
+    and the row cache's device compaction, restoring the CPU choices after. With ``counter``,
+    each ``.tolist()`` / ``.cpu()`` of a tensor also counts, as ``host_read``: on a device each is
+    a copy to the host that waits, and the dispatcher cannot see them on CPU tensors."""
     saved = dedup.HOST_NUMPY, fmt._check_for, torch.Tensor.tolist, torch.Tensor.cpu, base.HOST_BOUNDS
-    positions = sparse.HOST_POSITIONS
-    dedup.HOST_NUMPY = base.HOST_BOUNDS = sparse.HOST_POSITIONS = False
+    positions, shortcuts = sparse.HOST_POSITIONS, row_cache.HOST_SHORTCUTS
+    dedup.HOST_NUMPY = base.HOST_BOUNDS = sparse.HOST_POSITIONS = row_cache.HOST_SHORTCUTS = False
     fmt._check_for = lambda device: "adler32"
     if counter is not None:
 
@@ -79,7 +79,7 @@ def device_paths(counter: HostSyncCounter | None = None) -> Iterator[None]:
         yield
     finally:
         dedup.HOST_NUMPY, fmt._check_for, base.HOST_BOUNDS = saved[0], saved[1], saved[4]
-        sparse.HOST_POSITIONS = positions
+        sparse.HOST_POSITIONS, row_cache.HOST_SHORTCUTS = positions, shortcuts
         torch.Tensor.tolist, torch.Tensor.cpu = saved[2], saved[3]  # type: ignore[method-assign]
 
 

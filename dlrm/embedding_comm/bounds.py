@@ -58,7 +58,7 @@ def absolute_bounds(x: torch.Tensor, widths: Sequence[int], values: Sequence[flo
 
 def host_bounds(bounds: Bounds | None) -> list[float] | None:
     """The bounds as Python floats, for the paths that read them on the host (sampling, the
-    calibration of compression=auto, the row cache and its probe): one host wait, not per chunk."""
+    calibration of compression=auto): one host wait, not per chunk."""
     if bounds is None or isinstance(bounds, list):
         return bounds
     return [float(b) for b in bounds.tolist()]

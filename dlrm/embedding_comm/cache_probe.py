@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from dlrm.embedding_comm.bounds import host_bounds
+from dlrm.embedding_comm.bounds import Bounds
 from dlrm.embedding_comm.codec import DirectionCodec, abs_error
 from dlrm.embedding_comm.forward_cache import ForwardCache
 from dlrm.embedding_comm.stage import Outgoing, Stage
@@ -59,11 +59,10 @@ class CacheProbe(Stage):
     def measure(self, c: Outgoing) -> bool:
         if not (c.direction == "forward" and c.ids is not None and c.dc.dedup and c.bounds is not None):
             return False
-        bounds = host_bounds(c.bounds)  # the probe reads floats: only for chunks it measures
-        if not bounds:
+        if not len(c.bounds):
             return False
         assert c.payload is not None
-        self.observe(c.dc, c.chunk, c.ids, c.payload, c.blocks.features, c.blocks.widths, bounds, c.dst, c.stats)
+        self.observe(c.dc, c.chunk, c.ids, c.payload, c.blocks.features, c.blocks.widths, c.bounds, c.dst, c.stats)
         return True
 
     def observe(
@@ -74,7 +73,7 @@ class CacheProbe(Stage):
         payload: torch.Tensor,
         features: Sequence[str],
         widths: Sequence[int],
-        bounds: Sequence[float],
+        bounds: Bounds,
         dst: int,
         stats: CommStats,
     ) -> None:
@@ -91,15 +90,17 @@ class CacheProbe(Stage):
             stats.maximum(f"{p}/mirror_bytes", shadow.nbytes)
 
 
-def _over_bound(held: torch.Tensor, exact: torch.Tensor, widths: Sequence[int], bounds: Sequence[float]) -> float:
-    """The worst error / bound over the blocks (non-finite values held exactly count as 0)."""
+def _over_bound(held: torch.Tensor, exact: torch.Tensor, widths: Sequence[int], bounds: Bounds) -> float:
+    """The worst error / bound over the blocks (non-finite values held exactly count as 0); the
+    host reads each block's worst error with the bounds at once."""
     if held.shape[0] == 0:
         return 0.0
     col = abs_error(held, exact).amax(dim=0)
-    worst, c = 0.0, 0
-    for w, b in zip(widths, bounds, strict=True):
+    parts = col.split(list(widths))
+    worst_t = [p.amax().double() if p.numel() else col.new_zeros((), dtype=torch.float64) for p in parts]
+    read = torch.cat([torch.stack(worst_t), torch.as_tensor(bounds, dtype=torch.float64, device=col.device)]).tolist()
+    worst = 0.0
+    for w, e, b in zip(widths, read[: len(widths)], read[len(widths) :], strict=True):
         if w:
-            e = float(col[c : c + w].max())
             worst = max(worst, e / b if b > 0 else (0.0 if e == 0 else math.inf))
-        c += w
     return worst

@@ -20,8 +20,11 @@ training forwards use the caches (evaluation sends as today); each rank's caches
 checkpoint (:meth:`ForwardCache.state_dict`), so saving changes nothing and a resumed run matches
 an uninterrupted one bit for bit.
 
-Each block is classified, merged and stored in a few whole-array operations on host (numpy)
-views of the chunk: the cache path runs on CPU tensors.
+Each block is classified, merged and stored in a few whole-tensor operations on the chunk's own
+device (CPU or an accelerator). The host reads only the sizes the payload's layout depends on, all
+blocks at once: per chunk, encode reads the blocks' unique-id counts and then their held, hit and
+moved counts with the delta bounds' magnitudes; decode the counts, then the held counts with the
+flags, then the moved counts (the codec's own reads aside).
 """
 
 from __future__ import annotations
@@ -29,16 +32,15 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 
-from dlrm.embedding_comm.bounds import host_bounds
+from dlrm.embedding_comm.bounds import Bounds
 from dlrm.embedding_comm.codec import CompressedCommError, DirectionCodec
 from dlrm.embedding_comm.stage import Incoming, Outgoing, Stage
 from dlrm_compression.dedup import plan_by_ids
-from dlrm_compression.row_cache import RowCache
+from dlrm_compression.row_cache import RowCache, compact, positions
 
 EPS = float(torch.finfo(torch.float32).eps)
 
@@ -67,14 +69,22 @@ class ForwardCache:
         return {"capacity_rows": self.capacity_rows, "caches": [[*k, c.state_dict()] for k, c in self.caches.items()]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Caches land on the saved rows' device; the first chunk moves them to its own."""
         self.caches = {}
         for role, peer, feature, k, saved in state.get("caches", []):
-            cache = RowCache(int(saved["dim"]), self.capacity_rows, saved["rows"].dtype)
+            cache = RowCache(int(saved["dim"]), self.capacity_rows, saved["rows"].dtype, saved["rows"].device)
             cache.load_state_dict(saved)
             self.caches[(str(role), int(peer), str(feature), int(k))] = cache
 
-    def _cache(self, role: str, peer: int, feature: str, k: int, dim: int, dtype: torch.dtype) -> RowCache:
-        return self.caches.setdefault((role, peer, feature, k), RowCache(dim, self.capacity_rows, dtype))
+    def _cache(
+        self, role: str, peer: int, feature: str, k: int, dim: int, dtype: torch.dtype, device: torch.device
+    ) -> RowCache:
+        cache = self.caches.get((role, peer, feature, k))
+        if cache is None:
+            cache = self.caches[(role, peer, feature, k)] = RowCache(dim, self.capacity_rows, dtype, device)
+        elif cache.device != device:  # restored from a checkpoint onto another device
+            cache.to_(device)
+        return cache
 
     def encode(
         self,
@@ -83,55 +93,72 @@ class ForwardCache:
         ids: torch.Tensor,
         features: Sequence[str],
         widths: Sequence[int],
-        bounds: Sequence[float],
+        bounds: Bounds,
         dst: int,
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, int]]:
         """(payload for global rank ``dst``, the chunk as ``dst`` will decode it, row counts:
         ``unique_rows``, ``held_rows``, ``hit_rows``, ``moved_rows`` sent as differences, each
-        also per feature as ``<name>/<feature>``)."""
-        if chunk.dtype != torch.float32:  # _delta_bound's rounding margin is fp32's, and numpy has no bf16
+        also per feature as ``<name>/<feature>``). ``bounds``: per block, floats or a tensor."""
+        if chunk.dtype != torch.float32:  # _delta_bound's rounding margin is fp32's
             raise TypeError(
                 f"compression.forward.cache needs fp32 pooled embeddings, got a {chunk.dtype} chunk "
                 "(turn the cache off for this run)"
             )
         firsts, inverse, idn = _unpack(ids)
-        x = chunk.detach().numpy()
-        flags, bits, sends, sent_ids, coded_bounds, steps = [], [], [], [], [], []
-        counts = dict.fromkeys(("unique_rows", "held_rows", "hit_rows", "moved_rows"), 0)
-        c = 0
+        x = chunk.detach()
+        looked, sums, largest, c = [], [], [], 0
         for k, (f, w) in enumerate(zip(features, widths, strict=True)):
             rows = firsts[k]
-            uid = idn[rows, k]
-            cache = self._cache("send", dst, f, k, w, chunk.dtype)
-            slots, cached = _look(cache, uid)
-            held = slots >= 0
-            exact = x[rows, c : c + w]
+            uid = idn[:, k].index_select(0, rows)
+            cache = self._cache("send", dst, f, k, w, chunk.dtype, x.device)
+            slots, held = cache.find(uid)
+            cached = cache.peek(slots)  # rows not held are overwritten (_finish), never read
+            exact = x[:, c : c + w].index_select(0, rows)
             # NaN compares false: a row with a NaN (exact or held) is never a hit
-            hit = held & (np.abs(exact - cached) <= bounds[k]).all(axis=1)
+            hit = held & ((exact - cached).abs() <= bounds[k]).all(dim=1)
             moved = held & ~hit
-            em, cm = exact[moved], cached[moved]
-            room = _delta_bound(em, cm, bounds[k])
-            delta = self.deltas and room > 0 and em.shape[0] > 0
-            fresh = ~held
+            looked.append(Block(cache, uid, slots, held, moved, cached, exact))
+            sums += [held.sum(), hit.sum()]
+            largest.append(_largest(exact, cached, moved))
+            c += w
+        # the one host read of the blocks' classification: counts, and the bounds they need
+        if looked:
+            bounds_t = torch.as_tensor(bounds, dtype=torch.float64, device=x.device)
+            read = torch.cat([torch.stack(sums).double(), torch.stack(largest).double(), bounds_t]).tolist()
+        nb = len(looked)
+        flags, bits, sends, sent_ids, coded_bounds, steps = [], [], [], [], [], []
+        counts = dict.fromkeys(("unique_rows", "held_rows", "hit_rows", "moved_rows"), 0)
+        for k, (f, b) in enumerate(zip(features, looked, strict=True)):
+            n_held, n_hit, m, bound = int(read[2 * k]), int(read[2 * k + 1]), read[2 * nb + k], read[3 * nb + k]
+            n_moved = n_held - n_hit
+            room = _delta_bound(m, n_moved * b.exact.shape[1], bound)
+            delta = self.deltas and room > 0 and n_moved > 0
+            step = b.step(n_held, n_moved, delta)
             flags.append(int(delta))
-            bits.append(moved[held])
-            sends.append(np.concatenate([exact[fresh], em - cm if delta else em]))
-            sent_ids.append(np.concatenate([uid[fresh], uid[moved]]))
-            coded_bounds.append(room if delta else bounds[k])
-            steps.append((cache, uid, slots, fresh, moved, cached, delta))
-            n_held, n_hit = int(held.sum()), int(hit.sum())
-            block = {"unique_rows": uid.size, "held_rows": n_held, "hit_rows": n_hit}
-            block["moved_rows"] = n_held - n_hit if delta else 0
+            bits.append(compact(b.moved, b.held, n_held))
+            em = b.exact.index_select(0, step.moved_at)
+            sends.append(
+                torch.cat(
+                    [
+                        b.exact.index_select(0, step.fresh_at),
+                        em - b.cached.index_select(0, step.moved_at) if delta else em,
+                    ]
+                )
+            )
+            sent_ids.append(torch.cat([b.uid.index_select(0, step.fresh_at), b.uid.index_select(0, step.moved_at)]))
+            coded_bounds.append(room if delta else bound)
+            steps.append(step)
+            block = {"unique_rows": b.uid.numel(), "held_rows": n_held, "hit_rows": n_hit}
+            block["moved_rows"] = n_moved if delta else 0
             for name, n in block.items():
                 counts[name] += n
                 counts[f"{name}/{f}"] = counts.get(f"{name}/{f}", 0) + n
-            c += w
-        inner = _code(dc, sends, sent_ids, widths, coded_bounds)
-        out = np.empty(x.shape, dtype=x.dtype)
+        inner = _code(dc, sends, sent_ids, widths, coded_bounds, x)
+        out = torch.empty_like(x)
         _finish(steps, _decode(dc, inner, sent_ids, widths), inverse, widths, out)
-        head = np.array(flags, dtype=np.uint8)
-        packed = np.packbits(np.concatenate(bits)) if bits else head[:0]
-        return torch.cat([torch.from_numpy(head), torch.from_numpy(packed), inner]), torch.from_numpy(out), counts
+        head = torch.tensor(flags, dtype=torch.uint8).to(x.device, non_blocking=True)
+        packed = _packbits(torch.cat(bits)) if bits else head[:0]
+        return torch.cat([head, packed, inner]), out, counts
 
     def decode(
         self,
@@ -145,31 +172,35 @@ class ForwardCache:
     ) -> torch.Tensor:
         """The chunk global rank ``src`` sent (into ``out`` if given), updating our caches alike."""
         if out is None:
-            out = torch.empty(ids.shape[0], sum(widths), dtype=torch.float32)
+            out = torch.empty(ids.shape[0], sum(widths), dtype=torch.float32, device=payload.device)
         firsts, inverse, idn = _unpack(ids)
         nb = len(widths)
-        raw = payload.numpy()
-        flags = raw[:nb].tolist()
         looked = []
         for k, (f, w) in enumerate(zip(features, widths, strict=True)):
-            uid = idn[firsts[k], k]
-            cache = self._cache("recv", src, f, k, w, out.dtype)
-            looked.append((cache, uid, *_look(cache, uid)))
-        n_held = sum(int((s >= 0).sum()) for _, _, s, _ in looked)
+            uid = idn[:, k].index_select(0, firsts[k])
+            cache = self._cache("recv", src, f, k, w, out.dtype, out.device)
+            slots, held = cache.find(uid)
+            looked.append(Block(cache, uid, slots, held, held, cache.peek(slots), out[:0]))
+        # host reads: the held counts with the flags (the bitmap's length), then the moved counts
+        first = [torch.stack([b.held.sum() for b in looked]), payload[:nb].long()] if looked else []
+        read = torch.cat(first).tolist() if looked else []
+        held_counts, flags = read[:nb], read[nb:]
+        n_held = sum(held_counts)
         n_bytes = (n_held + 7) // 8
-        bits = np.unpackbits(raw[nb : nb + n_bytes], count=n_held).astype(bool)
+        bits = _unpackbits(payload[nb : nb + n_bytes], n_held)
         inner = payload[nb + n_bytes :].clone()  # aligned (format.view_as fails on an empty misaligned section)
-        sent_ids, steps, at = [], [], 0
-        for (cache, uid, slots, cached), flag in zip(looked, flags, strict=True):
-            held = slots >= 0
-            h = int(held.sum())
-            moved = np.zeros_like(held)
-            moved[held] = bits[at : at + h]
+        at = 0
+        for k, (b, h) in enumerate(zip(looked, held_counts, strict=True)):
+            held_at = positions(b.held, h)
+            looked[k] = b._replace(moved=torch.zeros_like(b.held).index_copy_(0, held_at, bits[at : at + h]))
             at += h
-            fresh = ~held
-            sent_ids.append(np.concatenate([uid[fresh], uid[moved]]))
-            steps.append((cache, uid, slots, fresh, moved, cached, bool(flag)))
-        _finish(steps, _decode(dc, inner, sent_ids, widths), inverse, widths, out.numpy())
+        moved_counts = torch.stack([b.moved.sum() for b in looked]).tolist() if looked else []
+        sent_ids, steps = [], []
+        for b, h, n_moved, flag in zip(looked, held_counts, moved_counts, flags, strict=True):
+            step = b.step(h, n_moved, bool(flag))
+            sent_ids.append(torch.cat([b.uid.index_select(0, step.fresh_at), b.uid.index_select(0, step.moved_at)]))
+            steps.append(step)
+        _finish(steps, _decode(dc, inner, sent_ids, widths), inverse, widths, out)
         return out
 
 
@@ -188,10 +219,8 @@ class CacheStage(Stage):
         if not (self._applies(c.direction, c.ids, c.dc) and c.bounds is not None):
             return False
         assert c.ids is not None
-        bounds = host_bounds(c.bounds)  # the cache is host-side: it reads the bounds as floats
-        assert bounds is not None
         c.payload, c.held, counts = self.cache.encode(
-            c.dc, c.chunk, c.ids, c.blocks.features, c.blocks.widths, bounds, c.dst
+            c.dc, c.chunk, c.ids, c.blocks.features, c.blocks.widths, c.bounds, c.dst
         )
         for name, n in counts.items():
             if "/" not in name:  # totals (the per-feature counts serve the probe)
@@ -215,91 +244,145 @@ class CacheStage(Stage):
         return part
 
 
-def _unpack(ids: torch.Tensor) -> tuple[list[np.ndarray], np.ndarray | None, np.ndarray]:
-    """Host views: each block's first rows of its unique ids (ascending ids: the dedup
-    plan's canonical order), the plan's inverse [n_blocks, rows] (None: identity), the ids."""
+class Step(NamedTuple):
+    """One block's unique rows, as both sides rebuild them: where the fresh and the moved rows
+    are among the block's unique ids, and whether moved rows travel as differences."""
+
+    cache: RowCache
+    uid: torch.Tensor
+    slots: torch.Tensor
+    n_held: int
+    fresh_at: torch.Tensor
+    moved_at: torch.Tensor
+    unique: torch.Tensor  # the held rows gathered for this call (zeros where not held), then the result
+    delta: bool
+
+
+class Block(NamedTuple):
+    """One block of a chunk as looked up in its cache (``exact``: its exact rows, sender only)."""
+
+    cache: RowCache
+    uid: torch.Tensor
+    slots: torch.Tensor
+    held: torch.Tensor
+    moved: torch.Tensor
+    cached: torch.Tensor
+    exact: torch.Tensor
+
+    def step(self, n_held: int, n_moved: int, delta: bool) -> Step:
+        fresh_at = positions(~self.held, self.uid.numel() - n_held)
+        return Step(
+            self.cache, self.uid, self.slots, n_held, fresh_at, positions(self.moved, n_moved), self.cached, delta
+        )
+
+
+def _unpack(ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor]:
+    """Each block's first rows of its unique ids (ascending ids: the dedup plan's canonical order;
+    the host reads the blocks' counts), the plan's inverse [n_blocks, rows] (None: identity), the ids."""
     plan = plan_by_ids(ids)
-    firsts = np.split(plan.first.numpy(), np.cumsum(plan.counts.numpy())[:-1])
-    inverse = None if plan.inverse is None else plan.inverse.numpy()
-    return firsts, inverse, ids.numpy()
+    firsts = list(plan.first.split(plan.counts.tolist()))
+    return firsts, plan.inverse, ids
 
 
-def _look(cache: RowCache, uid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(slots, held rows: zeros where not held) of ``uid`` in ``cache``."""
-    slots = cache.find(uid)[0].numpy()
-    return slots, cache.gather(slots).numpy()
+def _largest(exact: torch.Tensor, held: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude of the moved rows' exact and held values (0-d; NaN kept)."""
+    if exact.numel() == 0:
+        return exact.new_zeros(())
+    both = torch.maximum(exact.abs(), held.abs())
+    return torch.where(moved.unsqueeze(1), both, 0).amax()
 
 
-def _delta_bound(exact: np.ndarray, held: np.ndarray, bound: float) -> float:
-    """The bound for the differences ``exact - held`` of moved rows: ``bound`` less what fp32
-    rounding of ``exact - held`` and of ``held + decoded`` can add (at most ~2.5 eps x the largest
-    magnitude; 4 taken). Negative (send whole) where any value is non-finite: a NaN or inf
-    difference cannot restore the exact value."""
-    if exact.size == 0:
+def _delta_bound(largest: float, n_values: int, bound: float) -> float:
+    """The bound for the differences ``exact - held`` of moved rows (``n_values`` values whose
+    largest magnitude is ``largest``): ``bound`` less what fp32 rounding of ``exact - held`` and of
+    ``held + decoded`` can add (at most ~2.5 eps x the largest magnitude; 4 taken). Negative (send
+    whole) where any value is non-finite: a NaN or inf difference cannot restore the exact value."""
+    if n_values == 0:
         return bound
-    m = float(np.maximum(np.abs(exact).max(), np.abs(held).max()))  # keeps a NaN (Python max() may drop it)
-    room = bound - 4 * EPS * m
+    room = bound - 4 * EPS * largest
     return room if math.isfinite(room) else -1.0
 
 
 def _finish(
-    steps: Sequence[tuple],
-    values: Sequence[np.ndarray],
-    inverse: np.ndarray | None,
+    steps: Sequence[Step],
+    values: Sequence[torch.Tensor],
+    inverse: torch.Tensor | None,
     widths: Sequence[int],
-    out: np.ndarray,
+    out: torch.Tensor,
 ) -> None:
     """Per block: the unique rows as decoded (held for hits, decoded for fresh, held +
     difference for moved), stored the same way on both sides (which makes every id of the batch
     the most recent), then spread over the chunk's rows into ``out``."""
     c = 0
-    for k, (cache, uid, slots, fresh, moved, unique, delta) in enumerate(steps):
-        n_fresh, n_moved = int(fresh.sum()), int(moved.sum())
-        unique[fresh] = values[k][:n_fresh]  # ``unique`` was the held rows, gathered for this call
-        moved_rows = values[k][n_fresh : n_fresh + n_moved]
-        unique[moved] = unique[moved] + moved_rows if delta else moved_rows
-        cache.store(uid, torch.from_numpy(unique), slots)
+    for k, s in enumerate(steps):
+        n_fresh, n_moved = s.fresh_at.numel(), s.moved_at.numel()
+        unique = s.unique
+        if n_fresh:
+            unique.index_copy_(0, s.fresh_at, values[k][:n_fresh])
+        if n_moved:
+            moved_rows = values[k][n_fresh : n_fresh + n_moved]
+            unique.index_copy_(
+                0, s.moved_at, unique.index_select(0, s.moved_at) + moved_rows if s.delta else moved_rows
+            )
+        s.cache.store(s.uid, unique, s.slots, n_held=s.n_held)
         w = widths[k]
-        out[:, c : c + w] = unique[inverse[k]] if inverse is not None else unique
+        out[:, c : c + w] = unique.index_select(0, inverse[k]) if inverse is not None else unique
         c += w
 
 
-def _padded_ids(sent_ids: Sequence[np.ndarray]) -> tuple[int, np.ndarray]:
+_BITS = (7, 6, 5, 4, 3, 2, 1, 0)  # np.packbits' order: the first bit is the most significant
+
+
+def _packbits(bits: torch.Tensor) -> torch.Tensor:
+    """``np.packbits`` of a bool tensor, on its device."""
+    pad = -bits.numel() % 8
+    b = torch.cat([bits, bits.new_zeros(pad)]).view(-1, 8).long()
+    return (b << torch.tensor(_BITS, device=bits.device)).sum(1).to(torch.uint8)
+
+
+def _unpackbits(packed: torch.Tensor, count: int) -> torch.Tensor:
+    """``np.unpackbits(packed, count=count)`` as bool, on its device."""
+    shifts = torch.tensor(_BITS, dtype=torch.uint8, device=packed.device)
+    return ((packed.unsqueeze(1) >> shifts) & 1).bool().reshape(-1)[:count]
+
+
+def _padded_ids(sent_ids: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """[n, n_blocks] ids: shorter blocks repeat their first id, an empty block has id -1."""
-    n = max([1, *(i.size for i in sent_ids)])
-    out = np.empty((n, len(sent_ids)), dtype=np.int64)
+    n = max([1, *(i.numel() for i in sent_ids)])
+    out = torch.full((n, len(sent_ids)), -1, dtype=torch.int64, device=device)
     for k, i in enumerate(sent_ids):
-        out[: i.size, k] = i
-        out[i.size :, k] = i[0] if i.size else -1
-    return n, out
+        out[: i.numel(), k] = i
+        if i.numel():
+            out[i.numel() :, k] = i[:1]
+    return out
 
 
 def _code(
     dc: DirectionCodec,
-    sends: Sequence[np.ndarray],
-    sent_ids: Sequence[np.ndarray],
+    sends: Sequence[torch.Tensor],
+    sent_ids: Sequence[torch.Tensor],
     widths: Sequence[int],
     bounds: Sequence[float],
+    like: torch.Tensor,
 ) -> torch.Tensor:
     """One lossy payload of each block's rows ``sends[k]`` under ids ``sent_ids[k]``. Shorter
     blocks repeat their first row under its id (dedup sends it once); an empty block carries one
     zero row under id -1."""
-    n, ids = _padded_ids(sent_ids)
-    cols = np.zeros((n, sum(widths)), dtype=sends[0].dtype if sends else np.float32)
+    ids = _padded_ids(sent_ids, like.device)
+    cols = like.new_zeros(ids.shape[0], sum(widths))
     c = 0
     for s, w in zip(sends, widths, strict=True):
         cols[: s.shape[0], c : c + w] = s
         if s.shape[0]:
             cols[s.shape[0] :, c : c + w] = s[:1]
         c += w
-    return dc.encode(torch.from_numpy(cols), widths, list(bounds), torch.from_numpy(ids))
+    return dc.encode(cols, widths, list(bounds), ids)
 
 
 def _decode(
-    dc: DirectionCodec, inner: torch.Tensor, sent_ids: Sequence[np.ndarray], widths: Sequence[int]
-) -> list[np.ndarray]:
+    dc: DirectionCodec, inner: torch.Tensor, sent_ids: Sequence[torch.Tensor], widths: Sequence[int]
+) -> list[torch.Tensor]:
     """Each block's decoded rows of :func:`_code`'s payload (both sides rebuild the same ids)."""
-    _, ids = _padded_ids(sent_ids)
-    rows = dc.codec.decode(inner, torch.from_numpy(ids)).numpy()
-    starts = np.cumsum([0, *widths])
+    rows = dc.codec.decode(inner, _padded_ids(sent_ids, inner.device))
+    starts = list(itertools.accumulate(widths, initial=0))
     return [rows[:, a:b] for a, b in itertools.pairwise(starts)]

@@ -13,10 +13,9 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from dlrm.dense_comm.component import DenseCommunication
 from dlrm.embedding_comm.component import EmbeddingCompression
-from dlrm.embedding_comm.config import CompressionSpec
 from dlrm.placement.codec_ratio import priced_directions
 from dlrm.placement.comm_aware import build_planner
-from dlrm.placement.config import PlacementSpec, parse_placement_cfg
+from dlrm.placement.config import parse_placement_cfg
 from dlrm.placement.replication import Replication, setup_replication
 from dlrm.placement.traffic import Direction
 from dlrm.process.env import DistEnv
@@ -36,7 +35,6 @@ class Placement(Component):
     ) -> None:
         self.cfg, self.env, self.data, self.compression, self.dense = cfg, env, data, compression, dense
         self.spec = parse_placement_cfg(cfg.placement, cfg.sharding.type, len(data.features))
-        refuse_host_only(env.device, compression.spec, self.spec)
         # id statistics, for the traffic model and hot-row replication
         self.freqs, _ = data.frequency(cfg.batch_size, self.spec.estimate_batches, self.spec.top_n)
         self.table_freqs = dict(zip(table_names(data.features), self.freqs, strict=True))
@@ -98,17 +96,3 @@ class Placement(Component):
     @property
     def parts(self) -> Mapping[str, Stateful]:
         return {"hot_rows": self.replication} if self.replication else {}
-
-
-def refuse_host_only(device: torch.device, spec: CompressionSpec, placement: PlacementSpec) -> None:
-    """Hot-row replication, the forward row cache and its probe keep their state on the host (numpy
-    arrays, CPU buffers, gloo-sized collectives): refuse them on an accelerator, naming the keys."""
-    cache = spec.forward is not None and spec.forward.cache_rows is not None
-    used = {
-        "placement.hot_rows": placement.replicates,
-        "compression.forward.cache.enabled": cache,
-        "compression.stats.cache_probe.enabled": spec.cache_probe_rows is not None,
-    }
-    on = [key for key, is_on in used.items() if is_on]
-    if device.type != "cpu" and on:
-        raise ValueError(f"{', '.join(on)}: CPU runs only so far (this run is on {device}); turn it off")

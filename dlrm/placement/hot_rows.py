@@ -26,6 +26,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from dlrm.process.env import collective_device
 from dlrm.trainer.model import table_names
+from dlrm_compression.row_cache import compact
 
 HOT_SUFFIX = "@hot"
 
@@ -41,34 +42,37 @@ class HotSplit:
             self.sorted_ids[f], self.slot_of_sorted[f] = ids.sort()
 
     def __call__(self, batch: Batch) -> Batch:
+        """The batch with each replicated feature's hot ids split off, on the batch's device; the
+        host reads every key's new length at once (the jagged tensor's ``length_per_key``)."""
         kjt = batch.sparse_features
         parts = kjt.to_dict()
-        keys, values, lengths = list(kjt.keys()), [], []
-        hot_values, hot_lengths = [], []
-        for key in keys:
-            jt = parts[key]
-            if key not in self.sorted_ids:
-                values.append(jt.values())
-                lengths.append(jt.lengths())
-                continue
-            v, n = jt.values(), jt.lengths()
-            ids = self.sorted_ids[key]
+        keys = list(kjt.keys())
+        hot_keys = [k for k in keys if k in self.sorted_ids]
+        values = {k: parts[k].values() for k in keys}
+        lengths = {k: parts[k].lengths() for k in keys}
+        hot, slots, hot_lengths = {}, {}, {}
+        for key in hot_keys:
+            v, n = values[key], lengths[key]
+            ids = self.sorted_ids[key].to(v.device)
             pos = torch.searchsorted(ids, v).clamp_(max=len(ids) - 1)
-            hot = ids[pos] == v
-            bag = torch.repeat_interleave(torch.arange(len(n)), n.long())
-            values.append(v[~hot])
-            lengths.append(torch.bincount(bag[~hot], minlength=len(n)).to(n.dtype))
-            hot_values.append(self.slot_of_sorted[key][pos[hot]])
-            hot_lengths.append(torch.bincount(bag[hot], minlength=len(n)).to(n.dtype))
-        all_lengths = lengths + hot_lengths
-        split = KeyedJaggedTensor(
-            keys=keys + [k + HOT_SUFFIX for k in keys if k in self.sorted_ids],
-            values=torch.cat(values + hot_values),
+            hot[key] = ids[pos] == v
+            slots[key] = self.slot_of_sorted[key].to(v.device)[pos]
+            bag = torch.repeat_interleave(torch.arange(len(n), device=v.device), n.long(), output_size=v.numel())
+            hot_lengths[key] = torch.zeros_like(n).index_add_(0, bag, hot[key].to(n.dtype))
+            lengths[key] = n - hot_lengths[key]
+        all_lengths = [lengths[k] for k in keys] + [hot_lengths[k] for k in hot_keys]
+        sizes = torch.stack([n.sum() for n in all_lengths]).tolist()  # the one host read
+        size = dict(zip(keys, sizes, strict=False))
+        cold = [compact(values[k], ~hot[k], size[k]) if k in hot else values[k] for k in keys]
+        hot_values = [compact(slots[k], hot[k], m) for k, m in zip(hot_keys, sizes[len(keys) :], strict=True)]
+        out = KeyedJaggedTensor(
+            keys=keys + [k + HOT_SUFFIX for k in hot_keys],
+            values=torch.cat(cold + hot_values),
             lengths=torch.cat(all_lengths),
             stride=kjt.stride(),
-            length_per_key=[int(n.sum()) for n in all_lengths],
+            length_per_key=[int(m) for m in sizes],
         )
-        return Batch(dense_features=batch.dense_features, sparse_features=split, labels=batch.labels)
+        return Batch(dense_features=batch.dense_features, sparse_features=out, labels=batch.labels)
 
     def batches(self, batches: Iterable[Batch]) -> Iterator[Batch]:
         return (self(b) for b in batches)
@@ -142,11 +146,17 @@ def fold_into_tables(
     return out
 
 
-def install(model: torch.nn.Module, hot_ids: Mapping[str, torch.Tensor], dim: int) -> HotRows:
-    """Put replicas of ``hot_ids`` (feature -> ids, hottest first) into a sharded DLRMTrain,
-    initialised from the sharded tables' rows (a collective)."""
+def install(
+    model: torch.nn.Module, hot_ids: Mapping[str, torch.Tensor], dim: int, device: torch.device | None = None
+) -> HotRows:
+    """Put replicas of ``hot_ids`` (feature -> ids, hottest first) into a sharded DLRMTrain, on
+    ``device`` (default: its dense parameters'), initialised from the sharded tables' rows (a
+    collective on that device: the process group's)."""
     dlrm = get_unwrapped_module(model).model
+    if device is None:
+        device = next(dlrm.dense_arch.parameters()).device
     hot = HotRows({f: len(ids) for f, ids in hot_ids.items()}, dim, list(dlrm.sparse_arch.sparse_feature_names))
+    hot.to(device)
     copy_from_tables(dlrm.sparse_arch.embedding_bag_collection, hot, hot_ids)
     dlrm.sparse_arch = HotSparseArch(dlrm.sparse_arch, hot)
     return hot
@@ -160,14 +170,16 @@ def copy_from_tables(ebc: torch.nn.Module, hot: HotRows, hot_ids: Mapping[str, t
     for f, ids in hot_ids.items():
         (table,) = table_names([f])
         weight, replica = state[f"embedding_bags.{table}.weight"], hot.weights[f]
-        ids = torch.as_tensor(ids, dtype=torch.int64)
+        ids = torch.as_tensor(ids, dtype=torch.int64).to(replica.device)
         shards = weight.local_shards() if hasattr(weight, "local_shards") else []
         if not hasattr(weight, "local_shards") and (not dist.is_initialized() or dist.get_rank() == 0):
-            replica.copy_(weight[ids])  # data-parallel table: every rank has it all; one rank contributes
+            replica.copy_(
+                weight[ids.to(weight.device)]
+            )  # data-parallel table: every rank has it all; one rank contributes
         for shard in shards:
             (r0, c0), (nr, nc) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-            mine = (ids >= r0) & (ids < r0 + nr)
-            replica[mine, c0 : c0 + nc] = shard.tensor[ids[mine] - r0].to(replica.dtype)
+            mine = (ids >= r0) & (ids < r0 + nr)  # once, at setup: the masks' syncs do not recur
+            replica[mine, c0 : c0 + nc] = shard.tensor[(ids[mine] - r0).to(shard.tensor.device)].to(replica)
     if dist.is_initialized() and dist.get_world_size() > 1:
         flat = torch.cat([w.flatten() for w in hot.weights.values()]).to(collective_device())
         dist.all_reduce(flat)

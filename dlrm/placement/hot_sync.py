@@ -21,6 +21,7 @@ of the optimisation math that a user opts into).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,6 +33,7 @@ from torchrec.optim.keyed import KeyedOptimizer
 from dlrm.placement.hot_wire import SyncWire
 from dlrm.placement.traffic import ID_BYTES
 from dlrm.process.timeout import named_collective
+from dlrm_compression.row_cache import compact, positions
 
 RULES = ("sgd", "adagrad", "rowwise_adagrad")
 
@@ -84,13 +86,17 @@ class HotRowOptimizer(KeyedOptimizer):
             self._sync_and_apply()
 
     def _sync_and_apply(self) -> None:
-        """All-gather every rank's touched rows (slots across all tables), sum in rank order, update."""
+        """All-gather every rank's touched rows (slots across all tables), sum in rank order, update.
+        On the replicas' device; the host reads the touched and the hit counts (all tables at once)
+        and the gather's sizes."""
         params = [self.params[n] for n in self.names]
-        bases = torch.tensor([0] + [p.shape[0] for p in params]).cumsum(0).tolist()
-        slots = [self.touched[n].nonzero().flatten() + b for n, b in zip(self.names, bases, strict=False)]
-        rows = [self.pending[n][self.touched[n]] for n in self.names]
-        total = torch.zeros(bases[-1], params[0].shape[1], dtype=params[0].dtype)
-        hit = torch.zeros(bases[-1], dtype=torch.bool)
+        bases = list(itertools.accumulate((p.shape[0] for p in params), initial=0))
+        touched = [self.touched[n] for n in self.names]
+        n_touched = torch.stack([t.sum() for t in touched]).tolist()
+        slots = [positions(t, k) + b for t, k, b in zip(touched, n_touched, bases, strict=False)]
+        rows = [compact(self.pending[n], t, k) for n, t, k in zip(self.names, touched, n_touched, strict=True)]
+        total = params[0].new_zeros(bases[-1], params[0].shape[1])
+        hit = torch.zeros(bases[-1], dtype=torch.bool, device=total.device)
         if self.wire is None:
             gathered = self._gather(torch.cat(slots), torch.cat(rows))
         else:
@@ -99,30 +105,33 @@ class HotRowOptimizer(KeyedOptimizer):
             total.index_add_(0, s, r)
             hit[s] = True
         lr, eps = self.param_groups[0]["lr"], self.param_groups[0]["eps"]
-        for name, p, b in zip(self.names, params, bases, strict=False):
-            sel = hit[b : b + p.shape[0]].nonzero().flatten()
+        hits = [hit[b : b + p.shape[0]] for p, b in zip(params, bases, strict=False)]
+        n_hit = torch.stack([h.sum() for h in hits]).tolist()
+        for name, p, b, h, k in zip(self.names, params, bases, hits, n_hit, strict=False):
+            sel = positions(h, k)
             self._apply(p, sel, total[b + sel], lr, eps)
             self.pending[name].zero_()
             self.touched[name].zero_()
 
     def _gather(self, slots: torch.Tensor, rows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Every rank's (slots, rows), in rank order; rows of each rank padded to the largest count."""
+        """Every rank's (slots, rows), in rank order; rows of each rank padded to the largest count.
+        Tensors on the rows' device (the process group's: NCCL takes CUDA tensors, gloo CPU ones)."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return [(slots, rows)]
-        world, dim = dist.get_world_size(), rows.shape[1]
+        world, dim, dev = dist.get_world_size(), rows.shape[1], rows.device
         with named_collective("the hot-row gradient all-gather (placement.hot_rows)"):
-            counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-            dist.all_gather(counts, torch.tensor([len(slots)]))
-            n = max(int(c) for c in counts)
-            packed = torch.zeros(n, dim + 2, dtype=torch.float32)  # int64 slot as two float32 words
+            counts = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
+            dist.all_gather(counts, torch.tensor([len(slots)]).to(dev, non_blocking=True))
+            sizes = torch.cat(counts).tolist()  # the size exchange: one host read
+            n = max(sizes)
+            packed = torch.zeros(n, dim + 2, dtype=torch.float32, device=dev)  # int64 slot as two float32 words
             packed[: len(slots), :2] = slots.to(torch.int64).view(-1, 1).view(torch.float32).view(-1, 2)
             packed[: len(slots), 2:] = rows
             out = [torch.empty_like(packed) for _ in range(world)]
             dist.all_gather(out, packed)
         self.sent_bytes += (world - 1) * (packed.numel() * 4 + ID_BYTES)  # padded rows and the count
         return [
-            (o[: int(c), :2].contiguous().view(torch.int64).flatten(), o[: int(c), 2:])
-            for o, c in zip(out, counts, strict=True)
+            (o[:c, :2].contiguous().view(torch.int64).flatten(), o[:c, 2:]) for o, c in zip(out, sizes, strict=True)
         ]
 
     def _gather_coded(
@@ -135,12 +144,12 @@ class HotRowOptimizer(KeyedOptimizer):
         payload = self.wire.encode(slots, rows, self.steps - 1)  # the iteration of the last step synced
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return [self.wire.decode(payload, 0)]
-        world, n = dist.get_world_size(), int(payload.numel())
+        world, n, dev = dist.get_world_size(), int(payload.numel()), payload.device
         with named_collective("the coded hot-row gradient exchange (placement.sync_codec=backward)"):
-            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-            dist.all_gather(sizes, torch.tensor([n]))
-            recv = [int(c) for c in sizes]
-            out = torch.empty(sum(recv), dtype=torch.uint8)
+            sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
+            dist.all_gather(sizes, torch.tensor([n]).to(dev, non_blocking=True))
+            recv = torch.cat(sizes).tolist()  # the size exchange: one host read
+            out = torch.empty(sum(recv), dtype=torch.uint8, device=dev)
             dist.all_to_all_single(out, payload.repeat(world), recv, [n] * world)
         self.sent_bytes += (world - 1) * (n + ID_BYTES)  # the payload and its size to every peer
         return [self.wire.decode(p, src) for src, p in enumerate(out.split(recv))]

@@ -8,14 +8,18 @@ paid per bound class, not per table, and no row is coded looser than its table's
 
 Layout (little-endian)::
 
-    prefix "<4sBBHII": magic b"HRW1", version, slot width (2: int16 when every slot fits, else 4:
-                       int32), parts, rows, crc32 of everything after the prefix
+    prefix "<4sBBHII": magic b"HRW1", version (1: the check is zlib's crc32, built on the CPU; 2:
+                       Adler-32, built on an accelerator, where a crc32 would copy the payload to
+                       the host), slot width (2: int16 when every slot fits, else 4: int32),
+                       parts, rows, the check of everything after the prefix
     slots              rows x slot width, part after part (a part's rows in slot order)
     per part           rows (u32), payload bytes (u32)
     payloads           the parts' codec payloads, back to back (each self-describing, checksummed)
 
 A rank that touched nothing sends the 16-byte prefix alone. Decoding is deterministic, so every
-rank that decodes the same bytes gets the same rows, bit for bit.
+rank that decodes the same bytes gets the same rows, bit for bit. The payload is built and decoded
+on the rows' device; the host reads the bounds (all tables at once) to encode, and the prefix, then
+the part table with the check's verdict, to decode.
 """
 
 from __future__ import annotations
@@ -26,14 +30,17 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from dlrm.embedding_comm.bounds import host_bounds
 from dlrm.embedding_comm.codec import DirectionCodec
+from dlrm_compression import format as fmt
 from dlrm_compression.composite import PerBlockCodec
+from dlrm_compression.format import adler32
 
-MAGIC, VERSION = b"HRW1", 1
+MAGIC = b"HRW1"
+CHECKS = {1: "crc32", 2: "adler32"}  # version -> the payload's check
+VERSION = 1  # the CPU's (crc32)
+_CHECK_AT = 12  # the check's offset in the prefix
 _PREFIX = struct.Struct("<4sBBHII")
 _PART = struct.Struct("<II")
 INT16_SLOTS = 1 << 15  # int16 slot ids hold 0..32767
@@ -83,25 +90,29 @@ class SyncWire:
 
     def bounds(self, rows: Sequence[torch.Tensor], iteration: int) -> list[float]:
         """Each table's absolute bound for its rows: the backward policy's value for the feature
-        (a fraction of the rows' value range in rel mode)."""
-        out = []
+        (a fraction of the rows' value range in rel mode), read on the host all at once."""
+        found: list[list[float] | torch.Tensor] = []
         for f, r in zip(self.features, rows, strict=True):
             if not len(r):  # nothing to send: no bound needed (a range of no rows is undefined)
-                out.append(math.inf)
+                found.append([math.inf])
                 continue
             (value,) = self.direction.policy([f], iteration)
-            b = host_bounds(self.direction.bounds(r, [r.shape[1]], [value]))
-            out.append(math.inf if b is None else b[0])
-        return out
+            b = self.direction.bounds(r, [r.shape[1]], [value])
+            found.append([math.inf] if b is None else b)  # floats (abs mode) or a tensor (rel)
+        tensors = [b.reshape(-1)[:1].double() for b in found if isinstance(b, torch.Tensor)]
+        read = iter(torch.cat(tensors).tolist() if tensors else [])
+        return [next(read) if isinstance(b, torch.Tensor) else float(b[0]) for b in found]
 
     def encode(self, slots: Sequence[torch.Tensor], rows: Sequence[torch.Tensor], iteration: int) -> torch.Tensor:
-        """The payload (uint8, 1-D) of each table's touched ``slots`` (global, int64) and ``rows``."""
+        """The payload (uint8, 1-D, on the rows' device) of each table's touched ``slots``
+        (global, int64) and ``rows``."""
         parts: dict[float, Part] = {}
         for s, r, b in zip(slots, rows, self.bounds(rows, iteration), strict=True):
             if len(s):
                 part = parts.setdefault(bound_class(b), Part(bound_class(b), [], []))
                 part.slots.append(s)
                 part.rows.append(r)
+        device = rows[0].device if rows else torch.device("cpu")
         payloads = []
         for part in parts.values():
             block = torch.cat(part.rows).contiguous()
@@ -109,51 +120,71 @@ class SyncWire:
             self.raw_row_bytes += block.numel() * 4
             self.coded_row_bytes += int(payloads[-1].numel())
         all_slots = [s for p in parts.values() for s in p.slots]
-        ids = torch.cat(all_slots).to(self.slot_dtype) if all_slots else torch.zeros(0, dtype=self.slot_dtype)
+        ids = torch.cat(all_slots).to(device, self.slot_dtype) if all_slots else torch.zeros(0, dtype=self.slot_dtype)
         counts = [sum(len(s) for s in p.slots) for p in parts.values()]
-        body = b"".join(
-            [
-                ids.numpy().tobytes(),
-                b"".join(_PART.pack(n, int(p.numel())) for n, p in zip(counts, payloads, strict=True)),
-                b"".join(p.numpy().tobytes() for p in payloads),
-            ]
-        )
-        prefix = _PREFIX.pack(MAGIC, VERSION, self.width, len(payloads), len(ids), zlib.crc32(body))
-        return torch.frombuffer(bytearray(prefix + body), dtype=torch.uint8)
+        table = b"".join(_PART.pack(n, int(p.numel())) for n, p in zip(counts, payloads, strict=True))
+        body = torch.cat([ids.to(device).view(torch.uint8), _on(table, device), *(p.reshape(-1) for p in payloads)])
+        version = 2 if fmt._check_for(device) == "adler32" else VERSION  # the codec payloads' choice, by device
+        check = zlib.crc32(body.numpy()) if CHECKS[version] == "crc32" else 0  # type: ignore[arg-type]
+        out = torch.cat([_on(_PREFIX.pack(MAGIC, version, self.width, len(payloads), len(ids), check), device), body])
+        if CHECKS[version] == "adler32":  # computed and written on the device
+            out[_CHECK_AT : _PREFIX.size] = adler32(body).reshape(1).view(torch.uint8)[:4]
+        return out
 
     def decode(self, payload: torch.Tensor, src: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(slots int64, fp32 rows [n, D]) of rank ``src``'s payload; any defect is a HotWireError."""
-        raw = payload.numpy().tobytes()
+        """(slots int64, fp32 rows [n, D]) of rank ``src``'s payload, on its device; any defect is
+        a HotWireError."""
+        size = payload.numel()
 
         def fail(why: str) -> HotWireError:
-            return HotWireError(f"hot-row sync payload from rank {src} ({len(raw)} bytes): {why}")
+            return HotWireError(f"hot-row sync payload from rank {src} ({size} bytes): {why}")
 
-        if len(raw) < _PREFIX.size:
+        if size < _PREFIX.size:
             raise fail(f"shorter than its {_PREFIX.size}-byte prefix (truncated)")
-        magic, version, width, n_parts, n_rows, crc = _PREFIX.unpack_from(raw)
-        if magic != MAGIC or version != VERSION:
+        magic, version, width, n_parts, n_rows, check = _PREFIX.unpack(_host(payload[: _PREFIX.size]))
+        if magic != MAGIC or version not in CHECKS:
             raise fail(f"not a hot-row sync payload (magic {magic!r}, version {version})")
         if width != self.width:
             raise fail(f"slot width {width} bytes, expected {self.width} for {sum(self.sizes)} slots")
-        head = _PREFIX.size + n_rows * width + n_parts * _PART.size
-        if len(raw) < head:
+        at = _PREFIX.size + n_rows * width  # the part table
+        head = at + n_parts * _PART.size
+        if size < head:
             raise fail(f"truncated: {n_rows} slots and {n_parts} parts need {head} bytes before the rows")
-        if zlib.crc32(raw[_PREFIX.size :]) != crc:
+        body = payload[_PREFIX.size :]
+        slots = payload[_PREFIX.size : at].clone().view(torch.int16 if width == 2 else torch.int32).long()
+        # one host read: the part table, the check's verdict (crc32: the bytes themselves) and the slots' range
+        verdict = [(adler32(body) == check)] if CHECKS[version] == "adler32" else []
+        if n_rows:
+            verdict.append((slots.min() >= 0) & (slots.max() < sum(self.sizes)))
+        flags = torch.stack(verdict).to(torch.uint8) if verdict else payload[:0]
+        raw = _host(torch.cat([payload[at:head], flags]))
+        good = zlib.crc32(_host(body)) == check if CHECKS[version] == "crc32" else raw[head - at] == 1
+        if not good:
             raise fail("checksum mismatch (corrupted or truncated)")
-        slots = torch.from_numpy(np.frombuffer(raw, np.int16 if width == 2 else np.int32, n_rows, _PREFIX.size).copy())
-        sizes = [_PART.unpack_from(raw, _PREFIX.size + n_rows * width + i * _PART.size) for i in range(n_parts)]
-        if sum(n for n, _ in sizes) != n_rows or head + sum(b for _, b in sizes) != len(raw):
+        sizes = [_PART.unpack_from(raw, i * _PART.size) for i in range(n_parts)]
+        if sum(n for n, _ in sizes) != n_rows or head + sum(b for _, b in sizes) != size:
             raise fail(f"parts of {sizes} (rows, bytes) do not add up to {n_rows} rows and the payload's length")
-        if n_rows and (int(slots.min()) < 0 or int(slots.max()) >= sum(self.sizes)):
+        if n_rows and raw[-1] != 1:
             raise fail(f"slot ids outside 0..{sum(self.sizes) - 1}")
         rows, at = [], head
-        for i, (n, size) in enumerate(sizes):
+        for i, (n, nbytes) in enumerate(sizes):
             try:
-                block = self.codec.decode(torch.frombuffer(bytearray(raw[at : at + size]), dtype=torch.uint8))
+                block = self.codec.decode(payload[at : at + nbytes].clone())
             except Exception as e:  # any codec failure: name the rank and the part
                 raise fail(f"part {i}: {type(e).__name__}: {e}") from e
             if tuple(block.shape) != (n, self.dim):
                 raise fail(f"part {i} decoded shape {tuple(block.shape)}, its entry says ({n}, {self.dim})")
             rows.append(block.float())
-            at += size
-        return slots.to(torch.int64), torch.cat(rows) if rows else torch.zeros(0, self.dim)
+            at += nbytes
+        return slots, torch.cat(rows) if rows else torch.zeros(0, self.dim, device=payload.device)
+
+
+def _on(raw: bytes, device: torch.device) -> torch.Tensor:
+    """Host bytes (the framing) as a uint8 tensor on ``device``, sent without waiting for its queue."""
+    t = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
+    return t if device.type == "cpu" else t.to(device, non_blocking=True)
+
+
+def _host(t: torch.Tensor) -> bytes:
+    """The bytes of a uint8 tensor on the host (a copy and a wait on a device)."""
+    return t.cpu().numpy().tobytes()

@@ -107,7 +107,7 @@ class Replication(PerRank):
         weights = torch.cat([p.detach().flatten() for p in self.optimizer.params.values()])
         wire = self.optimizer.wire
         coded = (wire.raw_row_bytes, wire.coded_row_bytes) if wire is not None else (0, 0)
-        mine = (self.optimizer.sent_bytes, zlib.crc32(weights.numpy().tobytes()), *coded)
+        mine = (self.optimizer.sent_bytes, zlib.crc32(weights.cpu().numpy().tobytes()), *coded)
         ranks: list[Any] = [mine]
         if dist.is_initialized():
             ranks = [None] * dist.get_world_size()

@@ -107,7 +107,7 @@ def test_nbytes_is_the_memory_allocated_capacity_rows_and_index():
         c.store(torch.arange(step * 7, step * 7 + 40), torch.zeros(40, 16))
         assert c.nbytes == _allocated(c)
     assert c._rows.shape[0] == 100 and len(c) == 100
-    assert c.nbytes == 100 * 16 * 4 + 8 * (c._ids.size + c._slots.size + c._ticks.size + c._free.size)
+    assert c.nbytes == 100 * 16 * 4 + 8 * (c._ids.numel() + c._slots.numel() + c._ticks.numel() + c._free.numel())
 
 
 def _brute_force_hits(steps, eb, decode):

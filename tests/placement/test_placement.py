@@ -183,20 +183,3 @@ def test_the_trainer_estimates_frequencies_from_its_first_batches_when_meta_has_
         freqs, source = RunData(d, info, {"train": ["train"]}, 0, 1, 0).frequency(100, 3)
     assert source == "batches" and freqs[0].lookups == 300
     assert "records no id frequencies: estimated from the first 3 training batches (300 rows)" in caplog.text
-
-
-def test_host_only_options_are_refused_on_an_accelerator():
-    from dlrm.embedding_comm.config import parse_compression_cfg
-    from dlrm.placement.component import refuse_host_only
-
-    lossy = {"forward": {"codec": "lossy"}, "backward": {"codec": "lossy"}}
-    cached = parse_compression_cfg({**lossy, "forward": {"codec": "lossy", "cache": {"enabled": True}}})
-    hot = parse_placement_cfg({"hot_rows": "auto"}, "table_wise", 3)
-    none = parse_placement_cfg({}, "table_wise", 3)
-    refuse_host_only(torch.device("cpu"), cached, hot)  # the host is where they run
-    refuse_host_only(torch.device("cuda"), parse_compression_cfg(lossy), none)
-    with pytest.raises(ValueError, match=r"^placement\.hot_rows, compression\.forward\.cache\.enabled: CPU runs only"):
-        refuse_host_only(torch.device("cuda"), cached, hot)
-    probe = parse_compression_cfg({**lossy, "stats": {"cache_probe": {"enabled": True}}})
-    with pytest.raises(ValueError, match=r"^compression\.stats\.cache_probe\.enabled: CPU runs only"):
-        refuse_host_only(torch.device("cuda:0"), probe, none)

@@ -1,0 +1,221 @@
+"""The row cache, its probe and hot-row replication run on the tensors' own device: counted on the
+device code paths (dlrm.bench.host_syncs.device_paths: CPU shortcuts off, each .tolist()/.cpu()
+counted as a host read), their host waits are a fixed few per chunk, batch or sync (the sizes
+their layouts depend on, read for all blocks or tables at once), never per block or table, and
+their results are bit for bit those of the CPU shortcuts. A static check pins their host copies."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from dlrm.bench.host_copies import HostCopy, host_copies
+from dlrm.bench.host_syncs import device_paths
+from dlrm.embedding_comm import fixed_bound
+from dlrm.embedding_comm import forward_cache as fc
+from dlrm.embedding_comm.cache_probe import CacheProbe
+from dlrm.embedding_comm.codec import DirectionCodec
+from dlrm.embedding_comm.config import DirectionSpec
+from dlrm.embedding_comm.stats import CommStats
+from dlrm.placement.hot_rows import HotSplit
+from dlrm.placement.hot_sync import HotRowOptimizer
+from dlrm.placement.hot_wire import SyncWire
+from dlrm_compression.host_syncs import HostSyncCounter
+from dlrm_compression.row_cache import RowCache
+
+EB, DIM = 0.01, 4
+
+
+def _codec(direction: str = "forward", mode: str = "abs") -> DirectionCodec:
+    spec = DirectionSpec("lossy", mode=mode, params={"entropy": False})  # the fixed-length coder, as on CUDA
+    return DirectionCodec(spec, direction, fixed_bound(EB))
+
+
+def _chunks(nb: int, steps: int = 3, rows: int = 64) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Forward chunks by id: block 0 drifts past the bound (moved rows), the others stay (hits)."""
+    g = torch.Generator().manual_seed(nb)
+    tables = torch.randn(nb, 40, DIM, generator=g)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, 40, (rows, nb), generator=g)
+        tables[0] += 3 * EB * torch.randn(40, DIM, generator=g)
+        out.append((torch.cat([tables[k][ids[:, k]] for k in range(nb)], 1), ids))
+    return out
+
+
+@contextmanager
+def _labelled(counter: HostSyncCounter, obj: Any, names: list[str], label: str) -> Iterator[None]:
+    """Run ``obj``'s functions ``names`` under ``label`` (the codec's own waits, counted apart:
+    ``c.by_label[label]`` leaves ``label/codec`` out)."""
+    saved = {n: getattr(obj, n) for n in names}
+
+    def wrap(f: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with counter.label(label):
+                return f(*args, **kwargs)
+
+        return run
+
+    for n, f in saved.items():
+        setattr(obj, n, wrap(f))
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(obj, n, f)
+
+
+def test_row_cache_finds_and_gathers_without_a_wait_and_stores_with_at_most_one():
+    cache = RowCache(DIM, capacity_rows=50)
+    cache.store(torch.arange(30), torch.randn(30, DIM))
+    ids = torch.arange(20, 60)
+    c = HostSyncCounter()
+    with device_paths(c), c:
+        with c.label("find"):
+            slots, _ = cache.find(ids)
+            rows = cache.gather(slots)
+        with c.label("store_known"):
+            cache.store(ids, rows, slots, n_held=10)  # evicts past the capacity
+        with c.label("store"):
+            cache.store(torch.arange(55, 70), torch.randn(15, DIM))
+    assert c.by_label == {"store": 1}, c.counts  # find, gather and a store told its count: none
+    assert cache.ids()[-15:] == list(range(55, 70)) and len(cache) == 50
+
+
+@pytest.mark.parametrize("nb", [2, 5])
+def test_forward_cache_waits_a_fixed_number_of_times_per_chunk_whatever_its_blocks(nb):
+    dc = _codec()
+    feats, widths, bounds = [f"f{k}" for k in range(nb)], [DIM] * nb, torch.full((nb,), EB, dtype=torch.float64)
+    sender, receiver = fc.ForwardCache(), fc.ForwardCache()
+    held, decoded = [], []
+    c = HostSyncCounter()
+    with device_paths(c), c, _labelled(c, fc, ["_code", "_decode"], "codec"):
+        for i, (chunk, ids) in enumerate(_chunks(nb)):
+            with c.label(f"encode{i}"):
+                payload, h, counts = sender.encode(dc, chunk, ids, feats, widths, bounds, 1)
+            with c.label(f"decode{i}"):
+                decoded.append(receiver.decode(dc, payload, ids, feats, widths, 0))
+            held.append(h)
+    assert counts["hit_rows"] > 0 and counts["moved_rows"] > 0  # every kind of row was met
+    for i in range(3):
+        # encode: the dedup plan (its unique ids), the blocks' sizes, their classification;
+        # decode: the plan, the sizes, the held counts with the flags, the moved counts
+        assert (c.by_label[f"encode{i}"], c.by_label[f"decode{i}"]) == (3, 4), c.counts
+    # the same rows as the CPU shortcuts (the payloads differ in their check: Adler-32 on a device)
+    sender, receiver = fc.ForwardCache(), fc.ForwardCache()
+    for (chunk, ids), h, d in zip(_chunks(nb), held, decoded, strict=True):
+        payload, mirror, _ = sender.encode(dc, chunk, ids, feats, widths, bounds, 1)
+        assert torch.equal(mirror, h) and torch.equal(receiver.decode(dc, payload, ids, feats, widths, 0), d)
+        assert torch.equal(d, h)  # the receiver holds what the sender mirrors
+
+
+@pytest.mark.parametrize("nb", [2, 5])
+def test_probe_waits_a_fixed_number_of_times_per_chunk_whatever_its_blocks(nb):
+    dc = _codec()
+    feats, widths, bounds = [f"f{k}" for k in range(nb)], [DIM] * nb, [EB] * nb
+    probe, stats = CacheProbe(), CommStats()
+    c = HostSyncCounter()
+    with device_paths(c), c, _labelled(c, fc, ["_code", "_decode"], "codec"):
+        for i, (chunk, ids) in enumerate(_chunks(nb)):
+            payload = dc.encode(chunk, widths, bounds, ids)
+            with c.label(f"observe{i}"):
+                probe.observe(dc, chunk, ids, payload, feats, widths, bounds, 1, stats)
+    for i in range(3):  # per scheme the cache's encode (3), then the worst errors with the bounds (1)
+        assert c.by_label[f"observe{i}"] == 2 * 4, c.counts
+
+
+def _batch(nf: int, rows: int = 32) -> Batch:
+    g = torch.Generator().manual_seed(nf)
+    lengths = torch.randint(0, 3, (nf * rows,), generator=g, dtype=torch.int32)
+    values = torch.randint(0, 20, (int(lengths.sum()),), generator=g)
+    kjt = KeyedJaggedTensor.from_lengths_sync([f"f{k}" for k in range(nf)], values, lengths)
+    return Batch(dense_features=torch.zeros(rows, 1), sparse_features=kjt, labels=torch.zeros(rows))
+
+
+@pytest.mark.parametrize("nf", [2, 5])
+def test_hot_split_reads_every_keys_length_in_one_wait(nf):
+    split = HotSplit({f"f{k}": torch.tensor([3, 7, 1]) for k in range(nf)})
+    batch = _batch(nf)
+    c = HostSyncCounter()
+    with device_paths(c), c:
+        out = split(batch).sparse_features
+    assert c.total == 1, c.counts
+    want = split(batch).sparse_features  # the CPU shortcuts' answer
+    assert out.keys() == want.keys() and torch.equal(out.values(), want.values())
+    assert torch.equal(out.lengths(), want.lengths()) and out.length_per_key() == want.length_per_key()
+
+
+def _touch(params: dict[str, torch.nn.Parameter], g: torch.Generator) -> None:
+    for p in params.values():
+        rows = torch.randint(0, p.shape[0], (6,), generator=g).unique()
+        p.grad = torch.sparse_coo_tensor(rows.unsqueeze(0), torch.randn(len(rows), DIM, generator=g), p.shape)
+
+
+@pytest.mark.parametrize("tables", [2, 5])
+@pytest.mark.parametrize("coded", [False, True])
+def test_hot_row_sync_waits_a_fixed_number_of_times_per_sync_whatever_its_tables(tables, coded):
+    def run(count: bool) -> tuple[list[torch.Tensor], HostSyncCounter]:
+        params = {
+            f"w{k}": torch.nn.Parameter(torch.randn(16, DIM, generator=torch.Generator().manual_seed(k)))
+            for k in range(tables)
+        }
+        wire = SyncWire(_codec("backward", "rel"), list(params), [16] * tables, DIM) if coded else None
+        opt = HotRowOptimizer(params, "rowwise_adagrad", lr=0.1, eps=1e-8, sync_every=1, wire=wire)
+        g, c = torch.Generator().manual_seed(0), HostSyncCounter()
+        for i in range(3):
+            _touch(params, g)
+            if not count:
+                opt.step()
+                continue
+            with device_paths(c), c, c.label(f"step{i}"):
+                if wire is None:
+                    opt.step()
+                else:
+                    with _labelled(c, wire.codec, ["encode", "decode"], "codec"):
+                        opt.step()
+        return [p.detach().clone() for p in params.values()], c
+
+    replicas, c = run(count=True)
+    # the touched counts, the hit counts (all tables at once); coded: the bounds to encode, then the
+    # payload's prefix and its part table with the check (one rank: no size exchange)
+    expected = 2 + (3 if coded else 0)
+    assert all(c.by_label[f"step{i}"] == expected for i in range(3)), c.counts
+    assert all(torch.equal(a, b) for a, b in zip(replicas, run(count=False)[0], strict=True))
+
+
+# The functions these features run per chunk, batch or sync, and their host copies: each a size
+# the layout needs (read once for all blocks or tables), the wire's framing, or a CPU shortcut.
+PER_ITERATION: dict[str, tuple[str, ...] | None] = {
+    "compression.row_cache": ("RowCache.find", "RowCache.gather", "RowCache.store", "positions", "compact"),
+    "dlrm.embedding_comm.forward_cache": None,
+    "dlrm.embedding_comm.cache_probe": ("CacheProbe.measure", "CacheProbe.observe", "_over_bound"),
+    "dlrm.placement.hot_rows": ("HotSplit.__call__", "HotRows.forward"),
+    "dlrm.placement.hot_sync": None,
+    "dlrm.placement.hot_wire": ("SyncWire.bounds", "SyncWire.encode", "SyncWire.decode", "_host"),
+}
+KNOWN = {
+    ("dlrm.embedding_comm.forward_cache", "ForwardCache.encode", "tolist"),  # the blocks' classification
+    ("dlrm.embedding_comm.forward_cache", "ForwardCache.decode", "tolist"),  # held counts and flags, moved counts
+    ("dlrm.embedding_comm.forward_cache", "_unpack", "tolist"),  # the blocks' unique-id counts
+    ("dlrm.embedding_comm.cache_probe", "_over_bound", "tolist"),  # the worst errors, a statistic
+    ("dlrm.placement.hot_rows", "HotSplit.__call__", "tolist"),  # the keys' lengths (length_per_key)
+    ("dlrm.placement.hot_sync", "HotRowOptimizer._sync_and_apply", "tolist"),  # touched and hit counts
+    ("dlrm.placement.hot_sync", "HotRowOptimizer._gather", "tolist"),  # the size exchange
+    ("dlrm.placement.hot_sync", "HotRowOptimizer._gather_coded", "tolist"),  # the size exchange
+    ("dlrm.placement.hot_wire", "SyncWire.bounds", "tolist"),  # the bounds classes (host framing)
+    ("dlrm.placement.hot_wire", "SyncWire.encode", "numpy"),  # zlib's crc32 of a CPU payload
+    ("dlrm.placement.hot_wire", "_host", "cpu"),  # the prefix, then the part table with the check
+    ("dlrm.placement.hot_wire", "_host", "numpy"),
+}
+
+
+def test_static_check_finds_only_the_known_host_copies():
+    sites = {(s.module, s.function, s.call) for s in host_copies(PER_ITERATION)}
+    assert sites == KNOWN, sorted(sites ^ KNOWN)
+    assert all(isinstance(s, HostCopy) for s in host_copies(PER_ITERATION))
