@@ -195,13 +195,11 @@ class DenseComm(PerRank):
         return done
 
     def _dct(self, bucket: dist.GradBucket, t0: float) -> Future[torch.Tensor]:
+        """DCT on the host path: thresholds read as floats, the payload coded by the codec (zstd
+        positions), one blocking size all-gather, each received payload checked as it is decoded."""
         assert self.pg is not None
         pg, spec = self.pg, self.spec
-        ws, me = pg.size(), pg.rank()
-        buf = bucket.buffer()
-        layout = [(self._names.get(id(p), f"param{i}"), p.numel()) for i, p in enumerate(bucket.parameters())]
-        numels = [n for _, n in layout]
-        f = buf + torch.cat([self._residual(name, numel, buf) for name, numel in layout])
+        buf, layout, numels, f = self._accumulated(bucket)
         thresholds = [
             float(self._threshold(name, piece)) for (name, _), piece in zip(layout, f.split(numels), strict=True)
         ]
@@ -209,73 +207,31 @@ class DenseComm(PerRank):
         eb = spec.values_eb * float(f.abs().nan_to_num(0.0, 0.0).max()) if spec.values == "lossy" else None
         payload = self._codec.encode(f.view(1, -1), eb, blocks=numels, thresholds=thresholds)
         sent = self._codec.decode(payload).view(-1)  # exactly what every rank adds for us
-        residual = (f - sent).masked_fill_(~f.isfinite(), 0.0)  # sent exactly; inf - inf is no residual
-        for (name, _), piece in zip(layout, residual.split(numels), strict=True):
-            self.residuals[name] = piece
+        residual = self._keep_residuals(f, sent, layout, numels)
         self._norm_sq += float(torch.linalg.vector_norm(residual)) ** 2
         kept = self._codec.count(payload)
         t1 = time.perf_counter()
         size = torch.tensor([payload.numel()], dtype=torch.int64, device=buf.device)
-        sizes = [torch.empty_like(size) for _ in range(ws)]
+        sizes = [torch.empty_like(size) for _ in range(pg.size())]
         dist.all_gather(sizes, size, group=pg)
         lengths = [int(s) for s in sizes]
-        global_rank = [dist.get_global_rank(pg, r) for r in range(ws)]
-        payload = on_the_wire(payload, src=global_rank[me], dst=-1, direction="dense", iteration=self.iteration)
-        padded = torch.zeros(max(lengths), dtype=torch.uint8, device=buf.device)
-        padded[: payload.numel()] = payload
-        outs = [torch.empty_like(padded) for _ in range(ws)]
-        fut = dist.all_gather(outs, padded, group=pg, async_op=True).get_future()
-        launched = time.perf_counter()
-        self._record(
-            raw=ring_allreduce_bytes(buf.numel(), ws),
-            wire=(ws - 1) * (8 + max(lengths)),  # each rank's padded payload and size word to every other
-            codec_ms=1e3 * (t1 - t0),
-            comm_ms=1e3 * (launched - t1),
-            kept=kept,
-            numel=buf.numel(),
-            threshold=max(thresholds),
-        )
-        index, iteration = bucket.index(), self.iteration
 
-        def finish(done: Future[list[torch.Tensor]]) -> torch.Tensor:
-            t2 = time.perf_counter()
-            parts = done.value()
-            torch.div(sent, ws, out=buf)  # our own contribution needs no decoding
-            for r in range(ws):
-                if r == me:
-                    continue
-                what = (
-                    f"rank {global_rank[me]}: cannot decode the dense gradient payload of bucket {index} "
-                    f"({lengths[r]} bytes) from rank {global_rank[r]} at iteration {iteration}"
-                )
-                try:
-                    other = compression.decode(parts[r][: lengths[r]]).view(-1)
-                except Exception as e:
-                    raise DenseCommError(f"{what}: {type(e).__name__}: {e}") from e
-                if other.numel() != buf.numel():
-                    raise DenseCommError(f"{what}: {other.numel()} gradients, expected {buf.numel()}")
-                buf.add_(other.div_(ws))
-            t3 = time.perf_counter()
-            self._record(comm_ms=1e3 * (t2 - launched), codec_ms=1e3 * (t3 - t2))
-            return buf
+        def decode(r: int, part: torch.Tensor, what: str) -> torch.Tensor:
+            return compression.decode(part).view(-1)
 
-        return fut.then(finish)
+        return self._exchange(bucket, payload, lengths, sent, (t0, t1), kept, max(thresholds), decode)
 
     def _dct_device(self, bucket: dist.GradBucket, t0: float) -> Future[torch.Tensor]:
-        """:meth:`_dct` with one host synchronisation: the read of the size all-gather."""
+        """:meth:`_dct` with one host synchronisation: the read of the size all-gather, which also
+        brings back this rank's residual norm and threshold and the checks of earlier payloads."""
         assert self.pg is not None
         pg, codec = self.pg, self._codec
         ws, me = pg.size(), pg.rank()
-        buf = bucket.buffer()
-        layout = [(self._names.get(id(p), f"param{i}"), p.numel()) for i, p in enumerate(bucket.parameters())]
-        numels = [n for _, n in layout]
-        f = buf + torch.cat([self._residual(name, numel, buf) for name, numel in layout])
+        buf, layout, numels, f = self._accumulated(bucket)
         thresholds = [self._threshold(name, piece) for (name, _), piece in zip(layout, f.split(numels), strict=True)]
         keep = codec.mask(f.view(1, -1), numels, thresholds).view(-1)
         sent = codec.sent(f, keep)  # exactly what every rank decodes from our payload
-        residual = (f - sent).masked_fill_(~f.isfinite(), 0.0)  # sent exactly; inf - inf is no residual
-        for (name, _), piece in zip(layout, residual.split(numels), strict=True):
-            self.residuals[name] = piece
+        residual = self._keep_residuals(f, sent, layout, numels)
         t1 = time.perf_counter()
         word = (keep.sum() * 64 + delta_width(keep) - 1).reshape(1)  # count and delta width (1..64)
         words = [torch.empty_like(word) for _ in range(ws)]
@@ -292,6 +248,50 @@ class DenseComm(PerRank):
         counts, widths = [v >> 6 for v in values[:ws]], [(v & 63) + 1 for v in values[:ws]]
         lengths = [codec.payload_size(buf.numel(), numels, counts[r], widths[r]) for r in range(ws)]
         payload = codec.encode_known(f.view(1, -1), keep, counts[me], widths[me], numels)
+
+        def decode(r: int, part: torch.Tensor, what: str) -> torch.Tensor:
+            other, ok = codec.decode_known(part, (1, buf.numel()), buf.dtype, numels, counts[r], widths[r])
+            with self._lock:
+                self._unread.append((ok, what))  # read with the next bucket's sizes, or by check()
+            return other.view(-1).masked_fill_(~ok, 0.0)  # a damaged payload adds nothing
+
+        return self._exchange(bucket, payload, lengths, sent, (t0, t1), counts[me], threshold, decode)
+
+    def _accumulated(
+        self, bucket: dist.GradBucket
+    ) -> tuple[torch.Tensor, list[tuple[str, int]], list[int], torch.Tensor]:
+        """The bucket's buffer, its parameters (name, numel), their numels, and the gradients
+        plus each parameter's residual."""
+        buf = bucket.buffer()
+        layout = [(self._names.get(id(p), f"param{i}"), p.numel()) for i, p in enumerate(bucket.parameters())]
+        numels = [n for _, n in layout]
+        return buf, layout, numels, buf + torch.cat([self._residual(name, numel, buf) for name, numel in layout])
+
+    def _keep_residuals(
+        self, f: torch.Tensor, sent: torch.Tensor, layout: list[tuple[str, int]], numels: list[int]
+    ) -> torch.Tensor:
+        """What was not sent becomes each parameter's residual; returns it whole."""
+        residual = (f - sent).masked_fill_(~f.isfinite(), 0.0)  # sent exactly; inf - inf is no residual
+        for (name, _), piece in zip(layout, residual.split(numels), strict=True):
+            self.residuals[name] = piece
+        return residual
+
+    def _exchange(
+        self,
+        bucket: dist.GradBucket,
+        payload: torch.Tensor,
+        lengths: list[int],
+        sent: torch.Tensor,
+        times: tuple[float, float],
+        kept: int,
+        threshold: float,
+        decode: Callable[[int, torch.Tensor, str], torch.Tensor],
+    ) -> Future[torch.Tensor]:
+        """All-gather every rank's payload (padded to the longest of ``lengths``) and, when they
+        arrive, average: our own ``sent`` and every other rank's ``decode``d payload."""
+        assert self.pg is not None
+        pg, buf = self.pg, bucket.buffer()
+        ws, me = pg.size(), pg.rank()
         global_rank = [dist.get_global_rank(pg, r) for r in range(ws)]
         payload = on_the_wire(payload, src=global_rank[me], dst=-1, direction="dense", iteration=self.iteration)
         padded = torch.zeros(max(lengths), dtype=torch.uint8, device=buf.device)
@@ -299,12 +299,13 @@ class DenseComm(PerRank):
         outs = [torch.empty_like(padded) for _ in range(ws)]
         fut = dist.all_gather(outs, padded, group=pg, async_op=True).get_future()
         launched = time.perf_counter()
+        t0, t1 = times
         self._record(
             raw=ring_allreduce_bytes(buf.numel(), ws),
             wire=(ws - 1) * (8 + max(lengths)),  # each rank's padded payload and size word to every other
             codec_ms=1e3 * (t1 - t0),
             comm_ms=1e3 * (launched - t1),
-            kept=counts[me],
+            kept=kept,
             numel=buf.numel(),
             threshold=threshold,
         )
@@ -322,14 +323,12 @@ class DenseComm(PerRank):
                     f"({lengths[r]} bytes) from rank {global_rank[r]} at iteration {iteration}"
                 )
                 try:
-                    other, ok = codec.decode_known(
-                        parts[r][: lengths[r]], (1, buf.numel()), buf.dtype, numels, counts[r], widths[r]
-                    )
-                except PayloadError as e:
+                    other = decode(r, parts[r][: lengths[r]], what)
+                except Exception as e:  # any codec failure: name the transfer, keep the cause chained
                     raise DenseCommError(f"{what}: {type(e).__name__}: {e}") from e
-                with self._lock:
-                    self._unread.append((ok, what))
-                buf.add_(other.view(-1).masked_fill_(~ok, 0.0).div_(ws))  # a damaged payload adds nothing
+                if other.numel() != buf.numel():
+                    raise DenseCommError(f"{what}: {other.numel()} gradients, expected {buf.numel()}")
+                buf.add_(other.div_(ws))
             t3 = time.perf_counter()
             self._record(comm_ms=1e3 * (t2 - launched), codec_ms=1e3 * (t3 - t2))
             return buf
