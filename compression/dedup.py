@@ -59,13 +59,19 @@ def unique_per_block(
 
 def _sorted_unique(k: torch.Tensor, want_first: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """:func:`unique_per_block` of ``k`` [n_blocks, rows] by one vectorised sort for every block."""
-    s, perm = _sort_rows(k)
-    new = torch.ones_like(s, dtype=torch.bool)
-    new[:, 1:] = s[:, 1:] != s[:, :-1]
+    perm, new = _sorted_runs(k)
     local = new.cumsum(1)
     local -= 1
     inverse = torch.empty_like(local).scatter_(1, perm, local)
     return new.sum(1), perm[new] if want_first else None, inverse
+
+
+def _sorted_runs(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of ``k`` sorted: the permutation, and where each new key starts (bool)."""
+    s, perm = _sort_rows(k)
+    new = torch.ones_like(s, dtype=torch.bool)
+    new[:, 1:] = s[:, 1:] != s[:, :-1]
+    return perm, new
 
 
 HOST_NUMPY = True  # CPU tensors take numpy's faster sorts and compares (tests switch it off to
@@ -97,12 +103,9 @@ def first_capacity(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     [n_blocks, rows], block b's first ``counts[b]`` in canonical order, the rest 0."""
     rows, nb = keys.shape
     shared = nb == 1 or keys.stride(1) == 0
-    k = keys[:, :1].t().contiguous() if shared else keys.t().contiguous()
-    s, perm = torch.sort(k, dim=1)
-    new = torch.ones_like(s, dtype=torch.bool)
-    new[:, 1:] = s[:, 1:] != s[:, :-1]
+    perm, new = _sorted_runs(keys[:, :1].t().contiguous() if shared else keys.t().contiguous())
     slot = torch.where(new, new.cumsum(1) - 1, rows)  # repeats go to a spare column
-    first = torch.zeros(k.shape[0], rows + 1, dtype=torch.int64, device=keys.device).scatter_(1, slot, perm)
+    first = torch.zeros(perm.shape[0], rows + 1, dtype=torch.int64, device=keys.device).scatter_(1, slot, perm)
     counts, first = new.sum(1), first[:, :rows]
     return (counts.expand(nb), first.expand(nb, rows)) if shared else (counts, first)
 

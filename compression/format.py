@@ -200,9 +200,7 @@ class Deferred:
 def settle(payloads: Sequence[torch.Tensor | Deferred | None]) -> list[torch.Tensor | None]:
     """Every payload as bytes: the deferred lengths read in one host synchronisation."""
     late = [p for p in payloads if isinstance(p, Deferred)]
-    if not late:
-        return [p for p in payloads if not isinstance(p, Deferred)]
-    sizes = iter(torch.stack([p.length for p in late]).tolist())
+    sizes = iter(torch.stack([p.length for p in late]).tolist() if late else [])
     return [p.take(next(sizes)) if isinstance(p, Deferred) else p for p in payloads]
 
 
@@ -453,10 +451,8 @@ def _read_head(payload: torch.Tensor) -> tuple[bytes, int | None]:
     check (the payload's own flags say later whether the verdict applies)."""
     if _check_for(payload.device) != "adler32":
         return _host_bytes(payload, _PREFIX.size), None
-    n = min(payload.numel(), _HEAD)
-    ok = (adler32(_checked_bytes(payload)) == _stored_check(payload)).to(torch.uint8).reshape(1)
-    head = _host_bytes(torch.cat([payload[:n], ok]), n + 1)
-    return head[:-1], head[-1]
+    [head] = read_heads([payload], [None])
+    return head.data, int(head.good)
 
 
 def _stored_check(payload: torch.Tensor) -> torch.Tensor:

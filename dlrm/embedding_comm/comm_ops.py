@@ -20,6 +20,7 @@ collective call carries its stages, which the transport calls in order, naming n
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Sequence
@@ -384,7 +385,7 @@ def _read_heads(info: CompressedA2AInfo, d: str, tr: _Transfer) -> dict[int, Hos
         return {}
     dc, layout, ids_per_peer = info.codecs[d], info.layout, info.recv_ids(d)
     todo: list[tuple[int, torch.Tensor, Any]] = []
-    offsets = [sum(tr.recv_sizes[:p]) for p in range(len(tr.recv_sizes))]
+    offsets = [0, *itertools.accumulate(tr.recv_sizes)]
     for peer, n in enumerate(tr.recv_sizes):
         if n <= 0 or math.prod(layout.recv_shape(d, peer)) == 0:
             continue

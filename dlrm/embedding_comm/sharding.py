@@ -51,22 +51,30 @@ def _names_per_rank(sharding: Any) -> list[list[str]]:
     return [[n for g in groups for n in g.embedding_names()] for groups in sharding._grouped_embedding_configs_per_rank]
 
 
+def _pooled_a2a_dist(
+    sharding: Any, device: torch.device | None, where: str, callbacks: list | None = None
+) -> CompressedTwPooledEmbeddingDist:
+    """The compressed pooled all-to-all of a table- or column-wise ``sharding``."""
+    assert sharding._pg is not None
+    return CompressedTwPooledEmbeddingDist(
+        pg=sharding._pg,
+        dim_sum_per_rank=sharding._dim_sum_per_rank(),
+        emb_dim_per_rank_per_feature=sharding._emb_dim_per_rank_per_feature(),
+        embedding_names_per_rank=_names_per_rank(sharding),
+        runtime=runtime_of(sharding),
+        keys_per_rank=sharding.features_per_rank(),
+        device=device if device is not None else sharding._device,
+        callbacks=callbacks,
+        where=where,
+        feature_tables=feature_tables(sharding._grouped_embedding_configs_per_rank),
+    )
+
+
 class CompressedTwPooledEmbeddingSharding(TwPooledEmbeddingSharding):
     """Table-wise sharding with a compressed output dist."""
 
     def create_output_dist(self, device: torch.device | None = None) -> CompressedTwPooledEmbeddingDist:
-        assert self._pg is not None
-        return CompressedTwPooledEmbeddingDist(
-            pg=self._pg,
-            dim_sum_per_rank=self._dim_sum_per_rank(),
-            emb_dim_per_rank_per_feature=self._emb_dim_per_rank_per_feature(),
-            embedding_names_per_rank=_names_per_rank(self),
-            runtime=runtime_of(self),
-            keys_per_rank=self.features_per_rank(),
-            device=device if device is not None else self._device,
-            where="table_wise",
-            feature_tables=feature_tables(self._grouped_embedding_configs_per_rank),
-        )
+        return _pooled_a2a_dist(self, device, "table_wise")
 
 
 class CompressedCwPooledEmbeddingSharding(CwPooledEmbeddingSharding):
@@ -76,18 +84,7 @@ class CompressedCwPooledEmbeddingSharding(CwPooledEmbeddingSharding):
 
     def create_output_dist(self, device: torch.device | None = None) -> CompressedTwPooledEmbeddingDist:
         stock = super().create_output_dist(device)  # only to reuse its permute callback; sends nothing
-        return CompressedTwPooledEmbeddingDist(
-            pg=self._pg,
-            dim_sum_per_rank=self._dim_sum_per_rank(),
-            emb_dim_per_rank_per_feature=self._emb_dim_per_rank_per_feature(),
-            embedding_names_per_rank=_names_per_rank(self),
-            runtime=runtime_of(self),
-            keys_per_rank=self.features_per_rank(),
-            device=device if device is not None else self._device,
-            callbacks=list(stock._callbacks or []),
-            where=self._where,
-            feature_tables=feature_tables(self._grouped_embedding_configs_per_rank),
-        )
+        return _pooled_a2a_dist(self, device, self._where, list(stock._callbacks or []))
 
 
 class CompressedTwCwPooledEmbeddingSharding(CompressedCwPooledEmbeddingSharding, TwCwPooledEmbeddingSharding):
