@@ -455,6 +455,15 @@ def _read_head(payload: torch.Tensor) -> tuple[bytes, int | None]:
     return head.data, int(head.good)
 
 
+def verdict(payload: torch.Tensor) -> torch.Tensor:
+    """Whether a payload's check (the one :func:`pack` writes on its device) holds, as a 0-d
+    bool tensor where the payload is: on a device no host wait (read later with other numbers)."""
+    if _check_for(payload.device) == "adler32":
+        return adler32(_checked_bytes(payload)) == _stored_check(payload)
+    crc = _crc32(payload[_PREFIX.size :], zlib.crc32(_host_bytes(payload, _CRC_AT)))  # the CPU: free
+    return torch.tensor(crc == int(_stored_check(payload)))
+
+
 def _stored_check(payload: torch.Tensor) -> torch.Tensor:
     """The check field as an int64 0-d tensor on the payload's device (little-endian u32)."""
     b = payload[_CRC_AT : _PREFIX.size].long()

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import math
-import zlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -283,7 +282,7 @@ class ThresholdCodec(Codec):
         values = fmt.view_as(payload[at : at + count * wire.itemsize], wire, "threshold values").to(torch.float32)
         dense = torch.zeros(rows, cols, dtype=dtype, device=payload.device)
         dense.view(-1).index_copy_(0, idx, values.to(dtype))  # as decode: the cast codec's fp32, then dtype
-        return dense, _verdict(payload)
+        return dense, fmt.verdict(payload)
 
     def sent(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """What :meth:`decode` of ``x``'s payload gives, computed from ``x`` (cast values): the
@@ -373,15 +372,3 @@ def _payload_len(codec: str, blocks: int, sections: int) -> int:
     """Bytes of a payload of ``codec`` with ``blocks`` blocks and empty sections: its header."""
     header = fmt.Header(get_codec(codec).codec_id, torch.float32, 1, blocks, [1] * blocks, [math.inf] * blocks)
     return fmt.pack(header, [torch.zeros(0, dtype=torch.uint8)] * sections).numel()
-
-
-def _verdict(payload: torch.Tensor) -> torch.Tensor:
-    """Whether a payload's check (the one :func:`format.pack` writes on this device) holds, as a
-    0-d bool tensor computed where the payload is (read later, with other host numbers)."""
-    stored = payload[fmt._CRC_AT : fmt._PREFIX.size].long()
-    if fmt._check_for(payload.device) == "adler32":
-        shifts = torch.arange(0, 32, 8, device=payload.device)
-        return fmt.adler32(fmt._checked_bytes(payload)) == stored.bitwise_left_shift(shifts).sum()
-    host = payload.numpy()  # crc32 is written on the CPU only, where this read is free
-    crc = zlib.crc32(host[fmt._PREFIX.size :].tobytes(), zlib.crc32(host[: fmt._CRC_AT].tobytes()))
-    return torch.tensor(crc == int.from_bytes(host[fmt._CRC_AT : fmt._PREFIX.size].tobytes(), "little"))
