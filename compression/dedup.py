@@ -226,6 +226,12 @@ def plan_by_value(x: torch.Tensor, widths: list[int]) -> Plan:
     return Plan(VALUE, counts, first, inverse)
 
 
+def distinct_rows(x: torch.Tensor, widths: list[int]) -> torch.Tensor:
+    """Per block, how many distinct rows ``x`` holds, counted by their hashes on ``x``'s device
+    without a host wait (for telemetry: a hash collision would count two rows as one)."""
+    return first_capacity(_row_hashes(x, widths))[0]
+
+
 def index_pays_off(plan: Plan, widths: list[int], rows: int) -> bool:
     """Whether value dedup saves more than its index costs: the removed values (about half a byte
     each at typical bounds) must outweigh the index (at most about 2 bytes per row and block)."""

@@ -32,12 +32,12 @@ import torch.distributed as dist
 from torch.autograd import Function
 from torchrec.distributed.comm_ops import Request, get_gradient_division
 
-from dlrm.embedding_comm.bounds import Bounds, host_bounds
 from dlrm.embedding_comm.codec import CompressedCommError, DirectionCodec, abs_error
 from dlrm.embedding_comm.stage import Blocks, Incoming, Outgoing, Stage
 from dlrm.embedding_comm.stats import CommStats
 from dlrm.process.instrument import embedding_collective, on_the_wire, payload_hooked
 from dlrm.process.timeout import named_collective
+from dlrm_compression.dedup import distinct_rows, first_capacity
 from dlrm_compression.format import Deferred, HostHead, read_heads, settle
 from dlrm_compression.lossy import LossyCodec
 
@@ -156,44 +156,88 @@ class _Transfer:
     raw: bool = False  # the rows as they are (see _send_raw), sizes in elements
 
 
-def _sample(
-    dc: DirectionCodec,
-    chunk: torch.Tensor,
-    payload: torch.Tensor,
-    blocks: Blocks,
-    bounds: Bounds | None,
-    ids: torch.Tensor | None,
-    stats: CommStats,
-    d: str,
-    thresholds: list[float] | None = None,
-    decoded: torch.Tensor | None = None,
-) -> None:
-    """Sender-side sampling: decode our own payload (or take ``decoded``: what an encoding stage
-    says the destination holds) for errors, encode each block alone for sizes."""
-    bounds = host_bounds(bounds)  # sampling reads them on the host (once per sample, not per chunk)
-    if decoded is None:
-        decoded = dc.codec.decode(payload, ids if dc.dedup else None)
-    col_err = abs_error(decoded.float(), chunk.float()).amax(dim=0) if chunk.shape[0] else None
-    elt, c = chunk.element_size(), 0
-    for k, (f, w) in enumerate(zip(blocks.features, blocks.widths, strict=True)):
-        if w and col_err is not None:
-            e = float(col_err[c : c + w].max())
-            stats.maximum(f"{d}/max_abs_error/{f}", e)
-            stats.maximum(f"{d}/max_abs_error", e)
-            if bounds is not None:
-                b = bounds[k]
-                stats.maximum(f"{d}/max_error_over_bound", e / b if b > 0 else (0.0 if e == 0 else torch.inf))
-            solo = dc.encode(
-                chunk[:, c : c + w],
-                [w],
-                None if bounds is None else [bounds[k]],
+class _Sampled:
+    """The chunk a sampled collective measures, kept until the size exchange has settled its
+    payload (the transport encodes it like the others)."""
+
+    def __init__(self, c: Outgoing, thresholds: list[float] | None, late: torch.Tensor | Deferred) -> None:
+        self.c, self.thresholds, self.late = c, thresholds, late
+
+
+def _sample(s: _Sampled, payload: torch.Tensor, stats: CommStats) -> None:
+    """Sender-side sampling of one chunk: decode our own payload (or take what an encoding stage
+    says the destination holds) for each table's error, encode each table alone for its size,
+    count the rows each table gives the codec; every figure read in one host synchronisation
+    (on a device the decode reads its head too): a fixed few per sampled collective, whatever the
+    tables."""
+    c, d, dc, blocks = s.c, s.c.direction, s.c.dc, s.c.blocks
+    chunk, bounds, ids, widths = c.chunk, c.bounds, c.ids, list(blocks.widths)
+    decoded = c.held if c.held is not None else dc.codec.decode(payload, ids if dc.dedup else None)
+    starts = [0, *itertools.accumulate(widths)]
+    live = [k for k, w in enumerate(widths) if w] if chunk.shape[0] else []
+    figures = [_distinct_rows(chunk, widths, ids, dc.dedup)]
+    if live:
+        col_err = abs_error(decoded.float(), chunk.float()).amax(dim=0)
+        errors = torch.stack([col_err[starts[k] : starts[k + 1]].max() for k in live]).double()
+        figures.append(errors)
+        if bounds is not None:
+            b = torch.as_tensor([bounds[k] for k in live] if isinstance(bounds, list) else bounds[live])
+            b = b.to(errors)
+            zero_or_inf = torch.where(errors == 0, 0.0, torch.inf).to(errors)
+            figures.append(torch.where(b > 0, errors / b.clamp_min(torch.finfo(torch.float64).tiny), zero_or_inf))
+        solo = []
+        for k in live:
+            part = dc.encode_deferred(
+                chunk[:, starts[k] : starts[k + 1]],
+                [widths[k]],
+                None if bounds is None else bounds[k : k + 1],
                 None if ids is None else ids[:, k : k + 1],
-                None if thresholds is None else [thresholds[k]],
-                [f],
+                None if s.thresholds is None else [s.thresholds[k]],
+                [blocks.features[k]],
             )
-            stats.add(f"{d}/sampled_raw_bytes/{f}", chunk.shape[0] * w * elt)
-            stats.add(f"{d}/sampled_wire_bytes/{f}", solo.numel())
-        c += w
+            solo.append(part.length if isinstance(part, Deferred) else torch.tensor(part.numel()))
+        figures.append(torch.stack([n.to(errors.device) for n in solo]).double())
+    read = iter(torch.cat([f.to(figures[0].device, torch.float64) for f in figures]).tolist())
+    rows = [int(next(read)) for _ in widths]
+    errs = [next(read) for _ in live]
+    over = [next(read) for _ in live] if live and bounds is not None else []
+    sizes = [int(next(read)) for _ in live]
+    elt = chunk.element_size()
+    for i, k in enumerate(live):
+        f, w = blocks.features[k], widths[k]
+        stats.maximum(f"{d}/max_abs_error/{f}", errs[i])
+        stats.maximum(f"{d}/max_abs_error", errs[i])
+        if over:
+            stats.maximum(f"{d}/max_error_over_bound", over[i])
+        stats.add(f"{d}/sampled_raw_bytes/{f}", chunk.shape[0] * w * elt)
+        stats.add(f"{d}/sampled_wire_bytes/{f}", sizes[i])
+    # the rows each table gives the codec and their bytes against the chunk's, per mode (``ids``:
+    # chunks with single ids; ``rows``: the rest, e.g. row-wise partial sums), so that
+    # dlrm/telemetry/wire.py knows the codec's ratio on what it is given (dlrm/placement/traffic.py
+    # predicts the rows)
+    mode = "ids" if ids is not None else "rows"
+    for f, n in zip(blocks.features, rows, strict=True):
+        stats.add(f"{d}/sampled_chunks/{f}", 1)
+        stats.add(f"{d}/sampled_rows/{f}", n)
+    stats.add(f"{d}/sampled_given_bytes/{mode}", sum(n * w for n, w in zip(rows, widths, strict=True)) * elt)
+    stats.add(f"{d}/sampled_chunk_bytes/{mode}", chunk.numel() * elt)
+
+
+def _timed(fn: Any, *args: Any) -> float:
+    """Seconds ``fn(*args)`` took."""
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
+
+
+def _distinct_rows(chunk: torch.Tensor, widths: list[int], ids: torch.Tensor | None, dedup: bool) -> torch.Tensor:
+    """Per table, the rows the codec is given, on the chunk's device: its distinct ids, or its
+    distinct rows by value, when the codec dedups; else all its rows."""
+    if not dedup or not widths:
+        return torch.full((len(widths),), chunk.shape[0], dtype=torch.int64, device=chunk.device)
+    if ids is not None:
+        return first_capacity(ids)[0]
+    return distinct_rows(chunk, widths)
 
 
 def _count_raw(stats: CommStats, d: str, chunk: torch.Tensor, blocks: Blocks) -> None:
@@ -202,29 +246,6 @@ def _count_raw(stats: CommStats, d: str, chunk: torch.Tensor, blocks: Blocks) ->
     for f, w in zip(blocks.features, blocks.widths, strict=True):
         stats.add(f"{d}/raw_bytes/{f}", chunk.shape[0] * w * elt)
     stats.add(f"{d}/raw_bytes", chunk.numel() * elt)
-
-
-def _count_distinct(
-    stats: CommStats, d: str, chunk: torch.Tensor, blocks: Blocks, ids: torch.Tensor | None, dedup: bool
-) -> None:
-    """Sampled: the rows each block gives the codec (its distinct ids, or distinct rows by value,
-    when the codec dedups; else all its rows) and their fp32 bytes against the chunk's, per mode
-    (``ids``: chunks with single ids; ``rows``: the rest, e.g. row-wise partial sums), so that
-    dlrm/telemetry/wire.py knows the codec's ratio on what it is given. dlrm/placement/traffic.py predicts the rows."""
-    mode, given, c = ("ids" if ids is not None else "rows"), 0, 0
-    for k, (f, w) in enumerate(zip(blocks.features, blocks.widths, strict=True)):
-        if not dedup:
-            rows = chunk.shape[0]
-        elif ids is not None:
-            rows = int(torch.unique(ids[:, k]).numel())
-        else:
-            rows = int(torch.unique(chunk[:, c : c + w], dim=0).shape[0])
-        stats.add(f"{d}/sampled_chunks/{f}", 1)
-        stats.add(f"{d}/sampled_rows/{f}", rows)
-        given += rows * w * chunk.element_size()
-        c += w
-    stats.add(f"{d}/sampled_given_bytes/{mode}", given)
-    stats.add(f"{d}/sampled_chunk_bytes/{mode}", chunk.numel() * chunk.element_size())
 
 
 def _a2a_name(info: CompressedA2AInfo, d: str) -> str:
@@ -281,6 +302,7 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
     reuse = not any(s.per_peer(d) for s in stages)
     policy: dict[int, list[float]] = {}
     sample, sample_s = info.sample, 0.0
+    sampled: _Sampled | None = None
     for i in range(1, ws):
         peer = (me + i) % ws
         chunk, ids = chunks[peer], ids_per_peer[peer]
@@ -306,7 +328,7 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
             )
             late: torch.Tensor | Deferred | None
             if not any(s.encode(c) for s in stages):
-                if defer and not sample:  # (a sampled chunk's payload is measured now)
+                if defer:
                     late = dc.encode_deferred(c.chunk, blocks.widths, bounds, ids, thresholds, blocks.features)
                 else:
                     late = c.payload = dc.encode(c.chunk, blocks.widths, bounds, ids, thresholds, blocks.features)
@@ -317,18 +339,16 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
                 ts = time.perf_counter()
                 if s.measure(c):
                     sample_s += time.perf_counter() - ts
-            if sample:
-                ts = time.perf_counter()
-                assert c.payload is not None  # a sampled chunk is encoded whole
-                _sample(dc, c.chunk, c.payload, blocks, bounds, ids, stats, d, thresholds, c.held)
-                _count_distinct(stats, d, c.chunk, blocks, ids, dc.dedup)
-                sample = False
-                sample_s += time.perf_counter() - ts
+            if sample:  # measured once its bytes are known (below)
+                sampled, sample = _Sampled(c, thresholds, late), False
             if ids is None:
                 memo[id(chunks[peer])] = late
             payloads[peer] = late
     if payload_hooked():  # a test's hook sees (and may cut) each payload: their bytes first
         ready = settle(payloads)
+        if sampled is not None:  # as encoded, before the hook
+            sample_s += _timed(_sample, sampled, ready[sampled.c.peer], stats)
+            sampled = None
         payloads = [
             None
             if p is None
@@ -364,10 +384,15 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
     with embedding_collective(d), named_collective(_a2a_name(info, d)):
         work = dist.all_to_all_single(recv_buf, send_buf, recv_sizes, send_sizes, group=pg, async_op=True)
     t2 = time.perf_counter()
+    late_s = 0.0
+    if sampled is not None:  # while the bytes travel
+        own = sampled.late
+        own = own.take(send_sizes[sampled.c.peer]) if isinstance(own, Deferred) else own
+        late_s = _timed(_sample, sampled, own, stats)
     stats.add(f"{d}/wire_bytes", sum(send_sizes) + 8 * (ws - 1))
     stats.add(f"{d}/codec_ms", 1e3 * (t1 - t0 - sample_s))
-    if sample_s:
-        stats.add(f"{d}/sample_ms", 1e3 * sample_s)
+    if sample_s or late_s:
+        stats.add(f"{d}/sample_ms", 1e3 * (sample_s + late_s))
     stats.add(f"{d}/comm_ms", 1e3 * (t2 - t1))
     stats.add(f"{d}/calls", 1)
     return _Transfer(work, recv_buf, recv_sizes, chunks[me])

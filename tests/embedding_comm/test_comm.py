@@ -403,17 +403,20 @@ class IdsSpy:
 
         self.seen: list[tuple[int, str, bool]] = []
         self.last = False
-        encode = DirectionCodec.encode
+        encode, deferred = DirectionCodec.encode, DirectionCodec.encode_deferred
 
-        def spy_encode(codec, chunk, widths, bounds, ids, *rest):
-            self.last = ids is not None and codec.dedup
-            return encode(codec, chunk, widths, bounds, ids, *rest)
+        def spy(method):
+            def spy_encode(codec, chunk, widths, bounds, ids, *rest):
+                self.last = ids is not None and codec.dedup
+                return method(codec, chunk, widths, bounds, ids, *rest)
+
+            return spy_encode
 
         def hook(payload, *, src, dst, direction, iteration):
             self.seen.append((iteration, direction, self.last))
             return payload
 
-        DirectionCodec.encode = spy_encode  # this rank process only
+        DirectionCodec.encode, DirectionCodec.encode_deferred = spy(encode), spy(deferred)  # this rank process only
         instrument.set_payload_hook(hook)
 
 

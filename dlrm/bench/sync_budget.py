@@ -1,0 +1,289 @@
+"""Host synchronisations of our communication in whole training runs, per configuration, against
+the budget of one per collective side.
+
+    python -m dlrm.bench.sync_budget [--configs lossy dct_mp ...] [--ranks 2] [--iterations 24]
+
+Each configuration trains the small model on the bundled Criteo rows with ``torchrun`` (N ranks,
+gloo) on the device code paths (:func:`dlrm.bench.host_syncs.device_paths`: the CPU shortcuts off,
+``.tolist()``/``.cpu()`` counted as host reads; lossy directions on the fixed-length coder used on
+CUDA). Over the steady-state iterations (after ``--skip``) it labels each call of our
+communication code and counts, per call, the host synchronisations made inside it and the
+collectives it issued:
+
+- each side of a compressed all-to-all (``a2a/<direction>/send``, ``.../receive``): budget 1 (the
+  send's size exchange, the receive's head read), none per chunk, whatever the rank count;
+- each DCT bucket of the dense hook (``dct/bucket``): budget 1 (its size all-gather's read);
+- each hot-row replica sync (``hot/sync``): budget one per collective it makes.
+
+Whatever else synchronises (TorchRec's input dist and KJT checks, the optimizers, the metrics,
+batch preparation: on CPU every tensor stands for a device tensor) is reported as ``other``, not
+budgeted. A sampled iteration (``compression.stats.sample_every``) measures one chunk's error on
+the host, so the bench also reports the worst call; ``--no-sampling`` sets ``sample_every=0``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dlrm.bench.host_syncs import device_paths
+from dlrm_compression.host_syncs import HostSyncCounter
+
+REPO = Path(__file__).resolve().parents[2]
+# The fixed-length coder, as on CUDA (entropy=auto would take zstd on CPU tensors: a host path).
+FIXED = ["compression.forward.params.entropy=false", "compression.backward.params.entropy=false"]
+SMALL = [
+    "model.embedding_dim=16",
+    "model.dense_arch_layer_sizes=[32,16]",
+    "model.over_arch_layer_sizes=[32,1]",
+    "progress_bar=false",
+]
+HOT = ["placement.hot_rows=auto"]
+# Issue 25's configurations (each a set of trainer overrides on top of SMALL).
+CONFIGS: dict[str, list[str]] = {
+    "lossy": ["compression=lossy", "policy=dual", *FIXED],
+    "lossy+dct": ["compression=lossy", "policy=dual", "dense_comm=dct", *FIXED],
+    "dct_mp": ["compression=dct_mp"],
+    "auto+auto": ["compression=auto", "dense_comm=auto"],
+    "row_cache": ["compression=lossy", "sharding=table_wise", "compression.forward.cache.enabled=true", *FIXED],
+    "hot_exact": ["compression=lossy", "sharding=table_wise", *HOT, "placement.sync_codec=exact", *FIXED],
+    "hot_coded": ["compression=lossy", "sharding=table_wise", *HOT, "placement.sync_codec=backward", *FIXED],
+    "fp16_tables": ["compression=lossy", "precision=mixed", *FIXED],
+}
+COLLECTIVES = (
+    "all_to_all_single", "all_gather", "all_gather_into_tensor", "all_reduce", "broadcast", "reduce_scatter_tensor"
+)  # fmt: skip
+OUT_ENV = "DLRM_SYNC_BUDGET_OUT"
+
+
+def budget(label: str, collectives_per_call: float) -> float:
+    """Host synchronisations allowed per call of ``label``."""
+    return collectives_per_call if label == "hot/sync" else 1.0
+
+
+class SyncBudget:
+    """A :class:`~dlrm.trainer.loop.StepObserver` that counts, after ``skip`` steps and for
+    ``window`` steps, each labelled call's host synchronisations and collectives."""
+
+    def __init__(self, skip: int, window: int, trace: bool = False) -> None:
+        self.skip, self.window, self.steps = skip, window, 0
+        self.counter = HostSyncCounter(trace=trace)
+        self.active = False
+        self.per_call: dict[str, list[int]] = defaultdict(list)
+        self.collectives: Counter[str] = Counter()
+        self.total = 0  # every sync of the counted steps, ours and others
+        self._label: str | None = None
+        self._start = 0
+
+    def segment_start(self, model: torch.nn.Module) -> None:
+        return
+
+    def step_end(self, model: torch.nn.Module) -> None:
+        self.steps += 1
+        if self.active and self.steps >= self.skip + self.window:
+            self._stop()
+        elif not self.active and self.skip <= self.steps < self.skip + self.window:
+            self.active, self._start = True, self.counter.total
+            self.counter.__enter__()
+
+    def segment_end(self, model: torch.nn.Module) -> None:
+        if self.active:
+            self._stop()
+
+    def _stop(self) -> None:
+        self.counter.__exit__(None, None, None)
+        self.total += self.counter.total - self._start
+        self.active = False
+
+    def labelled(self, label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn``, its syncs and collectives counted under ``label`` while active."""
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            if not self.active or self._label is not None:
+                return fn(*args, **kwargs)
+            before, self._label = self.counter.total, label
+            try:
+                with self.counter.label(label):
+                    return fn(*args, **kwargs)
+            finally:
+                self._label = None
+                self.per_call[label].append(self.counter.total - before)
+
+        return wrapped
+
+    def collective(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            if self.active and self._label is not None:
+                self.collectives[self._label] += 1
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        """Our communication code's entry points labelled, torch's collectives counted."""
+        from dlrm.dense_comm.hook import DenseComm
+        from dlrm.embedding_comm import comm_ops
+        from dlrm.placement.hot_sync import HotRowOptimizer
+
+        send, receive = comm_ops._send, comm_ops._receive
+        hook, hot = DenseComm.hook, HotRowOptimizer._sync_and_apply
+        saved = {name: getattr(dist, name) for name in COLLECTIVES}
+
+        def side(fn: Callable[..., Any], what: str) -> Callable[..., Any]:
+            def call(pg: Any, info: Any, d: str, arg: Any) -> Any:
+                return self.labelled(f"a2a/{d}/{what}", fn)(pg, info, d, arg)
+
+            return call
+
+        comm_ops._send, comm_ops._receive = side(send, "send"), side(receive, "receive")
+        DenseComm.hook = self.labelled("dct/bucket", hook)  # type: ignore[method-assign]
+        HotRowOptimizer._sync_and_apply = self.labelled("hot/sync", hot)  # type: ignore[method-assign]
+        for name, fn in saved.items():
+            setattr(dist, name, self.collective(fn))
+        try:
+            yield
+        finally:
+            comm_ops._send, comm_ops._receive = send, receive
+            DenseComm.hook, HotRowOptimizer._sync_and_apply = hook, hot  # type: ignore[method-assign]
+            for name, fn in saved.items():
+                setattr(dist, name, fn)
+
+    def result(self) -> dict[str, Any]:
+        counted = min(max(self.steps - self.skip, 0), self.window)
+        return {
+            "iterations": counted,
+            "total": self.total,
+            "labels": {k: {"syncs": v, "collectives": self.collectives[k]} for k, v in sorted(self.per_call.items())},
+            "sites": Counter(f"{e.label} {e.op} {e.where}" for e in self.counter.events if e.label),
+        }
+
+
+def _rank(skip: int, window: int, trace: bool) -> None:
+    """One rank of one configuration (under torchrun): the trainer on the device paths, counted."""
+    from dlrm.train import hydra_main, run
+
+    meter = SyncBudget(skip, window, trace)
+
+    def counted_run(cfg: Any, run_dir: Path) -> dict[str, Any]:
+        with ExitStack() as stack:
+            stack.enter_context(device_paths(meter.counter))
+            stack.enter_context(meter.installed())
+            metrics = run(cfg, run_dir, observers=[meter])
+        out = Path(os.environ[OUT_ENV]) / f"rank{os.environ['RANK']}.json"
+        out.write_text(json.dumps(meter.result()))
+        return metrics
+
+    hydra_main(counted_run)()
+
+
+def measure(
+    name: str, overrides: Sequence[str], ranks: int, iterations: int, skip: int, out: Path, trace: bool = False
+) -> dict:
+    """Run one configuration; the per-rank counts merged."""
+    shutil.rmtree(out, ignore_errors=True)  # a run directory with checkpoints would resume, not train
+    out.mkdir(parents=True)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+        "-m", "dlrm.bench.sync_budget", "--rank-of", str(skip), str(iterations - skip - 1), str(int(trace)), "--",
+        *SMALL, f"max_iterations={iterations}", f"hydra.run.dir={out / 'run'}", *overrides,
+    ]  # fmt: skip
+    env = {**os.environ, OUT_ENV: str(out), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{name}: the run failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
+    merged: dict[str, Any] = {
+        "iterations": 0, "total": 0, "labels": defaultdict(lambda: {"syncs": [], "collectives": 0}), "sites": Counter()
+    }  # fmt: skip
+    for r in range(ranks):
+        res = json.loads((out / f"rank{r}.json").read_text())
+        merged["iterations"] += res["iterations"]
+        merged["total"] += res["total"]
+        merged["sites"].update(res["sites"])
+        for k, v in res["labels"].items():
+            merged["labels"][k]["syncs"] += v["syncs"]
+            merged["labels"][k]["collectives"] += v["collectives"]
+    return merged
+
+
+def rows(name: str, m: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per label: calls per iteration, syncs per call (median, worst), collectives per
+    call, the budget and whether every call kept it."""
+    its = max(m["iterations"], 1)
+    out, ours = [], 0
+    for label, v in sorted(m["labels"].items()):
+        calls = len(v["syncs"])
+        per_coll = v["collectives"] / max(calls, 1)
+        allowed = budget(label, per_coll)
+        ours += sum(v["syncs"])
+        out.append({
+            "config": name, "label": label, "calls_per_iteration": calls / its,
+            "median": statistics.median(v["syncs"]) if calls else 0, "worst": max(v["syncs"], default=0),
+            "collectives_per_call": per_coll, "budget": allowed,
+            "within": all(s <= allowed for s in v["syncs"]),
+        })  # fmt: skip
+    out.append({"config": name, "label": "other", "calls_per_iteration": 1.0, "median": (m["total"] - ours) / its,
+                "worst": None, "collectives_per_call": None, "budget": None, "within": None})  # fmt: skip
+    return out
+
+
+def table(all_rows: list[dict[str, Any]]) -> str:
+    head = ["configuration", "where", "calls / iteration", "syncs / call (median, worst)", "collectives / call"]
+    lines = ["| " + " | ".join([*head, "budget", "kept"]) + " |", "|" + "---|" * 7]
+    for r in all_rows:
+        if r["label"] == "other":
+            lines.append(f"| {r['config']} | other (not ours) | | {r['median']:.1f} / iteration | | | |")
+            continue
+        lines.append(
+            f"| {r['config']} | {r['label']} | {r['calls_per_iteration']:.1f} | {r['median']:g}, {r['worst']} | "
+            f"{r['collectives_per_call']:.1f} | {r['budget']:g} | {'yes' if r['within'] else 'NO'} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--rank-of"]:
+        skip, window, trace = int(argv[1]), int(argv[2]), bool(int(argv[3]))
+        sys.argv = [sys.argv[0], *argv[5:]]  # the trainer's overrides, after "--"
+        _rank(skip, window, trace)
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--iterations", type=int, default=24)
+    p.add_argument("--skip", type=int, default=6, help="steps before counting (pipeline fill, calibration)")
+    p.add_argument("--no-sampling", action="store_true", help="compression.stats.sample_every=0")
+    p.add_argument("--trace", action="store_true", help="also list where our syncs are made (file:line)")
+    p.add_argument("--out", type=Path, default=None)
+    a = p.parse_args(argv)
+    out = a.out or Path(tempfile.mkdtemp(prefix="sync_budget_"))
+    extra = ["compression.stats.sample_every=0"] if a.no_sampling else []
+    all_rows: list[dict[str, Any]] = []
+    for name in a.configs:
+        m = measure(name, [*CONFIGS[name], *extra], a.ranks, a.iterations, a.skip, out / name, a.trace)
+        all_rows += rows(name, m)
+        print(table(rows(name, m)), flush=True)
+        for site, n in m["sites"].most_common():
+            print(f"  {n:6d}  {site}")
+    (out / "sync_budget.json").write_text(json.dumps(all_rows, indent=1))
+    print(f"\n{table(all_rows)}\n\n(written to {out / 'sync_budget.json'})")
+    return 0 if all(r["within"] is not False for r in all_rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
