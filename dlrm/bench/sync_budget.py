@@ -11,14 +11,15 @@ communication code and counts, per call, the host synchronisations made inside i
 collectives it issued:
 
 - each side of a compressed all-to-all (``a2a/<direction>/send``, ``.../receive``): budget 1 (the
-  send's size exchange, the receive's head read), none per chunk, whatever the rank count;
+  send's size exchange, the receive's head read), none per chunk, whatever the rank count; a
+  send that samples (``compression.stats.sample_every``: one chunk's errors and per-table sizes
+  measured) 3: also its own payload's head, and every figure at once;
 - each DCT bucket of the dense hook (``dct/bucket``): budget 1 (its size all-gather's read);
 - each hot-row replica sync (``hot/sync``): budget one per collective it makes.
 
 Whatever else synchronises (TorchRec's input dist and KJT checks, the optimizers, the metrics,
 batch preparation: on CPU every tensor stands for a device tensor) is reported as ``other``, not
-budgeted. A sampled iteration (``compression.stats.sample_every``) measures one chunk's error on
-the host, so the bench also reports the worst call; ``--no-sampling`` sets ``sample_every=0``.
+budgeted. ``--no-sampling`` sets ``sample_every=0``.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ CONFIGS: dict[str, list[str]] = {
     "lossy": ["compression=lossy", "policy=dual", *FIXED],
     "lossy+dct": ["compression=lossy", "policy=dual", "dense_comm=dct", *FIXED],
     "dct_mp": ["compression=dct_mp"],
-    "auto+auto": ["compression=auto", "dense_comm=auto"],
+    "auto+auto": ["compression=auto", "dense_comm=auto"],  # the plan the run makes on its link
+    "auto_mixed": ["compression=auto", "dense_comm=auto"],  # a replayed plan of every option (mixed_plan)
     "row_cache": ["compression=lossy", "sharding=table_wise", "compression.forward.cache.enabled=true", *FIXED],
     "hot_exact": ["compression=lossy", "sharding=table_wise", *HOT, "placement.sync_codec=exact", *FIXED],
     "hot_coded": ["compression=lossy", "sharding=table_wise", *HOT, "placement.sync_codec=backward", *FIXED],
@@ -70,9 +72,35 @@ COLLECTIVES = (
 OUT_ENV = "DLRM_SYNC_BUDGET_OUT"
 
 
+MIXED = ("lossy/fixed", "fp16", "bf16", "int8", "none")  # auto's options a device run can choose
+
+
+def mixed_plan(path: Path, tables: int = 26) -> Path:
+    """A strategy.json (``compression.strategy_file``) that gives the bundled Criteo tables every
+    option of ``compression=auto`` in turn, both directions, and DCT to the dense gradients: on a
+    fast loopback a real plan sends everything at ``none`` (TorchRec's own all-to-all), which
+    exercises no codec."""
+    choice = {f"{d}/cat_{t}": MIXED[t % len(MIXED)] for d in ("forward", "backward") for t in range(tables)}
+    plan = {"calibrated_from": 0, "from_iteration": 0, "choice": {**choice, "dense": "dct"}}
+    path.write_text(json.dumps({"plans": [plan]}))
+    return path
+
+
+def overrides_of(name: str, out: Path, extra: Sequence[str] = ()) -> list[str]:
+    """The trainer overrides of configuration ``name`` (a replayed plan written under ``out``)."""
+    overrides = [*CONFIGS[name], *extra]
+    if name == "auto_mixed":
+        out.mkdir(parents=True, exist_ok=True)
+        overrides.append(f"compression.strategy_file={mixed_plan(out / 'mixed_strategy.json')}")
+    return overrides
+
+
 def budget(label: str, collectives_per_call: float) -> float:
-    """Host synchronisations allowed per call of ``label``."""
-    return collectives_per_call if label == "hot/sync" else 1.0
+    """Host synchronisations allowed per call of ``label``: one, or one per collective of a
+    hot-row sync; a sampled send also reads its own payload's head and its figures."""
+    if label == "hot/sync":
+        return collectives_per_call
+    return 3.0 if label.endswith(" sampled") else 1.0
 
 
 class SyncBudget:
@@ -146,7 +174,8 @@ class SyncBudget:
 
         def side(fn: Callable[..., Any], what: str) -> Callable[..., Any]:
             def call(pg: Any, info: Any, d: str, arg: Any) -> Any:
-                return self.labelled(f"a2a/{d}/{what}", fn)(pg, info, d, arg)
+                sampled = " sampled" if what == "send" and info.sample else ""
+                return self.labelled(f"a2a/{d}/{what}{sampled}", fn)(pg, info, d, arg)
 
             return call
 
@@ -275,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     extra = ["compression.stats.sample_every=0"] if a.no_sampling else []
     all_rows: list[dict[str, Any]] = []
     for name in a.configs:
-        m = measure(name, [*CONFIGS[name], *extra], a.ranks, a.iterations, a.skip, out / name, a.trace)
+        m = measure(name, overrides_of(name, out, extra), a.ranks, a.iterations, a.skip, out / name, a.trace)
         all_rows += rows(name, m)
         print(table(rows(name, m)), flush=True)
         for site, n in m["sites"].most_common():

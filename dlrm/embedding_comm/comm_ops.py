@@ -160,8 +160,16 @@ class _Sampled:
     """The chunk a sampled collective measures, kept until the size exchange has settled its
     payload (the transport encodes it like the others)."""
 
-    def __init__(self, c: Outgoing, thresholds: list[float] | None, late: torch.Tensor | Deferred) -> None:
+    def __init__(
+        self,
+        c: Outgoing,
+        thresholds: list[float] | None,
+        late: torch.Tensor | Deferred,
+        me: int,
+        info: CompressedA2AInfo,
+    ) -> None:
         self.c, self.thresholds, self.late = c, thresholds, late
+        self.me, self.iteration, self.where = me, info.iteration, info.where  # for a failure's message
 
 
 def _sample(s: _Sampled, payload: torch.Tensor, stats: CommStats) -> None:
@@ -172,7 +180,13 @@ def _sample(s: _Sampled, payload: torch.Tensor, stats: CommStats) -> None:
     tables."""
     c, d, dc, blocks = s.c, s.c.direction, s.c.dc, s.c.blocks
     chunk, bounds, ids, widths = c.chunk, c.bounds, c.ids, list(blocks.widths)
-    decoded = c.held if c.held is not None else dc.codec.decode(payload, ids if dc.dedup else None)
+    decoded = c.held
+    if decoded is None:  # our own payload, its head read as a receiver reads it
+        head = _heads(dc, [(0, payload, ids, blocks)]).get(0)
+        decoded = dc.decode(
+            payload, (chunk.shape[0], blocks.dim), ids, head=head, src=s.me, dst=s.me, features=blocks.features,
+            tables=blocks.features, iteration=s.iteration, where=f"{s.where}, sampling its own payload",
+        )  # fmt: skip
     starts = [0, *itertools.accumulate(widths)]
     live = [k for k, w in enumerate(widths) if w] if chunk.shape[0] else []
     figures = [_distinct_rows(chunk, widths, ids, dc.dedup)]
@@ -340,7 +354,7 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
                 if s.measure(c):
                     sample_s += time.perf_counter() - ts
             if sample:  # measured once its bytes are known (below)
-                sampled, sample = _Sampled(c, thresholds, late), False
+                sampled, sample = _Sampled(c, thresholds, late, info.global_ranks[me], info), False
             if ids is None:
                 memo[id(chunks[peer])] = late
             payloads[peer] = late
@@ -408,20 +422,31 @@ def _read_heads(info: CompressedA2AInfo, d: str, tr: _Transfer) -> dict[int, Hos
     synchronisation for the collective (none where the codec reads for itself, on the CPU)."""
     if tr.raw or any(_overrides(s, "decode") for s in info.stages):
         return {}
-    dc, layout, ids_per_peer = info.codecs[d], info.layout, info.recv_ids(d)
-    todo: list[tuple[int, torch.Tensor, Any]] = []
+    layout, ids_per_peer = info.layout, info.recv_ids(d)
     offsets = [0, *itertools.accumulate(tr.recv_sizes)]
-    for peer, n in enumerate(tr.recv_sizes):
-        if n <= 0 or math.prod(layout.recv_shape(d, peer)) == 0:
-            continue
-        payload = tr.recv_buf[offsets[peer] : offsets[peer] + n]
-        prepared = dc.prepare_decode(payload, ids_per_peer[peer])
+    return _heads(
+        info.codecs[d],
+        [
+            (peer, tr.recv_buf[offsets[peer] : offsets[peer] + n], ids_per_peer[peer], layout.recv_blocks(d, peer))
+            for peer, n in enumerate(tr.recv_sizes)
+            if n > 0 and math.prod(layout.recv_shape(d, peer)) > 0
+        ],
+    )
+
+
+def _heads(
+    dc: DirectionCodec, payloads: list[tuple[int, torch.Tensor, torch.Tensor | None, Blocks]]
+) -> dict[int, HostHead]:
+    """The heads of ``payloads`` (key, bytes, ids, blocks) whose codec can read ahead, in one host
+    synchronisation, by key; the others read for themselves."""
+    todo = []
+    for key, payload, ids, blocks in payloads:
+        prepared = dc.prepare_decode(payload, ids)
         if prepared is not None:
-            todo.append((peer, payload, prepared))
-    sizes = [LossyCodec.head_size(len(layout.recv_blocks(d, t[0]).widths)) for t in todo]
-    heads = read_heads([t[1] for t in todo], [t[2][0] for t in todo], sizes) if todo else []
-    for (_, _, prepared), head in zip(todo, heads, strict=True):
-        head.state = prepared[1]
+            todo.append((key, payload, prepared, LossyCodec.head_size(len(blocks.widths))))
+    heads = read_heads([t[1] for t in todo], [t[2][0] for t in todo], [t[3] for t in todo]) if todo else []
+    for t, head in zip(todo, heads, strict=True):
+        head.state = t[2][1]
     return {t[0]: head for t, head in zip(todo, heads, strict=True)}
 
 
