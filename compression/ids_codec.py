@@ -38,7 +38,7 @@ _INT_DTYPES = (torch.int32, torch.int64)
 
 
 KEY_BYTES = 4 * _FIELDS + 8  # per key: its plan (int32 words) and its first distinct id
-PAYLOAD_BYTES = 88  # the container's header of a payload without weights (compression.format)
+PAYLOAD_BYTES = fmt.head_bytes(0, 3)  # the container's header of a payload without weights: no blocks, 3 sections
 
 
 def expected_bytes(bags: float, ids: float, distinct: float, id_range: float, lengths_vary: bool) -> float:

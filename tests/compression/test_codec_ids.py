@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from dlrm_compression import PayloadError
 from dlrm_compression.host_syncs import HostSyncCounter
-from dlrm_compression.ids_codec import IdsCodec
+from dlrm_compression.ids_codec import PAYLOAD_BYTES, IdsCodec
 
 I64 = torch.iinfo(torch.int64)
 EDGE = [I64.min, I64.min + 1, -1, 0, 1, I64.max - 1, I64.max]
@@ -95,6 +95,18 @@ def test_coded_size_is_the_distinct_ids_and_indices_not_eight_bytes_an_id():
         (p,) = IdsCodec(entropy=entropy).encode(lengths, values, bags)
         assert p.numel() <= bits / 8 + 400 < raw / 4  # 400: header, plan and first ids of 4 keys
         assert torch.equal(IdsCodec().decode(p).values, values)
+
+
+def test_the_traffic_models_header_is_the_payloads():
+    """dlrm/placement/traffic.py prices each input payload's header as PAYLOAD_BYTES: the
+    container's own header_len field of real payloads (with and without entropy coding)."""
+    import struct
+
+    lengths, values, bags = _criteo_like(2)
+    for entropy in (False, True):
+        (p,) = IdsCodec(entropy=entropy).encode(lengths, values, bags)
+        header_len = struct.unpack_from("<I", bytes(p[:12].tolist()), 8)[0]  # after magic and four bytes
+        assert header_len == PAYLOAD_BYTES
 
 
 def test_a_key_costs_no_host_synchronisation():
