@@ -39,7 +39,7 @@ from dlrm.embedding_comm.stats import CommStats
 from dlrm.process.instrument import embedding_collective, on_the_wire, payload_hooked
 from dlrm.process.timeout import named_collective
 from dlrm_compression.format import Deferred, HostHead, read_heads, settle
-from dlrm_compression.lossy import LossyCodec
+from dlrm_compression.sparse import Threshold
 
 
 class PooledA2ALayout:
@@ -165,7 +165,7 @@ def _sample(
     ids: torch.Tensor | None,
     stats: CommStats,
     d: str,
-    thresholds: list[float] | None = None,
+    thresholds: list[Threshold] | None = None,
     decoded: torch.Tensor | None = None,
 ) -> None:
     """Sender-side sampling: decode our own payload (or take ``decoded``: what an encoding stage
@@ -393,14 +393,14 @@ def _read_heads(info: CompressedA2AInfo, d: str, tr: _Transfer) -> dict[int, Hos
         prepared = dc.prepare_decode(payload, ids_per_peer[peer])
         if prepared is not None:
             todo.append((peer, payload, prepared))
-    sizes = [LossyCodec.head_size(len(layout.recv_blocks(d, t[0]).widths)) for t in todo]
+    sizes = [dc.head_size(len(layout.recv_blocks(d, t[0]).widths)) for t in todo]
     heads = read_heads([t[1] for t in todo], [t[2][0] for t in todo], sizes) if todo else []
     for (_, _, prepared), head in zip(todo, heads, strict=True):
         head.state = prepared[1]
     return {t[0]: head for t, head in zip(todo, heads, strict=True)}
 
 
-def _decode(info: CompressedA2AInfo, r: Incoming, head: HostHead | None = None) -> torch.Tensor:
+def _decode(info: CompressedA2AInfo, r: Incoming) -> torch.Tensor:
     """The first stage that decodes the payload, else the direction's codec."""
     for s in info.stages:
         part = s.decode(r)
@@ -417,7 +417,7 @@ def _decode(info: CompressedA2AInfo, r: Incoming, head: HostHead | None = None) 
         iteration=r.iteration,
         where=r.where,
         out=r.window,
-        head=head,
+        head=r.head,
     )
 
 
@@ -465,9 +465,22 @@ def _receive(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, tr: _Transf
             )
         src, dst = info.global_ranks[peer], info.global_ranks[me]
         r = Incoming(
-            d, peer, src, dst, payload, shape, ids_per_peer[peer], blocks, window, dc, stats, info.iteration, info.where
+            d,
+            peer,
+            src,
+            dst,
+            payload,
+            shape,
+            ids_per_peer[peer],
+            blocks,
+            window,
+            dc,
+            stats,
+            info.iteration,
+            info.where,
+            head=heads.get(peer),
         )
-        decoded = _decode(info, r, heads.get(peer))
+        decoded = _decode(info, r)
         for s in info.stages:
             s.after_decode(r, decoded)
         parts.append(decoded)
