@@ -209,13 +209,15 @@ def pack_deferred(
     sections: list[list[tuple[torch.Tensor, Length]]],
     device: torch.device,
     device_info: dict[int, torch.Tensor] | None = None,
+    device_rows: torch.Tensor | None = None,
 ) -> Deferred:
     """:func:`pack` for sections whose lengths are known on the device only, with the Adler-32
     check: the same bytes, built without a host synchronisation.
 
     Each section is a list of pieces (bytes tensor of at least ``length`` bytes, ``length``),
     joined without padding; the payload is one gather from the pieces' bytes, so its capacity
-    is the header plus every piece's capacity.
+    is the header plus every piece's capacity. ``device_rows`` (an int64 0-d tensor): the row
+    count where only the device knows it, written in place of ``header.rows``.
     """
     nb, ns = len(header.widths), len(sections)
     if header.flags & ADLER32:
@@ -267,6 +269,8 @@ def pack_deferred(
             out.scatter_(0, torch.where(j < lens[i], dst_start[i] + j, capacity), piece[start : start + j.numel()])
     out = out[:capacity]
     out[_TOTAL_AT : _TOTAL_AT + 8] = total.reshape(1).view(torch.uint8)
+    if device_rows is not None:  # the first field after the prefix, a u64
+        out[_PREFIX.size : _PREFIX.size + 8] = _length(device_rows, device).reshape(1).view(torch.uint8)
     at = _PREFIX.size + _FIXED.size + 4 * nb
     if on_device:
         assert isinstance(header.bounds, torch.Tensor)

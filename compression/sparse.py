@@ -18,6 +18,10 @@ one width, that of the largest (``info[0]`` = 2, ``info[2]`` = the width), which
 With the count and the width known on the host (:func:`delta_width`, read once with a collective's
 sizes), :meth:`ThresholdCodec.encode_known`, :meth:`~ThresholdCodec.payload_size` and
 :meth:`~ThresholdCodec.decode_known` make no host synchronisation at all (DCT's all-gather).
+Where the host does not know them (DCT-MP's all-to-alls), :meth:`~ThresholdCodec.encode_deferred`
+leaves them and the payload's length on the device, for the transport's one read of every length,
+and :meth:`~ThresholdCodec.decode` given the payload's head (read with its collective's) reads
+nothing more.
 """
 
 from __future__ import annotations
@@ -103,6 +107,15 @@ def unpack_bits(section: torch.Tensor, count: int, width: int) -> torch.Tensor:
     return bits.bitwise_left_shift_(torch.arange(width, device=section.device)).sum(1)
 
 
+def _pack_bits_capacity(values: torch.Tensor, count: torch.Tensor, width: torch.Tensor, bits: int) -> torch.Tensor:
+    """:func:`pack_bits` of ``values[:count]`` at a ``width`` known on the device only (0-d
+    int64 tensors): the stream's first ``bits`` bits (zero past ``count * width``), as bytes."""
+    at = torch.arange(bits, device=values.device)
+    which = (at // width).clamp_(max=max(values.numel() - 1, 0))  # the value each bit belongs to
+    bit = values[which].bitwise_right_shift(at % width).bitwise_and_(1)
+    return _bytes_of(torch.where(at < count * width, bit, 0), msb_first=False)
+
+
 def _bytes_of(bits: torch.Tensor, msb_first: bool) -> torch.Tensor:
     """0/1 values, 8 to a byte (the first in the high bit with ``msb_first``: numpy's packbits)."""
     bits = torch.cat([bits.to(torch.int32), bits.new_zeros(-bits.numel() % 8, dtype=torch.int32)])
@@ -125,6 +138,15 @@ def _compact(keep: torch.Tensor, count: int) -> torch.Tensor:
     slot = keep.cumsum(0).sub_(1).masked_fill_(~keep, count).clamp_(max=count)
     idx = torch.zeros(count + 1, dtype=torch.int64, device=keep.device)
     return idx.scatter_(0, slot, torch.arange(keep.numel(), device=keep.device))[:count]
+
+
+def known_positions(section: torch.Tensor, n: int, count: int, mode: int, width: int) -> torch.Tensor:
+    """The flat indices of device-coded positions (``mode`` :data:`PACKED` or :data:`BITMAP`)
+    whose count and width the host knows, without a host synchronisation: kept in range, so that
+    a damaged payload (its check read later) decodes into wrong values, never out of bounds."""
+    if mode == PACKED:
+        return unpack_bits(section, count, width).cumsum(0).clamp_(0, max(n - 1, 0))
+    return _compact(_bits_of(section, n, msb_first=True).bool(), count)
 
 
 def refresh_due(iteration: int, every: int, warmup: bool = True) -> bool:
@@ -241,6 +263,50 @@ class ThresholdCodec(Codec):
         header = fmt.Header(self.codec_id, x.dtype, rows, cols, list(blocks), [math.inf] * len(blocks), info=info)
         return fmt.pack(header, [positions, values], device=x.device)
 
+    def encode_deferred(
+        self,
+        x: torch.Tensor,
+        eb: Bound | None = None,
+        ids: torch.Tensor | None = None,
+        *,
+        blocks: Sequence[int] | None = None,
+        thresholds: Sequence[Threshold] | None = None,
+    ) -> torch.Tensor | fmt.Deferred:
+        """:meth:`encode`, but where the positions are coded on the device (cast values, Adler-32
+        check), with the count, the delta width and the payload's length left on the device
+        (:class:`~compression.format.Deferred`): :meth:`encode_known`'s bytes, made without a
+        host wait. Elsewhere (the host coding, lossy values) :meth:`encode`'s payload."""
+        check_input(x)
+        if coded_on_host(x) or self.values == "lossy" or fmt._check_for(x.device) != "adler32" or not x.numel():
+            return self.encode(x, eb, ids, blocks=blocks, thresholds=thresholds)
+        rows, cols = x.shape
+        widths = resolve_blocks(cols, None, None, blocks)
+        keep = self.mask(x, widths, thresholds).reshape(-1)
+        n, bitmap = keep.numel(), (keep.numel() + 7) // 8
+        count, width = keep.sum(), delta_width(keep)
+        idx = _compact(keep, n)  # the first ``count`` are the kept entries, the rest capacity
+        packed = (count * width + 7) // 8
+        is_packed = packed < bitmap  # positions_mode's choice; then the stream fits in the bitmap's bytes
+        deltas = torch.diff(idx, prepend=idx.new_zeros(1))
+        positions = torch.where(is_packed, _pack_bits_capacity(deltas, count, width, 8 * bitmap), _bytes_of(keep, True))
+        wire = x.reshape(-1).index_select(0, idx).float()
+        if self.values != "none":
+            wire = wire.to(_WIRE_DTYPE[self.values])
+        values_header = fmt.Header(self._values.codec_id, torch.float32, 0, 1, [1], [math.inf])
+        values = fmt.pack_deferred(values_header, [[(wire, count * wire.itemsize)]], x.device, device_rows=count)
+        header = fmt.Header(self.codec_id, x.dtype, rows, cols, widths, [math.inf] * len(widths))
+        info = {0: torch.where(is_packed, PACKED, BITMAP), 1: count, 2: torch.where(is_packed, width, 0)}
+        sections: list[list[tuple[torch.Tensor, fmt.Length]]] = [
+            [(positions, torch.where(is_packed, packed, bitmap))],
+            [(values.buffer, values.length)],
+        ]
+        return fmt.pack_deferred(header, sections, x.device, info)
+
+    @staticmethod
+    def head_size(n_blocks: int) -> int:
+        """Bytes a decoder needs on the host: the header (the count and the positions' coding)."""
+        return fmt.head_bytes(n_blocks, 2)
+
     def payload_size(self, n: int, blocks: Sequence[int], count: int, width: int) -> int:
         """Bytes of :meth:`encode_known`'s payload of ``n`` entries in ``blocks`` (cast values)."""
         if self.values == "lossy":
@@ -271,18 +337,35 @@ class ThresholdCodec(Codec):
                 f"({'truncated' if payload.numel() < size else 'trailing bytes'})"
             )
         at = _payload_len("threshold", len(blocks), 2)
-        if positions_mode(n, count, width) == PACKED:
-            p = (count * width + 7) // 8
-            idx = unpack_bits(payload[at : at + p], count, width).cumsum(0).clamp_(0, max(n - 1, 0))
-        else:
-            p = (n + 7) // 8
-            idx = _compact(_bits_of(payload[at : at + p], n, msb_first=True).bool(), count)
-        at += p + (-p % 8) + _payload_len(self.values, 1, 1)
-        wire = _WIRE_DTYPE[self.values]
-        values = fmt.view_as(payload[at : at + count * wire.itemsize], wire, "threshold values").to(torch.float32)
+        mode = positions_mode(n, count, width)
+        p = (count * width + 7) // 8 if mode == PACKED else (n + 7) // 8
+        idx = known_positions(payload[at : at + p], n, count, mode, width)
+        values = self._known_values(payload[at + p + (-p % 8) :], count)
         dense = torch.zeros(rows, cols, dtype=dtype, device=payload.device)
         dense.view(-1).index_copy_(0, idx, values.to(dtype))  # as decode: the cast codec's fp32, then dtype
         return dense, fmt.verdict(payload)
+
+    def _known_values(self, section: torch.Tensor, count: int) -> torch.Tensor:
+        """The ``count`` cast values (fp32) of a values section, past its (fixed) header: no read."""
+        at, wire = _payload_len(self.values, 1, 1), _WIRE_DTYPE[self.values]
+        return fmt.view_as(section[at : at + count * wire.itemsize], wire, "threshold values").to(torch.float32)
+
+    def _device_coded(self, header: fmt.Header, sections: list[torch.Tensor]) -> bool:
+        """Whether a payload whose check passed is device-coded with this codec's cast values:
+        then its positions and values decode from its header's numbers alone, without a host
+        read (:func:`known_positions`, :meth:`_known_values`). Sections of other lengths than
+        the header's numbers raise."""
+        n, (mode, count, width) = header.rows * header.cols, header.info[:3]
+        if self.values == "lossy" or not (mode == BITMAP or (mode == PACKED and 1 <= width <= 63)):
+            return False
+        p = (count * width + 7) // 8 if mode == PACKED else (n + 7) // 8
+        v = _payload_len(self.values, 1, 1) + count * _WIRE_ITEM[self.values]
+        if [t.numel() for t in sections] != [p, v + (-v % 8)]:
+            raise PayloadError(
+                f"threshold payload: sections of {[t.numel() for t in sections]} bytes, expected "
+                f"{[p, v + (-v % 8)]} for {count} of {n} entries with {self.values} values"
+            )
+        return True
 
     def sent(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """What :meth:`decode` of ``x``'s payload gives, computed from ``x`` (cast values): the
@@ -306,10 +389,15 @@ class ThresholdCodec(Codec):
                 return coded, DELTAS
         return torch.from_numpy(np.packbits(keep.cpu().numpy())).to(keep.device), BITMAP
 
-    def positions(self, payload: torch.Tensor) -> torch.Tensor:
-        """The flat indices a payload carries values for (what a receiver may send back)."""
-        header, (pos_s, _) = self._header(payload)
-        return self._decode_positions(header, pos_s)
+    def positions(self, payload: torch.Tensor, head: fmt.HostHead | None = None) -> torch.Tensor:
+        """The flat indices a payload carries values for (what a receiver may send back);
+        ``head``: its head and check, read already (:func:`~compression.format.read_heads`):
+        a device-coded payload's then read nothing."""
+        header, sections = self._header(payload, head)
+        if head is not None and self._device_coded(header, sections):
+            mode, count, width = header.info[:3]
+            return known_positions(sections[0], header.rows * header.cols, count, mode, width)
+        return self._decode_positions(header, sections[0])
 
     def _decode_positions(self, header: fmt.Header, section: torch.Tensor) -> torch.Tensor:
         n, count, mode = header.rows * header.cols, header.info[1], header.info[0]
@@ -340,20 +428,32 @@ class ThresholdCodec(Codec):
         return idx
 
     def decode(
-        self, payload: torch.Tensor, ids: torch.Tensor | None = None, *, out: torch.Tensor | None = None
+        self,
+        payload: torch.Tensor,
+        ids: torch.Tensor | None = None,
+        *,
+        out: torch.Tensor | None = None,
+        head: fmt.HostHead | None = None,
     ) -> torch.Tensor:
-        """The dense tensor: kept values at their positions, zeros elsewhere."""
-        header, sections = self._header(payload)
+        """The dense tensor: kept values at their positions, zeros elsewhere. ``head``: the
+        payload's head and check, read already (:func:`~compression.format.read_heads`): a
+        device-coded payload with cast values then decodes without waiting for the device."""
+        header, sections = self._header(payload, head)
         check_out(out, header, payload.device)
         if len(sections) != 2:
             raise PayloadError(f"threshold payload has {len(sections)} sections, expected 2")
-        idx = self._decode_positions(header, sections[0])
-        values_codec = codec_for(sections[1])
-        if values_codec.name not in VALUE_CODECS:
-            raise PayloadError(f"threshold payload: values written by codec {values_codec.name!r}")
-        values = values_codec.decode(sections[1]).view(-1)
-        if values.numel() != idx.numel():
-            raise PayloadError(f"threshold payload: {values.numel()} values for {idx.numel()} positions")
+        if head is not None and self._device_coded(header, sections):
+            mode, count, width = header.info[:3]
+            idx = known_positions(sections[0], header.rows * header.cols, count, mode, width)
+            values = self._known_values(sections[1], count)
+        else:
+            idx = self._decode_positions(header, sections[0])
+            values_codec = codec_for(sections[1])
+            if values_codec.name not in VALUE_CODECS:
+                raise PayloadError(f"threshold payload: values written by codec {values_codec.name!r}")
+            values = values_codec.decode(sections[1]).view(-1)
+            if values.numel() != idx.numel():
+                raise PayloadError(f"threshold payload: {values.numel()} values for {idx.numel()} positions")
         if out is None:
             out = torch.zeros(header.rows, header.cols, dtype=header.dtype, device=payload.device)
         else:

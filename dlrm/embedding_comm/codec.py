@@ -22,7 +22,7 @@ from dlrm_compression import format as fmt
 from dlrm_compression.composite import PerBlockCodec, worst_case_error
 from dlrm_compression.format import Deferred, HostHead
 from dlrm_compression.lossy import LossyCodec
-from dlrm_compression.sparse import ThresholdCodec, kth_largest_abs, refresh_due
+from dlrm_compression.sparse import Threshold, ThresholdCodec, kth_largest_abs_tensor, refresh_due
 
 
 class CompressedCommError(RuntimeError):
@@ -50,7 +50,8 @@ class DirectionCodec:
         self.keep, self.refresh_every, self.refresh_warmup, self.forward_positions = _threshold_params(
             spec, params, direction
         )
-        self._taus: dict[str, tuple[int, float]] = {}  # feature -> (iteration refreshed, threshold)
+        # feature -> (iteration refreshed, threshold: a 0-d tensor on the chunks' device, never read)
+        self._taus: dict[str, tuple[int, torch.Tensor]] = {}
         try:
             self.codec = compression.get_codec(spec.codec, **params)
         except TypeError as e:  # e.g. `compression.backward.codec=none` keeping lossy's params
@@ -96,15 +97,17 @@ class DirectionCodec:
         iteration: int,
         training: bool,
         stage: str,
-    ) -> list[float] | None:
+    ) -> list[Threshold] | None:
         """DCT-MP's per-table thresholds for this chunk (None for every other codec): refreshed
         from a training chunk on schedule (evaluation uses them as they are), or, for gradients,
-        the non-zero entries (where the forward kept values)."""
+        the non-zero entries (where the forward kept values). Refreshed thresholds are 0-d
+        tensors on the chunk's device: taking one does not wait for the device."""
         if self.forward_positions:
             return [NONZERO] * len(widths)
         if self.keep is None:
             return None
-        out, c = [], 0
+        out: list[Threshold] = []
+        c = 0
         for f, w in zip(features, widths, strict=True):
             key = f"{stage}/{f}"
             seen = self._taus.get(key)
@@ -114,22 +117,28 @@ class DirectionCodec:
                 and seen[0] != iteration
             )
             if seen is None or (training and due):
-                tau = kth_largest_abs(chunk[:, c : c + w], self.keep) if w else 0.0
+                tau = kth_largest_abs_tensor(chunk[:, c : c + w], self.keep)
                 if not training and seen is None:
                     out.append(tau)  # no threshold yet: this chunk's, not kept
                     c += w
                     continue
                 self._taus[key] = (iteration, tau)
+            elif self._taus[key][1].device != chunk.device:  # restored from a checkpoint: moved once
+                self._taus[key] = (self._taus[key][0], self._taus[key][1].to(chunk.device, non_blocking=True))
             out.append(self._taus[key][1])
             c += w
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        """DCT-MP's thresholds (this rank's: each rank thresholds what it sends)."""
-        return {"taus": {k: list(v) for k, v in self._taus.items()}}
+        """DCT-MP's thresholds (this rank's: each rank thresholds what it sends), as numbers (a
+        checkpoint may wait for the device)."""
+        return {"taus": {k: [it, float(tau)] for k, (it, tau) in self._taus.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self._taus = {str(k): (int(v[0]), float(v[1])) for k, v in state.get("taus", {}).items()}
+        self._taus = {
+            str(k): (int(v[0]), torch.tensor(float(v[1]), dtype=torch.float32))
+            for k, v in state.get("taus", {}).items()
+        }
 
     def encode(
         self,
@@ -137,7 +146,7 @@ class DirectionCodec:
         widths: Sequence[int],
         bounds: Bounds | None,
         ids: torch.Tensor | None,
-        thresholds: Sequence[float] | None = None,
+        thresholds: Sequence[Threshold] | None = None,
         features: Sequence[str] | None = None,
     ) -> torch.Tensor:
         """Payload (uint8, 1-D) of one chunk; ``ids`` ``[rows, n_blocks]`` or None (value dedup);
@@ -159,15 +168,17 @@ class DirectionCodec:
         widths: Sequence[int],
         bounds: Bounds | None,
         ids: torch.Tensor | None,
-        thresholds: Sequence[float] | None = None,
+        thresholds: Sequence[Threshold] | None = None,
         features: Sequence[str] | None = None,
     ) -> torch.Tensor | Deferred:
-        """:meth:`encode`, with the payload's length left on the device where the codec can (the
-        error-bounded codec on a device: :meth:`LossyCodec.encode_deferred`)."""
+        """:meth:`encode`, with the payload's length left on the device where the codec can (on a
+        device: :meth:`LossyCodec.encode_deferred`, :meth:`ThresholdCodec.encode_deferred`)."""
         if isinstance(self.codec, LossyCodec) and thresholds is None:
             return self.codec.encode_deferred(
                 chunk.contiguous(), bounds, ids if self.dedup else None, blocks=list(widths)
             )
+        if isinstance(self.codec, ThresholdCodec):
+            return self.codec.encode_deferred(chunk.contiguous(), bounds, blocks=list(widths), thresholds=thresholds)
         return self.encode(chunk, widths, bounds, ids, thresholds, features)
 
     def passthrough(self, features: Sequence[str]) -> bool:
@@ -224,20 +235,30 @@ class DirectionCodec:
             c += w
         return out
 
-    def kept(self, payload: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-        """Where a received DCT-MP forward payload holds values (bool ``shape``)."""
+    def kept(self, payload: torch.Tensor, shape: tuple[int, int], head: HostHead | None = None) -> torch.Tensor:
+        """Where a received DCT-MP forward payload holds values (bool ``shape``); ``head``: read
+        with its collective's (:meth:`prepare_decode`), so that nothing more is read."""
         assert isinstance(self.codec, ThresholdCodec)
         mask = torch.zeros(shape, dtype=torch.bool, device=payload.device)
-        mask.view(-1)[self.codec.positions(payload)] = True
+        mask.view(-1)[self.codec.positions(payload, head)] = True
         return mask
 
     def prepare_decode(self, payload: torch.Tensor, ids: torch.Tensor | None) -> tuple[torch.Tensor | None, Any] | None:
         """Where decoding ``payload`` can read everything it needs on the host in its collective's
         one read (:func:`dlrm_compression.format.read_heads`): the device values to read with its
         head and the state that goes with them; else None (it reads for itself)."""
-        if not isinstance(self.codec, LossyCodec) or fmt._check_for(payload.device) != "adler32":
+        if fmt._check_for(payload.device) != "adler32":
             return None
-        return self.codec.prepare_decode(payload, ids if self.dedup else None)
+        if isinstance(self.codec, LossyCodec):
+            return self.codec.prepare_decode(payload, ids if self.dedup else None)
+        if isinstance(self.codec, ThresholdCodec) and self.codec.values != "lossy":
+            return None, None  # its head alone says where the values go
+        return None
+
+    def head_size(self, n_blocks: int) -> int:
+        """Bytes of a payload of ``n_blocks`` blocks its decoder reads with the collective's heads."""
+        assert isinstance(self.codec, (LossyCodec, ThresholdCodec))  # the codecs prepare_decode takes
+        return self.codec.head_size(n_blocks)
 
     def decode(
         self,
@@ -262,7 +283,7 @@ class DirectionCodec:
             f"iteration {iteration}"
         )
         try:
-            if head is not None and isinstance(self.codec, LossyCodec):
+            if head is not None and isinstance(self.codec, (LossyCodec, ThresholdCodec)):
                 out = self.codec.decode(payload, ids if self.dedup else None, out=out, head=head)
             else:
                 out = self.codec.decode(payload, ids if self.dedup else None, out=out)

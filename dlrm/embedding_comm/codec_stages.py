@@ -41,7 +41,7 @@ class ForwardPositions(Stage):
 
     def after_decode(self, r: Incoming, part: torch.Tensor) -> None:
         if r.direction == "forward":
-            self.kept[r.peer] = r.dc.kept(r.payload, r.shape)
+            self.kept[r.peer] = r.dc.kept(r.payload, r.shape, r.head)
 
 
 class Calibration(Stage):

@@ -39,7 +39,7 @@ from dlrm.process.instrument import embedding_collective, on_the_wire, payload_h
 from dlrm.process.timeout import named_collective
 from dlrm_compression.dedup import distinct_rows, first_capacity
 from dlrm_compression.format import Deferred, HostHead, read_heads, settle
-from dlrm_compression.lossy import LossyCodec
+from dlrm_compression.sparse import Threshold
 
 
 class PooledA2ALayout:
@@ -163,7 +163,7 @@ class _Sampled:
     def __init__(
         self,
         c: Outgoing,
-        thresholds: list[float] | None,
+        thresholds: list[Threshold] | None,
         late: torch.Tensor | Deferred,
         me: int,
         info: CompressedA2AInfo,
@@ -443,14 +443,14 @@ def _heads(
     for key, payload, ids, blocks in payloads:
         prepared = dc.prepare_decode(payload, ids)
         if prepared is not None:
-            todo.append((key, payload, prepared, LossyCodec.head_size(len(blocks.widths))))
+            todo.append((key, payload, prepared, dc.head_size(len(blocks.widths))))
     heads = read_heads([t[1] for t in todo], [t[2][0] for t in todo], [t[3] for t in todo]) if todo else []
     for t, head in zip(todo, heads, strict=True):
         head.state = t[2][1]
     return {t[0]: head for t, head in zip(todo, heads, strict=True)}
 
 
-def _decode(info: CompressedA2AInfo, r: Incoming, head: HostHead | None = None) -> torch.Tensor:
+def _decode(info: CompressedA2AInfo, r: Incoming) -> torch.Tensor:
     """The first stage that decodes the payload, else the direction's codec."""
     for s in info.stages:
         part = s.decode(r)
@@ -467,7 +467,7 @@ def _decode(info: CompressedA2AInfo, r: Incoming, head: HostHead | None = None) 
         iteration=r.iteration,
         where=r.where,
         out=r.window,
-        head=head,
+        head=r.head,
     )
 
 
@@ -515,9 +515,22 @@ def _receive(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, tr: _Transf
             )
         src, dst = info.global_ranks[peer], info.global_ranks[me]
         r = Incoming(
-            d, peer, src, dst, payload, shape, ids_per_peer[peer], blocks, window, dc, stats, info.iteration, info.where
+            d,
+            peer,
+            src,
+            dst,
+            payload,
+            shape,
+            ids_per_peer[peer],
+            blocks,
+            window,
+            dc,
+            stats,
+            info.iteration,
+            info.where,
+            head=heads.get(peer),
         )
-        decoded = _decode(info, r, heads.get(peer))
+        decoded = _decode(info, r)
         for s in info.stages:
             s.after_decode(r, decoded)
         parts.append(decoded)

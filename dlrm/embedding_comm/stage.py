@@ -17,6 +17,7 @@ import torch
 from dlrm.embedding_comm.bounds import Bounds
 from dlrm.embedding_comm.codec import DirectionCodec
 from dlrm.embedding_comm.stats import CommStats
+from dlrm_compression.format import HostHead
 
 
 class Blocks(NamedTuple):
@@ -65,6 +66,7 @@ class Incoming:
     stats: CommStats
     iteration: int
     where: str
+    head: HostHead | None = None  # its head and check, read with the collective's (decoders then read nothing)
 
 
 class Stage:

@@ -194,3 +194,39 @@ def test_a_damaged_device_payload_fails_its_check_and_a_truncated_one_raises(dev
     for cut in (payload.numel() // 2, payload.numel() - 1):
         with pytest.raises(compression.PayloadError, match="truncated"):
             codec.decode_known(payload[:cut], (1, n), torch.float32, [n], count, width)
+
+
+@pytest.mark.parametrize("values", ["none", "fp16", "bf16"])
+@pytest.mark.parametrize("keep", [0.0005, 0.005, 0.1, 0.5, 1.0])
+def test_the_deferred_payload_is_built_and_decoded_from_its_read_head_without_a_host_read(device_coding, values, keep):
+    from dlrm.bench.host_syncs import device_paths
+    from dlrm_compression import format as fmt
+    from dlrm_compression import sparse
+    from dlrm_compression.host_syncs import HostSyncCounter
+
+    x = gradients(40000).view(100, 400).clone()
+    x[0, :3] = torch.tensor([math.nan, math.inf, -0.0])
+    blocks = [150, 250]
+    codec = compression.get_codec("threshold", values=values)
+    taus = [sparse.kth_largest_abs_tensor(x[:, :150], keep), sparse.kth_largest_abs_tensor(x[:, 150:], keep * 2)]
+    sparse.HOST_POSITIONS = True  # the host coding (zstd deltas or numpy's bitmap, crc32): the reference
+    host = codec.decode(codec.encode(x, blocks=blocks, thresholds=[float(t) for t in taus]))
+    sparse.HOST_POSITIONS = False
+    counter = HostSyncCounter()
+    with device_paths(counter), counter:
+        deferred = codec.encode_deferred(x, blocks=blocks, thresholds=taus)
+    assert isinstance(deferred, fmt.Deferred) and counter.total == 0
+    [payload] = fmt.settle([deferred])  # the transport's one read of every length
+    assert torch.equal(payload, codec.encode(x, blocks=blocks, thresholds=taus))  # the device coding's bytes
+    [head] = fmt.read_heads([payload], [None], [codec.head_size(len(blocks))])  # the receiver's one read
+    with device_paths(counter), counter:
+        got = codec.decode(payload, head=head)
+        where = codec.positions(payload, head)
+    assert counter.total == 0
+    assert torch.equal(_bits(got), _bits(host))
+    assert torch.equal(where, codec.mask(x, blocks, taus).view(-1).nonzero().view(-1))
+    bad = payload.clone()
+    bad[-1] ^= 0x01  # a byte the host never reads: only the device check can tell
+    [bad_head] = fmt.read_heads([bad], [None], [codec.head_size(len(blocks))])
+    with pytest.raises(compression.PayloadError, match="checksum mismatch"):
+        codec.decode(bad, head=bad_head)

@@ -20,9 +20,12 @@ DEVICE_LOSSY = {
     "backward": {"codec": "lossy", "eb": 1e-3, "params": {"entropy": False}},
     "stats": {"sample_every": 0},
 }
+# DCT-MP as shipped (forward keep, backward at the forward's positions); sampling off (it reads by design)
+DEVICE_DCT_MP = {**tc.shipped("dct_mp"), "stats": {"sample_every": 0}}
+SPECS = {"lossy": DEVICE_LOSSY, "dct_mp": DEVICE_DCT_MP}
 
 
-def _counted(rank: int, ws: int, plan: str) -> dict:
+def _counted(rank: int, ws: int, plan: str, spec: str) -> dict:
     """Three training steps on the host path, then the same on the device path, counted."""
     from dlrm.bench.host_syncs import device_paths
     from dlrm.embedding_comm import comm_ops
@@ -44,7 +47,7 @@ def _counted(rank: int, ws: int, plan: str) -> dict:
     comm_ops._send, comm_ops._receive = counted_send, counted_receive
     runs = {}
     for path in ("host", "device"):
-        model = tc.build(tc.ours(DEVICE_LOSSY), plan, ws, tc.full_weights(5))
+        model = tc.build(tc.ours(SPECS[spec]), plan, ws, tc.full_weights(5))
         if path == "host":
             outs = tc.run_steps(model, rank, [12, 9, 7][:ws], 3)
         else:
@@ -58,9 +61,10 @@ def _counted(rank: int, ws: int, plan: str) -> dict:
     return {"same": same, "same_weights": same_w, "syncs": syncs, "calls": dict(calls)}
 
 
+@pytest.mark.parametrize("spec", sorted(SPECS))
 @pytest.mark.parametrize("ws", [2, 3])
-def test_device_path_gives_the_host_paths_numbers_with_one_host_sync_per_collective_side(ws):
-    for r in run_ranks(_counted, ws, "tw"):
+def test_device_path_gives_the_host_paths_numbers_with_one_host_sync_per_collective_side(ws, spec):
+    for r in run_ranks(_counted, ws, "tw", spec):
         assert r["same"] and r["same_weights"]  # bit for bit: the framing moved, not the values
         calls = {k: n // 2 for k, n in r["calls"].items()}  # the device run's half
         for side, n in r["syncs"].items():
