@@ -20,9 +20,21 @@ DEVICE_LOSSY = {
     "backward": {"codec": "lossy", "eb": 1e-3, "params": {"entropy": False}},
     "stats": {"sample_every": 0},
 }
+# compression=auto as a replayed strategy sets it: an option per feature (fixed-length lossy as on
+# CUDA, casts, none). At a bound of 1e-3 of each block's range, fp16 holds it and bf16 does not,
+# so bf16's blocks fall back to lossy/fixed: a choice decided on the device from the data.
+_AUTO_DIR = {
+    "codec": "per_block",
+    "mode": "rel",
+    "eb": 1e-3,
+    "params": {"options": ["none", "fp16", "bf16", "lossy/fixed"], "fallback": "lossy/fixed"},
+}
+DEVICE_AUTO = {"name": "auto", "forward": _AUTO_DIR, "backward": _AUTO_DIR, "stats": {"sample_every": 0}}
+AUTO_CHOICE = {"f_t0": "fp16", "f_t1": "lossy/fixed", "f_t2": "none", "f_t3": "bf16", "f_t4": "fp16", "f_t5": "none"}
+SPECS = {"lossy": (DEVICE_LOSSY, {}), "auto": (DEVICE_AUTO, AUTO_CHOICE)}
 
 
-def _counted(rank: int, ws: int, plan: str) -> dict:
+def _counted(rank: int, ws: int, plan: str, spec: str) -> dict:
     """Three training steps on the host path, then the same on the device path, counted."""
     from dlrm.bench.host_syncs import device_paths
     from dlrm.embedding_comm import comm_ops
@@ -43,8 +55,11 @@ def _counted(rank: int, ws: int, plan: str) -> dict:
 
     comm_ops._send, comm_ops._receive = counted_send, counted_receive
     runs = {}
+    cfg, choice = SPECS[spec]
     for path in ("host", "device"):
-        model = tc.build(tc.ours(DEVICE_LOSSY), plan, ws, tc.full_weights(5))
+        sharder = tc.ours(cfg)
+        sharder.runtime.forward.choice, sharder.runtime.backward.choice = dict(choice), dict(choice)
+        model = tc.build(sharder, plan, ws, tc.full_weights(5))
         if path == "host":
             outs = tc.run_steps(model, rank, [12, 9, 7][:ws], 3)
         else:
@@ -58,9 +73,10 @@ def _counted(rank: int, ws: int, plan: str) -> dict:
     return {"same": same, "same_weights": same_w, "syncs": syncs, "calls": dict(calls)}
 
 
+@pytest.mark.parametrize("spec", list(SPECS))
 @pytest.mark.parametrize("ws", [2, 3])
-def test_device_path_gives_the_host_paths_numbers_with_one_host_sync_per_collective_side(ws):
-    for r in run_ranks(_counted, ws, "tw"):
+def test_device_path_gives_the_host_paths_numbers_with_one_host_sync_per_collective_side(ws, spec):
+    for r in run_ranks(_counted, ws, "tw", spec):
         assert r["same"] and r["same_weights"]  # bit for bit: the framing moved, not the values
         calls = {k: n // 2 for k, n in r["calls"].items()}  # the device run's half
         for side, n in r["syncs"].items():
