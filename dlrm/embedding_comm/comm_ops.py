@@ -39,7 +39,6 @@ from dlrm.embedding_comm.stats import CommStats
 from dlrm.process.instrument import embedding_collective, on_the_wire, payload_hooked
 from dlrm.process.timeout import named_collective
 from dlrm_compression.format import Deferred, HostHead, read_heads, settle
-from dlrm_compression.lossy import LossyCodec
 
 
 class PooledA2ALayout:
@@ -390,10 +389,10 @@ def _read_heads(info: CompressedA2AInfo, d: str, tr: _Transfer) -> dict[int, Hos
         if n <= 0 or math.prod(layout.recv_shape(d, peer)) == 0:
             continue
         payload = tr.recv_buf[offsets[peer] : offsets[peer] + n]
-        prepared = dc.prepare_decode(payload, ids_per_peer[peer])
+        prepared = dc.prepare_decode(payload, ids_per_peer[peer], layout.recv_blocks(d, peer).features)
         if prepared is not None:
             todo.append((peer, payload, prepared))
-    sizes = [LossyCodec.head_size(len(layout.recv_blocks(d, t[0]).widths)) for t in todo]
+    sizes = [dc.head_size(len(layout.recv_blocks(d, t[0]).widths)) for t in todo]
     heads = read_heads([t[1] for t in todo], [t[2][0] for t in todo], sizes) if todo else []
     for (_, _, prepared), head in zip(todo, heads, strict=True):
         head.state = prepared[1]
