@@ -49,10 +49,10 @@ def is_bounded(name: str) -> bool:
     return bool(_REGISTRY[name].bounded)
 
 
-def codec_for(payload: torch.Tensor) -> Codec:
+def codec_for(payload: torch.Tensor, head: fmt.HostHead | None = None) -> Codec:
     """The (default-parameter) codec that wrote ``payload``; decoding needs no parameters (and
-    checks the whole payload: here only its prefix is read)."""
-    codec_id = fmt.peek_codec_id(payload)
+    checks the whole payload: here only its prefix is read, or taken from ``head``)."""
+    codec_id = fmt.peek_codec_id(payload, head)
     if codec_id not in _BY_ID:
         raise PayloadError(f"payload written by unknown codec id {codec_id}")
     return _BY_ID[codec_id]()

@@ -33,11 +33,22 @@ class CastCodec(Codec):
         header = fmt.Header(self.codec_id, x.dtype, x.shape[0], x.shape[1], widths, [float("inf")] * len(widths))
         return fmt.pack(header, [wire], device=x.device)
 
+    @staticmethod
+    def head_size(n_blocks: int) -> int:
+        """Bytes a decoder needs on the host: the header."""
+        return fmt.head_bytes(n_blocks, 1)
+
     def decode(
-        self, payload: torch.Tensor, ids: torch.Tensor | None = None, *, out: torch.Tensor | None = None
+        self,
+        payload: torch.Tensor,
+        ids: torch.Tensor | None = None,
+        *,
+        out: torch.Tensor | None = None,
+        head: fmt.HostHead | None = None,
     ) -> torch.Tensor:
-        """Undo the cast; the result never aliases ``payload``."""
-        header, (section,) = self._header(payload)
+        """Undo the cast; the result never aliases ``payload``. ``head``: the payload's head,
+        read already (nothing then waits for the device)."""
+        header, (section,) = self._header(payload, head)
         check_out(out, header, payload.device)
         wire_dtype = header.dtype if self.wire_dtype is None else self.wire_dtype
         values = fmt.view_as(section, wire_dtype, "cast values")

@@ -11,12 +11,19 @@ construction; a cast or fixed-rate codec is used for a block only if its worst-c
 block (:func:`worst_case_error`: half a unit in the last place of the block's largest magnitude
 for fp16/bf16, half a quantisation step of its range for int8) is within ``eb``; otherwise the
 block goes to the ``fallback`` (bounded) option instead. So a choice can never loosen the bound.
+
+On a device (:meth:`PerBlockCodec.encode_deferred`) that verdict stays on the device: the groups
+follow the choice alone, the fallback's group also carries every block that might fall back, and
+sections 1 and 2 say which blocks each group carries and hold a copy of each group payload's head,
+so that a receiver reads everything it needs with the payload's first bytes.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,7 +35,9 @@ from .base import (
     check_input,
     check_out,
     codec_for,
+    device_bounds,
     get_codec,
+    on_device,
     register,
     resolve_blocks,
     resolve_bounds,
@@ -57,16 +66,24 @@ def worst_case_error(option: str, block: torch.Tensor) -> float:
     value or overflow, so that such a block goes to the bounded fallback, which keeps them)."""
     if option == "none" or block.numel() == 0:
         return 0.0
-    lo, hi = (float(v) for v in torch.aminmax(block.detach()))  # NaN and inf propagate
-    top = max(abs(lo), abs(hi))
-    if not math.isfinite(top):
-        return math.inf
+    return float(_worst_case(option, block))
+
+
+def _worst_case(option: str, block: torch.Tensor) -> torch.Tensor:
+    """:func:`worst_case_error` of a non-empty block as a float64 0-d tensor on its device (no
+    host wait): the same float64 operations, so the same number."""
+    lo, hi = (v.double() for v in torch.aminmax(block.detach()))  # NaN and inf propagate
+    top = torch.maximum(lo.abs(), hi.abs())
     if option in _CAST:
         rel, floor = _CAST[option]
-        return math.inf if option == "fp16" and top >= _FP16_MAX else top * rel + floor
-    if option == "int8":
-        return (hi - lo) / 255.0 / 2.0 * (1 + 2.0**-10)  # half a step of the range; fp16 scale rounding
-    raise ValueError(f"no worst-case error for option {option!r}; bounded codecs hold their own bound")
+        err = top * rel + floor
+        if option == "fp16":
+            err = torch.where(top >= _FP16_MAX, math.inf, err)
+    elif option == "int8":
+        err = (hi - lo) / 255.0 / 2.0 * (1 + 2.0**-10)  # half a step of the range; fp16 scale rounding
+    else:
+        raise ValueError(f"no worst-case error for option {option!r}; bounded codecs hold their own bound")
+    return torch.where(top.isfinite(), err, math.inf)
 
 
 @register
@@ -104,6 +121,40 @@ class PerBlockCodec(Codec):
             c += w
         return out
 
+    def _unsure(self, name: str) -> bool:
+        """Whether option ``name`` may exceed a block's bound (decided from the block's values)."""
+        return not getattr(self.options[name], "bounded", False) and name != "none"
+
+    def device_groups(self, choice: Sequence[str]) -> tuple[list[str], list[list[int]]]:
+        """The device path's groups, fixed by the choice alone (not by the data): each option
+        chosen, in first-use order, carrying its blocks; the fallback also carries every block
+        whose option may exceed its bound, so that no group's shape waits for the device's
+        verdict. Sender and receiver compute the same from the same choice."""
+        names = sorted(set(choice), key=list(choice).index)
+        unsure = {k for k, name in enumerate(choice) if self._unsure(name)}
+        if unsure and self.fallback not in names:
+            names.append(self.fallback)
+        carried = [
+            [k for k, c in enumerate(choice) if c == name or (name == self.fallback and k in unsure)] for name in names
+        ]
+        return names, carried
+
+    def _checked_choice(self, choice: Sequence[str] | None, n_blocks: int) -> list[str]:
+        choice = list(choice) if choice is not None else [self.fallback] * n_blocks
+        unknown = sorted({c for c in choice} - set(self.options))
+        if len(choice) != n_blocks or unknown:
+            raise ValueError(f"per_block: choice {choice} for {n_blocks} blocks; unknown options {unknown}")
+        return choice
+
+    @staticmethod
+    def _columns(x: torch.Tensor, widths: Sequence[int], members: Sequence[int]) -> torch.Tensor:
+        """The members' columns of ``x``, in block order (``x`` itself when they are all)."""
+        if len(members) == len(widths):
+            return x
+        starts = [sum(widths[:k]) for k in range(len(widths))]
+        cols = torch.cat([torch.arange(starts[k], starts[k] + widths[k]) for k in members])
+        return x.index_select(1, cols.to(x.device, non_blocking=True))
+
     def encode(
         self,
         x: torch.Tensor,
@@ -119,23 +170,16 @@ class PerBlockCodec(Codec):
         widths = resolve_blocks(cols, eb, ids, blocks)
         bounds = resolve_bounds(eb, widths, required=True)
         keys = check_ids(ids, rows, len(widths), "per_block encode")
-        choice = list(choice) if choice is not None else [self.fallback] * len(widths)
-        unknown = sorted({c for c in choice} - set(self.options))
-        if len(choice) != len(widths) or unknown:
-            raise ValueError(f"per_block: choice {choice} for {len(widths)} blocks; unknown options {unknown}")
+        choice = self._checked_choice(choice, len(widths))
         used = self.effective(x, widths, bounds, choice)
         names = sorted(set(used), key=used.index)  # groups in first-use order
         if len(names) == 1:
             return self.options[names[0]].encode(x, bounds, keys, blocks=widths)
-        starts = [sum(widths[:k]) for k in range(len(widths))]
         sections = [torch.tensor([names.index(u) for u in used], dtype=torch.uint8)]
         for name in names:
             members = [k for k, u in enumerate(used) if u == name]
-            if len(members) == len(widths):  # one codec for the whole chunk: no gather
-                sub, sub_ids = x, keys
-            else:
-                cols_of = torch.cat([torch.arange(starts[k], starts[k] + widths[k]) for k in members]).to(x.device)
-                sub, sub_ids = x.index_select(1, cols_of), None if keys is None else keys[:, members]
+            sub = self._columns(x, widths, members)
+            sub_ids = keys if keys is None or len(members) == len(widths) else keys[:, members]
             sections.append(
                 self.options[name].encode(
                     sub, [bounds[k] for k in members], sub_ids, blocks=[widths[k] for k in members]
@@ -144,39 +188,263 @@ class PerBlockCodec(Codec):
         header = fmt.Header(self.codec_id, x.dtype, rows, cols, widths, bounds)
         return fmt.pack(header, sections, device=x.device)
 
+    def encode_deferred(
+        self,
+        x: torch.Tensor,
+        eb: Bound | None = None,
+        ids: torch.Tensor | None = None,
+        *,
+        blocks: Sequence[int] | None = None,
+        choice: Sequence[str] | None = None,
+    ) -> torch.Tensor | fmt.Deferred:
+        """:meth:`encode` where the payload is built on the device (Adler-32 check), its length
+        left there (:class:`~compression.format.Deferred`): made without a host wait where every
+        option builds its own payload so (casts, the fixed-length lossy codec).
+
+        The groups are :meth:`device_groups`'; which option each block really gets (its choice,
+        or the fallback where the choice could exceed its bound) is decided on the device and
+        written to section 0. A block carried by two groups is decoded from the one section 0
+        names; in the fallback's group, the blocks decided otherwise travel as zeros. Section 1
+        says which blocks each group carries, section 2 holds a copy of each group payload's
+        head (so that one read of the payload's first bytes gives the decoder every header)."""
+        if fmt._check_for(x.device) != "adler32":  # the CPU: the host path is the faster
+            return self.encode(x, eb, ids, blocks=blocks, choice=choice)
+        check_input(x)
+        rows, cols = x.shape
+        widths = resolve_blocks(cols, eb, ids, blocks)
+        bounds: list[float] | torch.Tensor
+        if isinstance(eb, torch.Tensor) and on_device(eb):
+            bounds = device_bounds(eb, widths, x.device)
+        else:
+            bounds = resolve_bounds(eb, widths, required=True)
+        keys = check_ids(ids, rows, len(widths), "per_block encode")
+        choice = self._checked_choice(choice, len(widths))
+        names, carried = self.device_groups(choice)
+        if any(_head_size(self.options[n], 0) is None for n in names):
+            return self.encode(x, eb, ids, blocks=blocks, choice=choice)  # an option read on the host
+        if len(names) == 1:
+            return self._encode_group(names[0], x, bounds, keys, widths, list(range(len(widths))))
+        group = self._groups_on_device(x, widths, bounds, choice, names)
+        fallback = names.index(self.fallback) if self.fallback in names else -1
+        subs: list[torch.Tensor | fmt.Deferred] = []
+        for g, (name, members) in enumerate(zip(names, carried, strict=True)):
+            sub = self._columns(x, widths, members)
+            if g == fallback and any(choice[k] != name for k in members):  # decided otherwise: zeros
+                at = torch.tensor(members).to(x.device, non_blocking=True)
+                mine = (group[at] == g).repeat_interleave(
+                    torch.tensor([widths[k] for k in members]).to(x.device, non_blocking=True),
+                    output_size=sub.shape[1],
+                )
+                sub = torch.where(mine, sub, 0)
+            subs.append(self._encode_group(name, sub, bounds, keys, widths, members))
+        carries = torch.tensor([[k in members for k in range(len(widths))] for members in carried], dtype=torch.uint8)
+        pieces: list[tuple[torch.Tensor, fmt.Length]] = [
+            (s.buffer, s.length) if isinstance(s, fmt.Deferred) else (s, s.numel()) for s in subs
+        ]
+        heads: list[tuple[torch.Tensor, fmt.Length]] = [
+            (buffer, _head_size(self.options[name], len(members)) or 0)
+            for (buffer, _), name, members in zip(pieces, names, carried, strict=True)
+        ]
+        sections: list[list[tuple[torch.Tensor, fmt.Length]]] = [
+            [(group, len(widths))],
+            [(carries.reshape(-1), carries.numel())],
+            heads,
+            *[[p] for p in pieces],
+        ]
+        header = fmt.Header(self.codec_id, x.dtype, rows, cols, widths, bounds, info=[_DEVICE_LAYOUT, 0, 0, 0])
+        return fmt.pack_deferred(header, sections, x.device)
+
+    def _groups_on_device(
+        self,
+        x: torch.Tensor,
+        widths: list[int],
+        bounds: list[float] | torch.Tensor,
+        choice: list[str],
+        names: list[str],
+    ) -> torch.Tensor:
+        """Each block's group (uint8, on ``x``'s device): its choice's, or the fallback's where
+        the choice could exceed the block's bound (:meth:`effective`, decided on the device)."""
+        chosen = torch.tensor([names.index(c) for c in choice], dtype=torch.uint8).to(x.device, non_blocking=True)
+        unsure = [k for k, c in enumerate(choice) if self._unsure(c) and widths[k] and x.shape[0]]
+        if not unsure:
+            return chosen
+        starts = [sum(widths[:k]) for k in range(len(widths))]
+        worst = torch.stack([_worst_case(choice[k], x[:, starts[k] : starts[k] + widths[k]]) for k in unsure])
+        eb = bounds if isinstance(bounds, torch.Tensor) else torch.tensor(bounds, dtype=torch.float64)
+        at = torch.tensor(unsure).to(x.device, non_blocking=True)
+        ok = worst <= eb.to(x.device, non_blocking=True)[at]
+        fallback = torch.full_like(ok, names.index(self.fallback), dtype=torch.uint8)
+        return chosen.index_copy(0, at, torch.where(ok, chosen[at], fallback))
+
+    def _encode_group(
+        self,
+        name: str,
+        sub: torch.Tensor,
+        bounds: list[float] | torch.Tensor,
+        keys: torch.Tensor | None,
+        widths: list[int],
+        members: list[int],
+    ) -> torch.Tensor | fmt.Deferred:
+        """One group's payload on the device path (an unbounded option's ignores the bounds)."""
+        codec, sub_widths = self.options[name], [widths[k] for k in members]
+        sub_ids = keys if keys is None or len(members) == len(widths) else keys[:, members]
+        if not getattr(codec, "bounded", False):
+            return codec.encode(sub, None, sub_ids, blocks=sub_widths)
+        if isinstance(bounds, torch.Tensor):
+            sub_bounds: list[float] | torch.Tensor = bounds[torch.tensor(members).to(bounds.device, non_blocking=True)]
+        else:
+            sub_bounds = [bounds[k] for k in members]
+        deferred = getattr(codec, "encode_deferred", codec.encode)
+        return deferred(sub, sub_bounds, sub_ids, blocks=sub_widths)
+
+    def head_size(self, n_blocks: int) -> int:
+        """Bytes a decoder needs on the host, at most: a payload of every option as its own
+        group, with its head copied in front (section 2), or one option's own payload."""
+        options = len(self.options)
+        most = max((_head_size(codec, n_blocks) or 0 for codec in self.options.values()), default=0)
+        padding = 3 * 8  # sections 0 to 2 each padded to 8 bytes
+        return fmt.head_bytes(n_blocks, 3 + options, padding + n_blocks * (1 + options) + options * most)
+
+    def prepare_decode(
+        self, payload: torch.Tensor, ids: torch.Tensor | None, choice: Sequence[str]
+    ) -> tuple[torch.Tensor | None, object]:
+        """The device values :meth:`decode` reads on the host besides the payload's head, for
+        the groups this ``choice`` gives (:meth:`device_groups`; the sender's, as every rank has
+        the same): each group codec's own (e.g. what the receiver's ids give the lossy codec),
+        to be read with every payload's head at once; and the state that goes with them."""
+        names, carried = self.device_groups(list(choice))
+        keys = ids if ids is None or ids.dim() != 1 else ids[:, None].expand(-1, len(choice))
+        extras, prepared = [], _Prepared(carried)
+        for name, members in zip(names, carried, strict=True):
+            prepare = getattr(self.options[name], "prepare_decode", None)
+            sub_keys = None if keys is None else keys[:, members]
+            extra, state = (None, None) if prepare is None else prepare(payload, sub_keys)
+            if extra is not None:
+                extras.append(extra.to(torch.int64).reshape(-1))
+            prepared.sizes.append(0 if extra is None else extra.numel())
+            prepared.states.append(state)
+        return (torch.cat(extras) if extras else None), prepared
+
     def groups(self, payload: torch.Tensor) -> list[str]:
         """The codec each block of a payload travelled with."""
         codec = codec_for(payload)
         if not isinstance(codec, PerBlockCodec):  # one codec for every block
             return [codec.name] * len(fmt.unpack(payload)[0].widths)
-        _, sections = self._header(payload)
-        return [codec_for(sections[1 + int(g)]).name for g in sections[0].tolist()]
+        header, sections = self._header(payload)
+        first = 3 if header.info[0] & _DEVICE_LAYOUT else 1
+        return [codec_for(sections[first + int(g)]).name for g in sections[0].tolist()]
 
     def decode(
-        self, payload: torch.Tensor, ids: torch.Tensor | None = None, *, out: torch.Tensor | None = None
+        self,
+        payload: torch.Tensor,
+        ids: torch.Tensor | None = None,
+        *,
+        out: torch.Tensor | None = None,
+        head: fmt.HostHead | None = None,
     ) -> torch.Tensor:
-        codec = codec_for(payload)
+        """Rebuild the tensor; ``head``: the payload's head and :meth:`prepare_decode`'s values,
+        read already: nothing then waits for the device where its groups are the ones prepared."""
+        codec = codec_for(payload, head)
         if not isinstance(codec, PerBlockCodec):  # one codec for every block (see encode)
-            return codec.decode(payload, ids, out=out)
-        header, sections = self._header(payload)
+            if head is None:
+                return codec.decode(payload, ids, out=out)
+            single = isinstance(head.state, _Prepared) and len(head.state.carried) == 1
+            extra, state = head.state.split(head.extra)[0] if single else ([], None)
+            return _decode(codec, payload, ids, out, fmt.HostHead(head.data, head.good, extra, state))
+        header, sections = self._header(payload, head)
         check_out(out, header, payload.device)
-        widths = header.widths
-        if not sections or sections[0].numel() != len(widths) or len(sections) < 2:
-            raise PayloadError(f"per_block payload: {len(sections)} sections for {len(widths)} blocks")
-        group = sections[0].tolist()
-        if any(g >= len(sections) - 1 for g in group):
-            raise PayloadError(f"per_block payload: block groups {group} beyond its {len(sections) - 1} groups")
-        keys = check_ids(ids, header.rows, len(widths), "per_block decode")
+        widths, nb = header.widths, len(header.widths)
+        first = 3 if header.info[0] & _DEVICE_LAYOUT else 1  # the sections before the group payloads
+        n_groups = len(sections) - first
+        if n_groups < 1 or sections[0].numel() != nb:
+            raise PayloadError(f"per_block payload: {len(sections)} sections for {nb} blocks")
+        group = list(_host(head, header, 0, sections[0]))
+        if first == 3:  # which blocks each group carries
+            if sections[1].numel() != n_groups * nb:
+                raise PayloadError(f"per_block payload: a carried map of {sections[1].numel()} for {n_groups} x {nb}")
+            carries = _host(head, header, 1, sections[1])
+            carried = [[k for k in range(nb) if carries[g * nb + k]] for g in range(n_groups)]
+        else:
+            carried = [[k for k in range(nb) if group[k] == g] for g in range(n_groups)]
+        if any(g >= n_groups or k not in carried[g] for k, g in enumerate(group)):
+            raise PayloadError(f"per_block payload: block groups {group} beyond its {n_groups} groups or not carried")
+        keys = check_ids(ids, header.rows, nb, "per_block decode")
         if out is None:
             out = torch.empty(header.rows, header.cols, dtype=header.dtype, device=payload.device)
-        starts = [sum(widths[:k]) for k in range(len(widths))]
-        for g, sub in enumerate(sections[1:]):
-            members = [k for k, gk in enumerate(group) if gk == g]
-            if len(members) == len(widths):  # one codec for the whole chunk: straight into out
-                return codec_for(sub).decode(sub, keys, out=out)
-            part = codec_for(sub).decode(sub, None if keys is None else keys[:, members])
+        heads = self._sub_heads(head, header, sections, carried) if first == 3 else [None] * n_groups
+        starts = [sum(widths[:k]) for k in range(nb)]
+        for g, (sub, members) in enumerate(zip(sections[first:], carried, strict=True)):
+            sub_keys = None if keys is None else keys[:, members]
+            sub_codec = codec_for(sub, heads[g])
+            if group == [g] * nb and len(members) == nb:  # one codec for the whole chunk: into out
+                return _decode(sub_codec, sub, sub_keys, out, heads[g])
+            part = _decode(sub_codec, sub, sub_keys, None, heads[g])
             c = 0
             for k in members:
-                out[:, starts[k] : starts[k] + widths[k]] = part[:, c : c + widths[k]]
+                if group[k] == g:
+                    out[:, starts[k] : starts[k] + widths[k]] = part[:, c : c + widths[k]]
                 c += widths[k]
         return out
+
+    @staticmethod
+    def _sub_heads(
+        head: fmt.HostHead | None, header: fmt.Header, sections: list[torch.Tensor], carried: list[list[int]]
+    ) -> list[fmt.HostHead | None]:
+        """Each group payload's head, from the copies in section 2 read with the payload's head,
+        with the values prepared for its group (:meth:`prepare_decode`) where its groups are the
+        ones prepared; None where they were not read."""
+        heads = None if head is None else head.section(header, 2, sections[2].numel())
+        if head is None or heads is None:
+            return [None] * len(carried)
+        same = isinstance(head.state, _Prepared) and head.state.carried == carried
+        prepared = head.state.split(head.extra) if same else None
+        out: list[fmt.HostHead | None] = []
+        at = 0
+        for g, (sub, members) in enumerate(zip(sections[3:], carried, strict=True)):
+            read = fmt.HostHead(heads[at:], head.good, [], None)
+            n = _head_size(codec_for(sub, read), len(members)) or 0
+            extra, state = prepared[g] if prepared is not None else ([], None)
+            out.append(fmt.HostHead(heads[at : at + n], head.good, extra, state))
+            at += n
+        return out
+
+
+_DEVICE_LAYOUT = 1  # info word 0: the device path's layout (sections 1 and 2: carried map, group heads)
+
+
+@dataclass
+class _Prepared:
+    """:meth:`PerBlockCodec.prepare_decode`'s state: the groups it prepared for (the blocks each
+    carries) and, per group, how many of the values read with the head are its codec's, and the
+    state that goes with them."""
+
+    carried: list[list[int]]
+    sizes: list[int] = field(default_factory=list)
+    states: list[object] = field(default_factory=list)
+
+    def split(self, extra: list[int]) -> list[tuple[list[int], object]]:
+        """Each group's values (read) and state."""
+        ends = list(itertools.accumulate(self.sizes))
+        return [(extra[e - n : e], st) for e, n, st in zip(ends, self.sizes, self.states, strict=True)]
+
+
+def _head_size(codec: Codec, n_blocks: int) -> int | None:
+    """Bytes of a payload of ``codec``'s with ``n_blocks`` blocks that its decoder needs on the
+    host, for the codecs with a device path (they take the head read, :func:`_decode`); else None."""
+    size = getattr(codec, "head_size", None)
+    return None if size is None else int(size(n_blocks))
+
+
+def _decode(
+    codec: Codec, payload: torch.Tensor, ids: torch.Tensor | None, out: torch.Tensor | None, head: fmt.HostHead | None
+) -> torch.Tensor:
+    """``codec.decode``, given the payload's head where it was read."""
+    if head is None:
+        return codec.decode(payload, ids, out=out)
+    return codec.decode(payload, ids, out=out, head=head)  # type: ignore[call-arg]  # a codec with _head_size
+
+
+def _host(head: fmt.HostHead | None, header: fmt.Header, i: int, section: torch.Tensor) -> bytes:
+    """Section ``i``'s bytes: read with the payload's head, else read now (a host wait)."""
+    read = None if head is None else head.section(header, i, section.numel())
+    return read if read is not None else section.cpu().numpy().tobytes()

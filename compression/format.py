@@ -347,9 +347,10 @@ def _host_bytes(t: torch.Tensor, n: int) -> bytes:
     return t[:n].cpu().numpy().tobytes()
 
 
-def peek_codec_id(payload: torch.Tensor) -> int:
-    """The id of the codec that wrote ``payload``, from its prefix alone; :func:`unpack` (which
-    every decode runs) does the full checks, checksum included."""
+def peek_codec_id(payload: torch.Tensor, read: HostHead | None = None) -> int:
+    """The id of the codec that wrote ``payload``, from its prefix alone (``read``: its first
+    bytes, already read); :func:`unpack` (which every decode runs) does the full checks,
+    checksum included."""
     if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
         raise PayloadError("payload must be a 1-D torch.uint8 tensor")
     if payload.numel() < _PREFIX.size:
@@ -357,7 +358,11 @@ def peek_codec_id(payload: torch.Tensor) -> int:
             f"payload of {payload.numel()} bytes is shorter than the {_PREFIX.size}-byte prefix "
             "(truncated or not a dlrm-compress payload)"
         )
-    magic, _, codec_id, *_ = _PREFIX.unpack(_host_bytes(payload.contiguous(), _PREFIX.size))
+    if read is not None and len(read.data) >= _PREFIX.size:
+        prefix = read.data[: _PREFIX.size]
+    else:
+        prefix = _host_bytes(payload.contiguous(), _PREFIX.size)
+    magic, _, codec_id, *_ = _PREFIX.unpack(prefix)
     if magic != MAGIC:
         raise PayloadError(f"bad magic {magic!r}, expected {MAGIC!r}: not a dlrm-compress payload")
     return int(codec_id)

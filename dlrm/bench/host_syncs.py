@@ -39,7 +39,6 @@ from dlrm.embedding_comm.policy import build_policy, table_stats
 from dlrm_compression import base, dedup, row_cache, sparse
 from dlrm_compression import format as fmt
 from dlrm_compression.host_syncs import HostSyncCounter
-from dlrm_compression.lossy import LossyCodec
 from dlrm_compression.synthetic import KAGGLE_CARDINALITIES, criteo_like_batch
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -144,11 +143,11 @@ def count_chunk(
             with counter.label(f"{d}/size_exchange"):
                 payloads = [p for p in fmt.settle(sent) if p is not None]
             with counter.label(f"{d}/heads"):
-                prepared = [dc.prepare_decode(p, ids) for p in payloads]
+                prepared = [dc.prepare_decode(p, ids, features) for p in payloads]
                 heads = fmt.read_heads(
                     payloads,
                     [None if q is None else q[0] for q in prepared],
-                    [LossyCodec.head_size(tables)] * len(payloads),
+                    [dc.head_size(tables)] * len(payloads),
                 )
                 for h, q in zip(heads, prepared, strict=True):
                     h.state = None if q is None else q[1]

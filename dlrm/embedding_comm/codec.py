@@ -153,7 +153,7 @@ class DirectionCodec:
         ``features`` name the blocks (the per_block codec's choice is per feature)."""
         extra: dict[str, Any] = {} if thresholds is None else {"thresholds": list(thresholds)}
         if isinstance(self.codec, PerBlockCodec) and features is not None:
-            extra["choice"] = [self.choice.get(f, self.codec.fallback) for f in features]
+            extra["choice"] = self._choice(features)
         return self.codec.encode(
             chunk.contiguous(),
             bounds,
@@ -172,14 +172,22 @@ class DirectionCodec:
         features: Sequence[str] | None = None,
     ) -> torch.Tensor | Deferred:
         """:meth:`encode`, with the payload's length left on the device where the codec can (on a
-        device: :meth:`LossyCodec.encode_deferred`, :meth:`ThresholdCodec.encode_deferred`)."""
+        device: :meth:`LossyCodec.encode_deferred`, :meth:`ThresholdCodec.encode_deferred`;
+        compression=auto's: :meth:`PerBlockCodec.encode_deferred`)."""
+        keys = ids if self.dedup else None
         if isinstance(self.codec, LossyCodec) and thresholds is None:
-            return self.codec.encode_deferred(
-                chunk.contiguous(), bounds, ids if self.dedup else None, blocks=list(widths)
-            )
+            return self.codec.encode_deferred(chunk.contiguous(), bounds, keys, blocks=list(widths))
         if isinstance(self.codec, ThresholdCodec):
             return self.codec.encode_deferred(chunk.contiguous(), bounds, blocks=list(widths), thresholds=thresholds)
+        if isinstance(self.codec, PerBlockCodec) and thresholds is None and features is not None:
+            choice = self._choice(features)
+            return self.codec.encode_deferred(chunk.contiguous(), bounds, keys, blocks=list(widths), choice=choice)
         return self.encode(chunk, widths, bounds, ids, thresholds, features)
+
+    def _choice(self, features: Sequence[str]) -> list[str]:
+        """compression=auto: each feature's option (unset: the per_block codec's fallback)."""
+        assert isinstance(self.codec, PerBlockCodec)
+        return [self.choice.get(f, self.codec.fallback) for f in features]
 
     def passthrough(self, features: Sequence[str]) -> bool:
         """compression=auto: every feature of a collective chose ``none``, so it travels as
@@ -243,21 +251,27 @@ class DirectionCodec:
         mask.view(-1)[self.codec.positions(payload, head)] = True
         return mask
 
-    def prepare_decode(self, payload: torch.Tensor, ids: torch.Tensor | None) -> tuple[torch.Tensor | None, Any] | None:
+    def prepare_decode(
+        self, payload: torch.Tensor, ids: torch.Tensor | None, features: Sequence[str]
+    ) -> tuple[torch.Tensor | None, Any] | None:
         """Where decoding ``payload`` can read everything it needs on the host in its collective's
         one read (:func:`dlrm_compression.format.read_heads`): the device values to read with its
         head and the state that goes with them; else None (it reads for itself)."""
         if fmt._check_for(payload.device) != "adler32":
             return None
+        keys = ids if self.dedup else None
         if isinstance(self.codec, LossyCodec):
-            return self.codec.prepare_decode(payload, ids if self.dedup else None)
+            return self.codec.prepare_decode(payload, keys)
+        if isinstance(self.codec, PerBlockCodec):  # for the groups of this collective's choice
+            return self.codec.prepare_decode(payload, keys, self._choice(features))
         if isinstance(self.codec, ThresholdCodec) and self.codec.values != "lossy":
             return None, None  # its head alone says where the values go
         return None
 
     def head_size(self, n_blocks: int) -> int:
-        """Bytes of a payload of ``n_blocks`` blocks its decoder reads with the collective's heads."""
-        assert isinstance(self.codec, (LossyCodec, ThresholdCodec))  # the codecs prepare_decode takes
+        """Bytes of a payload of ``n_blocks`` blocks its decoder reads with the collective's heads
+        (with :meth:`prepare_decode`)."""
+        assert isinstance(self.codec, (LossyCodec, ThresholdCodec, PerBlockCodec))  # those prepare_decode takes
         return self.codec.head_size(n_blocks)
 
     def decode(
@@ -283,7 +297,7 @@ class DirectionCodec:
             f"iteration {iteration}"
         )
         try:
-            if head is not None and isinstance(self.codec, (LossyCodec, ThresholdCodec)):
+            if head is not None and isinstance(self.codec, (LossyCodec, ThresholdCodec, PerBlockCodec)):
                 out = self.codec.decode(payload, ids if self.dedup else None, out=out, head=head)
             else:
                 out = self.codec.decode(payload, ids if self.dedup else None, out=out)

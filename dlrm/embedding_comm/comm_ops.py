@@ -441,7 +441,7 @@ def _heads(
     synchronisation, by key; the others read for themselves."""
     todo = []
     for key, payload, ids, blocks in payloads:
-        prepared = dc.prepare_decode(payload, ids)
+        prepared = dc.prepare_decode(payload, ids, blocks.features)
         if prepared is not None:
             todo.append((key, payload, prepared, dc.head_size(len(blocks.widths))))
     heads = read_heads([t[1] for t in todo], [t[2][0] for t in todo], [t[3] for t in todo]) if todo else []

@@ -22,7 +22,18 @@ DEVICE_LOSSY = {
 }
 # DCT-MP as shipped (forward keep, backward at the forward's positions); sampling off (it reads by design)
 DEVICE_DCT_MP = {**tc.shipped("dct_mp"), "stats": {"sample_every": 0}}
-SPECS = {"lossy": DEVICE_LOSSY, "dct_mp": DEVICE_DCT_MP}
+# compression=auto as a replayed strategy sets it: an option per feature (fixed-length lossy as on
+# CUDA, casts, none). At a bound of 1e-3 of each block's range, fp16 holds it and bf16 does not,
+# so bf16's blocks fall back to lossy/fixed: a choice decided on the device from the data.
+_AUTO_DIR = {
+    "codec": "per_block",
+    "mode": "rel",
+    "eb": 1e-3,
+    "params": {"options": ["none", "fp16", "bf16", "lossy/fixed"], "fallback": "lossy/fixed"},
+}
+DEVICE_AUTO = {"name": "auto", "forward": _AUTO_DIR, "backward": _AUTO_DIR, "stats": {"sample_every": 0}}
+AUTO_CHOICE = {"f_t0": "fp16", "f_t1": "lossy/fixed", "f_t2": "none", "f_t3": "bf16", "f_t4": "fp16", "f_t5": "none"}
+SPECS = {"lossy": (DEVICE_LOSSY, {}), "auto": (DEVICE_AUTO, AUTO_CHOICE), "dct_mp": (DEVICE_DCT_MP, {})}
 
 
 def _counted(rank: int, ws: int, plan: str, spec: str) -> dict:
@@ -46,8 +57,11 @@ def _counted(rank: int, ws: int, plan: str, spec: str) -> dict:
 
     comm_ops._send, comm_ops._receive = counted_send, counted_receive
     runs = {}
+    cfg, choice = SPECS[spec]
     for path in ("host", "device"):
-        model = tc.build(tc.ours(SPECS[spec]), plan, ws, tc.full_weights(5))
+        sharder = tc.ours(cfg)
+        sharder.runtime.forward.choice, sharder.runtime.backward.choice = dict(choice), dict(choice)
+        model = tc.build(sharder, plan, ws, tc.full_weights(5))
         if path == "host":
             outs = tc.run_steps(model, rank, [12, 9, 7][:ws], 3)
         else:
@@ -61,7 +75,7 @@ def _counted(rank: int, ws: int, plan: str, spec: str) -> dict:
     return {"same": same, "same_weights": same_w, "syncs": syncs, "calls": dict(calls)}
 
 
-@pytest.mark.parametrize("spec", sorted(SPECS))
+@pytest.mark.parametrize("spec", list(SPECS))
 @pytest.mark.parametrize("ws", [2, 3])
 def test_device_path_gives_the_host_paths_numbers_with_one_host_sync_per_collective_side(ws, spec):
     for r in run_ranks(_counted, ws, "tw", spec):
