@@ -80,11 +80,22 @@ class FbgemmCodec(Codec):
         )
         return fmt.pack(header, [wire], device=x.device)
 
+    @staticmethod
+    def head_size(n_blocks: int) -> int:
+        """Bytes a decoder needs on the host: the header."""
+        return fmt.head_bytes(n_blocks, 1)
+
     def decode(
-        self, payload: torch.Tensor, ids: torch.Tensor | None = None, *, out: torch.Tensor | None = None
+        self,
+        payload: torch.Tensor,
+        ids: torch.Tensor | None = None,
+        *,
+        out: torch.Tensor | None = None,
+        head: fmt.HostHead | None = None,
     ) -> torch.Tensor:
-        """Dequantise back to the input's shape and dtype."""
-        header, (section,) = self._header(payload)
+        """Dequantise back to the input's shape and dtype. ``head``: the payload's head, read
+        already (nothing then waits for the device)."""
+        header, (section,) = self._header(payload, head)
         check_out(out, header, payload.device)
         chunk = header.info[0]
         if chunk < 1:

@@ -83,7 +83,7 @@ class LossyCodec(Codec):
     """Error-bounded: ``|decode(encode(x, eb)) - x| <= eb`` for every element, always.
 
     Parameters: ``entropy`` True (byte planes + zstd, near entropy), False (cuSZp-style
-    fixed-length blocks, the GPU fast path) or "auto" (zstd for CPU tensors, blocks on CUDA);
+    fixed-length blocks, the GPU fast path) or "auto" (zstd for CPU tensors, blocks on a device);
     ``level``: zstd level; ``dedup``: deduplicate bit-identical rows when no ids are given;
     ``backend``: "auto" (Triton kernels on CUDA, torch reference on CPU), "torch" or "triton"
     (on CPU only under TRITON_INTERPRET=1); ``verify_ids``: check on encode that rows sharing an
@@ -160,11 +160,10 @@ class LossyCodec(Codec):
         if keys is not None and keys.device != x.device:
             raise ValueError(f"lossy encode: ids on {keys.device}, x on {x.device}")
         backend = _backend(self.backend, x.device)
-        kind = (
-            coders.ZSTD
-            if self.entropy is True or (self.entropy == "auto" and x.device.type != "cuda")
-            else coders.FIXED
-        )
+        # auto: zstd where the payload is checked on the host (the CPU), the fixed-length coder
+        # where it stays on the device (zstd would copy it to the host)
+        on_host = fmt._check_for(x.device) != "adler32"
+        kind = coders.ZSTD if self.entropy is True or (self.entropy == "auto" and on_host) else coders.FIXED
         coder = self._coder(kind, backend)
         if (
             deferred

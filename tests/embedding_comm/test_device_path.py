@@ -22,17 +22,13 @@ DEVICE_LOSSY = {
 }
 # DCT-MP as shipped (forward keep, backward at the forward's positions); sampling off (it reads by design)
 DEVICE_DCT_MP = {**tc.shipped("dct_mp"), "stats": {"sample_every": 0}}
-# compression=auto as a replayed strategy sets it: an option per feature (fixed-length lossy as on
-# CUDA, casts, none). At a bound of 1e-3 of each block's range, fp16 holds it and bf16 does not,
-# so bf16's blocks fall back to lossy/fixed: a choice decided on the device from the data.
-_AUTO_DIR = {
-    "codec": "per_block",
-    "mode": "rel",
-    "eb": 1e-3,
-    "params": {"options": ["none", "fp16", "bf16", "lossy/fixed"], "fallback": "lossy/fixed"},
-}
+# compression=auto as a replayed strategy sets it: every option of the shipped config, one per
+# feature, and its fallback (lossy/zstd: on a device, the fixed-length coder). At a bound of 1e-3
+# of each block's range, fp16 holds it and bf16 and int8 do not, so their blocks fall back: a
+# choice decided on the device from the data.
+_AUTO_DIR = {**tc.shipped("auto")["forward"], "eb": 1e-3}
 DEVICE_AUTO = {"name": "auto", "forward": _AUTO_DIR, "backward": _AUTO_DIR, "stats": {"sample_every": 0}}
-AUTO_CHOICE = {"f_t0": "fp16", "f_t1": "lossy/fixed", "f_t2": "none", "f_t3": "bf16", "f_t4": "fp16", "f_t5": "none"}
+AUTO_CHOICE = {f"f_t{t}": o for t, o in enumerate(["fp16", "lossy/fixed", "none", "bf16", "int8", "lossy/zstd"])}
 SPECS = {"lossy": (DEVICE_LOSSY, {}), "auto": (DEVICE_AUTO, AUTO_CHOICE), "dct_mp": (DEVICE_DCT_MP, {})}
 
 
