@@ -20,12 +20,11 @@ collective call carries its stages, which the transport calls in order, naming n
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -34,11 +33,11 @@ from torchrec.distributed.comm_ops import Request, get_gradient_division
 
 from dlrm.embedding_comm.bounds import Bounds, host_bounds
 from dlrm.embedding_comm.codec import CompressedCommError, DirectionCodec, abs_error
-from dlrm.embedding_comm.stage import Blocks, Incoming, Outgoing, Stage
+from dlrm.embedding_comm.stage import Blocks, Incoming, Outgoing, Settle, Stage
 from dlrm.embedding_comm.stats import CommStats
 from dlrm.process.instrument import embedding_collective, on_the_wire, payload_hooked
 from dlrm.process.timeout import named_collective
-from dlrm_compression.format import Deferred, HostHead, read_heads, settle
+from dlrm_compression.format import Deferred, read_heads, settle
 from dlrm_compression.lossy import LossyCodec
 
 
@@ -276,7 +275,8 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
     payloads: list[torch.Tensor | Deferred | None] = [None] * ws
     # Payloads may keep their lengths on the device until the size exchange reads them all at
     # once, unless a stage looks at them (it would read each).
-    defer = not any(_overrides(s, "measure") for s in stages)
+    defer = not any(s.sees_payloads(d) for s in stages)
+    settles: list[Settle] = []  # what encoding stages read with the sizes
     memo: dict[int, torch.Tensor | Deferred] = {}  # the same chunk object (row-wise backward) is encoded once
     reuse = not any(s.per_peer(d) for s in stages)
     policy: dict[int, list[float]] = {}
@@ -299,6 +299,7 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
             # of rare ids vanish (at a batch of 2,048, 35-85% of rows decoded as zero).
             bounds = dc.bounds(chunk, blocks.widths, policy[key])
             c = Outgoing(d, peer, info.global_ranks[peer], chunk, ids, blocks, bounds, dc, stats)
+            c.deferrable = defer and not sample  # (a sampled chunk's payload is measured now)
             for s in stages:
                 s.before_encode(c)
             thresholds = dc.thresholds(
@@ -306,12 +307,14 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
             )
             late: torch.Tensor | Deferred | None
             if not any(s.encode(c) for s in stages):
-                if defer and not sample:  # (a sampled chunk's payload is measured now)
+                if c.deferrable:
                     late = dc.encode_deferred(c.chunk, blocks.widths, bounds, ids, thresholds, blocks.features)
                 else:
                     late = c.payload = dc.encode(c.chunk, blocks.widths, bounds, ids, thresholds, blocks.features)
             else:
                 late = c.payload
+                if c.settle is not None:
+                    settles.append(c.settle)
             assert late is not None
             for s in stages:
                 ts = time.perf_counter()
@@ -319,7 +322,7 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
                     sample_s += time.perf_counter() - ts
             if sample:
                 ts = time.perf_counter()
-                assert c.payload is not None  # a sampled chunk is encoded whole
+                assert isinstance(c.payload, torch.Tensor)  # a sampled chunk is encoded whole
                 _sample(dc, c.chunk, c.payload, blocks, bounds, ids, stats, d, thresholds, c.held)
                 _count_distinct(stats, d, c.chunk, blocks, ids, dc.dedup)
                 sample = False
@@ -347,8 +350,13 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
     recv_t = torch.empty(ws, dtype=torch.int64, device=device)
     with embedding_collective(d), named_collective(f"the size exchange of {_a2a_name(info, d)}"):
         dist.all_to_all_single(recv_t, sizes, group=pg)
-    both = torch.cat([sizes, recv_t]).tolist()  # the collective's one host synchronisation
-    send_sizes, recv_sizes = both[:ws], both[ws:]
+    # the collective's one host synchronisation: the sizes, and what encoding stages left to read
+    both = torch.cat([sizes, recv_t, *(s.values for s in settles)]).tolist()
+    send_sizes, recv_sizes = both[:ws], both[ws : 2 * ws]
+    at = 2 * ws
+    for read in settles:
+        read.then(both[at : at + read.values.numel()])
+        at += read.values.numel()
     sent = [
         p.take(n) if isinstance(p, Deferred) else p for p, n in zip(payloads, send_sizes, strict=True) if p is not None
     ]
@@ -373,34 +381,29 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
     return _Transfer(work, recv_buf, recv_sizes, chunks[me])
 
 
-def _overrides(stage: Stage, hook: str) -> bool:
-    """Whether ``stage`` implements ``hook`` (a stage that measures or decodes sees payloads)."""
-    return getattr(type(stage), hook) is not getattr(Stage, hook)
-
-
-def _read_heads(info: CompressedA2AInfo, d: str, tr: _Transfer) -> dict[int, HostHead]:
-    """Every received payload's head and what its decoder needs on the host, in one host
-    synchronisation for the collective (none where the codec reads for itself, on the CPU)."""
-    if tr.raw or any(_overrides(s, "decode") for s in info.stages):
-        return {}
-    dc, layout, ids_per_peer = info.codecs[d], info.layout, info.recv_ids(d)
-    todo: list[tuple[int, torch.Tensor, Any]] = []
-    offsets = [0, *itertools.accumulate(tr.recv_sizes)]
-    for peer, n in enumerate(tr.recv_sizes):
-        if n <= 0 or math.prod(layout.recv_shape(d, peer)) == 0:
-            continue
-        payload = tr.recv_buf[offsets[peer] : offsets[peer] + n]
-        prepared = dc.prepare_decode(payload, ids_per_peer[peer])
+def _read_heads(info: CompressedA2AInfo, d: str, incoming: list[Incoming]) -> None:
+    """Every received payload's head and what its decoder (a stage's, else the codec's) needs on
+    the host, in one host synchronisation for the collective, set as each one's ``head`` (none
+    where the decoder reads for itself: on the CPU, or a stage that sees the payloads)."""
+    codec_reads = not any(s.sees_payloads(d) for s in info.stages)
+    todo: list[tuple[Incoming, int, torch.Tensor | None, Any]] = []
+    for r in incoming:
+        prepared: tuple[int, torch.Tensor | None, Any] | None = next(
+            (p for s in info.stages if (p := s.prepare_decode(r)) is not None), None
+        )
+        if prepared is None and codec_reads:
+            codec = r.dc.prepare_decode(r.payload, r.ids)
+            if codec is not None:
+                prepared = (LossyCodec.head_size(len(r.blocks.widths)), *codec)
         if prepared is not None:
-            todo.append((peer, payload, prepared))
-    sizes = [LossyCodec.head_size(len(layout.recv_blocks(d, t[0]).widths)) for t in todo]
-    heads = read_heads([t[1] for t in todo], [t[2][0] for t in todo], sizes) if todo else []
-    for (_, _, prepared), head in zip(todo, heads, strict=True):
-        head.state = prepared[1]
-    return {t[0]: head for t, head in zip(todo, heads, strict=True)}
+            todo.append((r, *prepared))
+    heads = read_heads([t[0].payload for t in todo], [t[2] for t in todo], [t[1] for t in todo]) if todo else []
+    for (r, _, _, state), head in zip(todo, heads, strict=True):
+        head.state = state
+        r.head = head
 
 
-def _decode(info: CompressedA2AInfo, r: Incoming, head: HostHead | None = None) -> torch.Tensor:
+def _decode(info: CompressedA2AInfo, r: Incoming) -> torch.Tensor:
     """The first stage that decodes the payload, else the direction's codec."""
     for s in info.stages:
         part = s.decode(r)
@@ -417,7 +420,7 @@ def _decode(info: CompressedA2AInfo, r: Incoming, head: HostHead | None = None) 
         iteration=r.iteration,
         where=r.where,
         out=r.window,
-        head=head,
+        head=r.head,
     )
 
 
@@ -434,8 +437,8 @@ def _receive(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, tr: _Transf
     target = layout.output(d, tr.self_part)
     out, windows = target if target is not None else (None, [None] * ws)
     ids_per_peer = info.recv_ids(d)
-    heads = _read_heads(info, d, tr)
-    parts, offset = [], 0
+    parts: list[torch.Tensor | Incoming] = []  # the chunks as they are, or still to decode
+    offset = 0
     for peer in range(ws):
         n, shape, window = tr.recv_sizes[peer], layout.recv_shape(d, peer), windows[peer]
         payload = tr.recv_buf[offset : offset + n]
@@ -467,16 +470,20 @@ def _receive(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, tr: _Transf
         r = Incoming(
             d, peer, src, dst, payload, shape, ids_per_peer[peer], blocks, window, dc, stats, info.iteration, info.where
         )
-        decoded = _decode(info, r, heads.get(peer))
-        for s in info.stages:
-            s.after_decode(r, decoded)
-        parts.append(decoded)
+        parts.append(r)
+    if not tr.raw:
+        _read_heads(info, d, [p for p in parts if isinstance(p, Incoming)])
+    for i, p in enumerate(parts):
+        if isinstance(p, Incoming):
+            parts[i] = decoded = _decode(info, p)
+            for s in info.stages:
+                s.after_decode(p, decoded)
     stats.add(f"{d}/comm_ms", 1e3 * (t1 - t0))
     stats.add(f"{d}/codec_ms", 1e3 * (time.perf_counter() - t1))
     if out is not None:
         return out
     assert isinstance(layout, ReduceScatterLayout)  # the one layout whose output() can be None
-    return layout.merge(d, parts)
+    return layout.merge(d, cast(list[torch.Tensor], parts))  # every part decoded by now
 
 
 class CompressedAll2All_Req(Function):
