@@ -3,7 +3,8 @@ host path, and host synchronisations per collective that do not grow with the ra
 
 The device path (fixed-length coder, payloads framed and checked on the device, lengths read
 once per collective) is what runs on a GPU; :func:`dlrm.bench.host_syncs.device_paths` turns
-it on for CPU tensors, and its counter sees every host read (see there)."""
+it on for CPU tensors, and its counter sees every host read (see there). The row cache
+(``compression.forward.cache``) is held to the same: its payloads read with the collective's."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ DEVICE_LOSSY = {
 CACHED = {
     **DEVICE_LOSSY,
     "name": "lossy_cached",
-    # a bound near the rows' steps (lr 0.1): some held rows come back within it (hits), some past it
+    # a bound near the size of the rows' SGD steps: some held rows come back within it (hits), some past it
     "forward": {**DEVICE_LOSSY["forward"], "eb": 0.5, "cache": {"enabled": True, "capacity_rows": 24}},
 }
 
