@@ -101,13 +101,30 @@ def _sort_rows(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def first_capacity(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`unique_per_block`'s counts and source rows, without a host wait: the source rows as
     [n_blocks, rows], block b's first ``counts[b]`` in canonical order, the rest 0."""
+    counts, first, _ = _capacity(keys, want_inverse=False)
+    return counts, first
+
+
+def plan_capacity(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`first_capacity`'s counts and source rows, and :func:`unique_per_block`'s inverse
+    [n_blocks, rows], from one sort and without a host wait."""
+    counts, first, inverse = _capacity(keys, want_inverse=True)
+    assert inverse is not None
+    return counts, first, inverse
+
+
+def _capacity(keys: torch.Tensor, want_inverse: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     rows, nb = keys.shape
     shared = nb == 1 or keys.stride(1) == 0
     perm, new = _sorted_runs(keys[:, :1].t().contiguous() if shared else keys.t().contiguous())
-    slot = torch.where(new, new.cumsum(1) - 1, rows)  # repeats go to a spare column
+    local = new.cumsum(1) - 1  # each sorted key's index among its block's unique keys
+    slot = torch.where(new, local, rows)  # repeats go to a spare column
     first = torch.zeros(perm.shape[0], rows + 1, dtype=torch.int64, device=keys.device).scatter_(1, slot, perm)
     counts, first = new.sum(1), first[:, :rows]
-    return (counts.expand(nb), first.expand(nb, rows)) if shared else (counts, first)
+    inverse = torch.empty_like(local).scatter_(1, perm, local) if want_inverse else None
+    if shared:
+        return counts.expand(nb), first.expand(nb, rows), None if inverse is None else inverse.expand(nb, rows)
+    return counts, first, inverse
 
 
 def gather_capacity(x: torch.Tensor, widths: list[int], first: torch.Tensor) -> torch.Tensor:

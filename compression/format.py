@@ -284,6 +284,17 @@ def pack_deferred(
     return Deferred(out, total)
 
 
+def section_bytes(payload: torch.Tensor, n_blocks: int, n_sections: int, i: int, n: int) -> torch.Tensor:
+    """``n`` bytes from where section ``i`` starts, found by the device from the section lengths
+    in the payload's header (``n_blocks`` and ``n_sections`` as it was packed with): no host
+    wait. Reads past the end repeat the last byte; use them once the payload's check holds."""
+    at = _PREFIX.size + _FIXED.size + 12 * n_blocks + 4 * N_INFO
+    lengths = payload[at : at + 8 * i].clone().view(torch.int64)  # (clone: aligned for the view)
+    start = head_bytes(n_blocks, n_sections) + (lengths + (-lengths).remainder(_ALIGN)).sum()
+    where = (start + torch.arange(n, device=payload.device)).clamp_(0, max(payload.numel() - 1, 0))
+    return payload.index_select(0, where)
+
+
 def _length(n: Length, device: torch.device) -> torch.Tensor:
     """A byte count as an int64 0-d tensor on ``device`` (a host number goes up without waiting)."""
     if isinstance(n, torch.Tensor):

@@ -239,6 +239,21 @@ class LossyCodec(Codec):
         fingerprint = None if keys is None else {1: fingerprint_of(keys)}
         return fmt.pack_deferred(header, sections, x.device, fingerprint)
 
+    def decoded(self, x: torch.Tensor, eb: torch.Tensor, blocks: Sequence[int]) -> torch.Tensor:
+        """What :meth:`decode` returns for :meth:`encode`'s payload of ``x`` under the per-block
+        bounds ``eb`` (rows sharing an id bit-identical), from the quantiser alone: the payload
+        is neither built nor read, so a sender knows what its peer decodes with no host wait."""
+        check_input(x)
+        rows, cols = x.shape
+        widths = list(blocks)
+        bounds = device_bounds(eb, widths, x.device)
+        ones = torch.ones(len(widths), dtype=torch.int64, device=x.device)
+        step, ed = quantize.steps_and_margins(bounds, ones, widths, cols, x.device)  # per column
+        if step.dim():
+            step, ed = step.expand(rows, cols).reshape(-1), ed.expand(rows, cols).reshape(-1)
+        backend = _backend(self.backend, x.device)
+        return quantize.roundtrip(x.reshape(-1), step, ed, backend).view(rows, cols)
+
     @staticmethod
     def head_size(n_blocks: int) -> int:
         """Bytes a decoder needs on the host: the header and the dedup counts after it."""

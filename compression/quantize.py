@@ -77,6 +77,14 @@ def encode_capacity(
     return packed, [(pos.view(torch.uint8), 4 * k), (raw.view(torch.uint8), values.element_size() * k)]
 
 
+def roundtrip(values: torch.Tensor, step: torch.Tensor, ed: torch.Tensor, backend=reference) -> torch.Tensor:
+    """What :func:`decode` returns for :func:`encode`'s codes and exceptions of the flat
+    ``values`` (``step``/``ed`` one or one per value), computed without them: no host wait."""
+    codes, miss = backend.quantize(values.float(), step, ed, values.dtype)
+    out = backend.dequantize(codes, step)
+    return torch.where(miss, values, out.to(values.dtype))  # misses keep their bits, as decode restores them
+
+
 def decode(
     codes: torch.Tensor,
     step: torch.Tensor,

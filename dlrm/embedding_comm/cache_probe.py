@@ -56,12 +56,15 @@ class CacheProbe(Stage):
     def nbytes(self, scheme: str) -> int:
         return self.shadows[scheme].nbytes
 
+    def sees_payloads(self, direction: str) -> bool:
+        return direction == "forward"  # it measures the sent payloads' bytes
+
     def measure(self, c: Outgoing) -> bool:
         if not (c.direction == "forward" and c.ids is not None and c.dc.dedup and c.bounds is not None):
             return False
         if not len(c.bounds):
             return False
-        assert c.payload is not None
+        assert isinstance(c.payload, torch.Tensor)  # sees_payloads: made whole
         self.observe(c.dc, c.chunk, c.ids, c.payload, c.blocks.features, c.blocks.widths, c.bounds, c.dst, c.stats)
         return True
 

@@ -25,7 +25,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,7 @@ from torch.autograd import Function
 from torchrec.distributed.comm_ops import Request, get_gradient_division
 
 from dlrm.embedding_comm.codec import CompressedCommError, DirectionCodec, abs_error
-from dlrm.embedding_comm.stage import Blocks, Incoming, Outgoing, Stage
+from dlrm.embedding_comm.stage import Blocks, Incoming, Outgoing, Settle, Stage
 from dlrm.embedding_comm.stats import CommStats
 from dlrm.process.instrument import embedding_collective, on_the_wire, payload_hooked
 from dlrm.process.timeout import named_collective
@@ -182,7 +182,8 @@ def _sample(s: _Sampled, payload: torch.Tensor, stats: CommStats) -> None:
     chunk, bounds, ids, widths = c.chunk, c.bounds, c.ids, list(blocks.widths)
     decoded = c.held
     if decoded is None:  # our own payload, its head read as a receiver reads it
-        head = _heads(dc, [(0, payload, ids, blocks)]).get(0)
+        prepared = _codec_prepared(dc, payload, ids, blocks)
+        head = _read_prepared([payload], [prepared])[0] if prepared is not None else None
         decoded = dc.decode(
             payload, (chunk.shape[0], blocks.dim), ids, head=head, src=s.me, dst=s.me, features=blocks.features,
             tables=blocks.features, iteration=s.iteration, where=f"{s.where}, sampling its own payload",
@@ -311,7 +312,8 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
     payloads: list[torch.Tensor | Deferred | None] = [None] * ws
     # Payloads may keep their lengths on the device until the size exchange reads them all at
     # once, unless a stage looks at them (it would read each).
-    defer = not any(_overrides(s, "measure") for s in stages)
+    defer = not any(s.sees_payloads(d) for s in stages)
+    settles: list[Settle] = []  # what encoding stages read with the sizes
     memo: dict[int, torch.Tensor | Deferred] = {}  # the same chunk object (row-wise backward) is encoded once
     reuse = not any(s.per_peer(d) for s in stages)
     policy: dict[int, list[float]] = {}
@@ -335,6 +337,7 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
             # of rare ids vanish (at a batch of 2,048, 35-85% of rows decoded as zero).
             bounds = dc.bounds(chunk, blocks.widths, policy[key])
             c = Outgoing(d, peer, info.global_ranks[peer], chunk, ids, blocks, bounds, dc, stats)
+            c.deferrable = defer and not sample  # (a sampled chunk's payload is measured now)
             for s in stages:
                 s.before_encode(c)
             thresholds = dc.thresholds(
@@ -342,12 +345,14 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
             )
             late: torch.Tensor | Deferred | None
             if not any(s.encode(c) for s in stages):
-                if defer:
+                if defer:  # (a stage may not defer a sampled chunk; the codec's is measured below)
                     late = dc.encode_deferred(c.chunk, blocks.widths, bounds, ids, thresholds, blocks.features)
                 else:
                     late = c.payload = dc.encode(c.chunk, blocks.widths, bounds, ids, thresholds, blocks.features)
             else:
                 late = c.payload
+                if c.settle is not None:
+                    settles.append(c.settle)
             assert late is not None
             for s in stages:
                 ts = time.perf_counter()
@@ -381,8 +386,13 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
     recv_t = torch.empty(ws, dtype=torch.int64, device=device)
     with embedding_collective(d), named_collective(f"the size exchange of {_a2a_name(info, d)}"):
         dist.all_to_all_single(recv_t, sizes, group=pg)
-    both = torch.cat([sizes, recv_t]).tolist()  # the collective's one host synchronisation
-    send_sizes, recv_sizes = both[:ws], both[ws:]
+    # the collective's one host synchronisation: the sizes, and what encoding stages left to read
+    both = torch.cat([sizes, recv_t, *(s.values for s in settles)]).tolist()
+    send_sizes, recv_sizes = both[:ws], both[ws : 2 * ws]
+    at = 2 * ws
+    for read in settles:
+        read.then(both[at : at + read.values.numel()])
+        at += read.values.numel()
     sent = [
         p.take(n) if isinstance(p, Deferred) else p for p, n in zip(payloads, send_sizes, strict=True) if p is not None
     ]
@@ -412,42 +422,40 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
     return _Transfer(work, recv_buf, recv_sizes, chunks[me])
 
 
-def _overrides(stage: Stage, hook: str) -> bool:
-    """Whether ``stage`` implements ``hook`` (a stage that measures or decodes sees payloads)."""
-    return getattr(type(stage), hook) is not getattr(Stage, hook)
+Prepared = tuple[int, torch.Tensor | None, Any]  # a payload's head bytes, device values read with it, state
 
 
-def _read_heads(info: CompressedA2AInfo, d: str, tr: _Transfer) -> dict[int, HostHead]:
-    """Every received payload's head and what its decoder needs on the host, in one host
-    synchronisation for the collective (none where the codec reads for itself, on the CPU)."""
-    if tr.raw or any(_overrides(s, "decode") for s in info.stages):
-        return {}
-    layout, ids_per_peer = info.layout, info.recv_ids(d)
-    offsets = [0, *itertools.accumulate(tr.recv_sizes)]
-    return _heads(
-        info.codecs[d],
-        [
-            (peer, tr.recv_buf[offsets[peer] : offsets[peer] + n], ids_per_peer[peer], layout.recv_blocks(d, peer))
-            for peer, n in enumerate(tr.recv_sizes)
-            if n > 0 and math.prod(layout.recv_shape(d, peer)) > 0
-        ],
-    )
-
-
-def _heads(
-    dc: DirectionCodec, payloads: list[tuple[int, torch.Tensor, torch.Tensor | None, Blocks]]
-) -> dict[int, HostHead]:
-    """The heads of ``payloads`` (key, bytes, ids, blocks) whose codec can read ahead, in one host
-    synchronisation, by key; the others read for themselves."""
-    todo = []
-    for key, payload, ids, blocks in payloads:
-        prepared = dc.prepare_decode(payload, ids, blocks.features)
+def _read_heads(info: CompressedA2AInfo, d: str, incoming: list[Incoming]) -> None:
+    """Every received payload's head and what its decoder (a stage's, else the codec's) needs on
+    the host, in one host synchronisation for the collective, set as each one's ``head`` (none
+    where the decoder reads for itself: on the CPU, or a stage that sees the payloads)."""
+    codec_reads = not any(s.sees_payloads(d) for s in info.stages)
+    todo: list[tuple[Incoming, Prepared]] = []
+    for r in incoming:
+        prepared: Prepared | None = next((p for s in info.stages if (p := s.prepare_decode(r)) is not None), None)
+        if prepared is None and codec_reads:
+            prepared = _codec_prepared(r.dc, r.payload, r.ids, r.blocks)
         if prepared is not None:
-            todo.append((key, payload, prepared, dc.head_size(len(blocks.widths))))
-    heads = read_heads([t[1] for t in todo], [t[2][0] for t in todo], [t[3] for t in todo]) if todo else []
-    for t, head in zip(todo, heads, strict=True):
-        head.state = t[2][1]
-    return {t[0]: head for t, head in zip(todo, heads, strict=True)}
+            todo.append((r, prepared))
+    for (r, _), head in zip(todo, _read_prepared([r.payload for r, _ in todo], [p for _, p in todo]), strict=True):
+        r.head = head
+
+
+def _codec_prepared(
+    dc: DirectionCodec, payload: torch.Tensor, ids: torch.Tensor | None, blocks: Blocks
+) -> Prepared | None:
+    """What the codec's decode of ``payload`` reads on the host, to read with the collective's
+    heads; None where it reads for itself."""
+    codec = dc.prepare_decode(payload, ids, blocks.features)
+    return None if codec is None else (dc.head_size(len(blocks.widths)), *codec)
+
+
+def _read_prepared(payloads: list[torch.Tensor], prepared: list[Prepared]) -> list[HostHead]:
+    """Every payload's head with its prepared device values, in one host synchronisation."""
+    heads = read_heads(payloads, [p[1] for p in prepared], [p[0] for p in prepared]) if prepared else []
+    for p, head in zip(prepared, heads, strict=True):
+        head.state = p[2]
+    return heads
 
 
 def _decode(info: CompressedA2AInfo, r: Incoming) -> torch.Tensor:
@@ -484,8 +492,8 @@ def _receive(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, tr: _Transf
     target = layout.output(d, tr.self_part)
     out, windows = target if target is not None else (None, [None] * ws)
     ids_per_peer = info.recv_ids(d)
-    heads = _read_heads(info, d, tr)
-    parts, offset = [], 0
+    parts: list[torch.Tensor | Incoming] = []  # the chunks as they are, or still to decode
+    offset = 0
     for peer in range(ws):
         n, shape, window = tr.recv_sizes[peer], layout.recv_shape(d, peer), windows[peer]
         payload = tr.recv_buf[offset : offset + n]
@@ -528,18 +536,21 @@ def _receive(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, tr: _Transf
             stats,
             info.iteration,
             info.where,
-            head=heads.get(peer),
         )
-        decoded = _decode(info, r)
-        for s in info.stages:
-            s.after_decode(r, decoded)
-        parts.append(decoded)
+        parts.append(r)
+    if not tr.raw:
+        _read_heads(info, d, [p for p in parts if isinstance(p, Incoming)])
+    for i, p in enumerate(parts):
+        if isinstance(p, Incoming):
+            parts[i] = decoded = _decode(info, p)
+            for s in info.stages:
+                s.after_decode(p, decoded)
     stats.add(f"{d}/comm_ms", 1e3 * (t1 - t0))
     stats.add(f"{d}/codec_ms", 1e3 * (time.perf_counter() - t1))
     if out is not None:
         return out
     assert isinstance(layout, ReduceScatterLayout)  # the one layout whose output() can be None
-    return layout.merge(d, parts)
+    return layout.merge(d, cast(list[torch.Tensor], parts))  # every part decoded by now
 
 
 class CompressedAll2All_Req(Function):

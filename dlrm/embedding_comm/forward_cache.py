@@ -21,28 +21,39 @@ checkpoint (:meth:`ForwardCache.state_dict`), so saving changes nothing and a re
 an uninterrupted one bit for bit.
 
 Each block is classified, merged and stored in a few whole-tensor operations on the chunk's own
-device (CPU or an accelerator). The host reads only the sizes the payload's layout depends on, all
-blocks at once: per chunk, encode reads the blocks' unique-id counts and then their held, hit and
-moved counts with the delta bounds' magnitudes; decode the counts, then the held counts with the
-flags, then the moved counts (the codec's own reads aside).
+device. On the CPU (:meth:`ForwardCache.encode` / :meth:`~ForwardCache.decode`) the host reads the
+sizes the payload's layout depends on, all blocks at once: per chunk, encode reads the blocks'
+unique-id counts and then their held, hit and moved counts with the delta bounds' magnitudes;
+decode the counts, then the held counts with the flags, then the moved counts (the codec's own
+reads aside). On a device (:func:`on_device`: where the codec builds its payloads there) nothing
+waits per chunk: every block is laid out at its capacity (the chunk's rows), the payload is a
+format payload (sections: the lossy payload, the flags, the bits; the same rows, bit for bit)
+with its length on the device, the sender takes what its peer decodes from the quantiser, and
+what the host needs (the counts for the stores) comes with the collective's reads: the sender's
+with the size exchange (:class:`~dlrm.embedding_comm.stage.Settle`), the receiver's with the
+payloads' heads (:meth:`CacheStage.prepare_decode`).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
 from dlrm.embedding_comm.bounds import Bounds
 from dlrm.embedding_comm.codec import CompressedCommError, DirectionCodec
-from dlrm.embedding_comm.stage import Incoming, Outgoing, Stage
-from dlrm_compression.dedup import plan_by_ids
+from dlrm.embedding_comm.stage import Incoming, Outgoing, Settle, Stage
+from dlrm_compression import format as fmt
+from dlrm_compression.dedup import plan_by_ids, plan_capacity
+from dlrm_compression.format import HostHead
+from dlrm_compression.lossy import LossyCodec
 from dlrm_compression.row_cache import RowCache, compact, positions
 
 EPS = float(torch.finfo(torch.float32).eps)
+PAYLOAD_ID = 11  # the format's codec id of the device payload (the codecs' ids run from 1 to 10)
 
 
 class ForwardCache:
@@ -99,11 +110,7 @@ class ForwardCache:
         """(payload for global rank ``dst``, the chunk as ``dst`` will decode it, row counts:
         ``unique_rows``, ``held_rows``, ``hit_rows``, ``moved_rows`` sent as differences, each
         also per feature as ``<name>/<feature>``). ``bounds``: per block, floats or a tensor."""
-        if chunk.dtype != torch.float32:  # _delta_bound's rounding margin is fp32's
-            raise TypeError(
-                f"compression.forward.cache needs fp32 pooled embeddings, got a {chunk.dtype} chunk "
-                "(turn the cache off for this run)"
-            )
+        _check_fp32(chunk)
         firsts, inverse, idn = _unpack(ids)
         x = chunk.detach()
         looked, sums, largest, c = [], [], [], 0
@@ -203,10 +210,164 @@ class ForwardCache:
         _finish(steps, _decode(dc, inner, sent_ids, widths), inverse, widths, out)
         return out
 
+    def encode_on_device(
+        self,
+        dc: DirectionCodec,
+        chunk: torch.Tensor,
+        ids: torch.Tensor,
+        features: Sequence[str],
+        widths: Sequence[int],
+        bounds: Bounds,
+        dst: int,
+    ) -> tuple[fmt.Deferred, torch.Tensor, torch.Tensor, Callable[[list[int]], dict[str, int]]]:
+        """:meth:`encode` with no host wait (:func:`on_device`): (the device payload with its
+        length on the device, the chunk as ``dst`` will decode it, the blocks' counts as int64
+        device values, and what stores the rows in the mirror once the host has those values,
+        returning :meth:`encode`'s row counts). Every block is laid out at its capacity, the
+        chunk's rows."""
+        _check_fp32(chunk)
+        x, nb, rows = chunk.detach(), len(widths), chunk.shape[0]
+        bounds_t = _on(bounds, x.device)
+        looked, inverse = self._look("send", dst, ids, features, widths, x.dtype, x.device)
+        exact, cached, hit, c = [], [], [], 0
+        for k, (b, w) in enumerate(zip(looked, widths, strict=True)):
+            exact.append(x[:, c : c + w].index_select(0, b.first))
+            cached.append(b.cache.peek(b.slots))  # rows not held are replaced, never read
+            # NaN compares false: a row with a NaN (exact or held) is never a hit
+            hit.append(b.held & ((exact[k] - cached[k]).abs() <= bounds_t[k]).all(dim=1))
+            c += w
+        moved = [b.held & ~h for b, h in zip(looked, hit, strict=True)]
+        n_held = torch.stack([b.held.sum() for b in looked])
+        n_moved = torch.stack([m.sum() for m in moved])
+        largest = torch.stack([_largest(e, h, m) for e, h, m in zip(exact, cached, moved, strict=True)]).double()
+        room = bounds_t - 4 * EPS * largest  # _delta_bound's, on the device
+        delta = (n_moved > 0) & room.isfinite() & (room > 0) & self.deltas
+        coded = torch.where(delta, room, bounds_t)
+        sends, sent_ids = [], []
+        for k, b in enumerate(looked):
+            b = looked[k] = b.laid_out(moved[k])
+            diff = torch.where((moved[k] & delta[k]).unsqueeze(1), exact[k] - cached[k], exact[k])
+            sends.append(b.sent(diff, 0.0))
+            sent_ids.append(b.sent(b.uid, -1))
+        cols, sent = torch.cat(sends, 1), torch.stack(sent_ids, 1)
+        inner = dc.encode_deferred(cols, widths, coded, sent)
+        assert isinstance(dc.codec, LossyCodec)  # on_device() says so
+        unique = _merged(looked, dc.codec.decoded(cols, coded, widths), cached, delta, widths)
+        out = torch.empty_like(x)
+        _spread(unique, inverse, widths, out)
+        payload = _pack(x, widths, coded, inner, delta, _held_bits(looked, moved, rows))
+        counts = torch.cat([torch.stack([b.n_unique for b in looked]), n_held, n_held - n_moved, delta.long()])
+
+        def store(host: list[int]) -> dict[str, int]:
+            u, h, hits, deltas = (host[i * nb : (i + 1) * nb] for i in range(4))
+            _store(looked, unique, u, h)
+            out = dict.fromkeys(("unique_rows", "held_rows", "hit_rows", "moved_rows"), 0)
+            for k, f in enumerate(features):
+                block = {"unique_rows": u[k], "held_rows": h[k], "hit_rows": hits[k]}
+                block["moved_rows"] = h[k] - hits[k] if deltas[k] else 0
+                for name, n in block.items():
+                    out[name] += n
+                    out[f"{name}/{f}"] = out.get(f"{name}/{f}", 0) + n
+            return out
+
+        return payload, out, counts, store
+
+    def prepare_on_device(
+        self,
+        dc: DirectionCodec,
+        payload: torch.Tensor,
+        ids: torch.Tensor,
+        widths: Sequence[int],
+        features: Sequence[str],
+        src: int,
+    ) -> tuple[int, torch.Tensor, Any]:
+        """What :meth:`decode_on_device` needs the host to read for the payload from global rank
+        ``src`` (its head, the rows each block holds), found without a host wait: (bytes of the
+        payload's head, int64 device values, state)."""
+        nb, rows = len(widths), ids.shape[0]
+        looked, inverse = self._look("recv", src, ids, features, widths, torch.float32, payload.device)
+        flags = nb + -nb % 8  # the flags' bytes, aligned: the held bits follow them
+        tail = fmt.section_bytes(payload, nb, _SECTIONS, 1, flags + (nb * rows + 7) // 8)
+        bits = _unpackbits(tail[flags:], nb * rows)
+        held = torch.stack([b.held.sum() for b in looked])
+        before = held.cumsum(0) - held
+        for k, b in enumerate(looked):  # each held id's bit: the blocks' held ids follow one another
+            at = (before[k] + b.held.cumsum(0) - 1).clamp_(0, nb * rows - 1)
+            looked[k] = b.laid_out(b.held & bits.index_select(0, at))
+        sent = torch.stack([b.sent(b.uid, -1) for b in looked], 1)
+        assert isinstance(dc.codec, LossyCodec)  # on_device() says so
+        codec, codec_state = dc.codec.prepare_decode(payload, sent)
+        assert codec is not None  # sent ids: one row at least
+        values = torch.cat([codec, torch.stack([b.n_unique for b in looked]), held])
+        size = fmt.head_bytes(nb, _SECTIONS) + LossyCodec.head_size(nb)
+        return size, values, (looked, inverse, sent, codec_state)
+
+    def decode_on_device(
+        self,
+        dc: DirectionCodec,
+        payload: torch.Tensor,
+        head: HostHead,
+        widths: Sequence[int],
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """:meth:`decode` of the device payload, its head and :meth:`prepare_on_device`'s values
+        read: no host wait."""
+        looked, inverse, sent, codec_state = head.state
+        nb, rows = len(widths), sent.shape[0]
+        header, sections = fmt.unpack(payload, head)
+        if (header.codec_id, header.rows, header.widths, len(sections)) != (PAYLOAD_ID, rows, list(widths), _SECTIONS):
+            raise fmt.PayloadError(
+                f"not a row-cache payload of {rows} rows and blocks {list(widths)}: codec {header.codec_id}, "
+                f"{header.rows} rows, blocks {header.widths}, {len(sections)} sections"
+            )
+        inner_head = HostHead(head.data[header.offsets[0] :], head.good, head.extra[: nb + 1], codec_state)
+        assert isinstance(dc.codec, LossyCodec)  # on_device() says so
+        decoded = dc.codec.decode(sections[0], sent, head=inner_head)
+        delta = sections[1].bool()
+        cached = [b.cache.peek(b.slots) for b in looked]
+        unique = _merged(looked, decoded, cached, delta, widths)
+        if out is None:
+            out = torch.empty(rows, sum(widths), dtype=torch.float32, device=payload.device)
+        _spread(unique, inverse, widths, out)
+        _store(looked, unique, head.extra[nb + 1 : 2 * nb + 1], head.extra[2 * nb + 1 :])
+        return out
+
+    def _look(
+        self,
+        role: str,
+        peer: int,
+        ids: torch.Tensor,
+        features: Sequence[str],
+        widths: Sequence[int],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> tuple[list[Laid], torch.Tensor]:
+        """Each block's unique ids at capacity (in ascending order, then padding) looked up in its
+        cache, and the plan's inverse [n_blocks, rows]."""
+        counts, first, inverse = plan_capacity(ids.to(device))
+        live = torch.arange(ids.shape[0], device=device)
+        out = []
+        for k, (f, w) in enumerate(zip(features, widths, strict=True)):
+            uid = ids[:, k].to(device).index_select(0, first[k])
+            cache = self._cache(role, peer, f, k, w, dtype, device)
+            slots, held = cache.find(uid)
+            valid = live < counts[k]
+            out.append(Laid(cache, uid, slots, held & valid, valid, counts[k], first[k]))
+        return out, inverse
+
+
+def on_device(dc: DirectionCodec, device: torch.device, n_blocks: int) -> bool:
+    """Whether the cache takes its device path here: where the codec builds its own payloads on
+    the device (the Adler-32 check, the lossy codec), as both sides decide alike; elsewhere (the
+    CPU) the host reads the sizes, as the codec does there."""
+    return fmt._check_for(device) == "adler32" and isinstance(dc.codec, LossyCodec) and n_blocks > 0
+
 
 class CacheStage(Stage):
     """The row cache in the transport: training forwards by id, both sides deciding alike (they
-    hold the same ids and training flag); statistics under ``forward/cache/``."""
+    hold the same ids and training flag); statistics under ``forward/cache/``. It sees no payload
+    but its own: on a device they are deferred and prepared like the codec's, and on the CPU,
+    where neither is, it reads for itself as the codec does there."""
 
     def __init__(self, cache: ForwardCache) -> None:
         self.cache = cache
@@ -219,21 +380,46 @@ class CacheStage(Stage):
         if not (self._applies(c.direction, c.ids, c.dc) and c.bounds is not None):
             return False
         assert c.ids is not None
-        c.payload, c.held, counts = self.cache.encode(
-            c.dc, c.chunk, c.ids, c.blocks.features, c.blocks.widths, c.bounds, c.dst
+        features, widths = c.blocks.features, c.blocks.widths
+        if not on_device(c.dc, c.chunk.device, len(widths)):
+            c.payload, c.held, counts = self.cache.encode(c.dc, c.chunk, c.ids, features, widths, c.bounds, c.dst)
+            self._count(c, counts)
+            return True
+        late, c.held, values, store = self.cache.encode_on_device(
+            c.dc, c.chunk, c.ids, features, widths, c.bounds, c.dst
         )
+        c.settle = Settle(values, lambda host: self._count(c, store(host)))
+        if c.deferrable:
+            c.payload = late
+        else:  # wanted now (sampled): its length and the counts read at once
+            host = torch.cat([late.length.reshape(1), values]).tolist()
+            c.payload, c.settle = late.take(host[0]), None
+            self._count(c, store(host[1:]))
+        return True
+
+    def _count(self, c: Outgoing, counts: dict[str, int]) -> None:
         for name, n in counts.items():
             if "/" not in name:  # totals (the per-feature counts serve the probe)
                 c.stats.add(f"{c.direction}/cache/{name}", n)
         c.stats.maximum(f"{c.direction}/cache_bytes", self.cache.nbytes)
-        return True
+
+    def prepare_decode(self, r: Incoming) -> tuple[int, torch.Tensor, Any] | None:
+        if not (self._applies(r.direction, r.ids, r.dc) and on_device(r.dc, r.payload.device, len(r.blocks.widths))):
+            return None
+        assert r.ids is not None
+        return self.cache.prepare_on_device(r.dc, r.payload, r.ids, r.blocks.widths, r.blocks.features, r.src)
 
     def decode(self, r: Incoming) -> torch.Tensor | None:
         if not self._applies(r.direction, r.ids, r.dc):
             return None
         assert r.ids is not None
         try:
-            part = self.cache.decode(r.dc, r.payload, r.ids, r.blocks.features, r.blocks.widths, r.src, out=r.window)
+            if r.head is not None:  # prepared (prepare_decode) and read with the collective's heads
+                part = self.cache.decode_on_device(r.dc, r.payload, r.head, r.blocks.widths, out=r.window)
+            else:
+                part = self.cache.decode(
+                    r.dc, r.payload, r.ids, r.blocks.features, r.blocks.widths, r.src, out=r.window
+                )
         except Exception as e:  # name the transfer, keep the cause chained
             raise CompressedCommError(
                 f"rank {r.dst} ({r.where}): cannot decode the row-cached forward payload "
@@ -273,6 +459,125 @@ class Block(NamedTuple):
         fresh_at = positions(~self.held, self.uid.numel() - n_held)
         return Step(
             self.cache, self.uid, self.slots, n_held, fresh_at, positions(self.moved, n_moved), self.cached, delta
+        )
+
+
+class Laid(NamedTuple):
+    """One block of a chunk at capacity (its unique ids first, then padding), looked up in its
+    cache; once :meth:`laid_out`, where its fresh then moved rows go in the payload."""
+
+    cache: RowCache
+    uid: torch.Tensor
+    slots: torch.Tensor
+    held: torch.Tensor
+    valid: torch.Tensor  # the block's unique ids (not padding)
+    n_unique: torch.Tensor  # how many (int64 0-d)
+    first: torch.Tensor  # a row of the chunk holding each
+    fresh: torch.Tensor | None = None
+    moved: torch.Tensor | None = None
+    place: torch.Tensor | None = None  # each unique id's row in the payload (fresh, moved; others past it)
+    order: torch.Tensor | None = None  # the unique id of each payload row (padding: the first's)
+    n_sent: torch.Tensor | None = None
+
+    def laid_out(self, moved: torch.Tensor) -> Laid:
+        """The block's fresh rows, then its ``moved`` ones, as :func:`_code` sends them."""
+        rows = self.uid.numel()
+        fresh = self.valid & ~self.held
+        n_fresh = fresh.sum()
+        place = torch.where(fresh, fresh.cumsum(0) - 1, torch.where(moved, n_fresh + moved.cumsum(0) - 1, rows))
+        at = torch.arange(rows, device=place.device)
+        order = at.new_zeros(rows + 1).index_copy_(0, place, at)[:rows]
+        n_sent = n_fresh + moved.sum()
+        order = torch.where(at < n_sent, order, order[:1])  # shorter blocks repeat their first row
+        return self._replace(fresh=fresh, moved=moved, place=place, order=order, n_sent=n_sent)
+
+    def sent(self, values: torch.Tensor, empty: float) -> torch.Tensor:
+        """Per unique id ``values`` in payload order (:func:`_code`'s padding; ``empty`` for an
+        empty block)."""
+        assert self.order is not None and self.n_sent is not None
+        rows = values.index_select(0, self.order)
+        return torch.where((self.n_sent > 0).reshape((1,) * rows.dim()), rows, empty)
+
+
+def _merged(
+    looked: Sequence[Laid],
+    decoded: torch.Tensor,
+    cached: Sequence[torch.Tensor],
+    delta: torch.Tensor,
+    widths: Sequence[int],
+) -> list[torch.Tensor]:
+    """Per block, its unique rows as both sides hold them (:func:`_finish`'s, at capacity): held
+    for hits, decoded for fresh, held + decoded difference for moved (whole where not ``delta``)."""
+    out, c = [], 0
+    for k, (b, w) in enumerate(zip(looked, widths, strict=True)):
+        assert b.place is not None and b.fresh is not None and b.moved is not None
+        got = decoded[:, c : c + w].index_select(0, b.place.clamp(max=b.uid.numel() - 1))
+        moved = torch.where(delta[k], cached[k] + got, got)
+        out.append(torch.where(b.fresh.unsqueeze(1), got, torch.where(b.moved.unsqueeze(1), moved, cached[k])))
+        c += w
+    return out
+
+
+def _spread(unique: Sequence[torch.Tensor], inverse: torch.Tensor, widths: Sequence[int], out: torch.Tensor) -> None:
+    """Each block's unique rows over the chunk's rows, into ``out``."""
+    c = 0
+    for k, (u, w) in enumerate(zip(unique, widths, strict=True)):
+        out[:, c : c + w] = u.index_select(0, inverse[k])
+        c += w
+
+
+def _store(looked: Sequence[Laid], unique: Sequence[torch.Tensor], counts: Sequence[int], held: Sequence[int]) -> None:
+    """Every block's unique rows into its cache, their counts now on the host (no wait)."""
+    for b, u, n, h in zip(looked, unique, counts, held, strict=True):
+        b.cache.store(b.uid[:n], u[:n], b.slots[:n], n_held=h)
+
+
+def _held_bits(looked: Sequence[Laid], moved: Sequence[torch.Tensor], rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every block's bits of its held ids (1: moved), one block after another, packed at
+    capacity, and their byte count (int64 0-d): the host path's bits, with no host wait."""
+    n = len(looked) * rows
+    bits = torch.zeros(n + 1, dtype=torch.bool, device=moved[0].device)
+    ahead = torch.zeros((), dtype=torch.int64, device=bits.device)
+    for b, m in zip(looked, moved, strict=True):
+        at = torch.where(b.held, ahead + b.held.cumsum(0) - 1, n)
+        bits.scatter_(0, at, m)
+        ahead = ahead + b.held.sum()
+    return _packbits(bits[:n]), (ahead + 7) // 8
+
+
+def _pack(
+    x: torch.Tensor,
+    widths: Sequence[int],
+    coded: torch.Tensor,
+    inner: torch.Tensor | fmt.Deferred,
+    delta: torch.Tensor,
+    bits: tuple[torch.Tensor, torch.Tensor],
+) -> fmt.Deferred:
+    """The device payload: a format payload (its own check) of the sent rows' lossy payload
+    first, where the host reads its head with the collective's, then the flags, then the bits."""
+    header = fmt.Header(PAYLOAD_ID, x.dtype, x.shape[0], x.shape[1], list(widths), coded)
+    rows: list[tuple[torch.Tensor, fmt.Length]] = (
+        [(inner.buffer, inner.length)] if isinstance(inner, fmt.Deferred) else [(inner, inner.numel())]
+    )
+    flags = delta.to(torch.uint8)
+    return fmt.pack_deferred(header, [rows, [(flags, flags.numel())], [bits]], x.device)
+
+
+_SECTIONS = 3  # of the device payload
+
+
+def _on(bounds: Bounds, device: torch.device) -> torch.Tensor:
+    """The blocks' bounds as a float64 tensor on ``device`` (host numbers go up without waiting)."""
+    if isinstance(bounds, torch.Tensor):
+        return bounds.to(device, torch.float64)
+    return torch.tensor(list(bounds), dtype=torch.float64).to(device, non_blocking=True)
+
+
+def _check_fp32(chunk: torch.Tensor) -> None:
+    if chunk.dtype != torch.float32:  # _delta_bound's rounding margin is fp32's
+        raise TypeError(
+            f"compression.forward.cache needs fp32 pooled embeddings, got a {chunk.dtype} chunk "
+            "(turn the cache off for this run)"
         )
 
 

@@ -9,15 +9,16 @@ feature adds a stage, not a branch. Each hook's default does nothing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from dlrm.embedding_comm.bounds import Bounds
 from dlrm.embedding_comm.codec import DirectionCodec
 from dlrm.embedding_comm.stats import CommStats
-from dlrm_compression.format import HostHead
+from dlrm_compression.format import Deferred, HostHead
 
 
 class Blocks(NamedTuple):
@@ -32,9 +33,20 @@ class Blocks(NamedTuple):
 
 
 @dataclass
+class Settle:
+    """Device numbers (int64, 1-D) that an encoding stage needs on the host, and what it does
+    with them once they are: the transport reads them with the collective's sizes."""
+
+    values: torch.Tensor
+    then: Callable[[list[int]], None]
+
+
+@dataclass
 class Outgoing:
     """A chunk on its way to one peer. Stages may replace ``chunk`` before it is encoded; an
-    encoding stage sets ``payload`` and ``held`` (the chunk as the peer will decode it)."""
+    encoding stage sets ``payload`` and ``held`` (the chunk as the peer will decode it). Where
+    ``deferrable``, the payload may keep its length on the device (a :class:`Deferred`) and the
+    stage may leave work for after the collective's one read (``settle``)."""
 
     direction: str
     peer: int  # rank in the collective's group
@@ -45,8 +57,10 @@ class Outgoing:
     bounds: Bounds | None  # absolute, per block (None: an unbounded codec)
     dc: DirectionCodec
     stats: CommStats
-    payload: torch.Tensor | None = None
+    payload: torch.Tensor | Deferred | None = None
     held: torch.Tensor | None = None
+    deferrable: bool = False
+    settle: Settle | None = None
 
 
 @dataclass
@@ -66,7 +80,7 @@ class Incoming:
     stats: CommStats
     iteration: int
     where: str
-    head: HostHead | None = None  # its head and check, read with the collective's (decoders then read nothing)
+    head: HostHead | None = None  # its head, check and a stage's prepared values, read with the collective's
 
 
 class Stage:
@@ -90,6 +104,17 @@ class Stage:
     def measure(self, c: Outgoing) -> bool:
         """Measure the encoded chunk without changing it; True if it did (its time is sampling's)."""
         return False
+
+    def sees_payloads(self, direction: str) -> bool:
+        """Whether this stage reads this direction's payloads for itself (measures them as sent,
+        or decodes them without :meth:`prepare_decode`): they are then made and read one by one."""
+        return False
+
+    def prepare_decode(self, r: Incoming) -> tuple[int, torch.Tensor, Any] | None:
+        """Where this stage decodes ``r`` and can read all it needs with the collective's one
+        read: (bytes of the payload's head, int64 device values, state), which :meth:`decode`
+        then finds in ``r.head`` (``data``, ``good``, ``extra``, ``state``); None: not so."""
+        return None
 
     def decode(self, r: Incoming) -> torch.Tensor | None:
         """Decode ``r`` in place of the codec (into ``r.window`` if given); None: leave it."""

@@ -272,6 +272,9 @@ def _deferred_round_trip(codec, x, eb, ids, widths):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases(), use_ids=st.booleans())
 def test_device_framing_writes_the_same_payload_and_decodes_it_without_host_syncs(case, use_ids):
+    from dlrm_compression import dedup
+    from dlrm_compression.host_syncs import HostSyncCounter
+
     x, widths, eb, ids = case
     i = ids if use_ids else None
     codec = compression.get_codec("lossy", entropy=False, dedup=use_ids)  # rows by id, or not deduplicated
@@ -280,10 +283,16 @@ def test_device_framing_writes_the_same_payload_and_decodes_it_without_host_sync
             codec, x, torch.tensor(eb, dtype=torch.float64), i, widths
         )
         plain = codec.decode(want, i)
+        with HostSyncCounter() as c:  # what a sender knows its peer decodes, without the payload
+            held = codec.decoded(x, torch.tensor(eb, dtype=torch.float64), widths)
+            plan = None if i is None else dedup.plan_capacity(i)
     assert torch.equal(payload, want)  # byte for byte: lengths, check and sections
-    assert enc_syncs == dec_syncs == 0
+    assert enc_syncs == dec_syncs == c.total == 0
     ints = {torch.float32: torch.int32}.get(x.dtype, torch.int16)
-    assert torch.equal(y.view(ints), plain.view(ints))
+    assert torch.equal(y.view(ints), plain.view(ints)) and torch.equal(held.view(ints), plain.view(ints))
+    if plan is not None:  # the capacity plan: the dedup plan's counts and inverse, one sort
+        counts, _, inverse = dedup.unique_per_block(i)
+        assert torch.equal(plan[0], counts) and torch.equal(plan[2], inverse)
 
 
 def test_device_framing_with_one_id_column_shared_by_every_block_and_a_corrupted_payload():

@@ -2,7 +2,9 @@
 device code paths (dlrm.bench.host_syncs.device_paths: CPU shortcuts off, each .tolist()/.cpu()
 counted as a host read), their host waits are a fixed few per chunk, batch or sync (the sizes
 their layouts depend on, read for all blocks or tables at once), never per block or table, and
-their results are bit for bit those of the CPU shortcuts. A static check pins their host copies."""
+their results are bit for bit those of the CPU shortcuts. The row cache's device payload waits
+for nothing per chunk: it reads with its collective's size exchange and heads (below, and at real
+ranks in test_device_path.py). A static check pins their host copies."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from dlrm.embedding_comm.stats import CommStats
 from dlrm.placement.hot_rows import HotSplit
 from dlrm.placement.hot_sync import HotRowOptimizer
 from dlrm.placement.hot_wire import SyncWire
+from dlrm_compression import format as fmt
 from dlrm_compression.host_syncs import HostSyncCounter
 from dlrm_compression.row_cache import RowCache
 
@@ -116,6 +119,43 @@ def test_forward_cache_waits_a_fixed_number_of_times_per_chunk_whatever_its_bloc
 
 
 @pytest.mark.parametrize("nb", [2, 5])
+def test_forward_cache_on_device_waits_only_in_the_reads_of_its_collective(nb):
+    """The device payload: nothing waits per chunk; the host reads what it needs with the
+    transport's two reads (the sizes with the blocks' counts, the heads with the held counts)."""
+    dc = _codec()
+    feats, widths, bounds = [f"f{k}" for k in range(nb)], [DIM] * nb, torch.full((nb,), EB, dtype=torch.float64)
+    host_sender, host_receiver = fc.ForwardCache(), fc.ForwardCache()
+    sender, receiver = fc.ForwardCache(), fc.ForwardCache()
+    for i, (chunk, ids) in enumerate(_chunks(nb, steps=4)):
+        payload, held, counts = host_sender.encode(dc, chunk, ids, feats, widths, bounds, 1)
+        decoded = host_receiver.decode(dc, payload, ids, feats, widths, 0)
+        c = HostSyncCounter()
+        with device_paths(c), c:
+            with c.label("encode"):
+                late, mirror, values, store = sender.encode_on_device(dc, chunk, ids, feats, widths, bounds, 1)
+            with c.label("sizes"):  # as comm_ops._send's one read
+                host = torch.cat([late.length.reshape(1), values]).tolist()
+            with c.label("store"):
+                got_counts = store(host[1:])
+            with c.label("prepare"):
+                size, extra, state = receiver.prepare_on_device(dc, late.take(host[0]), ids, widths, feats, 0)
+            with c.label("heads"):  # as comm_ops._read_heads's one read
+                [head] = fmt.read_heads([late.take(host[0])], [extra], [size])
+                head.state = state
+            with c.label("decode"):
+                got = receiver.decode_on_device(dc, late.take(host[0]), head, widths)
+        assert dict(c.by_label) == {"sizes": 1, "heads": 1}, c.counts
+        # the host path's rows, counts and caches, bit for bit
+        assert torch.equal(mirror, held) and torch.equal(got, decoded) and got_counts == counts, i
+        assert all(sender.caches[k].ids() == v.ids() for k, v in host_sender.caches.items())
+        assert all(
+            torch.equal(receiver.caches[k].rows(torch.tensor(v.ids())), v.rows(torch.tensor(v.ids())))
+            for k, v in host_receiver.caches.items()
+        )
+    assert counts["hit_rows"] > 0 and counts["moved_rows"] > 0
+
+
+@pytest.mark.parametrize("nb", [2, 5])
 def test_probe_waits_a_fixed_number_of_times_per_chunk_whatever_its_blocks(nb):
     dc = _codec()
     feats, widths, bounds = [f"f{k}" for k in range(nb)], [DIM] * nb, [EB] * nb
@@ -201,6 +241,7 @@ PER_ITERATION: dict[str, tuple[str, ...] | None] = {
 }
 KNOWN = {
     ("dlrm.embedding_comm.forward_cache", "ForwardCache.encode", "tolist"),  # the blocks' classification
+    ("dlrm.embedding_comm.forward_cache", "CacheStage.encode", "tolist"),  # a sampled chunk: length and counts
     ("dlrm.embedding_comm.forward_cache", "ForwardCache.decode", "tolist"),  # held counts and flags, moved counts
     ("dlrm.embedding_comm.forward_cache", "_unpack", "tolist"),  # the blocks' unique-id counts
     ("dlrm.embedding_comm.cache_probe", "_over_bound", "tolist"),  # the worst errors, a statistic

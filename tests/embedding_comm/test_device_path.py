@@ -3,7 +3,8 @@ host path, and host synchronisations per collective that do not grow with the ra
 
 The device path (fixed-length coder, payloads framed and checked on the device, lengths read
 once per collective) is what runs on a GPU; :func:`dlrm.bench.host_syncs.device_paths` turns
-it on for CPU tensors, and its counter sees every host read (see there)."""
+it on for CPU tensors, and its counter sees every host read (see there). The row cache
+(``compression.forward.cache``) is held to the same: its payloads read with the collective's."""
 
 from __future__ import annotations
 
@@ -32,10 +33,20 @@ AUTO_CHOICE = {f"f_t{t}": o for t, o in enumerate(["fp16", "lossy/fixed", "none"
 SPECS = {"lossy": (DEVICE_LOSSY, {}), "auto": (DEVICE_AUTO, AUTO_CHOICE), "dct_mp": (DEVICE_DCT_MP, {})}
 
 
-def _counted(rank: int, ws: int, plan: str, spec: str) -> dict:
-    """Three training steps on the host path, then the same on the device path, counted."""
+CACHED = {
+    **DEVICE_LOSSY,
+    "name": "lossy_cached",
+    # a bound near the size of the rows' SGD steps: some held rows come back within it (hits), some past it
+    "forward": {**DEVICE_LOSSY["forward"], "eb": 0.5, "cache": {"enabled": True, "capacity_rows": 24}},
+}
+RUNS = {**SPECS, "cache": (CACHED, {})}  # the row cache has its own test (below)
+
+
+def _counted(rank: int, ws: int, plan: str, spec: str, steps: int = 3) -> dict:
+    """``steps`` training steps on the host path, then the same on the device path, counted."""
     from dlrm.bench.host_syncs import device_paths
     from dlrm.embedding_comm import comm_ops
+    from dlrm.telemetry.comm_stats import comm_stats
     from dlrm_compression.host_syncs import HostSyncCounter
 
     counter, calls = HostSyncCounter(), Counter()
@@ -53,22 +64,31 @@ def _counted(rank: int, ws: int, plan: str, spec: str) -> dict:
 
     comm_ops._send, comm_ops._receive = counted_send, counted_receive
     runs = {}
-    cfg, choice = SPECS[spec]
+    cfg, choice = RUNS[spec]
     for path in ("host", "device"):
         sharder = tc.ours(cfg)
         sharder.runtime.forward.choice, sharder.runtime.backward.choice = dict(choice), dict(choice)
         model = tc.build(sharder, plan, ws, tc.full_weights(5))
         if path == "host":
-            outs = tc.run_steps(model, rank, [12, 9, 7][:ws], 3)
+            outs = tc.run_steps(model, rank, [12, 9, 7][:ws], steps)
         else:
             counter.counts.clear()
             with device_paths(counter), counter:
-                outs = tc.run_steps(model, rank, [12, 9, 7][:ws], 3)
-        runs[path] = (outs, tc.local_weights(model))
+                outs = tc.run_steps(model, rank, [12, 9, 7][:ws], steps)
+        cache = {k: v for k, v in comm_stats(model).items() if "/cache/" in k}  # the row cache's counts
+        runs[path] = (outs, tc.local_weights(model), cache)
     same = all(a.equal(b) for a, b in zip(runs["host"][0], runs["device"][0], strict=True))
     same_w = all(runs["host"][1][k].equal(v) for k, v in runs["device"][1].items())
     syncs = {k: n for k, n in counter.by_label.items() if k}  # TorchRec's own (input dist, optimizer) are not ours
-    return {"same": same, "same_weights": same_w, "syncs": syncs, "calls": dict(calls)}
+    same_cache = runs["host"][2] == runs["device"][2]
+    return {
+        "same": same,
+        "same_weights": same_w,
+        "syncs": syncs,
+        "calls": dict(calls),
+        "cache": runs["device"][2],
+        "same_cache": same_cache,
+    }
 
 
 @pytest.mark.parametrize("spec", list(SPECS))
@@ -84,7 +104,20 @@ def test_device_path_gives_the_host_paths_numbers_with_one_host_sync_per_collect
         assert set(r["syncs"]) == {"forward/send", "forward/receive", "backward/send", "backward/receive"}
 
 
-def _fault(rank: int, ws: int) -> str:
+@pytest.mark.parametrize("ws", [2, 3])
+def test_the_row_cache_on_the_device_path_gives_the_host_paths_numbers_with_one_host_sync_per_collective_side(ws):
+    # the cache encodes and decodes the forward itself; the backward goes through the codec
+    for r in run_ranks(_counted, ws, "tw", "cache", 4):
+        assert r["same"] and r["same_weights"] and r["same_cache"]
+        cache = r["cache"]  # held rows came back within the bound (hits) and past it (moved)
+        assert cache["comm/forward/cache/hit_rows"] > 0 and cache["comm/forward/cache/moved_rows"] > 0, cache
+        calls = {k: n // 2 for k, n in r["calls"].items()}
+        # one read per collective side, none per chunk: the forward's sizes with the cache's
+        # counts, its heads with the rows each block holds; the backward (no cache) as without it
+        assert r["syncs"] == {side: calls[side] for side in calls}, (ws, r["syncs"], calls)
+
+
+def _fault(rank: int, ws: int, spec: dict = DEVICE_LOSSY) -> str:
     from datetime import timedelta
 
     from dlrm.bench.host_syncs import device_paths
@@ -92,7 +125,7 @@ def _fault(rank: int, ws: int) -> str:
 
     pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=30))
     with device_paths():
-        model = tc.build(tc.ours(DEVICE_LOSSY), "tw", ws, tc.full_weights(8), pg=pg)
+        model = tc.build(tc.ours(spec), "tw", ws, tc.full_weights(8), pg=pg)
         set_payload_hook(tc.corrupt_rank0_to_rank1)
         try:
             tc.run_steps(model, rank, [8, 8], 3)
@@ -105,5 +138,13 @@ def test_a_corrupted_payload_on_the_device_path_is_named_from_the_one_read():
     errors = run_ranks(_fault, 2, timeout=120)
     assert errors[1].startswith("CompressedCommError: rank 1 (table_wise)") and "from rank 0" in errors[1]
     assert "tables ['t0', 't2', 't4']" in errors[1] and "iteration 1" in errors[1]
+    assert "checksum mismatch (adler32)" in errors[1]
+    assert errors[0] != "no error"
+
+
+def test_a_corrupted_row_cache_payload_on_the_device_path_is_named_from_the_one_read():
+    errors = run_ranks(_fault, 2, CACHED, timeout=120)
+    assert errors[1].startswith("CompressedCommError: rank 1 (table_wise)") and "from rank 0" in errors[1]
+    assert "row-cached forward payload" in errors[1] and "iteration 1" in errors[1]
     assert "checksum mismatch (adler32)" in errors[1]
     assert errors[0] != "no error"
