@@ -135,8 +135,8 @@ class LossyCodec(Codec):
         blocks: Sequence[int] | None = None,
     ) -> torch.Tensor | fmt.Deferred:
         """:meth:`encode`, but where the payload is built on the device (fixed-length coder,
-        Adler-32 check) and its rows are deduplicated by id or not at all, with its length left
-        on the device (:class:`~compression.format.Deferred`): made without a host wait."""
+        Adler-32 check), with its length left on the device (:class:`~compression.format.Deferred`):
+        made without a host wait."""
         return self._encode(x, eb, ids, blocks, deferred=True)
 
     def _encode(
@@ -170,7 +170,6 @@ class LossyCodec(Codec):
             deferred
             and kind == coders.FIXED
             and fmt._check_for(x.device) == "adler32"
-            and (keys is not None or not self.dedup or rows <= 1)
             and x.numel() < 2**31
             and not self.verify_ids
         ):
@@ -219,9 +218,19 @@ class LossyCodec(Codec):
         block's unique rows stay at its capacity (all rows), are quantised there and moved to
         the front; the sections' lengths are written by the device."""
         rows, nb = x.shape[0], len(widths)
+        none = torch.zeros(0, dtype=torch.uint8, device=x.device)
+        index: list[tuple[torch.Tensor, fmt.Length]] = [(none, 0)]
+        mode: int | torch.Tensor
         if keys is not None:
             mode = dedup.IDS
             counts, first = dedup.first_capacity(keys)
+        elif self.dedup and rows > 1:
+            kept, counts, first, inverse = dedup.value_capacity(x, widths)
+            mode = torch.where(kept, dedup.VALUE, dedup.NONE)  # the index travels where it pays off
+            # encode(): the index coded where it is kept, else no section (no codes, no group widths)
+            index = coders.BlockCoder(backend).encode_capacity(
+                torch.where(kept, inverse, 0).reshape(-1).to(torch.int32), kept * (nb * rows)
+            )
         else:
             mode = dedup.NONE
             counts = torch.full((nb,), rows, dtype=torch.int64, device=x.device)
@@ -232,13 +241,15 @@ class LossyCodec(Codec):
         step, ed = quantize.steps_and_margins(bounds, full, widths, values.numel(), x.device)
         codes, exceptions = quantize.encode_capacity(values, valid, step, ed, backend)
         coded = coders.BlockCoder(backend).encode_capacity(codes, valid.sum())
+        info = {0: mode | coders.FIXED << 2} if isinstance(mode, torch.Tensor) else {}  # written on the device
+        if keys is not None:
+            info[1] = fingerprint_of(keys)
+        host_mode = mode if isinstance(mode, int) else dedup.NONE  # a device mode is written over it
         header = fmt.Header(
-            self.codec_id, x.dtype, rows, x.shape[1], widths, bounds, info=[mode | coders.FIXED << 2, 0, 0, 0]
+            self.codec_id, x.dtype, rows, x.shape[1], widths, bounds, info=[host_mode | coders.FIXED << 2, 0, 0, 0]
         )
-        none = torch.zeros(0, dtype=torch.uint8, device=x.device)
-        sections: list[list[tuple[torch.Tensor, fmt.Length]]] = [[(counts, 8 * nb)], [(none, 0)], coded, exceptions]
-        fingerprint = None if keys is None else {1: fingerprint_of(keys)}
-        return fmt.pack_deferred(header, sections, x.device, fingerprint)
+        sections: list[list[tuple[torch.Tensor, fmt.Length]]] = [[(counts, 8 * nb)], index, coded, exceptions]
+        return fmt.pack_deferred(header, sections, x.device, info)
 
     @staticmethod
     def head_size(n_blocks: int) -> int:
@@ -305,14 +316,16 @@ class LossyCodec(Codec):
                 raise PayloadError("ids differ from the ids the payload was encoded with")
             if host[nb : 2 * nb] != host_counts:
                 raise PayloadError("ids give other unique counts than the payload's")
-        elif mode == dedup.VALUE:
-            inverse = coder.decode(index_s, nb * rows, "dedup index").long().view(nb, rows)
-            if nb and rows and bool((inverse >= counts[:, None]).any()):
+        checked = head is not None and kind == coders.FIXED  # the check passed on the device: read nothing back
+        if mode == dedup.VALUE:
+            inverse = coder.decode(index_s, nb * rows, "dedup index", checked).long().view(nb, rows)
+            if checked:  # only an encoder bug (or a forged check) could point past: keep reads inside
+                inverse = torch.minimum(inverse, counts[:, None] - 1)
+            elif nb and rows and bool((inverse >= counts[:, None]).any()):
                 raise PayloadError("dedup index points past its block's unique rows")
-        elif any(u != rows for u in host_counts):
+        elif mode == dedup.NONE and any(u != rows for u in host_counts):
             raise PayloadError(f"undeduplicated payload with counts {host_counts[:8]} != {rows}")
         n = sum(u * w for u, w in zip(host_counts, widths, strict=True))
-        checked = head is not None and kind == coders.FIXED  # the check passed on the device: read nothing back
         codes = coder.decode(codes_s, n, "codes", checked)
         step, _ = quantize.steps_and_margins(header.bounds, counts, widths, n, device)
         values = quantize.decode(codes, step, exc_s, header.dtype, "exceptions", backend, checked)

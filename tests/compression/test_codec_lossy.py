@@ -270,11 +270,11 @@ def _deferred_round_trip(codec, x, eb, ids, widths):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(case=cases(), use_ids=st.booleans())
-def test_device_framing_writes_the_same_payload_and_decodes_it_without_host_syncs(case, use_ids):
+@given(case=cases(), by=st.sampled_from(["ids", "value", "none"]))
+def test_device_framing_writes_the_same_payload_and_decodes_it_without_host_syncs(case, by):
     x, widths, eb, ids = case
-    i = ids if use_ids else None
-    codec = compression.get_codec("lossy", entropy=False, dedup=use_ids)  # rows by id, or not deduplicated
+    i = ids if by == "ids" else None
+    codec = compression.get_codec("lossy", entropy=False, dedup=by != "none")  # rows by id, by value, or as they are
     with _device_code():
         want, payload, y, enc_syncs, dec_syncs = _deferred_round_trip(
             codec, x, torch.tensor(eb, dtype=torch.float64), i, widths
@@ -284,6 +284,32 @@ def test_device_framing_writes_the_same_payload_and_decodes_it_without_host_sync
     assert enc_syncs == dec_syncs == 0
     ints = {torch.float32: torch.int32}.get(x.dtype, torch.int16)
     assert torch.equal(y.view(ints), plain.view(ints))
+
+
+@pytest.mark.parametrize("collide", [False, True])
+def test_value_dedup_on_the_device_writes_the_same_payload_without_host_syncs(monkeypatch, collide):
+    """Rows deduplicated by value (no ids: e.g. row-wise partial sums) where the index pays off in
+    one block and not the next, and where every hash collides (each block falls back to its rows)."""
+    from dlrm_compression import dedup
+
+    g = torch.Generator().manual_seed(11)
+    rows = torch.randint(0, 6, (200,), generator=g)
+    x = torch.cat([(torch.randn(6, 12, generator=g) * 0.1)[rows], torch.randn(200, 4, generator=g)], 1)
+    x[rows == rows[0], 3] = float("nan")  # an exception, the same in every copy of that row
+    if collide:
+        zeros = torch.zeros(200, 2, dtype=torch.int64)
+        monkeypatch.setattr(dedup, "_row_hashes", lambda x, widths: zeros)
+    codec = compression.get_codec("lossy", entropy=False)
+    with _device_code():
+        want, payload, y, enc_syncs, dec_syncs = _deferred_round_trip(codec, x, [1e-3, 1e-2], None, [12, 4])
+        plain = codec.decode(want)
+        header, sections = compression.format.unpack(payload)
+    assert torch.equal(payload, want) and enc_syncs == dec_syncs == 0
+    assert torch.equal(y.view(torch.int32), plain.view(torch.int32))
+    check_bound(x, y, [12, 4], [1e-3, 1e-2])
+    assert header.info[0] & 3 == (dedup.NONE if collide else dedup.VALUE)
+    if not collide:  # the unique rows of the first block, every row of the second
+        assert torch.equal(compression.format.view_as(sections[0], torch.int64, "counts"), torch.tensor([6, 200]))
 
 
 def test_device_framing_with_one_id_column_shared_by_every_block_and_a_corrupted_payload():

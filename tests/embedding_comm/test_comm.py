@@ -174,6 +174,7 @@ PLANS: dict[str, Callable[[int], dict[str, Any]]] = {
     "tw": lambda ws: {n: table_wise(rank=i % ws) for i, (n, _, _) in enumerate(TABLES)},
     "tw_rank0": lambda ws: {n: table_wise(rank=0) for n, _, _ in TABLES},  # other ranks own no table
     "twrw": lambda ws: {n: table_row_wise(host_index=i % 2) for i, (n, _, _) in enumerate(TABLES)},  # 2 nodes
+    "rw": lambda ws: {n: row_wise() for n, _, _ in TABLES},  # partial sums travel without ids (value dedup)
 }
 
 

@@ -58,9 +58,10 @@ def _counted(rank: int, ws: int, plan: str) -> dict:
     return {"same": same, "same_weights": same_w, "syncs": syncs, "calls": dict(calls)}
 
 
+@pytest.mark.parametrize("plan", ["tw", "rw"])  # rows deduplicated by id; partial sums by value
 @pytest.mark.parametrize("ws", [2, 3])
-def test_device_path_gives_the_host_paths_numbers_with_one_host_sync_per_collective_side(ws):
-    for r in run_ranks(_counted, ws, "tw"):
+def test_device_path_gives_the_host_paths_numbers_with_one_host_sync_per_collective_side(ws, plan):
+    for r in run_ranks(_counted, ws, plan):
         assert r["same"] and r["same_weights"]  # bit for bit: the framing moved, not the values
         calls = {k: n // 2 for k, n in r["calls"].items()}  # the device run's half
         for side, n in r["syncs"].items():
