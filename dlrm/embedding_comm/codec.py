@@ -161,14 +161,24 @@ class DirectionCodec:
         ids: torch.Tensor | None,
         thresholds: Sequence[float] | None = None,
         features: Sequence[str] | None = None,
+        single: torch.Tensor | None = None,
     ) -> torch.Tensor | Deferred:
         """:meth:`encode`, with the payload's length left on the device where the codec can (the
-        error-bounded codec on a device: :meth:`LossyCodec.encode_deferred`)."""
+        error-bounded codec on a device: :meth:`LossyCodec.encode_deferred`). ``single``: a 0-d
+        bool on the device saying whether ``ids`` hold (not read yet: see
+        :meth:`picks_ids_on_device`)."""
         if isinstance(self.codec, LossyCodec) and thresholds is None:
             return self.codec.encode_deferred(
-                chunk.contiguous(), bounds, ids if self.dedup else None, blocks=list(widths)
+                chunk.contiguous(), bounds, ids if self.dedup else None, blocks=list(widths), single=single
             )
+        if single is not None and not bool(single):  # a codec that cannot choose on the device: read
+            ids = None
         return self.encode(chunk, widths, bounds, ids, thresholds, features)
+
+    def picks_ids_on_device(self, device: torch.device) -> bool:
+        """Whether :meth:`encode_deferred` can be told whether the ids hold by a device flag and
+        choose between them and the rows on the device (no host read)."""
+        return isinstance(self.codec, LossyCodec) and self.dedup and self.codec.defers(device)
 
     def passthrough(self, features: Sequence[str]) -> bool:
         """compression=auto: every feature of a collective chose ``none``, so it travels as

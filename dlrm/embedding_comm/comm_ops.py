@@ -34,6 +34,7 @@ from torchrec.distributed.comm_ops import Request, get_gradient_division
 
 from dlrm.embedding_comm.bounds import Bounds, host_bounds
 from dlrm.embedding_comm.codec import CompressedCommError, DirectionCodec, abs_error
+from dlrm.embedding_comm.ids import PendingIds
 from dlrm.embedding_comm.stage import Blocks, Incoming, Outgoing, Stage
 from dlrm.embedding_comm.stats import CommStats
 from dlrm.process.instrument import embedding_collective, on_the_wire, payload_hooked
@@ -137,6 +138,15 @@ class CompressedA2AInfo:
     training: bool = True  # a training forward (evaluation refreshes no DCT-MP threshold)
     collective: str = "a2a"  # "a2a" or "reduce_scatter" (table-row-wise runs both, each with its own thresholds)
     stages: list[Stage] = field(default_factory=list)  # the features acting on this call's chunks, in order
+    # The forward's ids before the read of which chunks are single-valued ([send, recv] per peer):
+    # the forward's first read settles them into fwd_send_ids / fwd_recv_ids.
+    pending_ids: PendingIds | None = None
+
+    def settle_ids(self, single: list[bool]) -> None:
+        """Keep the ids of the chunks ``single`` (the pending flags, read) says have them."""
+        assert self.pending_ids is not None
+        self.fwd_send_ids, self.fwd_recv_ids = self.pending_ids.settle(single)
+        self.pending_ids = None
 
     def send_ids(self, direction: str) -> list[torch.Tensor | None]:
         return self.fwd_send_ids if direction == "forward" else self.fwd_recv_ids
@@ -268,22 +278,41 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
     """Encode a chunk per peer (through the call's stages), exchange sizes, launch the async byte
     all-to-all."""
     layout, dc, stats, stages = info.layout, info.codecs[d], info.stats, info.stages
-    if not any(s.needs_codec(d) for s in stages) and dc.passthrough(layout.features()):
-        return _send_raw(pg, info, d, chunks)
     me, ws = pg.rank(), pg.size()
-    ids_per_peer = info.send_ids(d)
-    t0 = time.perf_counter()
-    payloads: list[torch.Tensor | Deferred | None] = [None] * ws
+    device = chunks[me].device
     # Payloads may keep their lengths on the device until the size exchange reads them all at
     # once, unless a stage looks at them (it would read each).
     defer = not any(_overrides(s, "measure") for s in stages)
+    # Which chunks have ids can wait for that read too where the codec picks ids or rows on the
+    # device and no stage looks at the ids before (an encoding stage does).
+    raw = not any(s.needs_codec(d) for s in stages) and dc.passthrough(layout.features())
+    pending = info.pending_ids
+    later = (
+        pending is not None
+        and not raw
+        and defer
+        and not info.sample
+        and dc.picks_ids_on_device(device)
+        and not any(_overrides(s, "encode") for s in stages)
+    )
+    if pending is not None and not later:
+        info.settle_ids(pending.single.tolist())  # the forward's read of which chunks have ids
+    if raw:
+        return _send_raw(pg, info, d, chunks)
+    ids_per_peer = info.send_ids(d)
+    send_flags: list[torch.Tensor | None] = [None] * ws
+    if later:
+        assert pending is not None
+        ids_per_peer, send_flags = pending.candidates[0], pending.flags()[0]
+    t0 = time.perf_counter()
+    payloads: list[torch.Tensor | Deferred | None] = [None] * ws
     memo: dict[int, torch.Tensor | Deferred] = {}  # the same chunk object (row-wise backward) is encoded once
     reuse = not any(s.per_peer(d) for s in stages)
     policy: dict[int, list[float]] = {}
     sample, sample_s = info.sample, 0.0
     for i in range(1, ws):
         peer = (me + i) % ws
-        chunk, ids = chunks[peer], ids_per_peer[peer]
+        chunk, ids, single = chunks[peer], ids_per_peer[peer], send_flags[peer]
         if chunk.numel() == 0:
             continue  # both sides know the shape: nothing to send
         blocks = layout.send_blocks(d, peer)
@@ -298,7 +327,10 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
             # summed: the summed rows of frequent ids would set a range under which the gradients
             # of rare ids vanish (at a batch of 2,048, 35-85% of rows decoded as zero).
             bounds = dc.bounds(chunk, blocks.widths, policy[key])
-            c = Outgoing(d, peer, info.global_ranks[peer], chunk, ids, blocks, bounds, dc, stats)
+            # (ids that may not hold are the codec's alone: the stages see none)
+            c = Outgoing(
+                d, peer, info.global_ranks[peer], chunk, ids if single is None else None, blocks, bounds, dc, stats
+            )
             for s in stages:
                 s.before_encode(c)
             thresholds = dc.thresholds(
@@ -307,7 +339,7 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
             late: torch.Tensor | Deferred | None
             if not any(s.encode(c) for s in stages):
                 if defer and not sample:  # (a sampled chunk's payload is measured now)
-                    late = dc.encode_deferred(c.chunk, blocks.widths, bounds, ids, thresholds, blocks.features)
+                    late = dc.encode_deferred(c.chunk, blocks.widths, bounds, ids, thresholds, blocks.features, single)
                 else:
                     late = c.payload = dc.encode(c.chunk, blocks.widths, bounds, ids, thresholds, blocks.features)
             else:
@@ -324,7 +356,7 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
                 _count_distinct(stats, d, c.chunk, blocks, ids, dc.dedup)
                 sample = False
                 sample_s += time.perf_counter() - ts
-            if ids is None:
+            if ids is None:  # no ids, settled or pending
                 memo[id(chunks[peer])] = late
             payloads[peer] = late
     if payload_hooked():  # a test's hook sees (and may cut) each payload: their bytes first
@@ -338,7 +370,6 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
             for q, p in enumerate(ready)
         ]
     t1 = time.perf_counter()
-    device = chunks[me].device
     sizes = torch.tensor([p.numel() if isinstance(p, torch.Tensor) else 0 for p in payloads], dtype=torch.int64)
     sizes = sizes.to(device, non_blocking=True)
     for q, p in enumerate(payloads):
@@ -347,8 +378,11 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
     recv_t = torch.empty(ws, dtype=torch.int64, device=device)
     with embedding_collective(d), named_collective(f"the size exchange of {_a2a_name(info, d)}"):
         dist.all_to_all_single(recv_t, sizes, group=pg)
-    both = torch.cat([sizes, recv_t]).tolist()  # the collective's one host synchronisation
-    send_sizes, recv_sizes = both[:ws], both[ws:]
+    flags = pending.single.to(device, torch.int64) if later and pending is not None else sizes[:0]
+    both = torch.cat([sizes, recv_t, flags]).tolist()  # the collective's one host synchronisation
+    send_sizes, recv_sizes = both[:ws], both[ws : 2 * ws]
+    if later:  # the receive side and the backward need the ids as they are
+        info.settle_ids([bool(v) for v in both[2 * ws :]])
     sent = [
         p.take(n) if isinstance(p, Deferred) else p for p, n in zip(payloads, send_sizes, strict=True) if p is not None
     ]

@@ -286,6 +286,26 @@ def test_device_framing_writes_the_same_payload_and_decodes_it_without_host_sync
     assert torch.equal(y.view(ints), plain.view(ints))
 
 
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases(), holds=st.booleans(), by_value=st.booleans())
+def test_device_framing_picks_ids_or_value_dedup_by_a_flag_it_does_not_read(case, holds, by_value):
+    """Ids that hold only where a device flag says so (the transport reads it later): the payload
+    of encode with the ids where they hold, else encode's without them (rows deduplicated by value,
+    or every row)."""
+    from dlrm_compression import format as fmt
+    from dlrm_compression.host_syncs import HostSyncCounter
+
+    x, widths, eb, ids = case
+    codec = compression.get_codec("lossy", entropy=False, dedup=by_value)
+    with _device_code():
+        want = codec.encode(x, eb, ids if holds else None, blocks=widths)
+        counter = HostSyncCounter()
+        with counter:
+            late = codec.encode_deferred(x, eb, ids, blocks=widths, single=torch.tensor(holds))
+        [payload] = fmt.settle([late])
+    assert torch.equal(payload, want) and counter.total == 0
+
+
 @pytest.mark.parametrize("collide", [False, True])
 def test_value_dedup_on_the_device_writes_the_same_payload_without_host_syncs(monkeypatch, collide):
     """Rows deduplicated by value (no ids: e.g. row-wise partial sums) where the index pays off in

@@ -267,12 +267,14 @@ def local_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def run_steps(model: nn.Module, rank: int, sizes: list[int], steps: int, integer: bool = False) -> list[torch.Tensor]:
+def run_steps(
+    model: nn.Module, rank: int, sizes: list[int], steps: int, integer: bool = False, hot: int = 1
+) -> list[torch.Tensor]:
     """Train ``steps`` steps (loss = <out, fixed random grads>); return each step's forward output."""
     outs = []
     for step in range(steps):
         size = size_of(rank, step, sizes, steps)
-        out = model(batch(rank, step, size))
+        out = model(batch(rank, step, size, hot))
         outs.append(out.detach().clone())
         (out * grad_weights(rank, step, size, integer)).sum().backward()
     return outs
