@@ -43,6 +43,7 @@ from .base import (
     resolve_bounds,
 )
 from .format import PayloadError
+from .lossy import LossyCodec
 
 # The options by name: a codec of this package and its parameters.
 OPTIONS: dict[str, tuple[str, dict]] = {
@@ -198,10 +199,13 @@ class PerBlockCodec(Codec):
         *,
         blocks: Sequence[int] | None = None,
         choice: Sequence[str] | None = None,
+        single: torch.Tensor | None = None,
     ) -> torch.Tensor | fmt.Deferred:
         """:meth:`encode` where the payload is built on the device (Adler-32 check), its length
         left there (:class:`~compression.format.Deferred`): made without a host wait where every
-        option builds its own payload so (casts, the fixed-length lossy codec).
+        option builds its own payload so (casts, the fixed-length lossy codec). ``single``: a 0-d
+        bool on the device saying whether ``ids`` hold (the lossy groups choose on the device,
+        :meth:`LossyCodec.encode_deferred`; a host path reads it).
 
         The groups are :meth:`device_groups`'; which option each block really gets (its choice,
         or the fallback where the choice could exceed its bound) is decided on the device and
@@ -210,7 +214,7 @@ class PerBlockCodec(Codec):
         says which blocks each group carries, section 2 holds a copy of each group payload's
         head (so that one read of the payload's first bytes gives the decoder every header)."""
         if fmt._check_for(x.device) != "adler32":  # the CPU: the host path is the faster
-            return self.encode(x, eb, ids, blocks=blocks, choice=choice)
+            return self.encode(x, eb, _held(ids, single), blocks=blocks, choice=choice)
         check_input(x)
         rows, cols = x.shape
         widths = resolve_blocks(cols, eb, ids, blocks)
@@ -222,10 +226,10 @@ class PerBlockCodec(Codec):
         keys = check_ids(ids, rows, len(widths), "per_block encode")
         choice = self._checked_choice(choice, len(widths))
         names, carried = self.device_groups(choice)
-        if any(_head_size(self.options[n], 0) is None for n in names):
-            return self.encode(x, eb, ids, blocks=blocks, choice=choice)  # an option read on the host
+        if any(_head_size(self.options[n], 0) is None for n in names):  # an option read on the host
+            return self.encode(x, eb, _held(ids, single), blocks=blocks, choice=choice)
         if len(names) == 1:
-            return self._encode_group(names[0], x, bounds, keys, widths, list(range(len(widths))))
+            return self._encode_group(names[0], x, bounds, keys, widths, list(range(len(widths))), single)
         group = self._groups_on_device(x, widths, bounds, choice, names)
         fallback = names.index(self.fallback) if self.fallback in names else -1
         subs: list[torch.Tensor | fmt.Deferred] = []
@@ -238,7 +242,7 @@ class PerBlockCodec(Codec):
                     output_size=sub.shape[1],
                 )
                 sub = torch.where(mine, sub, 0)
-            subs.append(self._encode_group(name, sub, bounds, keys, widths, members))
+            subs.append(self._encode_group(name, sub, bounds, keys, widths, members, single))
         carries = torch.tensor([[k in members for k in range(len(widths))] for members in carried], dtype=torch.uint8)
         pieces: list[tuple[torch.Tensor, fmt.Length]] = [
             (s.buffer, s.length) if isinstance(s, fmt.Deferred) else (s, s.numel()) for s in subs
@@ -286,8 +290,10 @@ class PerBlockCodec(Codec):
         keys: torch.Tensor | None,
         widths: list[int],
         members: list[int],
+        single: torch.Tensor | None = None,
     ) -> torch.Tensor | fmt.Deferred:
-        """One group's payload on the device path (an unbounded option's ignores the bounds)."""
+        """One group's payload on the device path (an unbounded option's ignores the bounds and
+        the ids; a bounded one chooses between ids and rows on the device where ``single``)."""
         codec, sub_widths = self.options[name], [widths[k] for k in members]
         sub_ids = keys if keys is None or len(members) == len(widths) else keys[:, members]
         if not getattr(codec, "bounded", False):
@@ -296,8 +302,9 @@ class PerBlockCodec(Codec):
             sub_bounds: list[float] | torch.Tensor = bounds[torch.tensor(members).to(bounds.device, non_blocking=True)]
         else:
             sub_bounds = [bounds[k] for k in members]
-        deferred = getattr(codec, "encode_deferred", codec.encode)
-        return deferred(sub, sub_bounds, sub_ids, blocks=sub_widths)
+        if isinstance(codec, LossyCodec):
+            return codec.encode_deferred(sub, sub_bounds, sub_ids, blocks=sub_widths, single=single)
+        return codec.encode(sub, sub_bounds, sub_ids, blocks=sub_widths)
 
     def head_size(self, n_blocks: int) -> int:
         """Bytes a decoder needs on the host, at most: a payload of every option as its own
@@ -428,6 +435,12 @@ class _Prepared:
         """Each group's values (read) and state."""
         ends = list(itertools.accumulate(self.sizes))
         return [(extra[e - n : e], st) for e, n, st in zip(ends, self.sizes, self.states, strict=True)]
+
+
+def _held(ids: torch.Tensor | None, single: torch.Tensor | None) -> torch.Tensor | None:
+    """``ids`` where they hold, as ``single`` says (a 0-d bool on the device, read here: a host
+    wait); no ``single``: they do."""
+    return ids if single is None or bool(single) else None
 
 
 def _head_size(codec: Codec, n_blocks: int) -> int | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Literal, overload
+from typing import Literal, overload
 
 import numpy as np
 import torch
@@ -101,30 +101,47 @@ def _sort_rows(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def first_capacity(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`unique_per_block`'s counts and source rows, without a host wait: the source rows as
     [n_blocks, rows], block b's first ``counts[b]`` in canonical order, the rest 0."""
-    counts, first, _ = _capacity(keys, want_inverse=False)
+    counts, first, _ = plan_capacity(keys)
     return counts, first
 
 
 def plan_capacity(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`first_capacity`'s counts and source rows, and :func:`unique_per_block`'s inverse
     [n_blocks, rows], from one sort and without a host wait."""
-    counts, first, inverse = _capacity(keys, want_inverse=True)
-    assert inverse is not None
-    return counts, first, inverse
-
-
-def _capacity(keys: torch.Tensor, want_inverse: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     rows, nb = keys.shape
     shared = nb == 1 or keys.stride(1) == 0
-    perm, new = _sorted_runs(keys[:, :1].t().contiguous() if shared else keys.t().contiguous())
-    local = new.cumsum(1) - 1  # each sorted key's index among its block's unique keys
-    slot = torch.where(new, local, rows)  # repeats go to a spare column
-    first = torch.zeros(perm.shape[0], rows + 1, dtype=torch.int64, device=keys.device).scatter_(1, slot, perm)
-    counts, first = new.sum(1), first[:, :rows]
-    inverse = torch.empty_like(local).scatter_(1, perm, local) if want_inverse else None
+    counts, first, inverse = _capacity_runs(keys[:, :1].t().contiguous() if shared else keys.t().contiguous())
     if shared:
-        return counts.expand(nb), first.expand(nb, rows), None if inverse is None else inverse.expand(nb, rows)
+        return counts.expand(nb), first.expand(nb, rows), inverse.expand(nb, rows)
     return counts, first, inverse
+
+
+def _capacity_runs(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_sorted_unique` of ``k`` [n_blocks, rows] with the source rows at capacity (block
+    b's first ``counts[b]`` in canonical order, the rest 0): no host wait."""
+    rows = k.shape[1]
+    perm, new = _sorted_runs(k)
+    local = new.cumsum(1) - 1
+    inverse = torch.empty_like(local).scatter_(1, perm, local)
+    slot = torch.where(new, local, rows)  # repeats go to a spare column
+    first = torch.zeros(k.shape[0], rows + 1, dtype=torch.int64, device=k.device).scatter_(1, slot, perm)
+    return new.sum(1), first[:, :rows], inverse
+
+
+def value_capacity(x: torch.Tensor, widths: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`plan_by_value`, then :func:`identity_plan` where :func:`index_pays_off` says no, with
+    no host wait: (whether the value plan is kept, a 0-d bool; counts; source rows at capacity as
+    :func:`first_capacity`'s; inverse [n_blocks, rows]). The same plan as those functions give
+    with this device's hash."""
+    rows, nb = x.shape[0], len(widths)
+    counts, first, inverse = _capacity_runs(_row_hashes(x, widths).t().contiguous())
+    every = torch.arange(rows, device=x.device).expand(nb, rows)
+    # a block whose hash collides keeps every row: its row numbers as keys give the identity
+    bad = _differs(x, widths, first.gather(1, inverse))
+    counts = torch.where(bad, rows, counts)
+    first, inverse = torch.where(bad[:, None], every, first), torch.where(bad[:, None], every, inverse)
+    kept = _pays_off(counts, widths, rows)
+    return kept, torch.where(kept, counts, rows), torch.where(kept, first, every), inverse
 
 
 def gather_capacity(x: torch.Tensor, widths: list[int], first: torch.Tensor) -> torch.Tensor:
@@ -194,7 +211,7 @@ def _row_hashes(x: torch.Tensor, widths: list[int]) -> torch.Tensor:
     bits = x.contiguous().view(torch.int32 if x.element_size() == 4 else torch.int16).int()
     gen = torch.Generator().manual_seed(_HASH_SEED)
     mult = (torch.randint(-(1 << 30), 1 << 30, (2, max([*widths, 1])), generator=gen, dtype=torch.int32) * 2 + 1).to(
-        x.device
+        x.device, non_blocking=True
     )
 
     def hash64(block: torch.Tensor, w: int) -> torch.Tensor:
@@ -252,7 +269,12 @@ def distinct_rows(x: torch.Tensor, widths: list[int]) -> torch.Tensor:
 def index_pays_off(plan: Plan, widths: list[int], rows: int) -> bool:
     """Whether value dedup saves more than its index costs: the removed values (about half a byte
     each at typical bounds) must outweigh the index (at most about 2 bytes per row and block)."""
-    removed = int(((rows - plan.counts) * torch.tensor(widths, device=plan.counts.device)).sum())
+    return bool(_pays_off(plan.counts, widths, rows))
+
+
+def _pays_off(counts: torch.Tensor, widths: list[int], rows: int) -> torch.Tensor:
+    """:func:`index_pays_off` as a 0-d bool tensor on the counts' device."""
+    removed = ((rows - counts) * torch.tensor(widths).to(counts.device, non_blocking=True)).sum()
     return removed >= 4 * rows * len(widths)
 
 
@@ -260,23 +282,34 @@ def mismatched_blocks(
     x: torch.Tensor, widths: list[int], counts: torch.Tensor, first: torch.Tensor, inverse: torch.Tensor
 ) -> torch.Tensor:
     """bool [n_blocks]: blocks where some row differs (bitwise) from the unique row it maps to."""
-    bits: Any  # tensors, or their numpy views on the host path (indexed alike below)
-    src: Any
-    bits, ww = _words(x, widths)
     offsets = counts.cumsum(0) - counts
     src = first[inverse + offsets[:, None]]  # [nb, rows]: the representative row
-    host = _host(x)  # numpy's gather + compare: ~4x torch's here
-    if host:
-        bits, src = bits.numpy(), src.numpy()
+    if not _host(x):
+        return _differs(x, widths, src)
+    words, ww = _words(x, widths)  # numpy's gather + compare: ~4x torch's here
+    bits, rep = words.numpy(), src.numpy()
     out, start = [], 0
     for b, w in enumerate(ww):
         block = bits[:, start : start + w]
-        if host:
-            out.append(not np.array_equal(np.take(block, src[b], axis=0), block))
-        else:
-            out.append(not torch.equal(torch.index_select(block, 0, src[b]), block))
+        out.append(not np.array_equal(np.take(block, rep[b], axis=0), block))
         start += w
     return torch.tensor(out, dtype=torch.bool, device=x.device)
+
+
+def _differs(x: torch.Tensor, widths: list[int], src: torch.Tensor) -> torch.Tensor:
+    """bool [n_blocks] on the device (no host wait): blocks where some row differs (bitwise) from
+    its representative row ``src`` [n_blocks, rows]."""
+    bits, ww = _words(x, widths)
+    if len(set(ww)) == 1 and ww[0] > 0:  # one gather for every block
+        nb, w = len(ww), ww[0]
+        blocks = bits.view(x.shape[0], nb, w)
+        return (blocks[src.t(), torch.arange(nb, device=x.device)] != blocks).any(2).any(0)
+    out, start = [], 0
+    for b, w in enumerate(ww):
+        block = bits[:, start : start + w]
+        out.append((torch.index_select(block, 0, src[b]) != block).any())
+        start += w
+    return torch.stack(out) if out else torch.zeros(0, dtype=torch.bool, device=x.device)
 
 
 def gather(x: torch.Tensor, widths: list[int], plan: Plan) -> torch.Tensor:

@@ -133,11 +133,25 @@ class LossyCodec(Codec):
         ids: torch.Tensor | None = None,
         *,
         blocks: Sequence[int] | None = None,
+        single: torch.Tensor | None = None,
     ) -> torch.Tensor | fmt.Deferred:
-        """:meth:`encode`, but where the payload is built on the device (fixed-length coder,
-        Adler-32 check) and its rows are deduplicated by id or not at all, with its length left
-        on the device (:class:`~compression.format.Deferred`): made without a host wait."""
-        return self._encode(x, eb, ids, blocks, deferred=True)
+        """:meth:`encode`, but where the payload is built on the device (:meth:`defers`), with its
+        length left on the device (:class:`~compression.format.Deferred`): made without a host
+        wait. ``single``: a 0-d bool on the device saying whether ``ids`` hold (else the payload
+        is ``encode(x, eb)``'s), for a caller that has not read it yet."""
+        return self._encode(x, eb, ids, blocks, deferred=True, single=single)
+
+    def defers(self, device: torch.device) -> bool:
+        """Whether :meth:`encode_deferred` builds payloads on ``device`` without a host wait: the
+        fixed-length coder there, the device's check (Adler-32), ids taken on trust."""
+        return self._kind(device) == coders.FIXED and fmt._check_for(device) == "adler32" and not self.verify_ids
+
+    def _kind(self, device: torch.device) -> int:
+        """The coder payloads built on ``device`` take: entropy=auto is zstd where the payload is
+        checked on the host (the CPU), the fixed-length coder where it stays on the device (zstd
+        would copy it to the host)."""
+        on_host = fmt._check_for(device) != "adler32"
+        return coders.ZSTD if self.entropy is True or (self.entropy == "auto" and on_host) else coders.FIXED
 
     def _encode(
         self,
@@ -146,6 +160,7 @@ class LossyCodec(Codec):
         ids: torch.Tensor | None,
         blocks: Sequence[int] | None,
         deferred: bool,
+        single: torch.Tensor | None = None,
     ) -> torch.Tensor | fmt.Deferred:
         check_input(x)
         rows, cols = x.shape
@@ -160,20 +175,12 @@ class LossyCodec(Codec):
         if keys is not None and keys.device != x.device:
             raise ValueError(f"lossy encode: ids on {keys.device}, x on {x.device}")
         backend = _backend(self.backend, x.device)
-        # auto: zstd where the payload is checked on the host (the CPU), the fixed-length coder
-        # where it stays on the device (zstd would copy it to the host)
-        on_host = fmt._check_for(x.device) != "adler32"
-        kind = coders.ZSTD if self.entropy is True or (self.entropy == "auto" and on_host) else coders.FIXED
+        kind = self._kind(x.device)
         coder = self._coder(kind, backend)
-        if (
-            deferred
-            and kind == coders.FIXED
-            and fmt._check_for(x.device) == "adler32"
-            and (keys is not None or not self.dedup or rows <= 1)
-            and x.numel() < 2**31
-            and not self.verify_ids
-        ):
-            return self._encode_deferred(x, widths, bounds, keys, backend)
+        if deferred and self.defers(x.device) and x.numel() < 2**31:
+            return self._encode_deferred(x, widths, bounds, keys, backend, single if keys is not None else None)
+        if single is not None and not bool(single):  # off the device path: read whether the ids hold
+            keys = None
 
         if keys is not None:
             plan = dedup.plan_by_ids(keys)
@@ -213,31 +220,59 @@ class LossyCodec(Codec):
         bounds: list[float] | torch.Tensor,
         keys: torch.Tensor | None,
         backend,
+        single: torch.Tensor | None,
     ) -> fmt.Deferred:
         """:meth:`encode`'s payload, the same bytes, built with every size on the device: each
         block's unique rows stay at its capacity (all rows), are quantised there and moved to
-        the front; the sections' lengths are written by the device."""
+        the front; the sections' lengths are written by the device. ``single``: see
+        :meth:`encode_deferred` (both plans made, the device picks one)."""
         rows, nb = x.shape[0], len(widths)
+        none = torch.zeros(0, dtype=torch.uint8, device=x.device)
+        index: list[tuple[torch.Tensor, fmt.Length]] = [(none, 0)]
+        info: dict[int, torch.Tensor] = {}  # header words written by the device
+        mode: int | torch.Tensor = dedup.NONE
+        every = torch.arange(rows, device=x.device).expand(nb, rows)
+        full = torch.full((nb,), rows, dtype=torch.int64, device=x.device)
+        counts, first = full, every
         if keys is not None:
             mode = dedup.IDS
             counts, first = dedup.first_capacity(keys)
-        else:
-            mode = dedup.NONE
-            counts = torch.full((nb,), rows, dtype=torch.int64, device=x.device)
-            first = torch.arange(rows, device=x.device).expand(nb, rows)
+            info[1] = fingerprint_of(keys)
+        if (keys is None and self.dedup and rows > 1) or single is not None:
+            if self.dedup and rows > 1:
+                kept, by_value, from_value, inverse = dedup.value_capacity(x, widths)
+            else:  # encode(x, eb) would send every row
+                kept, by_value, from_value, inverse = (
+                    torch.zeros((), dtype=torch.bool, device=x.device),
+                    full,
+                    every,
+                    every,
+                )
+            value_mode = torch.where(kept, dedup.VALUE, dedup.NONE)  # the index travels where it pays off
+            if single is None:
+                mode, counts, first = value_mode, by_value, from_value
+            else:  # the ids hold where single; elsewhere the rows go as encode(x, eb) sends them
+                kept = kept & ~single
+                mode = torch.where(single, dedup.IDS, value_mode)
+                counts, first = torch.where(single, counts, by_value), torch.where(single, first, from_value)
+                info[1] = torch.where(single, info[1], 0)
+            # encode(): the index coded where it is kept, else no section (no codes, no group widths)
+            index = coders.BlockCoder(backend).encode_capacity(
+                torch.where(kept, inverse, 0).reshape(-1).to(torch.int32), kept * (nb * rows)
+            )
         values = dedup.gather_capacity(x, widths, first)
         valid = dedup.valid_capacity(counts, widths, rows)
-        full = torch.full((nb,), rows, dtype=torch.int64, device=x.device)
         step, ed = quantize.steps_and_margins(bounds, full, widths, values.numel(), x.device)
         codes, exceptions = quantize.encode_capacity(values, valid, step, ed, backend)
         coded = coders.BlockCoder(backend).encode_capacity(codes, valid.sum())
+        if isinstance(mode, torch.Tensor):
+            info[0] = mode | coders.FIXED << 2
+        host_mode = mode if isinstance(mode, int) else dedup.NONE  # a device mode is written over it
         header = fmt.Header(
-            self.codec_id, x.dtype, rows, x.shape[1], widths, bounds, info=[mode | coders.FIXED << 2, 0, 0, 0]
+            self.codec_id, x.dtype, rows, x.shape[1], widths, bounds, info=[host_mode | coders.FIXED << 2, 0, 0, 0]
         )
-        none = torch.zeros(0, dtype=torch.uint8, device=x.device)
-        sections: list[list[tuple[torch.Tensor, fmt.Length]]] = [[(counts, 8 * nb)], [(none, 0)], coded, exceptions]
-        fingerprint = None if keys is None else {1: fingerprint_of(keys)}
-        return fmt.pack_deferred(header, sections, x.device, fingerprint)
+        sections: list[list[tuple[torch.Tensor, fmt.Length]]] = [[(counts, 8 * nb)], index, coded, exceptions]
+        return fmt.pack_deferred(header, sections, x.device, info)
 
     def decoded(self, x: torch.Tensor, eb: torch.Tensor, blocks: Sequence[int]) -> torch.Tensor:
         """What :meth:`decode` returns for :meth:`encode`'s payload of ``x`` under the per-block
@@ -319,14 +354,16 @@ class LossyCodec(Codec):
                 raise PayloadError("ids differ from the ids the payload was encoded with")
             if host[nb : 2 * nb] != host_counts:
                 raise PayloadError("ids give other unique counts than the payload's")
-        elif mode == dedup.VALUE:
-            inverse = coder.decode(index_s, nb * rows, "dedup index").long().view(nb, rows)
-            if nb and rows and bool((inverse >= counts[:, None]).any()):
+        checked = head is not None and kind == coders.FIXED  # the check passed on the device: read nothing back
+        if mode == dedup.VALUE:
+            inverse = coder.decode(index_s, nb * rows, "dedup index", checked).long().view(nb, rows)
+            if checked:  # only an encoder bug (or a forged check) could point past: keep reads inside
+                inverse = torch.minimum(inverse, counts[:, None] - 1)
+            elif nb and rows and bool((inverse >= counts[:, None]).any()):
                 raise PayloadError("dedup index points past its block's unique rows")
-        elif any(u != rows for u in host_counts):
+        elif mode == dedup.NONE and any(u != rows for u in host_counts):
             raise PayloadError(f"undeduplicated payload with counts {host_counts[:8]} != {rows}")
         n = sum(u * w for u, w in zip(host_counts, widths, strict=True))
-        checked = head is not None and kind == coders.FIXED  # the check passed on the device: read nothing back
         codes = coder.decode(codes_s, n, "codes", checked)
         step, _ = quantize.steps_and_margins(header.bounds, counts, widths, n, device)
         values = quantize.decode(codes, step, exc_s, header.dtype, "exceptions", backend, checked)

@@ -170,19 +170,34 @@ class DirectionCodec:
         ids: torch.Tensor | None,
         thresholds: Sequence[Threshold] | None = None,
         features: Sequence[str] | None = None,
+        single: torch.Tensor | None = None,
     ) -> torch.Tensor | Deferred:
         """:meth:`encode`, with the payload's length left on the device where the codec can (on a
         device: :meth:`LossyCodec.encode_deferred`, :meth:`ThresholdCodec.encode_deferred`;
-        compression=auto's: :meth:`PerBlockCodec.encode_deferred`)."""
+        compression=auto's: :meth:`PerBlockCodec.encode_deferred`). ``single``: a 0-d bool on the
+        device saying whether ``ids`` hold (not read yet: see :meth:`picks_ids_on_device`)."""
         keys = ids if self.dedup else None
         if isinstance(self.codec, LossyCodec) and thresholds is None:
-            return self.codec.encode_deferred(chunk.contiguous(), bounds, keys, blocks=list(widths))
-        if isinstance(self.codec, ThresholdCodec):
+            return self.codec.encode_deferred(chunk.contiguous(), bounds, keys, blocks=list(widths), single=single)
+        if isinstance(self.codec, ThresholdCodec):  # (it takes no ids)
             return self.codec.encode_deferred(chunk.contiguous(), bounds, blocks=list(widths), thresholds=thresholds)
         if isinstance(self.codec, PerBlockCodec) and thresholds is None and features is not None:
             choice = self._choice(features)
-            return self.codec.encode_deferred(chunk.contiguous(), bounds, keys, blocks=list(widths), choice=choice)
+            return self.codec.encode_deferred(
+                chunk.contiguous(), bounds, keys, blocks=list(widths), choice=choice, single=single
+            )
+        if single is not None and not bool(single):  # a codec that cannot choose on the device: read
+            ids = None
         return self.encode(chunk, widths, bounds, ids, thresholds, features)
+
+    def picks_ids_on_device(self, device: torch.device) -> bool:
+        """Whether :meth:`encode_deferred` can be told whether the ids hold by a device flag and
+        choose between them and the rows on the device (no host read), or takes no ids at all."""
+        if isinstance(self.codec, ThresholdCodec):
+            return True
+        if isinstance(self.codec, PerBlockCodec):  # its lossy groups choose (a host path reads)
+            return self.dedup and fmt._check_for(device) == "adler32"
+        return isinstance(self.codec, LossyCodec) and self.dedup and self.codec.defers(device)
 
     def _choice(self, features: Sequence[str]) -> list[str]:
         """compression=auto: each feature's option (unset: the per_block codec's fallback)."""

@@ -33,6 +33,7 @@ from torch.autograd import Function
 from torchrec.distributed.comm_ops import Request, get_gradient_division
 
 from dlrm.embedding_comm.codec import CompressedCommError, DirectionCodec, abs_error
+from dlrm.embedding_comm.ids import PendingIds
 from dlrm.embedding_comm.stage import Blocks, Incoming, Outgoing, Settle, Stage
 from dlrm.embedding_comm.stats import CommStats
 from dlrm.process.instrument import embedding_collective, on_the_wire, payload_hooked
@@ -137,6 +138,15 @@ class CompressedA2AInfo:
     training: bool = True  # a training forward (evaluation refreshes no DCT-MP threshold)
     collective: str = "a2a"  # "a2a" or "reduce_scatter" (table-row-wise runs both, each with its own thresholds)
     stages: list[Stage] = field(default_factory=list)  # the features acting on this call's chunks, in order
+    # The forward's ids before the read of which chunks are single-valued ([send, recv] per peer):
+    # the forward's first read settles them into fwd_send_ids / fwd_recv_ids.
+    pending_ids: PendingIds | None = None
+
+    def settle_ids(self, single: list[bool]) -> None:
+        """Keep the ids of the chunks ``single`` (the pending flags, read) says have them."""
+        assert self.pending_ids is not None
+        self.fwd_send_ids, self.fwd_recv_ids = self.pending_ids.settle(single)
+        self.pending_ids = None
 
     def send_ids(self, direction: str) -> list[torch.Tensor | None]:
         return self.fwd_send_ids if direction == "forward" else self.fwd_recv_ids
@@ -165,11 +175,17 @@ class _Sampled:
         c: Outgoing,
         thresholds: list[Threshold] | None,
         late: torch.Tensor | Deferred,
+        single: torch.Tensor | None,
         me: int,
         info: CompressedA2AInfo,
     ) -> None:
-        self.c, self.thresholds, self.late = c, thresholds, late
-        self.me, self.iteration, self.where = me, info.iteration, info.where  # for a failure's message
+        self.c, self.thresholds, self.late, self.single, self.info = c, thresholds, late, single, info
+        self.me = me  # for a failure's message
+
+    @property
+    def ids(self) -> torch.Tensor | None:
+        """The ids the chunk was encoded with (read by then where the device chose them)."""
+        return self.c.ids if self.single is None else self.info.send_ids(self.c.direction)[self.c.peer]
 
 
 def _sample(s: _Sampled, payload: torch.Tensor, stats: CommStats) -> None:
@@ -179,14 +195,14 @@ def _sample(s: _Sampled, payload: torch.Tensor, stats: CommStats) -> None:
     (on a device the decode reads its head too): a fixed few per sampled collective, whatever the
     tables."""
     c, d, dc, blocks = s.c, s.c.direction, s.c.dc, s.c.blocks
-    chunk, bounds, ids, widths = c.chunk, c.bounds, c.ids, list(blocks.widths)
+    chunk, bounds, ids, widths = c.chunk, c.bounds, s.ids, list(blocks.widths)
     decoded = c.held
     if decoded is None:  # our own payload, its head read as a receiver reads it
         prepared = _codec_prepared(dc, payload, ids, blocks)
         head = _read_prepared([payload], [prepared])[0] if prepared is not None else None
         decoded = dc.decode(
             payload, (chunk.shape[0], blocks.dim), ids, head=head, src=s.me, dst=s.me, features=blocks.features,
-            tables=blocks.features, iteration=s.iteration, where=f"{s.where}, sampling its own payload",
+            tables=blocks.features, iteration=s.info.iteration, where=f"{s.info.where}, sampling its own payload",
         )  # fmt: skip
     starts = [0, *itertools.accumulate(widths)]
     live = [k for k, w in enumerate(widths) if w] if chunk.shape[0] else []
@@ -304,16 +320,35 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
     """Encode a chunk per peer (through the call's stages), exchange sizes, launch the async byte
     all-to-all."""
     layout, dc, stats, stages = info.layout, info.codecs[d], info.stats, info.stages
-    if not any(s.needs_codec(d) for s in stages) and dc.passthrough(layout.features()):
-        return _send_raw(pg, info, d, chunks)
     me, ws = pg.rank(), pg.size()
-    ids_per_peer = info.send_ids(d)
-    t0 = time.perf_counter()
-    payloads: list[torch.Tensor | Deferred | None] = [None] * ws
+    device = chunks[me].device
     # Payloads may keep their lengths on the device until the size exchange reads them all at
     # once, unless a stage looks at them (it would read each).
     defer = not any(s.sees_payloads(d) for s in stages)
     settles: list[Settle] = []  # what encoding stages read with the sizes
+    # Which chunks have ids can wait for that read too where the codec picks ids or rows on the
+    # device and no stage looks at the ids before (an encoding stage does).
+    raw = not any(s.needs_codec(d) for s in stages) and dc.passthrough(layout.features())
+    pending = info.pending_ids
+    later = (
+        pending is not None
+        and not raw
+        and defer
+        and not payload_hooked()  # (a test's hook sees the payloads, sampled ones too, before that read)
+        and dc.picks_ids_on_device(device)
+        and not any(_encodes(s) for s in stages)
+    )
+    if pending is not None and not later:
+        info.settle_ids(pending.single.tolist())  # the forward's read of which chunks have ids
+    if raw:
+        return _send_raw(pg, info, d, chunks)
+    ids_per_peer = info.send_ids(d)
+    send_flags: list[torch.Tensor | None] = [None] * ws
+    if later:
+        assert pending is not None
+        ids_per_peer, send_flags = pending.candidates[0], pending.flags()[0]
+    t0 = time.perf_counter()
+    payloads: list[torch.Tensor | Deferred | None] = [None] * ws
     memo: dict[int, torch.Tensor | Deferred] = {}  # the same chunk object (row-wise backward) is encoded once
     reuse = not any(s.per_peer(d) for s in stages)
     policy: dict[int, list[float]] = {}
@@ -321,7 +356,7 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
     sampled: _Sampled | None = None
     for i in range(1, ws):
         peer = (me + i) % ws
-        chunk, ids = chunks[peer], ids_per_peer[peer]
+        chunk, ids, single = chunks[peer], ids_per_peer[peer], send_flags[peer]
         if chunk.numel() == 0:
             continue  # both sides know the shape: nothing to send
         blocks = layout.send_blocks(d, peer)
@@ -336,7 +371,10 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
             # summed: the summed rows of frequent ids would set a range under which the gradients
             # of rare ids vanish (at a batch of 2,048, 35-85% of rows decoded as zero).
             bounds = dc.bounds(chunk, blocks.widths, policy[key])
-            c = Outgoing(d, peer, info.global_ranks[peer], chunk, ids, blocks, bounds, dc, stats)
+            # (ids that may not hold are the codec's alone: the stages see none)
+            c = Outgoing(
+                d, peer, info.global_ranks[peer], chunk, ids if single is None else None, blocks, bounds, dc, stats
+            )
             c.deferrable = defer and not sample  # (a sampled chunk's payload is measured now)
             for s in stages:
                 s.before_encode(c)
@@ -346,7 +384,7 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
             late: torch.Tensor | Deferred | None
             if not any(s.encode(c) for s in stages):
                 if defer:  # (a stage may not defer a sampled chunk; the codec's is measured below)
-                    late = dc.encode_deferred(c.chunk, blocks.widths, bounds, ids, thresholds, blocks.features)
+                    late = dc.encode_deferred(c.chunk, blocks.widths, bounds, ids, thresholds, blocks.features, single)
                 else:
                     late = c.payload = dc.encode(c.chunk, blocks.widths, bounds, ids, thresholds, blocks.features)
             else:
@@ -359,8 +397,9 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
                 if s.measure(c):
                     sample_s += time.perf_counter() - ts
             if sample:  # measured once its bytes are known (below)
-                sampled, sample = _Sampled(c, thresholds, late, info.global_ranks[me], info), False
-            if ids is None:
+                sampled = _Sampled(c, thresholds, late, single, info.global_ranks[me], info)
+                sample = False
+            if ids is None:  # no ids, settled or pending
                 memo[id(chunks[peer])] = late
             payloads[peer] = late
     if payload_hooked():  # a test's hook sees (and may cut) each payload: their bytes first
@@ -377,7 +416,6 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
             for q, p in enumerate(ready)
         ]
     t1 = time.perf_counter()
-    device = chunks[me].device
     sizes = torch.tensor([p.numel() if isinstance(p, torch.Tensor) else 0 for p in payloads], dtype=torch.int64)
     sizes = sizes.to(device, non_blocking=True)
     for q, p in enumerate(payloads):
@@ -386,10 +424,14 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
     recv_t = torch.empty(ws, dtype=torch.int64, device=device)
     with embedding_collective(d), named_collective(f"the size exchange of {_a2a_name(info, d)}"):
         dist.all_to_all_single(recv_t, sizes, group=pg)
-    # the collective's one host synchronisation: the sizes, and what encoding stages left to read
-    both = torch.cat([sizes, recv_t, *(s.values for s in settles)]).tolist()
+    flags = pending.single.to(device, torch.int64) if later and pending is not None else sizes[:0]
+    # the collective's one host synchronisation: the sizes, which chunks have ids, and what
+    # encoding stages left to read
+    both = torch.cat([sizes, recv_t, flags, *(s.values for s in settles)]).tolist()
     send_sizes, recv_sizes = both[:ws], both[ws : 2 * ws]
-    at = 2 * ws
+    at = 2 * ws + flags.numel()
+    if later:  # the receive side, the backward and sampling need the ids as they are
+        info.settle_ids([bool(v) for v in both[2 * ws : at]])
     for read in settles:
         read.then(both[at : at + read.values.numel()])
         at += read.values.numel()
@@ -420,6 +462,11 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
     stats.add(f"{d}/comm_ms", 1e3 * (t2 - t1))
     stats.add(f"{d}/calls", 1)
     return _Transfer(work, recv_buf, recv_sizes, chunks[me])
+
+
+def _encodes(stage: Stage) -> bool:
+    """Whether ``stage`` may encode chunks itself (it looks at their ids first)."""
+    return type(stage).encode is not Stage.encode
 
 
 Prepared = tuple[int, torch.Tensor | None, Any]  # a payload's head bytes, device values read with it, state

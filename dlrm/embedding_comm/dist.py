@@ -38,7 +38,7 @@ from dlrm.embedding_comm.comm_ops import (
     compressed_all_to_all,
 )
 from dlrm.embedding_comm.forward_cache import CacheStage, ForwardCache
-from dlrm.embedding_comm.ids import Region, chunk_ids_of
+from dlrm.embedding_comm.ids import PendingIds, Region, pending_ids
 from dlrm.embedding_comm.stage import Stage
 from dlrm.embedding_comm.stats import CommStats
 from dlrm.trainer.state import PerRank
@@ -224,14 +224,16 @@ class CompressedTwPooledEmbeddingDist(CompressedDist, TwPooledEmbeddingDist):
         self._ids_ok = keys_per_rank is not None and keys_per_rank == [len(b.features) for b in self._blocks]
         self._key_starts = list(itertools.accumulate([len(b.features) for b in self._blocks], initial=0))
 
-    def _ids(self, ctx: EmbeddingShardingContext | None, bs: list[int], me: int):
+    def _ids(self, ctx: EmbeddingShardingContext | None, bs: list[int], me: int) -> PendingIds | None:
+        """Both sides' ids per peer, [send, recv], before the read of which chunks have them (the
+        collective reads that with its size exchange); None: no ids."""
         ws = len(bs)
         if not (self._ids_ok and self.runtime.uses_ids and ctx is not None):
-            return [None] * ws, [None] * ws
+            return None
         starts = list(itertools.accumulate(bs, initial=0))
         n_mine = len(self._blocks[me].features)
         peers = [p for p in range(ws) if p != me]  # our own chunk never travels
-        send, recv = chunk_ids_of(  # one host sync for both sides
+        pending = pending_ids(
             [
                 # Sender: the post-all-to-all KJT (our tables' bags, source rank then sample).
                 (getattr(ctx, "post_a2a_kjt", None), [Region(0, n_mine, starts[r], bs[r]) for r in peers]),
@@ -242,9 +244,9 @@ class CompressedTwPooledEmbeddingDist(CompressedDist, TwPooledEmbeddingDist):
                 ),
             ]
         )
-        send.insert(me, None)
-        recv.insert(me, None)
-        return send, recv
+        for side in pending.candidates:
+            side.insert(me, None)
+        return pending
 
     def forward(
         self, local_embs: torch.Tensor, sharding_ctx: EmbeddingShardingContext | None = None
@@ -258,9 +260,10 @@ class CompressedTwPooledEmbeddingDist(CompressedDist, TwPooledEmbeddingDist):
         else:
             bs = _batch_sizes(sharding_ctx, local_embs.size(0), ws, self.where)
             it, sample = self._tick()
-            send_ids, recv_ids = self._ids(sharding_ctx, bs, me)
             layout = PooledA2ALayout(me, bs, self._blocks)
-            out = compressed_all_to_all(pg, self._info(pg, layout, send_ids, recv_ids, it, sample), local_embs)
+            info = self._info(pg, layout, [None] * ws, [None] * ws, it, sample)
+            info.pending_ids = self._ids(sharding_ctx, bs, me)
+            out = compressed_all_to_all(pg, info, local_embs)
         awaitable = PooledEmbeddingsAwaitable(tensor_awaitable=out)
         awaitable.callbacks.extend(self._callbacks or [])
         return awaitable

@@ -12,6 +12,7 @@ when all its blocks qualify (one payload per peer); otherwise the codec dedups b
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -43,28 +44,49 @@ def chunk_ids_of(
 ) -> list[list[torch.Tensor | None]]:
     """:func:`chunk_ids` of several KJTs' regions (a collective's send and receive sides), with one
     host sync for all of them."""
-    usable = [
-        kjt is not None and kjt.weights_or_none() is None and not kjt.variable_stride_per_key() and bool(regions)
-        for kjt, regions in requests
-    ]
+    pending = pending_ids(requests)
+    return pending.settle(pending.single.tolist())
+
+
+@dataclass
+class PendingIds:
+    """:func:`chunk_ids_of`'s answer before its host read: each region's ids as if it were
+    single-valued (None where it cannot be: weights, variable strides, no keys), and a device
+    flag per candidate saying whether it is, so that a collective reads them with its own numbers."""
+
+    candidates: list[list[torch.Tensor | None]]  # per request, per region
+    single: torch.Tensor  # bool, one per candidate in order, on the device
+
+    def flags(self) -> list[list[torch.Tensor | None]]:
+        """Each candidate's flag (a 0-d view of ``single``), laid out as ``candidates``."""
+        single = iter(self.single)
+        return [[None if c is None else next(single) for c in row] for row in self.candidates]
+
+    def settle(self, single: Sequence[bool]) -> list[list[torch.Tensor | None]]:
+        """:func:`chunk_ids_of`'s answer, given the flags as read."""
+        flags = iter(single)
+        return [[c if c is not None and next(flags) else None for c in row] for row in self.candidates]
+
+
+def pending_ids(requests: Sequence[tuple[KeyedJaggedTensor | None, Sequence[Region]]]) -> PendingIds:
+    """:func:`chunk_ids_of` without its host read (:class:`PendingIds`)."""
+    candidates: list[list[torch.Tensor | None]] = []
     checks = []
-    for ok, (kjt, regions) in zip(usable, requests, strict=True):
-        if ok:
-            assert kjt is not None
-            lengths = kjt.lengths().view(-1, kjt.stride())
-            checks += [
-                (lengths[r.key_start : r.key_start + r.n_keys, r.bag_start : r.bag_start + r.count] <= 1).all()
-                for r in regions
-            ]
-    single = iter(torch.stack(checks).tolist() if checks else [])
-    out: list[list[torch.Tensor | None]] = []
-    for ok, (kjt, regions) in zip(usable, requests, strict=True):
-        if not ok:
-            out.append([None] * len(regions))
+    for kjt, regions in requests:
+        if kjt is None or kjt.weights_or_none() is not None or kjt.variable_stride_per_key() or not regions:
+            candidates.append([None] * len(regions))
             continue
-        assert kjt is not None
-        out.append([_ids(kjt, r) if next(single) and r.n_keys else None for r in regions])
-    return out
+        lengths = kjt.lengths().view(-1, kjt.stride())
+        row: list[torch.Tensor | None] = []
+        for r in regions:
+            if r.n_keys:
+                checks.append(
+                    (lengths[r.key_start : r.key_start + r.n_keys, r.bag_start : r.bag_start + r.count] <= 1).all()
+                )
+            row.append(_ids(kjt, r) if r.n_keys else None)
+        candidates.append(row)
+    single = torch.stack(checks) if checks else torch.zeros(0, dtype=torch.bool)
+    return PendingIds(candidates, single)
 
 
 def _ids(kjt: KeyedJaggedTensor, r: Region) -> torch.Tensor:

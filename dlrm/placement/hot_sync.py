@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,12 +31,21 @@ import torch.distributed as dist
 from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec.optim.keyed import KeyedOptimizer
 
-from dlrm.placement.hot_wire import SyncWire
+from dlrm.placement.hot_wire import SyncWire, held_slots
 from dlrm.placement.traffic import ID_BYTES
 from dlrm.process.timeout import named_collective
 from dlrm_compression.row_cache import compact, positions
 
 RULES = ("sgd", "adagrad", "rowwise_adagrad")
+
+
+@dataclass
+class Gathered:
+    """Every rank's (slots, rows) of one sync, in rank order, and the slots touched anywhere."""
+
+    parts: list[tuple[torch.Tensor, torch.Tensor]]
+    hit: torch.Tensor  # bool, per slot
+    n_hit: list[int]  # per table, read on the host
 
 
 class HotRowOptimizer(KeyedOptimizer):
@@ -87,63 +97,78 @@ class HotRowOptimizer(KeyedOptimizer):
 
     def _sync_and_apply(self) -> None:
         """All-gather every rank's touched rows (slots across all tables), sum in rank order, update.
-        On the replicas' device; the host reads the touched and the hit counts (all tables at once)
-        and the gather's sizes."""
+        On the replicas' device; the host reads, for each collective, what it needs after it: the
+        sizes with this rank's touched counts, then the hit counts (with the heads, coded)."""
         params = [self.params[n] for n in self.names]
         bases = list(itertools.accumulate((p.shape[0] for p in params), initial=0))
-        touched = [self.touched[n] for n in self.names]
-        n_touched = torch.stack([t.sum() for t in touched]).tolist()
-        slots = [positions(t, k) + b for t, k, b in zip(touched, n_touched, bases, strict=False)]
-        rows = [compact(self.pending[n], t, k) for n, t, k in zip(self.names, touched, n_touched, strict=True)]
+        touched = torch.stack([self.touched[n].sum() for n in self.names])  # per table, on the device
+        gathered = self._gather(touched, bases) if self.wire is None else self._gather_coded(touched, bases)
         total = params[0].new_zeros(bases[-1], params[0].shape[1])
-        hit = torch.zeros(bases[-1], dtype=torch.bool, device=total.device)
-        if self.wire is None:
-            gathered = self._gather(torch.cat(slots), torch.cat(rows))
-        else:
-            gathered = self._gather_coded(slots, rows)
-        for s, r in gathered:
+        for s, r in gathered.parts:
             total.index_add_(0, s, r)
-            hit[s] = True
         lr, eps = self.param_groups[0]["lr"], self.param_groups[0]["eps"]
-        hits = [hit[b : b + p.shape[0]] for p, b in zip(params, bases, strict=False)]
-        n_hit = torch.stack([h.sum() for h in hits]).tolist()
-        for name, p, b, h, k in zip(self.names, params, bases, hits, n_hit, strict=False):
+        hits = [gathered.hit[b : b + p.shape[0]] for p, b in zip(params, bases, strict=False)]
+        for name, p, b, h, k in zip(self.names, params, bases, hits, gathered.n_hit, strict=False):
             sel = positions(h, k)
             self._apply(p, sel, total[b + sel], lr, eps)
             self.pending[name].zero_()
             self.touched[name].zero_()
 
-    def _gather(self, slots: torch.Tensor, rows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _touched_rows(self, n_touched: list[int], bases: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each table's touched slots (global) and pending rows, given their counts as read."""
+        touched = [self.touched[n] for n in self.names]
+        slots = [positions(t, k) + b for t, k, b in zip(touched, n_touched, bases, strict=False)]
+        rows = [compact(self.pending[n], t, k) for n, t, k in zip(self.names, touched, n_touched, strict=True)]
+        return slots, rows
+
+    def _any_touched(self, name: str) -> torch.Tensor:
+        """Table ``name``'s pending rows, each untouched one replaced by its first touched row."""
+        t = self.touched[name]
+        if not t.numel():
+            return self.pending[name]
+        rows = torch.arange(t.numel(), device=t.device)
+        return self.pending[name].index_select(0, torch.where(t, rows, t.to(torch.uint8).argmax()))
+
+    def _gather(self, touched: torch.Tensor, bases: list[int]) -> Gathered:
         """Every rank's (slots, rows), in rank order; rows of each rank padded to the largest count.
         Tensors on the rows' device (the process group's: NCCL takes CUDA tensors, gloo CPU ones)."""
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return [(slots, rows)]
-        world, dim, dev = dist.get_world_size(), rows.shape[1], rows.device
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world == 1:
+            mine = self._touched_rows(touched.tolist(), bases)
+            return self._hits([(torch.cat(mine[0]), torch.cat(mine[1]))])
+        dev = touched.device
         with named_collective("the hot-row gradient all-gather (placement.hot_rows)"):
             counts = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
-            dist.all_gather(counts, torch.tensor([len(slots)]).to(dev, non_blocking=True))
-            sizes = torch.cat(counts).tolist()  # the size exchange: one host read
-            n = max(sizes)
+            dist.all_gather(counts, touched.sum().reshape(1))
+            read = torch.cat([touched, *counts]).tolist()  # the size exchange, with this rank's touched counts
+            n_touched, sizes = read[: len(bases) - 1], read[len(bases) - 1 :]
+            per_table = self._touched_rows(n_touched, bases)
+            slots, rows = torch.cat(per_table[0]), torch.cat(per_table[1])
+            dim, n = rows.shape[1], max(sizes)
             packed = torch.zeros(n, dim + 2, dtype=torch.float32, device=dev)  # int64 slot as two float32 words
             packed[: len(slots), :2] = slots.to(torch.int64).view(-1, 1).view(torch.float32).view(-1, 2)
             packed[: len(slots), 2:] = rows
             out = [torch.empty_like(packed) for _ in range(world)]
             dist.all_gather(out, packed)
         self.sent_bytes += (world - 1) * (packed.numel() * 4 + ID_BYTES)  # padded rows and the count
-        return [
+        parts = [
             (o[:c, :2].contiguous().view(torch.int64).flatten(), o[:c, 2:]) for o, c in zip(out, sizes, strict=True)
         ]
+        return self._hits(parts)  # the rows' all-gather's read: the hit counts
 
-    def _gather_coded(
-        self, slots: list[torch.Tensor], rows: list[torch.Tensor]
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _gather_coded(self, touched: torch.Tensor, bases: list[int]) -> Gathered:
         """Every rank's decoded (slots, rows), in rank order, this rank's own payload decoded too:
         the sizes all-gathered, then each rank's bytes to every rank unpadded (all_to_all_single of
         the payload repeated per destination: a variable-size all-gather)."""
         assert self.wire is not None
-        payload = self.wire.encode(slots, rows, self.steps - 1)  # the iteration of the last step synced
+        iteration = self.steps - 1  # the iteration of the last step synced
+        # The bounds from each table's rows at capacity (untouched rows replaced by a touched one: the
+        # same value range), read with the touched counts the rows are then compacted by
+        bounds, n_touched = self.wire.bounds([self._any_touched(n) for n in self.names], iteration, touched)
+        slots, rows = self._touched_rows(n_touched, bases)
+        payload = self.wire.encode(slots, rows, iteration, bounds)
         if not dist.is_initialized() or dist.get_world_size() == 1:
-            return [self.wire.decode(payload, 0)]
+            return self._decoded([payload])
         world, n, dev = dist.get_world_size(), int(payload.numel()), payload.device
         with named_collective("the coded hot-row gradient exchange (placement.sync_codec=backward)"):
             sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
@@ -152,7 +177,18 @@ class HotRowOptimizer(KeyedOptimizer):
             out = torch.empty(sum(recv), dtype=torch.uint8, device=dev)
             dist.all_to_all_single(out, payload.repeat(world), recv, [n] * world)
         self.sent_bytes += (world - 1) * (n + ID_BYTES)  # the payload and its size to every peer
-        return [self.wire.decode(p, src) for src, p in enumerate(out.split(recv))]
+        return self._decoded(list(out.split(recv)))
+
+    def _decoded(self, payloads: list[torch.Tensor]) -> Gathered:
+        """Every rank's payload decoded; the hit counts read with their heads."""
+        assert self.wire is not None
+        return Gathered(*self.wire.decode_all(payloads))
+
+    def _hits(self, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> Gathered:
+        """``parts`` with the slots they hit, the counts read on the host."""
+        sizes = [self.params[n].shape[0] for n in self.names]
+        hit, counts = held_slots([s for s, _ in parts], [None] * len(parts), sizes)
+        return Gathered(parts, hit, counts.tolist())
 
     def _apply(self, p: torch.Tensor, sel: torch.Tensor, g: torch.Tensor, lr: float, eps: float) -> None:
         """FBGEMM's exact update of rows ``sel`` of ``p`` with their summed gradient ``g``."""

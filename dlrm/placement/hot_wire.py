@@ -18,16 +18,19 @@ Layout (little-endian)::
 
 A rank that touched nothing sends the 16-byte prefix alone. Decoding is deterministic, so every
 rank that decodes the same bytes gets the same rows, bit for bit. The payload is built and decoded
-on the rows' device; the host reads the bounds (all tables at once) to encode, and the prefix, then
-the part table with the check's verdict, to decode.
+on the rows' device; the host reads the bounds (all tables at once) to encode, and, to decode every
+rank's payload, all their heads at once (prefix, part table, the check's verdict), their part
+tables and slots found on the device at their capacity.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -88,9 +91,12 @@ class SyncWire:
         self.raw_row_bytes = 0  # fp32 bytes of the rows this rank coded
         self.coded_row_bytes = 0  # their codec payloads' bytes
 
-    def bounds(self, rows: Sequence[torch.Tensor], iteration: int) -> list[float]:
+    def bounds(
+        self, rows: Sequence[torch.Tensor], iteration: int, also: torch.Tensor | None = None
+    ) -> tuple[list[float], list[int]]:
         """Each table's absolute bound for its rows: the backward policy's value for the feature
-        (a fraction of the rows' value range in rel mode), read on the host all at once."""
+        (a fraction of the rows' value range in rel mode), read on the host all at once, with the
+        caller's int64 device values ``also`` (returned as read)."""
         found: list[list[float] | torch.Tensor] = []
         for f, r in zip(self.features, rows, strict=True):
             if not len(r):  # nothing to send: no bound needed (a range of no rows is undefined)
@@ -100,14 +106,26 @@ class SyncWire:
             b = self.direction.bounds(r, [r.shape[1]], [value])
             found.append([math.inf] if b is None else b)  # floats (abs mode) or a tensor (rel)
         tensors = [b.reshape(-1)[:1].double() for b in found if isinstance(b, torch.Tensor)]
-        read = iter(torch.cat(tensors).tolist() if tensors else [])
-        return [next(read) if isinstance(b, torch.Tensor) else float(b[0]) for b in found]
+        extra = [] if also is None else [also.reshape(-1).to(torch.int64)]
+        pieces = [t.view(torch.uint8) for t in [*tensors, *extra]]
+        raw = _host(torch.cat(pieces)) if pieces else b""  # one read
+        read = iter(struct.unpack_from(f"<{len(tensors)}d", raw))
+        bounds = [next(read) if isinstance(b, torch.Tensor) else float(b[0]) for b in found]
+        return bounds, list(struct.unpack_from(f"<{len(raw) // 8 - len(tensors)}q", raw, 8 * len(tensors)))
 
-    def encode(self, slots: Sequence[torch.Tensor], rows: Sequence[torch.Tensor], iteration: int) -> torch.Tensor:
+    def encode(
+        self,
+        slots: Sequence[torch.Tensor],
+        rows: Sequence[torch.Tensor],
+        iteration: int,
+        bounds: Sequence[float] | None = None,
+    ) -> torch.Tensor:
         """The payload (uint8, 1-D, on the rows' device) of each table's touched ``slots``
-        (global, int64) and ``rows``."""
+        (global, int64) and ``rows``; ``bounds``: :meth:`bounds`' of the rows, read already."""
         parts: dict[float, Part] = {}
-        for s, r, b in zip(slots, rows, self.bounds(rows, iteration), strict=True):
+        if bounds is None:
+            bounds = self.bounds(rows, iteration)[0]
+        for s, r, b in zip(slots, rows, bounds, strict=True):
             if len(s):
                 part = parts.setdefault(bound_class(b), Part(bound_class(b), [], []))
                 part.slots.append(s)
@@ -134,39 +152,75 @@ class SyncWire:
     def decode(self, payload: torch.Tensor, src: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(slots int64, fp32 rows [n, D]) of rank ``src``'s payload, on its device; any defect is
         a HotWireError."""
-        size = payload.numel()
+        return self.decode_all([payload], [src])[0][0]
 
-        def fail(why: str) -> HotWireError:
-            return HotWireError(f"hot-row sync payload from rank {src} ({size} bytes): {why}")
+    def decode_all(
+        self, payloads: Sequence[torch.Tensor], srcs: Sequence[int] | None = None
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, list[int]]:
+        """:meth:`decode` of every payload (rank ``srcs[i]``'s; default: rank i), and the slots any
+        of them holds (bool per slot, and their count per table): one host read for all, of each
+        payload's prefix, its part table and slots' range found on the device at their capacity
+        (the most tables and slots there can be), the verdict of its check and the counts."""
+        srcs = list(range(len(payloads))) if srcs is None else list(srcs)
+        n_slots, n_tables = sum(self.sizes), len(self.sizes)
+        slot_dtype = torch.int16 if self.width == 2 else torch.int32
 
-        if size < _PREFIX.size:
-            raise fail(f"shorter than its {_PREFIX.size}-byte prefix (truncated)")
-        magic, version, width, n_parts, n_rows, check = _PREFIX.unpack(_host(payload[: _PREFIX.size]))
-        if magic != MAGIC or version not in CHECKS:
-            raise fail(f"not a hot-row sync payload (magic {magic!r}, version {version})")
-        if width != self.width:
-            raise fail(f"slot width {width} bytes, expected {self.width} for {sum(self.sizes)} slots")
-        at = _PREFIX.size + n_rows * width  # the part table
-        head = at + n_parts * _PART.size
-        if size < head:
-            raise fail(f"truncated: {n_rows} slots and {n_parts} parts need {head} bytes before the rows")
-        body = payload[_PREFIX.size :]
-        slots = payload[_PREFIX.size : at].clone().view(torch.int16 if width == 2 else torch.int32).long()
-        # one host read: the part table, the check's verdict (crc32: the bytes themselves) and the slots' range
-        verdict = [(adler32(body) == check)] if CHECKS[version] == "adler32" else []
-        if n_rows:
-            verdict.append((slots.min() >= 0) & (slots.max() < sum(self.sizes)))
-        flags = torch.stack(verdict).to(torch.uint8) if verdict else payload[:0]
-        raw = _host(torch.cat([payload[at:head], flags]))
-        good = zlib.crc32(_host(body)) == check if CHECKS[version] == "crc32" else raw[head - at] == 1
-        if not good:
-            raise fail("checksum mismatch (corrupted or truncated)")
-        sizes = [_PART.unpack_from(raw, i * _PART.size) for i in range(n_parts)]
-        if sum(n for n, _ in sizes) != n_rows or head + sum(b for _, b in sizes) != size:
-            raise fail(f"parts of {sizes} (rows, bytes) do not add up to {n_rows} rows and the payload's length")
-        if n_rows and raw[-1] != 1:
-            raise fail(f"slot ids outside 0..{sum(self.sizes) - 1}")
-        rows, at = [], head
+        def fail(i: int, why: str) -> HotWireError:
+            return HotWireError(f"hot-row sync payload from rank {srcs[i]} ({payloads[i].numel()} bytes): {why}")
+
+        on_device = bool(payloads) and fmt._check_for(payloads[0].device) == "adler32"  # (else the CPU's crc32)
+        pieces, slots, valid = [], [], []
+        for i, payload in enumerate(payloads):
+            size = payload.numel()
+            if size < _PREFIX.size:
+                raise fail(i, f"shorter than its {_PREFIX.size}-byte prefix (truncated)")
+            n_rows = _u32(payload, 8)  # on the device: where the part table starts
+            at = torch.arange(n_slots * self.width, device=payload.device)
+            s = payload[(at + _PREFIX.size).clamp(max=size - 1)].view(slot_dtype).long()
+            live = torch.arange(n_slots, device=payload.device) < n_rows
+            in_range = (((s >= 0) & (s < n_slots)) | ~live).all()
+            table_at = _PREFIX.size + n_rows * self.width + torch.arange(n_tables * _PART.size, device=payload.device)
+            check = _adler_ok(payload) if on_device else in_range  # (in_range: a placeholder, not read)
+            flags = torch.stack([check, in_range]).to(torch.uint8)
+            pieces += [payload[: _PREFIX.size], payload[table_at.clamp(max=size - 1)], flags]
+            slots.append(s.clamp(0, max(n_slots - 1, 0)))
+            valid.append(live)
+        hit, counts = held_slots(slots, valid, self.sizes)
+        raw = _host(torch.cat([*pieces, counts.view(torch.uint8)]))  # the one read
+        out, step = [], _PREFIX.size + n_tables * _PART.size + 2
+        for i, payload in enumerate(payloads):
+            head = raw[i * step : (i + 1) * step]
+            magic, version, width, n_parts, n_rows, check = _PREFIX.unpack_from(head)
+            if magic != MAGIC or version not in CHECKS:
+                raise fail(i, f"not a hot-row sync payload (magic {magic!r}, version {version})")
+            if width != self.width:
+                raise fail(i, f"slot width {width} bytes, expected {self.width} for {n_slots} slots")
+            start = _PREFIX.size + n_rows * width  # the part table
+            end = start + n_parts * _PART.size
+            if payload.numel() < end:
+                raise fail(i, f"truncated: {n_rows} slots and {n_parts} parts need {end} bytes before the rows")
+            if CHECKS[version] == "crc32":  # the CPU's: the bytes themselves (no wait there)
+                good = zlib.crc32(_host(payload[_PREFIX.size :])) == check
+            else:  # the device's verdict (a payload from another kind of device: checked here)
+                good = head[-2] == 1 if on_device else bool(_adler_ok(payload))
+            if not good:
+                raise fail(i, "checksum mismatch (corrupted or truncated)")
+            if n_rows > n_slots or n_parts > n_tables:  # the checked bytes are an encoder's: a bug
+                raise fail(i, f"{n_rows} slots in {n_parts} parts, for {n_slots} slots of {n_tables} tables")
+            sizes = [_PART.unpack_from(head, _PREFIX.size + k * _PART.size) for k in range(n_parts)]
+            if sum(n for n, _ in sizes) != n_rows or end + sum(b for _, b in sizes) != payload.numel():
+                raise fail(i, f"parts of {sizes} (rows, bytes) do not add up to {n_rows} rows and the payload's length")
+            if head[-1] != 1:
+                raise fail(i, f"slot ids outside 0..{n_slots - 1}")
+            out.append((slots[i][:n_rows], self._rows(payload, sizes, end, functools.partial(fail, i))))
+        n_held = list(struct.unpack_from(f"<{n_tables}q", raw, len(payloads) * step))
+        return out, hit, n_held
+
+    def _rows(
+        self, payload: torch.Tensor, sizes: list[tuple[int, int]], at: int, fail: Callable[[str], HotWireError]
+    ) -> torch.Tensor:
+        """The fp32 rows of a payload's parts (``sizes``: rows and bytes each, from ``at``)."""
+        rows = []
         for i, (n, nbytes) in enumerate(sizes):
             try:
                 block = self.codec.decode(payload[at : at + nbytes].clone())
@@ -176,7 +230,33 @@ class SyncWire:
                 raise fail(f"part {i} decoded shape {tuple(block.shape)}, its entry says ({n}, {self.dim})")
             rows.append(block.float())
             at += nbytes
-        return slots, torch.cat(rows) if rows else torch.zeros(0, self.dim, device=payload.device)
+        return torch.cat(rows) if rows else torch.zeros(0, self.dim, device=payload.device)
+
+
+def held_slots(
+    slots: Sequence[torch.Tensor], valid: Sequence[torch.Tensor | None], sizes: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which of the tables' slots (``sizes`` each, in order) any of ``slots`` holds where ``valid``
+    (None: all), as bool, and their count per table (int64): on the slots' device, no host wait."""
+    total = sum(sizes)
+    device = slots[0].device if slots else torch.device("cpu")
+    held = torch.zeros(total + 1, dtype=torch.bool, device=device)  # the last: a spare for what is not valid
+    for s, ok in zip(slots, valid, strict=True):
+        held[s if ok is None else torch.where(ok, s, total)] = True
+    held = held[:total]
+    ends = list(itertools.accumulate(sizes, initial=0))
+    return held, torch.stack([held[a:b].sum() for a, b in itertools.pairwise(ends)])
+
+
+def _adler_ok(payload: torch.Tensor) -> torch.Tensor:
+    """Whether a payload's Adler-32 check holds (0-d bool on its device)."""
+    return adler32(payload[_PREFIX.size :]) == _u32(payload, _CHECK_AT)
+
+
+def _u32(payload: torch.Tensor, at: int) -> torch.Tensor:
+    """The little-endian u32 at byte ``at`` of a payload, as an int64 0-d tensor on its device."""
+    b = payload[at : at + 4].long()
+    return b[0] + (b[1] << 8) + (b[2] << 16) + (b[3] << 24)
 
 
 def _on(raw: bytes, device: torch.device) -> torch.Tensor:

@@ -270,14 +270,14 @@ def _deferred_round_trip(codec, x, eb, ids, widths):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(case=cases(), use_ids=st.booleans())
-def test_device_framing_writes_the_same_payload_and_decodes_it_without_host_syncs(case, use_ids):
+@given(case=cases(), by=st.sampled_from(["ids", "value", "none"]))
+def test_device_framing_writes_the_same_payload_and_decodes_it_without_host_syncs(case, by):
     from dlrm_compression import dedup
     from dlrm_compression.host_syncs import HostSyncCounter
 
     x, widths, eb, ids = case
-    i = ids if use_ids else None
-    codec = compression.get_codec("lossy", entropy=False, dedup=use_ids)  # rows by id, or not deduplicated
+    i = ids if by == "ids" else None
+    codec = compression.get_codec("lossy", entropy=False, dedup=by != "none")  # rows by id, by value, or as they are
     with _device_code():
         want, payload, y, enc_syncs, dec_syncs = _deferred_round_trip(
             codec, x, torch.tensor(eb, dtype=torch.float64), i, widths

@@ -222,11 +222,82 @@ def test_hot_row_sync_waits_a_fixed_number_of_times_per_sync_whatever_its_tables
         return [p.detach().clone() for p in params.values()], c
 
     replicas, c = run(count=True)
-    # the touched counts, the hit counts (all tables at once); coded: the bounds to encode, then the
-    # payload's prefix and its part table with the check (one rank: no size exchange)
-    expected = 2 + (3 if coded else 0)
+    # exact: the touched counts, the hit counts (all tables at once); coded: the bounds to encode with
+    # the touched counts, then every payload's head with the checks and the hit counts (one rank: no
+    # size exchange)
+    expected = 2
     assert all(c.by_label[f"step{i}"] == expected for i in range(3)), c.counts
     assert all(torch.equal(a, b) for a, b in zip(replicas, run(count=False)[0], strict=True))
+
+
+def _synced_on_ranks(rank: int, ws: int, tables: int, coded: bool) -> dict:
+    """Three syncs of every rank's touched rows, on the CPU shortcuts, then on the device code
+    paths, counted: this rank's waits per sync (the codec's own apart) and its collectives."""
+    import torch.distributed as dist
+
+    from dlrm.placement import hot_sync
+
+    calls = {"n": 0}
+    gather, exchange = dist.all_gather, dist.all_to_all_single
+
+    def counted(collective: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            calls["n"] += 1
+            return collective(*args, **kwargs)
+
+        return run
+
+    hot_sync.dist.all_gather, hot_sync.dist.all_to_all_single = counted(gather), counted(exchange)  # type: ignore[attr-defined]
+    runs = {}
+    for path in ("host", "device"):
+        params = {
+            f"w{k}": torch.nn.Parameter(torch.randn(16, DIM, generator=torch.Generator().manual_seed(k)))
+            for k in range(tables)
+        }
+        wire = SyncWire(_codec("backward", "rel"), list(params), [16] * tables, DIM) if coded else None
+        opt = HotRowOptimizer(params, "rowwise_adagrad", lr=0.1, eps=1e-8, sync_every=1, wire=wire)
+        g, c = torch.Generator().manual_seed(rank), HostSyncCounter()
+        calls["n"] = 0
+        for i in range(3):
+            _touch(params, g)
+            if path == "host":
+                opt.step()
+                continue
+            codec = wire.codec if wire is not None else None
+            with (
+                device_paths(c),
+                c,
+                c.label(f"step{i}"),
+                _labelled(c, codec, ["encode", "decode"] if coded else [], "codec"),
+            ):
+                opt.step()
+        runs[path] = ([p.detach().clone() for p in params.values()], c, calls["n"] // 3)
+    hot_sync.dist.all_gather, hot_sync.dist.all_to_all_single = gather, exchange  # type: ignore[attr-defined]
+    (host, _, _), (device, c, collectives) = runs["host"], runs["device"]
+    return {
+        "same": all(torch.equal(a, b) for a, b in zip(host, device, strict=True)),
+        "replicas": device,
+        "waits": [c.by_label[f"step{i}"] for i in range(3)],
+        "collectives": collectives,
+    }
+
+
+@pytest.mark.parametrize("coded", [False, True])
+def test_hot_row_sync_on_ranks_waits_at_most_once_per_collective(coded):
+    from multiprocess import run_ranks
+
+    for ws in (2, 3):
+        got = run_ranks(_synced_on_ranks, ws, 3, coded)
+        for r in got:
+            assert r["same"]  # the device code's replicas are the CPU shortcuts', bit for bit
+            assert all(torch.equal(a, b) for a, b in zip(r["replicas"], got[0]["replicas"], strict=True))
+            # the exact sync: the size all-gather and the rows' all-gather; coded: the size all-gather
+            # and the payloads' all-to-all
+            assert r["collectives"] == 2, r
+            # one read after each: the sizes (with the touched counts, exact), then the hit counts
+            # (with every payload's head, coded); and coded, before them, the bounds its framing
+            # needs on the host (with the touched counts)
+            assert r["waits"] == [r["collectives"] + coded] * 3, (ws, r["waits"], r["collectives"])
 
 
 # The functions these features run per chunk, batch or sync, and their host copies: each a size
@@ -237,7 +308,15 @@ PER_ITERATION: dict[str, tuple[str, ...] | None] = {
     "dlrm.embedding_comm.cache_probe": ("CacheProbe.measure", "CacheProbe.observe", "_over_bound"),
     "dlrm.placement.hot_rows": ("HotSplit.__call__", "HotRows.forward"),
     "dlrm.placement.hot_sync": None,
-    "dlrm.placement.hot_wire": ("SyncWire.bounds", "SyncWire.encode", "SyncWire.decode", "_host"),
+    "dlrm.placement.hot_wire": (
+        "SyncWire.bounds",
+        "SyncWire.encode",
+        "SyncWire.decode",
+        "SyncWire.decode_all",
+        "SyncWire._rows",
+        "held_slots",
+        "_host",
+    ),
 }
 KNOWN = {
     ("dlrm.embedding_comm.forward_cache", "ForwardCache.encode", "tolist"),  # the blocks' classification
@@ -246,12 +325,11 @@ KNOWN = {
     ("dlrm.embedding_comm.forward_cache", "_unpack", "tolist"),  # the blocks' unique-id counts
     ("dlrm.embedding_comm.cache_probe", "_over_bound", "tolist"),  # the worst errors, a statistic
     ("dlrm.placement.hot_rows", "HotSplit.__call__", "tolist"),  # the keys' lengths (length_per_key)
-    ("dlrm.placement.hot_sync", "HotRowOptimizer._sync_and_apply", "tolist"),  # touched and hit counts
-    ("dlrm.placement.hot_sync", "HotRowOptimizer._gather", "tolist"),  # the size exchange
+    ("dlrm.placement.hot_sync", "HotRowOptimizer._hits", "tolist"),  # the hit counts (exact)
+    ("dlrm.placement.hot_sync", "HotRowOptimizer._gather", "tolist"),  # the size exchange with the touched counts
     ("dlrm.placement.hot_sync", "HotRowOptimizer._gather_coded", "tolist"),  # the size exchange
-    ("dlrm.placement.hot_wire", "SyncWire.bounds", "tolist"),  # the bounds classes (host framing)
     ("dlrm.placement.hot_wire", "SyncWire.encode", "numpy"),  # zlib's crc32 of a CPU payload
-    ("dlrm.placement.hot_wire", "_host", "cpu"),  # the prefix, then the part table with the check
+    ("dlrm.placement.hot_wire", "_host", "cpu"),  # the bounds with the touched counts; every head, check and hit count
     ("dlrm.placement.hot_wire", "_host", "numpy"),
 }
 

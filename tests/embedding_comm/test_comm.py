@@ -174,6 +174,7 @@ PLANS: dict[str, Callable[[int], dict[str, Any]]] = {
     "tw": lambda ws: {n: table_wise(rank=i % ws) for i, (n, _, _) in enumerate(TABLES)},
     "tw_rank0": lambda ws: {n: table_wise(rank=0) for n, _, _ in TABLES},  # other ranks own no table
     "twrw": lambda ws: {n: table_row_wise(host_index=i % 2) for i, (n, _, _) in enumerate(TABLES)},  # 2 nodes
+    "rw": lambda ws: {n: row_wise() for n, _, _ in TABLES},  # partial sums travel without ids (value dedup)
 }
 
 
@@ -266,12 +267,14 @@ def local_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def run_steps(model: nn.Module, rank: int, sizes: list[int], steps: int, integer: bool = False) -> list[torch.Tensor]:
+def run_steps(
+    model: nn.Module, rank: int, sizes: list[int], steps: int, integer: bool = False, hot: int = 1
+) -> list[torch.Tensor]:
     """Train ``steps`` steps (loss = <out, fixed random grads>); return each step's forward output."""
     outs = []
     for step in range(steps):
         size = size_of(rank, step, sizes, steps)
-        out = model(batch(rank, step, size))
+        out = model(batch(rank, step, size, hot))
         outs.append(out.detach().clone())
         (out * grad_weights(rank, step, size, integer)).sum().backward()
     return outs

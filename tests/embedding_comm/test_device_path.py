@@ -42,10 +42,11 @@ CACHED = {
 RUNS = {**SPECS, "cache": (CACHED, {})}  # the row cache has its own test (below)
 
 
-def _counted(rank: int, ws: int, plan: str, spec: str, steps: int = 3) -> dict:
+def _counted(rank: int, ws: int, plan: str, spec: str, hot: int = 1, steps: int = 3) -> dict:
     """``steps`` training steps on the host path, then the same on the device path, counted."""
     from dlrm.bench.host_syncs import device_paths
     from dlrm.embedding_comm import comm_ops
+    from dlrm.embedding_comm import dist as output_dists
     from dlrm.telemetry.comm_stats import comm_stats
     from dlrm_compression.host_syncs import HostSyncCounter
 
@@ -56,6 +57,16 @@ def _counted(rank: int, ws: int, plan: str, spec: str, steps: int = 3) -> dict:
         calls[f"{d}/send"] += 1
         with counter.label(f"{d}/send"):
             return send(pg, info, d, chunks)
+
+    def counted_dist(forward):  # the output dist's forward: its own reads (e.g. the chunks' ids), then the send
+        def run(self, *args, **kwargs):
+            with counter.label("forward/dist"):
+                return forward(self, *args, **kwargs)
+
+        return run
+
+    for cls in (output_dists.CompressedTwPooledEmbeddingDist, output_dists.CompressedRwPooledEmbeddingDist):
+        cls.forward = counted_dist(cls.forward)
 
     def counted_receive(pg, info, d, tr):
         calls[f"{d}/receive"] += 1
@@ -70,16 +81,17 @@ def _counted(rank: int, ws: int, plan: str, spec: str, steps: int = 3) -> dict:
         sharder.runtime.forward.choice, sharder.runtime.backward.choice = dict(choice), dict(choice)
         model = tc.build(sharder, plan, ws, tc.full_weights(5))
         if path == "host":
-            outs = tc.run_steps(model, rank, [12, 9, 7][:ws], steps)
+            outs = tc.run_steps(model, rank, [12, 9, 7][:ws], steps, hot=hot)
         else:
             counter.counts.clear()
             with device_paths(counter), counter:
-                outs = tc.run_steps(model, rank, [12, 9, 7][:ws], steps)
+                outs = tc.run_steps(model, rank, [12, 9, 7][:ws], steps, hot=hot)
         cache = {k: v for k, v in comm_stats(model).items() if "/cache/" in k}  # the row cache's counts
         runs[path] = (outs, tc.local_weights(model), cache)
     same = all(a.equal(b) for a, b in zip(runs["host"][0], runs["device"][0], strict=True))
     same_w = all(runs["host"][1][k].equal(v) for k, v in runs["device"][1].items())
-    syncs = {k: n for k, n in counter.by_label.items() if k}  # TorchRec's own (input dist, optimizer) are not ours
+    # TorchRec's own (input dist, optimizer) are not ours; the send runs inside the output dist's forward
+    syncs = Counter({k.removeprefix("forward/dist/"): n for k, n in counter.by_label.items() if k and n})
     same_cache = runs["host"][2] == runs["device"][2]
     return {
         "same": same,
@@ -91,23 +103,29 @@ def _counted(rank: int, ws: int, plan: str, spec: str, steps: int = 3) -> dict:
     }
 
 
-@pytest.mark.parametrize("spec", list(SPECS))
+# each codec with rows deduplicated by id; the lossy codec also with bags of two ids (no ids: the
+# device picks the rows, by value) and with row-wise partial sums (by value)
+@pytest.mark.parametrize(
+    ("spec", "plan", "hot"),
+    [*((spec, "tw", 1) for spec in SPECS), ("lossy", "tw", 2), ("lossy", "rw", 1)],
+)
 @pytest.mark.parametrize("ws", [2, 3])
-def test_device_path_gives_the_host_paths_numbers_with_one_host_sync_per_collective_side(ws, spec):
-    for r in run_ranks(_counted, ws, "tw", spec):
+def test_device_path_gives_the_host_paths_numbers_with_one_host_sync_per_collective_side(ws, spec, plan, hot):
+    for r in run_ranks(_counted, ws, plan, spec, hot):
         assert r["same"] and r["same_weights"]  # bit for bit: the framing moved, not the values
         calls = {k: n // 2 for k, n in r["calls"].items()}  # the device run's half
         for side, n in r["syncs"].items():
             # one read of every size (send) and one of every payload's head and check (receive),
             # whatever the number of peers: none per chunk
-            assert n == calls[side], (ws, side, n, calls[side], r["syncs"])
+            assert n == calls.get(side, 0), (ws, side, n, r["syncs"])
+        # nothing else: the forward reads which chunks have ids with its size exchange (no "forward/dist")
         assert set(r["syncs"]) == {"forward/send", "forward/receive", "backward/send", "backward/receive"}
 
 
 @pytest.mark.parametrize("ws", [2, 3])
 def test_the_row_cache_on_the_device_path_gives_the_host_paths_numbers_with_one_host_sync_per_collective_side(ws):
     # the cache encodes and decodes the forward itself; the backward goes through the codec
-    for r in run_ranks(_counted, ws, "tw", "cache", 4):
+    for r in run_ranks(_counted, ws, "tw", "cache", 1, 4):
         assert r["same"] and r["same_weights"] and r["same_cache"]
         cache = r["cache"]  # held rows came back within the bound (hits) and past it (moved)
         assert cache["comm/forward/cache/hit_rows"] > 0 and cache["comm/forward/cache/moved_rows"] > 0, cache
