@@ -18,6 +18,10 @@ after DDP's first iteration or a resume, keeps them) and checkpointed per rank. 
 fails to decode raises on the receiving ranks; the sender stops at its next collective's timeout
 (the process group's).
 
+``dense_comm.aggregation=reduce_scatter`` sums the payloads by segment owners instead
+(:meth:`DenseComm._dct_reduce_scatter`): each rank receives ~2 (W-1)/W payloads, not W-1; the
+owners' own error feedback is the ``owner_residuals``, checkpointed beside the residuals.
+
 On an accelerator (:func:`compression.sparse.coded_on_host` false; cast values) a bucket makes
 one host synchronisation, the read of the size all-gather: each rank gathers one word, its count
 and delta width (from which every rank computes every payload's size), and the same read brings
@@ -32,7 +36,8 @@ on the host, smaller and faster there.
 Statistics (``dense/*`` keys of :mod:`dlrm.embedding_comm.stats`): ``raw_bytes`` is what stock DDP's ring
 all-reduce of fp32 gradients sends per rank (2 (W-1)/W x 4 bytes per element), ``wire_bytes``
 what the chosen hook sends (a ring all-reduce of the cast or low-rank factors; for DCT the
-all-gather of the padded payloads, (W-1) x the largest, plus the size words); ``codec_ms`` the
+all-gather of the padded payloads, (W-1) x the largest, plus the size words; with the
+reduce-scatter, its all-to-all's payloads and size words too); ``codec_ms`` the
 host time of encoding and decoding, ``comm_ms`` the time from launch to arrival (it overlaps the
 rest of the backward). DCT adds ``kept``/``numel`` (-> ``keep``), the largest ``threshold`` and
 ``residual_norm`` (the L2 norm of this rank's residuals after the iteration, largest over ranks).
@@ -61,7 +66,7 @@ from dlrm.dense_comm.config import DenseCommSpec
 from dlrm.embedding_comm.stats import CommStats
 from dlrm.process.instrument import on_the_wire
 from dlrm.trainer.state import CheckpointError, PerRank, numpy_rng_state, numpy_rng_tuple
-from dlrm_compression.cost_model import ring_allreduce_bytes
+from dlrm_compression.cost_model import cheaper_aggregation, ring_allreduce_bytes, sparse_aggregation_bytes
 from dlrm_compression.format import PayloadError
 from dlrm_compression.sparse import ThresholdCodec, coded_on_host, delta_width, kth_largest_abs, refresh_due
 from dlrm_compression.sparse import kth_largest_abs_tensor as kth_largest
@@ -97,6 +102,9 @@ class DenseComm(PerRank):
         self.thresholds: dict[str, torch.Tensor] = {}  # parameter name -> threshold (0-d, on the gradients' device)
         self.refreshes: list[tuple[int, str]] = []  # (iteration, parameter name) of every refresh
         self.residuals: dict[str, torch.Tensor] = {}  # parameter name -> flat residual
+        # reduce-scatter aggregation: parameter name -> what this rank, as the owner of a segment,
+        # dropped from its sum (flat, zeros outside the segment)
+        self.owner_residuals: dict[str, torch.Tensor] = {}
         self._names: dict[int, str] = {}
         self._norm_sq = 0.0  # squared residual norm of the buckets seen this iteration
         self._unread: list[tuple[torch.Tensor, str]] = []  # device path: (check holds, where) of received payloads
@@ -145,8 +153,12 @@ class DenseComm(PerRank):
         kind = self.mode
         t0 = time.perf_counter()
         if kind == "dct" and buf.numel() >= self.spec.min_numel:
-            device = self.spec.values != "lossy" and not coded_on_host(buf)
-            fut = self._dct_device(bucket, t0) if device else self._dct(bucket, t0)
+            if self.aggregation(buf.numel(), ws) == "reduce_scatter":
+                fut = self._dct_reduce_scatter(bucket, t0)
+            elif self.spec.values != "lossy" and not coded_on_host(buf):
+                fut = self._dct_device(bucket, t0)
+            else:
+                fut = self._dct(bucket, t0)
         else:
             if kind == "powersgd":
                 fut, sent = self._powersgd(bucket)
@@ -257,15 +269,132 @@ class DenseComm(PerRank):
 
         return self._exchange(bucket, payload, lengths, sent, (t0, t1), counts[me], threshold, decode)
 
+    def aggregation(self, numel: int, ws: int) -> str:
+        """How a DCT bucket of ``numel`` entries is summed over ``ws`` ranks: ``dense_comm.aggregation``,
+        or with ``auto`` the one that sends fewer bytes per rank for a payload of ``keep`` x numel
+        fp32 values (:func:`~compression.cost_model.cheaper_aggregation`). A bucket with fewer
+        entries than ranks has no segment for each: all-gathered."""
+        choice = self.spec.aggregation
+        if choice == "auto":
+            choice = cheaper_aggregation(4 * self.spec.keep * numel, ws)
+        return choice if numel >= ws else "allgather"
+
+    def _dct_reduce_scatter(self, bucket: dist.GradBucket, t0: float) -> Future[torch.Tensor]:
+        """DCT summed by segment owners (SparCML's split all-gather; gTop-k): bytes per rank that
+        do not grow with W. The bucket is cut into W contiguous segments, rank r owning the r-th.
+
+        Phase 1, a sparse reduce-scatter: each rank sends every other rank the entries of its
+        segment above this rank's thresholds (a variable-size all-to-all, sizes first; this rank's
+        residual keeps the rest, as with the all-gather) and adds its own segment whole (it does not
+        travel); the owner sums them in rank order. Phase 2: the owner keeps the ``keep`` fraction of
+        its summed segment (the k-th largest |sum| as threshold, every iteration), what it drops
+        staying in its owner residual (added to the next iteration's ``f``), and all-gathers it
+        (:meth:`_exchange`). Phase 1 is waited for in the hook: phase 2's collectives must be issued
+        in the same order on every rank, which a callback on the collectives' threads cannot keep.
+        Host coding (positions through the codec's own path)."""
+        assert self.pg is not None
+        pg, spec, codec = self.pg, self.spec, self._codec
+        ws, me = pg.size(), pg.rank()
+        buf, layout, numels, f = self._accumulated(bucket)
+        thresholds = [
+            float(self._threshold(name, piece)) for (name, _), piece in zip(layout, f.split(numels), strict=True)
+        ]
+        eb = spec.values_eb * float(f.abs().nan_to_num(0.0, 0.0).max()) if spec.values == "lossy" else None
+        bounds = _segment_bounds(buf.numel(), ws)
+        segments = [f[bounds[r] : bounds[r + 1]] for r in range(ws)]
+        payloads = []
+        for r, seg in enumerate(segments):
+            blocks, ts = _blocks_within(numels, thresholds, bounds[r], bounds[r + 1])
+            empty = torch.zeros(0, dtype=torch.uint8, device=buf.device)  # our own segment does not travel
+            payloads.append(empty if r == me else codec.encode(seg.view(1, -1), eb, blocks=blocks, thresholds=ts))
+        # what each owner adds for us: our own segment whole, the others as decoded
+        sent = torch.cat([seg if r == me else codec.decode(payloads[r]).view(-1) for r, seg in enumerate(segments)])
+        residual = self._keep_residuals(f, sent, layout, numels)
+        kept = sum(codec.count(p) for r, p in enumerate(payloads) if r != me)
+        t1 = time.perf_counter()
+        received = self._all_to_all(payloads)
+        t2 = time.perf_counter()
+        lo, hi = bounds[me], bounds[me + 1]
+        total = torch.zeros(hi - lo, dtype=buf.dtype, device=buf.device)
+        for r in range(ws):
+            total += segments[me] if r == me else self._decoded(bucket, r, received[r], hi - lo)
+        # phase 2: the owner's own selection of the summed segment, its own error feedback
+        t_own = kth_largest_abs(total, spec.keep)
+        eb_own = spec.values_eb * float(total.abs().nan_to_num(0.0, 0.0).max()) if spec.values == "lossy" else None
+        payload = codec.encode(total.view(1, -1), eb_own, thresholds=[t_own])
+        summed = torch.zeros_like(buf)
+        summed[lo:hi] = codec.decode(payload).view(-1)
+        dropped = torch.zeros_like(buf)
+        dropped[lo:hi] = (total - summed[lo:hi]).masked_fill_(~total.isfinite(), 0.0)
+        for (name, _), piece in zip(layout, dropped.split(numels), strict=True):
+            self.owner_residuals[name] = piece
+        self._norm_sq += float(torch.linalg.vector_norm(residual)) ** 2 + float(torch.linalg.vector_norm(dropped)) ** 2
+        t3 = time.perf_counter()
+        size = torch.tensor([payload.numel()], dtype=torch.int64, device=buf.device)
+        sizes = [torch.empty_like(size) for _ in range(ws)]
+        dist.all_gather(sizes, size, group=pg)
+        lengths = [int(s) for s in sizes]
+        self._record(
+            wire=sum(8 + p.numel() for r, p in enumerate(payloads) if r != me),  # phase 1: size word and payload
+            comm_ms=1e3 * (t2 - t1),
+        )
+
+        def decode(r: int, part: torch.Tensor, what: str) -> torch.Tensor:
+            other = torch.zeros_like(buf)
+            other[bounds[r] : bounds[r + 1]] = _segment_of(compression.decode(part), bounds[r + 1] - bounds[r])
+            return other
+
+        times = (t0 + (t2 - t1), t3)  # codec time: both phases, not the phase-1 exchange between
+        return self._exchange(
+            bucket, payload, lengths, summed, times, kept + codec.count(payload), max(thresholds), decode
+        )
+
+    def _all_to_all(self, payloads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Send ``payloads[r]`` to rank r and receive every rank's for us: a variable-size
+        all-to-all, the sizes first (one read), waited for."""
+        assert self.pg is not None
+        pg = self.pg
+        me = pg.rank()
+        src = dist.get_global_rank(pg, me)
+        payloads = [
+            p
+            if r == me
+            else on_the_wire(p, src=src, dst=dist.get_global_rank(pg, r), direction="dense", iteration=self.iteration)
+            for r, p in enumerate(payloads)
+        ]
+        send_sizes = [p.numel() for p in payloads]
+        sizes = torch.tensor(send_sizes, dtype=torch.int64, device=payloads[0].device)
+        recv = torch.empty_like(sizes)
+        dist.all_to_all_single(recv, sizes, group=pg)
+        recv_sizes = recv.tolist()
+        out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=sizes.device)
+        dist.all_to_all_single(out, torch.cat(payloads), recv_sizes, send_sizes, group=pg)
+        return list(out.split(recv_sizes))
+
+    def _decoded(self, bucket: dist.GradBucket, r: int, part: torch.Tensor, numel: int) -> torch.Tensor:
+        """Rank r's phase-1 payload for our segment of ``numel`` entries, decoded; a damaged one
+        raises :class:`DenseCommError` naming the transfer."""
+        assert self.pg is not None
+        what = _cannot_decode(self.pg, bucket.index(), r, part.numel(), self.iteration)
+        try:
+            return _segment_of(compression.decode(part), numel)
+        except Exception as e:  # any codec failure: name the transfer, keep the cause chained
+            raise DenseCommError(f"{what}: {type(e).__name__}: {e}") from e
+
     def _accumulated(
         self, bucket: dist.GradBucket
     ) -> tuple[torch.Tensor, list[tuple[str, int]], list[int], torch.Tensor]:
         """The bucket's buffer, its parameters (name, numel), their numels, and the gradients
-        plus each parameter's residual."""
+        plus each parameter's residual (and owner residual: what the reduce-scatter's owner of its
+        segment dropped, or an earlier owner's, if DDP rebuilt its buckets)."""
         buf = bucket.buffer()
         layout = [(self._names.get(id(p), f"param{i}"), p.numel()) for i, p in enumerate(bucket.parameters())]
         numels = [n for _, n in layout]
-        return buf, layout, numels, buf + torch.cat([self._residual(name, numel, buf) for name, numel in layout])
+        held = torch.cat([self._residual(self.residuals.get(name), numel, buf) for name, numel in layout])
+        owned = [self.owner_residuals.pop(name, None) for name, _ in layout]  # consumed: f carries them now
+        if any(o is not None for o in owned):
+            held += torch.cat([self._residual(o, numel, buf) for o, numel in zip(owned, numels, strict=True)])
+        return buf, layout, numels, buf + held
 
     def _keep_residuals(
         self, f: torch.Tensor, sent: torch.Tensor, layout: list[tuple[str, int]], numels: list[int]
@@ -318,10 +447,7 @@ class DenseComm(PerRank):
             for r in range(ws):
                 if r == me:
                     continue
-                what = (
-                    f"rank {global_rank[me]}: cannot decode the dense gradient payload of bucket {index} "
-                    f"({lengths[r]} bytes) from rank {global_rank[r]} at iteration {iteration}"
-                )
+                what = _cannot_decode(pg, index, r, lengths[r], iteration)
                 try:
                     other = decode(r, parts[r][: lengths[r]], what)
                 except Exception as e:  # any codec failure: name the transfer, keep the cause chained
@@ -368,14 +494,15 @@ class DenseComm(PerRank):
             self._codec.decode(payload)
             t2 = time.perf_counter()
             # decode: every other rank's payload (W - 1 of them) and our own
-            out.append(("dct", raw, (ws - 1) * (8 + payload.numel()), t1 - t0, (t2 - t1) * ws))
+            wire = sparse_aggregation_bytes(payload.numel(), ws, self.aggregation(buf.numel(), ws))
+            out.append(("dct", raw, wire, t1 - t0, (t2 - t1) * ws))
         return out
 
     # -- DCT state ------------------------------------------------------------------------------
 
-    def _residual(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
-        """A parameter's residual (zeros before its first iteration), on the gradients' device."""
-        r = self.residuals.get(name)
+    @staticmethod
+    def _residual(r: torch.Tensor | None, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """A parameter's residual ``r`` (zeros before its first iteration), on the gradients' device."""
         if r is None or r.numel() != numel:
             return torch.zeros(numel, dtype=like.dtype, device=like.device)
         return r.to(device=like.device, dtype=like.dtype)
@@ -437,6 +564,7 @@ class DenseComm(PerRank):
             "iteration": self.iteration,
             "thresholds": {n: float(t) for n, t in self.thresholds.items()},
             "residuals": {n: r.detach().cpu() for n, r in self.residuals.items()},
+            "owner_residuals": {n: r.detach().cpu() for n, r in self.owner_residuals.items()},
         }
         if self.powersgd is not None:
             state["powersgd"] = {slot: getattr(self.powersgd, slot) for slot in _POWERSGD_STATE}
@@ -455,6 +583,7 @@ class DenseComm(PerRank):
             str(k): torch.tensor(float(v), dtype=torch.float32) for k, v in state.get("thresholds", {}).items()
         }
         self.residuals = {str(k): v.clone() for k, v in state.get("residuals", {}).items()}
+        self.owner_residuals = {str(k): v.clone() for k, v in state.get("owner_residuals", {}).items()}
         if self.powersgd is not None and "powersgd" in state:
             if state.get("powersgd_rank") != self.spec.rank:
                 raise CheckpointError(
@@ -466,6 +595,42 @@ class DenseComm(PerRank):
                     self.powersgd.rng.set_state(numpy_rng_tuple(value))
                 else:
                     setattr(self.powersgd, slot, value)
+
+
+def _segment_bounds(numel: int, ws: int) -> list[int]:
+    """Where the reduce-scatter's W contiguous segments of a bucket start (and the last ends)."""
+    return [numel * r // ws for r in range(ws + 1)]
+
+
+def _blocks_within(numels: list[int], thresholds: list[float], lo: int, hi: int) -> tuple[list[int], list[float]]:
+    """The widths of the parameters' pieces inside entries ``lo:hi`` of a bucket, and their
+    thresholds: the ``blocks`` and ``thresholds`` of :meth:`~compression.sparse.ThresholdCodec.encode`."""
+    blocks: list[int] = []
+    ts: list[float] = []
+    start = 0
+    for numel, t in zip(numels, thresholds, strict=True):
+        width = min(hi, start + numel) - max(lo, start)
+        if width > 0:
+            blocks.append(width)
+            ts.append(t)
+        start += numel
+    return blocks, ts
+
+
+def _segment_of(decoded: torch.Tensor, numel: int) -> torch.Tensor:
+    """A decoded segment payload, flat; one of another length is an error."""
+    if decoded.numel() != numel:
+        raise PayloadError(f"{decoded.numel()} gradients, expected the segment's {numel}")
+    return decoded.view(-1)
+
+
+def _cannot_decode(pg: dist.ProcessGroup, index: int, r: int, nbytes: int, iteration: int) -> str:
+    """The start of the error of a dense payload from rank ``r`` that does not decode."""
+    me, other = dist.get_global_rank(pg, pg.rank()), dist.get_global_rank(pg, r)
+    return (
+        f"rank {me}: cannot decode the dense gradient payload of bucket {index} "
+        f"({nbytes} bytes) from rank {other} at iteration {iteration}"
+    )
 
 
 def dense_comm_of(model: torch.nn.Module) -> DenseComm | None:
