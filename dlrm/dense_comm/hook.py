@@ -20,7 +20,8 @@ fails to decode raises on the receiving ranks; the sender stops at its next coll
 
 ``dense_comm.aggregation=reduce_scatter`` sums the payloads by segment owners instead
 (:meth:`DenseComm._dct_reduce_scatter`): each rank receives ~2 (W-1)/W payloads, not W-1; the
-owners' own error feedback is the ``owner_residuals``, checkpointed beside the residuals.
+owners' own error feedback is the ``owner_residuals``, checkpointed beside the residuals. On an
+accelerator it makes one host synchronisation per phase (:meth:`DenseComm._dct_reduce_scatter_device`).
 
 On an accelerator (:func:`compression.sparse.coded_on_host` false; cast values) a bucket makes
 one host synchronisation, the read of the size all-gather: each rank gathers one word, its count
@@ -153,12 +154,11 @@ class DenseComm(PerRank):
         kind = self.mode
         t0 = time.perf_counter()
         if kind == "dct" and buf.numel() >= self.spec.min_numel:
-            if self.aggregation(buf.numel(), ws) == "reduce_scatter":
-                fut = self._dct_reduce_scatter(bucket, t0)
-            elif self.spec.values != "lossy" and not coded_on_host(buf):
-                fut = self._dct_device(bucket, t0)
+            device = self.spec.values != "lossy" and not coded_on_host(buf)
+            if self.aggregation([p.numel() for p in bucket.parameters()], ws) == "reduce_scatter":
+                fut = self._dct_reduce_scatter_device(bucket, t0) if device else self._dct_reduce_scatter(bucket, t0)
             else:
-                fut = self._dct(bucket, t0)
+                fut = self._dct_device(bucket, t0) if device else self._dct(bucket, t0)
         else:
             if kind == "powersgd":
                 fut, sent = self._powersgd(bucket)
@@ -269,29 +269,33 @@ class DenseComm(PerRank):
 
         return self._exchange(bucket, payload, lengths, sent, (t0, t1), counts[me], threshold, decode)
 
-    def aggregation(self, numel: int, ws: int) -> str:
-        """How a DCT bucket of ``numel`` entries is summed over ``ws`` ranks: ``dense_comm.aggregation``,
-        or with ``auto`` the one that sends fewer bytes per rank for a payload of ``keep`` x numel
-        fp32 values (:func:`~compression.cost_model.cheaper_aggregation`). A bucket with fewer
-        entries than ranks has no segment for each: all-gathered."""
+    def aggregation(self, numels: list[int], ws: int) -> str:
+        """How a DCT bucket of parameters of ``numels`` entries is summed over ``ws`` ranks:
+        ``dense_comm.aggregation``, or with ``auto`` the one that sends fewer bytes per rank for a
+        payload of ``keep`` x entries in fp32 (:func:`~compression.cost_model.cheaper_aggregation`).
+        A bucket without a parameter of ``ws`` entries or more, whose pieces would leave a rank's
+        segment empty, is all-gathered."""
         choice = self.spec.aggregation
         if choice == "auto":
-            choice = cheaper_aggregation(4 * self.spec.keep * numel, ws)
-        return choice if numel >= ws else "allgather"
+            choice = cheaper_aggregation(4 * self.spec.keep * sum(numels), ws)
+        return choice if max(numels) >= ws else "allgather"
 
     def _dct_reduce_scatter(self, bucket: dist.GradBucket, t0: float) -> Future[torch.Tensor]:
         """DCT summed by segment owners (SparCML's split all-gather; gTop-k): bytes per rank that
-        do not grow with W. The bucket is cut into W contiguous segments, rank r owning the r-th.
+        do not grow with W. Each parameter is cut into W contiguous pieces, rank r owning the
+        r-th of each (its segment): per parameter, not per bucket, so that DDP's bucket layout
+        (rebuilt after the first iteration of every process, a resumed one too) moves nothing.
 
         Phase 1, a sparse reduce-scatter: each rank sends every other rank the entries of its
         segment above this rank's thresholds (a variable-size all-to-all, sizes first; this rank's
         residual keeps the rest, as with the all-gather) and adds its own segment whole (it does not
         travel); the owner sums them in rank order. Phase 2: the owner keeps the ``keep`` fraction of
-        its summed segment (the k-th largest |sum| as threshold, every iteration), what it drops
-        staying in its owner residual (added to the next iteration's ``f``), and all-gathers it
-        (:meth:`_exchange`). Phase 1 is waited for in the hook: phase 2's collectives must be issued
-        in the same order on every rank, which a callback on the collectives' threads cannot keep.
-        Host coding (positions through the codec's own path)."""
+        each piece of its summed segment (the k-th largest |sum| as threshold, every iteration;
+        pieces of parameters under ``min_numel`` whole), what it drops staying in its owner residual
+        (added to the next iteration's ``f``), and all-gathers it (:meth:`_exchange`). Phase 1 is
+        waited for in the hook: phase 2's collectives must be issued in the same order on every
+        rank, which a callback on the collectives' threads cannot keep. Host coding (positions
+        through the codec's own path)."""
         assert self.pg is not None
         pg, spec, codec = self.pg, self.spec, self._codec
         ws, me = pg.size(), pg.rank()
@@ -300,32 +304,38 @@ class DenseComm(PerRank):
             float(self._threshold(name, piece)) for (name, _), piece in zip(layout, f.split(numels), strict=True)
         ]
         eb = spec.values_eb * float(f.abs().nan_to_num(0.0, 0.0).max()) if spec.values == "lossy" else None
-        bounds = _segment_bounds(buf.numel(), ws)
-        segments = [f[bounds[r] : bounds[r + 1]] for r in range(ws)]
+        owned = _segments(numels, ws, buf.device)  # per rank: its positions in the bucket, and piece widths
+        segments = [f[index] for index, _ in owned]
         payloads = []
-        for r, seg in enumerate(segments):
-            blocks, ts = _blocks_within(numels, thresholds, bounds[r], bounds[r + 1])
+        for r, (seg, (_, widths)) in enumerate(zip(segments, owned, strict=True)):
+            ts = [t for t, w in zip(thresholds, widths, strict=True) if w]
             empty = torch.zeros(0, dtype=torch.uint8, device=buf.device)  # our own segment does not travel
+            blocks = [w for w in widths if w]
             payloads.append(empty if r == me else codec.encode(seg.view(1, -1), eb, blocks=blocks, thresholds=ts))
         # what each owner adds for us: our own segment whole, the others as decoded
-        sent = torch.cat([seg if r == me else codec.decode(payloads[r]).view(-1) for r, seg in enumerate(segments)])
+        sent = torch.empty_like(f)
+        for r, (index, _) in enumerate(owned):
+            sent[index] = segments[r] if r == me else codec.decode(payloads[r]).view(-1)
         residual = self._keep_residuals(f, sent, layout, numels)
         kept = sum(codec.count(p) for r, p in enumerate(payloads) if r != me)
         t1 = time.perf_counter()
         received = self._all_to_all(payloads)
         t2 = time.perf_counter()
-        lo, hi = bounds[me], bounds[me + 1]
-        total = torch.zeros(hi - lo, dtype=buf.dtype, device=buf.device)
+        mine, widths = owned[me]
+        total = torch.zeros(mine.numel(), dtype=buf.dtype, device=buf.device)
         for r in range(ws):
-            total += segments[me] if r == me else self._decoded(bucket, r, received[r], hi - lo)
-        # phase 2: the owner's own selection of the summed segment, its own error feedback
-        t_own = kth_largest_abs(total, spec.keep)
+            total += segments[me] if r == me else self._decoded(bucket, r, received[r], mine.numel())
+        # phase 2: the owner's own selection of each piece of the summed segment, its own error feedback
+        pieces = [(n, w) for n, w in zip(numels, widths, strict=True) if w]
+        own_ts = [
+            kth_largest_abs(piece, spec.keep) if n >= spec.min_numel else 0.0
+            for (n, _), piece in zip(pieces, total.split([w for _, w in pieces]), strict=True)
+        ]
         eb_own = spec.values_eb * float(total.abs().nan_to_num(0.0, 0.0).max()) if spec.values == "lossy" else None
-        payload = codec.encode(total.view(1, -1), eb_own, thresholds=[t_own])
-        summed = torch.zeros_like(buf)
-        summed[lo:hi] = codec.decode(payload).view(-1)
-        dropped = torch.zeros_like(buf)
-        dropped[lo:hi] = (total - summed[lo:hi]).masked_fill_(~total.isfinite(), 0.0)
+        payload = codec.encode(total.view(1, -1), eb_own, blocks=[w for _, w in pieces], thresholds=own_ts)
+        summed, dropped = torch.zeros_like(buf), torch.zeros_like(buf)
+        summed[mine] = codec.decode(payload).view(-1)
+        dropped[mine] = (total - summed[mine]).masked_fill_(~total.isfinite(), 0.0)
         for (name, _), piece in zip(layout, dropped.split(numels), strict=True):
             self.owner_residuals[name] = piece
         self._norm_sq += float(torch.linalg.vector_norm(residual)) ** 2 + float(torch.linalg.vector_norm(dropped)) ** 2
@@ -341,7 +351,7 @@ class DenseComm(PerRank):
 
         def decode(r: int, part: torch.Tensor, what: str) -> torch.Tensor:
             other = torch.zeros_like(buf)
-            other[bounds[r] : bounds[r + 1]] = _segment_of(compression.decode(part), bounds[r + 1] - bounds[r])
+            other[owned[r][0]] = _segment_of(compression.decode(part), owned[r][0].numel())
             return other
 
         times = (t0 + (t2 - t1), t3)  # codec time: both phases, not the phase-1 exchange between
@@ -349,9 +359,101 @@ class DenseComm(PerRank):
             bucket, payload, lengths, summed, times, kept + codec.count(payload), max(thresholds), decode
         )
 
-    def _all_to_all(self, payloads: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _dct_reduce_scatter_device(self, bucket: dist.GradBucket, t0: float) -> Future[torch.Tensor]:
+        """:meth:`_dct_reduce_scatter` with one host synchronisation per phase: phase 1 reads the
+        all-to-all of one word per destination (count and delta width of each segment's entries,
+        from which both sides compute every payload's size), phase 2 the all-gather of the owner's
+        word, with this rank's statistics and the checks of the payloads received before."""
+        assert self.pg is not None
+        pg, spec, codec = self.pg, self.spec, self._codec
+        ws, me = pg.size(), pg.rank()
+        buf, layout, numels, f = self._accumulated(bucket)
+        thresholds = [self._threshold(name, piece) for (name, _), piece in zip(layout, f.split(numels), strict=True)]
+        keep = codec.mask(f.view(1, -1), numels, thresholds).view(-1)
+        owned = _segments(numels, ws, buf.device)
+        segments = [f[index] for index, _ in owned]
+        sent = codec.sent(f, keep)  # exactly what each owner decodes from our payload
+        sent[owned[me][0]] = segments[me]  # our own segment counts whole
+        residual = self._keep_residuals(f, sent, layout, numels)
+        masks = [keep[index] for index, _ in owned]
+        words = torch.stack([m.sum() * 64 + delta_width(m) - 1 for m in masks])  # count and width (1..64)
+        recv = torch.empty_like(words)
+        dist.all_to_all_single(recv, words, group=pg)
+        values = torch.cat([words, recv]).tolist()  # phase 1's one host synchronisation
+        out_words, in_words = values[:ws], values[ws:]
+        blocks = [[w for w in widths if w] for _, widths in owned]
+        send_sizes = [
+            codec.payload_size(m.numel(), blocks[r], v >> 6, (v & 63) + 1)
+            for r, (m, v) in enumerate(zip(masks, out_words, strict=True))
+        ]
+        mine = owned[me][0]
+        recv_sizes = [codec.payload_size(mine.numel(), blocks[me], v >> 6, (v & 63) + 1) for v in in_words]
+        empty = torch.zeros(0, dtype=torch.uint8, device=buf.device)
+        payloads = [
+            empty if r == me else codec.encode_known(segments[r].view(1, -1), masks[r], v >> 6, (v & 63) + 1, blocks[r])
+            for r, v in enumerate(out_words)
+        ]
+        send_sizes[me] = recv_sizes[me] = 0
+        t2 = time.perf_counter()
+        received = self._all_to_all(payloads, recv_sizes)
+        t3 = time.perf_counter()
+        total = torch.zeros(mine.numel(), dtype=buf.dtype, device=buf.device)
+        for r, v in enumerate(in_words):
+            if r == me:
+                total += segments[me]
+                continue
+            what = _cannot_decode(pg, bucket.index(), r, recv_sizes[r], self.iteration)
+            other, ok = codec.decode_known(received[r], (1, mine.numel()), buf.dtype, blocks[me], v >> 6, (v & 63) + 1)
+            with self._lock:
+                self._unread.append((ok, what))
+            total += other.view(-1).masked_fill_(~ok, 0.0)  # a damaged payload adds nothing
+        # phase 2, as on the host: each piece's own k-th largest |sum| (whole under min_numel)
+        pieces = [(n, w) for n, w in zip(numels, owned[me][1], strict=True) if w]
+        zero = torch.zeros((), dtype=torch.float32, device=buf.device)
+        own_ts = [
+            kth_largest(piece, spec.keep) if n >= spec.min_numel else zero
+            for (n, _), piece in zip(pieces, total.split([w for _, w in pieces]), strict=True)
+        ]
+        keep2 = codec.mask(total.view(1, -1), blocks[me], own_ts).view(-1)
+        summed, dropped = torch.zeros_like(buf), torch.zeros_like(buf)
+        summed[mine] = codec.sent(total, keep2)
+        dropped[mine] = (total - summed[mine]).masked_fill_(~total.isfinite(), 0.0)
+        for (name, _), piece in zip(layout, dropped.split(numels), strict=True):
+            self.owner_residuals[name] = piece
+        word = (keep2.sum() * 64 + delta_width(keep2) - 1).reshape(1)
+        gathered = [torch.empty_like(word) for _ in range(ws)]
+        t4 = time.perf_counter()
+        dist.all_gather(gathered, word, group=pg)
+        with self._lock:
+            unread, self._unread = self._unread, []
+        norm = torch.stack([torch.linalg.vector_norm(residual), torch.linalg.vector_norm(dropped)])
+        stats = torch.cat([norm, torch.stack(thresholds).max().reshape(1)]).double().view(torch.int64)
+        checks = [ok.reshape(1).long() for ok, _ in unread]
+        values = torch.cat([*gathered, stats, *checks]).tolist()  # phase 2's one host synchronisation
+        self._raise_damaged(unread, values[ws + 3 :])
+        sender_norm, owner_norm, threshold = struct.unpack("<3d", struct.pack("<3q", *values[ws : ws + 3]))
+        self._norm_sq += sender_norm**2 + owner_norm**2
+        counts, widths = [v >> 6 for v in values[:ws]], [(v & 63) + 1 for v in values[:ws]]
+        lengths = [codec.payload_size(owned[r][0].numel(), blocks[r], counts[r], widths[r]) for r in range(ws)]
+        payload = codec.encode_known(total.view(1, -1), keep2, counts[me], widths[me], blocks[me])
+        self._record(wire=sum(8 + n for r, n in enumerate(send_sizes) if r != me), comm_ms=1e3 * (t3 - t2))
+        kept = sum(v >> 6 for r, v in enumerate(out_words) if r != me) + counts[me]
+
+        def decode(r: int, part: torch.Tensor, what: str) -> torch.Tensor:
+            index = owned[r][0]
+            seg, ok = codec.decode_known(part, (1, index.numel()), buf.dtype, blocks[r], counts[r], widths[r])
+            with self._lock:
+                self._unread.append((ok, what))  # read with the next bucket's sizes, or by check()
+            other = torch.zeros_like(buf)
+            other[index] = seg.view(-1).masked_fill_(~ok, 0.0)
+            return other
+
+        times = (t0 + (t3 - t2), t4)  # codec time: both phases, not the phase-1 payload exchange
+        return self._exchange(bucket, payload, lengths, summed, times, kept, threshold, decode)
+
+    def _all_to_all(self, payloads: list[torch.Tensor], recv_sizes: list[int] | None = None) -> list[torch.Tensor]:
         """Send ``payloads[r]`` to rank r and receive every rank's for us: a variable-size
-        all-to-all, the sizes first (one read), waited for."""
+        all-to-all, waited for; the sizes first (one read) unless ``recv_sizes`` are known."""
         assert self.pg is not None
         pg = self.pg
         me = pg.rank()
@@ -363,11 +465,12 @@ class DenseComm(PerRank):
             for r, p in enumerate(payloads)
         ]
         send_sizes = [p.numel() for p in payloads]
-        sizes = torch.tensor(send_sizes, dtype=torch.int64, device=payloads[0].device)
-        recv = torch.empty_like(sizes)
-        dist.all_to_all_single(recv, sizes, group=pg)
-        recv_sizes = recv.tolist()
-        out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=sizes.device)
+        if recv_sizes is None:
+            sizes = torch.tensor(send_sizes, dtype=torch.int64, device=payloads[0].device)
+            recv = torch.empty_like(sizes)
+            dist.all_to_all_single(recv, sizes, group=pg)
+            recv_sizes = recv.tolist()
+        out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=payloads[0].device)
         dist.all_to_all_single(out, torch.cat(payloads), recv_sizes, send_sizes, group=pg)
         return list(out.split(recv_sizes))
 
@@ -385,8 +488,8 @@ class DenseComm(PerRank):
         self, bucket: dist.GradBucket
     ) -> tuple[torch.Tensor, list[tuple[str, int]], list[int], torch.Tensor]:
         """The bucket's buffer, its parameters (name, numel), their numels, and the gradients
-        plus each parameter's residual (and owner residual: what the reduce-scatter's owner of its
-        segment dropped, or an earlier owner's, if DDP rebuilt its buckets)."""
+        plus each parameter's residual and owner residual (what this rank, owning pieces of it in
+        the reduce-scatter, dropped from their sums: consumed here, its own pieces counting whole)."""
         buf = bucket.buffer()
         layout = [(self._names.get(id(p), f"param{i}"), p.numel()) for i, p in enumerate(bucket.parameters())]
         numels = [n for _, n in layout]
@@ -494,7 +597,7 @@ class DenseComm(PerRank):
             self._codec.decode(payload)
             t2 = time.perf_counter()
             # decode: every other rank's payload (W - 1 of them) and our own
-            wire = sparse_aggregation_bytes(payload.numel(), ws, self.aggregation(buf.numel(), ws))
+            wire = sparse_aggregation_bytes(payload.numel(), ws, self.aggregation([buf.numel()], ws))
             out.append(("dct", raw, wire, t1 - t0, (t2 - t1) * ws))
         return out
 
@@ -597,24 +700,23 @@ class DenseComm(PerRank):
                     setattr(self.powersgd, slot, value)
 
 
-def _segment_bounds(numel: int, ws: int) -> list[int]:
-    """Where the reduce-scatter's W contiguous segments of a bucket start (and the last ends)."""
-    return [numel * r // ws for r in range(ws + 1)]
-
-
-def _blocks_within(numels: list[int], thresholds: list[float], lo: int, hi: int) -> tuple[list[int], list[float]]:
-    """The widths of the parameters' pieces inside entries ``lo:hi`` of a bucket, and their
-    thresholds: the ``blocks`` and ``thresholds`` of :meth:`~compression.sparse.ThresholdCodec.encode`."""
-    blocks: list[int] = []
-    ts: list[float] = []
-    start = 0
-    for numel, t in zip(numels, thresholds, strict=True):
-        width = min(hi, start + numel) - max(lo, start)
-        if width > 0:
-            blocks.append(width)
-            ts.append(t)
-        start += numel
-    return blocks, ts
+def _segments(numels: list[int], ws: int, device: torch.device) -> list[tuple[torch.Tensor, list[int]]]:
+    """Each rank's segment of a bucket of parameters of ``numels`` entries: the r-th of W
+    contiguous pieces of every parameter, as its positions in the bucket (in bucket order) and
+    the width of each piece (0 where a parameter has fewer entries than ranks)."""
+    out = []
+    for r in range(ws):
+        starts, ends, widths = [], [], []
+        at = 0
+        for n in numels:
+            lo, hi = at + n * r // ws, at + n * (r + 1) // ws
+            starts.append(lo)
+            ends.append(hi)
+            widths.append(hi - lo)
+            at += n
+        index = torch.cat([torch.arange(lo, hi, device=device) for lo, hi in zip(starts, ends, strict=True)])
+        out.append((index, widths))
+    return out
 
 
 def _segment_of(decoded: torch.Tensor, numel: int) -> torch.Tensor:
