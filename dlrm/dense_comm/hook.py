@@ -326,18 +326,12 @@ class DenseComm(PerRank):
         for r in range(ws):
             total += segments[me] if r == me else self._decoded(bucket, r, received[r], mine.numel())
         # phase 2: the owner's own selection of each piece of the summed segment, its own error feedback
-        pieces = [(n, w) for n, w in zip(numels, widths, strict=True) if w]
-        own_ts = [
-            kth_largest_abs(piece, spec.keep) if n >= spec.min_numel else 0.0
-            for (n, _), piece in zip(pieces, total.split([w for _, w in pieces]), strict=True)
-        ]
+        blocks = [w for w in widths if w]
         eb_own = spec.values_eb * float(total.abs().nan_to_num(0.0, 0.0).max()) if spec.values == "lossy" else None
-        payload = codec.encode(total.view(1, -1), eb_own, blocks=[w for _, w in pieces], thresholds=own_ts)
-        summed, dropped = torch.zeros_like(buf), torch.zeros_like(buf)
-        summed[mine] = codec.decode(payload).view(-1)
-        dropped[mine] = (total - summed[mine]).masked_fill_(~total.isfinite(), 0.0)
-        for (name, _), piece in zip(layout, dropped.split(numels), strict=True):
-            self.owner_residuals[name] = piece
+        payload = codec.encode(
+            total.view(1, -1), eb_own, blocks=blocks, thresholds=self._owner_thresholds(total, numels, widths)
+        )
+        summed, dropped = self._keep_owner_residuals(total, codec.decode(payload).view(-1), mine, layout, numels)
         self._norm_sq += float(torch.linalg.vector_norm(residual)) ** 2 + float(torch.linalg.vector_norm(dropped)) ** 2
         t3 = time.perf_counter()
         size = torch.tensor([payload.numel()], dtype=torch.int64, device=buf.device)
@@ -365,7 +359,7 @@ class DenseComm(PerRank):
         from which both sides compute every payload's size), phase 2 the all-gather of the owner's
         word, with this rank's statistics and the checks of the payloads received before."""
         assert self.pg is not None
-        pg, spec, codec = self.pg, self.spec, self._codec
+        pg, codec = self.pg, self._codec
         ws, me = pg.size(), pg.rank()
         buf, layout, numels, f = self._accumulated(bucket)
         thresholds = [self._threshold(name, piece) for (name, _), piece in zip(layout, f.split(numels), strict=True)]
@@ -407,19 +401,9 @@ class DenseComm(PerRank):
             with self._lock:
                 self._unread.append((ok, what))
             total += other.view(-1).masked_fill_(~ok, 0.0)  # a damaged payload adds nothing
-        # phase 2, as on the host: each piece's own k-th largest |sum| (whole under min_numel)
-        pieces = [(n, w) for n, w in zip(numels, owned[me][1], strict=True) if w]
-        zero = torch.zeros((), dtype=torch.float32, device=buf.device)
-        own_ts = [
-            kth_largest(piece, spec.keep) if n >= spec.min_numel else zero
-            for (n, _), piece in zip(pieces, total.split([w for _, w in pieces]), strict=True)
-        ]
-        keep2 = codec.mask(total.view(1, -1), blocks[me], own_ts).view(-1)
-        summed, dropped = torch.zeros_like(buf), torch.zeros_like(buf)
-        summed[mine] = codec.sent(total, keep2)
-        dropped[mine] = (total - summed[mine]).masked_fill_(~total.isfinite(), 0.0)
-        for (name, _), piece in zip(layout, dropped.split(numels), strict=True):
-            self.owner_residuals[name] = piece
+        # phase 2, as on the host
+        keep2 = codec.mask(total.view(1, -1), blocks[me], self._owner_thresholds(total, numels, owned[me][1])).view(-1)
+        summed, dropped = self._keep_owner_residuals(total, codec.sent(total, keep2), mine, layout, numels)
         word = (keep2.sum() * 64 + delta_width(keep2) - 1).reshape(1)
         gathered = [torch.empty_like(word) for _ in range(ws)]
         t4 = time.perf_counter()
@@ -450,6 +434,36 @@ class DenseComm(PerRank):
 
         times = (t0 + (t3 - t2), t4)  # codec time: both phases, not the phase-1 payload exchange
         return self._exchange(bucket, payload, lengths, summed, times, kept, threshold, decode)
+
+    def _owner_thresholds(self, total: torch.Tensor, numels: list[int], widths: list[int]) -> list[torch.Tensor]:
+        """The reduce-scatter owner's threshold of each piece of its summed segment ``total`` (one
+        per non-empty piece of ``widths``): its k-th largest ``|sum|`` for ``keep``, every
+        iteration, or 0 (all of it) for a parameter under ``min_numel``."""
+        pieces = [(n, w) for n, w in zip(numels, widths, strict=True) if w]
+        zero = torch.zeros((), dtype=torch.float32, device=total.device)
+        return [
+            kth_largest(piece, self.spec.keep) if n >= self.spec.min_numel else zero
+            for (n, _), piece in zip(pieces, total.split([w for _, w in pieces]), strict=True)
+        ]
+
+    def _keep_owner_residuals(
+        self,
+        total: torch.Tensor,
+        kept: torch.Tensor,
+        mine: torch.Tensor,
+        layout: list[tuple[str, int]],
+        numels: list[int],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the owner of the bucket positions ``mine`` sends of their sum ``total`` (``kept``,
+        as decoded) and drops, each placed in a bucket-sized tensor; what it drops becomes each
+        parameter's owner residual."""
+        summed = torch.zeros(sum(numels), dtype=total.dtype, device=total.device)
+        summed[mine] = kept
+        dropped = torch.zeros_like(summed)
+        dropped[mine] = (total - kept).masked_fill_(~total.isfinite(), 0.0)  # sent exactly: no residual
+        for (name, _), piece in zip(layout, dropped.split(numels), strict=True):
+            self.owner_residuals[name] = piece
+        return summed, dropped
 
     def _all_to_all(self, payloads: list[torch.Tensor], recv_sizes: list[int] | None = None) -> list[torch.Tensor]:
         """Send ``payloads[r]`` to rank r and receive every rank's for us: a variable-size

@@ -130,6 +130,10 @@ def _aggregations(rank: int, ws: int) -> dict:
     out = {name: _run(cfg, rank, range(ITERATIONS)) for name, cfg in (("rs", scatter), ("ag", CFG))}
     keep_all = {**scatter, "keep": 1.0}
     out["keep_all"] = _run(keep_all, rank, range(2))
+    for values in ("bf16", "lossy"):  # coded values: the residuals hold what the coding changed
+        out[values] = _run(
+            {**scatter, "values": values, "values_eb": 0.01 if values == "lossy" else None}, rank, range(3)
+        )
     ddp = []  # DDP's own average of the same gradients (its default hook: divide, all-reduce)
     model = _model()
     for it in range(2):
@@ -231,6 +235,19 @@ def test_reduce_scatter_is_the_two_phase_algorithm_replayed_from_all_ranks_gradi
         assert all(torch.equal(a, b) for a, b in zip(r["rs"]["outs"], ranks[0]["rs"]["outs"], strict=True))
     for o in ranks[0]["rs"]["outs"]:  # ceil(keep x each piece) of the large parameters, the small ones whole
         assert int(o.count_nonzero()) <= CFG["keep"] * (60000 + 1600) + 2 * len(ranks) + 208
+
+
+@pytest.mark.parametrize("values", ["bf16", "lossy"])
+def test_with_coded_values_the_reduce_scatter_conserves_gradient_mass(ranks, values):
+    # what every step applied (W x the average) plus every rank's two residuals is the sum of
+    # every rank's gradients over the iterations, whatever the values' coding did
+    ws = len(ranks)
+    truth = sum(g for r in ranks for g in r[values]["grads"])
+    applied = ws * sum(ranks[0][values]["outs"])
+    left = sum(_flat(r[values]["residuals"]) + _flat(r[values]["owner_residuals"]) for r in ranks)
+    torch.testing.assert_close(applied + left, truth, rtol=1e-5, atol=1e-5 * float(truth.abs().max()))
+    exact = _reference([r[values]["grads"] for r in ranks], NUMELS, CFG)["outs"]
+    assert not all(torch.equal(a, b) for a, b in zip(ranks[0][values]["outs"], exact, strict=True))  # coded
 
 
 def test_reduce_scatter_keeping_everything_is_ddps_average(ranks):
