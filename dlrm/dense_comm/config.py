@@ -51,7 +51,7 @@ class DenseCommSpec:
     values_eb: float = 0.01  # lossy values: bound as a fraction of the largest sent |value|
     # allgather: every rank's payload to every rank ((W-1) payloads received); reduce_scatter:
     # segments summed by their owners, then their top entries all-gathered (~2 (W-1)/W payloads);
-    # auto: the one with fewer bytes per rank at the run's world size
+    # auto: per bucket, the one with fewer bytes per rank (world size, bucket size, payload headers)
     aggregation: str = "allgather"
     # auto: the option that travels while the strategy calibrates and measures (and before it)
     fallback: str = "none"

@@ -110,6 +110,7 @@ class DenseComm(PerRank):
         self._norm_sq = 0.0  # squared residual norm of the buckets seen this iteration
         self._unread: list[tuple[torch.Tensor, str]] = []  # device path: (check holds, where) of received payloads
         self._codec = ThresholdCodec(values=spec.values)
+        self._sizer = ThresholdCodec(values="none" if spec.values == "lossy" else spec.values)  # header sizes
         self._lock = threading.Lock()  # future callbacks run on the collectives' threads
         self.pg: dist.ProcessGroup | None = None
         self.powersgd: PowerSGDState | None = None
@@ -271,13 +272,16 @@ class DenseComm(PerRank):
 
     def aggregation(self, numels: list[int], ws: int) -> str:
         """How a DCT bucket of parameters of ``numels`` entries is summed over ``ws`` ranks:
-        ``dense_comm.aggregation``, or with ``auto`` the one that sends fewer bytes per rank for a
-        payload of ``keep`` x entries in fp32 (:func:`~compression.cost_model.cheaper_aggregation`).
-        A bucket without a parameter of ``ws`` entries or more, whose pieces would leave a rank's
-        segment empty, is all-gathered."""
+        ``dense_comm.aggregation``, or with ``auto`` the one that sends fewer bytes per rank
+        (:func:`~compression.cost_model.cheaper_aggregation`) for ``keep`` x entries, each a value
+        and about a byte of position, in payloads with this bucket's header. A bucket without a
+        parameter of ``ws`` entries or more, whose pieces would leave a rank's segment empty, is
+        all-gathered."""
         choice = self.spec.aggregation
         if choice == "auto":
-            choice = cheaper_aggregation(4 * self.spec.keep * sum(numels), ws)
+            item = 2 if self.spec.values in ("fp16", "bf16") else 4
+            header = self._sizer.payload_size(sum(numels), numels, 0, 1)  # no entry: headers only
+            choice = cheaper_aggregation((item + 1) * self.spec.keep * sum(numels), ws, header)
         return choice if max(numels) >= ws else "allgather"
 
     def _dct_reduce_scatter(self, bucket: dist.GradBucket, t0: float) -> Future[torch.Tensor]:
@@ -611,7 +615,9 @@ class DenseComm(PerRank):
             self._codec.decode(payload)
             t2 = time.perf_counter()
             # decode: every other rank's payload (W - 1 of them) and our own
-            wire = sparse_aggregation_bytes(payload.numel(), ws, self.aggregation([buf.numel()], ws))
+            header = self._sizer.payload_size(buf.numel(), [buf.numel()], 0, 1)
+            aggregation = self.aggregation([buf.numel()], ws)
+            wire = sparse_aggregation_bytes(payload.numel() - header, ws, aggregation, header)
             out.append(("dct", raw, wire, t1 - t0, (t2 - t1) * ws))
         return out
 
