@@ -19,7 +19,7 @@ ITERATIONS = 5
 
 
 def _model() -> torch.nn.Module:
-    # one bucket of a 60,000-entry weight, two parameters under min_numel (sent whole) and a 1,600
+    # one bucket: a 60,000-entry and a 1,600-entry weight, and two biases under min_numel (sent whole)
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.Linear(200, 8))
 
