@@ -87,6 +87,27 @@ def ring_allreduce_bytes(numel: float, world_size: int, bytes_per_value: float =
     return 2 * (world_size - 1) / world_size * bytes_per_value * numel
 
 
+def sparse_aggregation_bytes(body: float, world_size: int, aggregation: str, header: float = 0.0) -> float:
+    """What one rank sends to sum every rank's sparse selection (DCT's) of ``body`` bytes of
+    positions and values, each payload with a ``header`` and behind an 8-byte size word.
+    ``allgather``: its whole payload to every other rank. ``reduce_scatter`` (SparCML's split
+    all-gather): the 1/W of it in each other rank's segment, then its own segment's summed top
+    entries (again ~1/W of a body) to every other rank: ~2 (W-1)/W bodies instead of (W-1), but
+    twice the headers, which decide on small buckets."""
+    if aggregation == "allgather":
+        return (world_size - 1) * (8 + header + body)
+    if aggregation == "reduce_scatter":
+        return 2 * (world_size - 1) * (8 + header + body / world_size)
+    raise ValueError(f"aggregation must be allgather or reduce_scatter, got {aggregation!r}")
+
+
+def cheaper_aggregation(body: float, world_size: int, header: float = 0.0) -> str:
+    """The aggregation of :func:`sparse_aggregation_bytes` that sends fewer bytes per rank (the
+    all-gather on ties: one collective fewer; at W = 2 it never sends more)."""
+    both = {a: sparse_aggregation_bytes(body, world_size, a, header) for a in ("allgather", "reduce_scatter")}
+    return "reduce_scatter" if both["reduce_scatter"] < both["allgather"] else "allgather"
+
+
 @dataclass(frozen=True)
 class Workload:
     """What one iteration moves and computes: ranks, batch, table dims, dense parameters, compute."""

@@ -18,13 +18,14 @@ from dlrm.process.config_checks import check_keys, flag, integer, number, one_of
 from dlrm_compression.sparse import VALUE_CODECS
 
 KINDS = ("none", "fp16", "bf16", "powersgd", "dct", "auto")
+AGGREGATIONS = ("allgather", "reduce_scatter", "auto")  # how DCT's sparse payloads are summed
 AUTO_OPTIONS = ("none", "fp16", "bf16", "dct")  # powersgd needs warm-up iterations: not switched to
 _KEYS = {
     "none": set(),
     "fp16": set(),
     "bf16": set(),
     "powersgd": {"rank", "start_iter", "warm_start", "min_compression_rate"},
-    "dct": {"keep", "refresh_every", "refresh_warmup", "min_numel", "values", "values_eb"},
+    "dct": {"keep", "refresh_every", "refresh_warmup", "min_numel", "values", "values_eb", "aggregation"},
 }
 _KEYS["auto"] = _KEYS["dct"] | {"fallback"}  # auto may choose dct, with these settings
 _COMMON = {"name", "bucket_cap_mb"}
@@ -48,6 +49,10 @@ class DenseCommSpec:
     min_numel: int = 256  # smaller buckets are all-reduced, smaller parameters sent whole
     values: str = "none"  # codec of the sent values: none (fp32) | fp16 | bf16 | lossy
     values_eb: float = 0.01  # lossy values: bound as a fraction of the largest sent |value|
+    # allgather: every rank's payload to every rank ((W-1) payloads received); reduce_scatter:
+    # segments summed by their owners, then their top entries all-gathered (~2 (W-1)/W payloads);
+    # auto: per bucket, the one with fewer bytes per rank (world size, bucket size, payload headers)
+    aggregation: str = "allgather"
     # auto: the option that travels while the strategy calibrates and measures (and before it)
     fallback: str = "none"
 
@@ -91,5 +96,6 @@ def parse_dense_comm_cfg(cfg: Mapping[str, Any] | None) -> DenseCommSpec:
             min_numel=integer(cfg, "min_numel", where, d.min_numel, 0),
             values=values,
             values_eb=number(cfg, "values_eb", where, d.values_eb, positive=True),
+            aggregation=one_of(cfg, "aggregation", where, AGGREGATIONS, d.aggregation),
         )
     return DenseCommSpec(**out)

@@ -372,10 +372,12 @@ def cache(tmp_path_factory):
     "dense",
     [
         ["dense_comm=dct", "dense_comm.keep=0.05", "dense_comm.refresh_every=4", "dense_comm.min_numel=64"],
+        # the segment owners' residuals come back too
+        ["dense_comm=dct", "dense_comm.keep=0.05", "dense_comm.min_numel=64", "dense_comm.aggregation=reduce_scatter"],
         # MLPs over DDP's 1 MB first bucket: the rebuilt layout (2 buckets) differs from the first
         ["dense_comm=powersgd", "dense_comm.start_iter=2", "model.dense_arch_layer_sizes=[512,512,16]"],
     ],
-    ids=["dct", "powersgd"],
+    ids=["dct", "dct_reduce_scatter", "powersgd"],
 )
 def test_the_trainer_resumes_a_dense_hook_and_reports_it(tmp_path, cache, dense):
     import json

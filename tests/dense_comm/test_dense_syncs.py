@@ -1,6 +1,7 @@
 """The DCT hook's device path on CPU tensors (:func:`dlrm.bench.host_syncs.device_paths`), on 2
-real gloo ranks: one host synchronisation per bucket, the same gradients and residuals as the
-host path bit for bit, and a damaged payload still a named error."""
+real gloo ranks (3 for the reduce-scatter): one host synchronisation per bucket (per phase of the
+reduce-scatter), the same gradients and residuals as the host path bit for bit, and a damaged
+payload still a named error."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def _inline_all_gather():
     return original
 
 
-def _buckets(rank: int, ws: int, values: str, iterations: int) -> dict:
+def _buckets(rank: int, ws: int, values: str, iterations: int, aggregation: str = "allgather") -> dict:
     from dlrm.bench.host_syncs import device_paths
     from dlrm.dense_comm.config import parse_dense_comm_cfg
     from dlrm.dense_comm.hook import DenseComm
@@ -58,7 +59,7 @@ def _buckets(rank: int, ws: int, values: str, iterations: int) -> dict:
         for path in ("host", "device"):
             torch.manual_seed(rank)
             model = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.Linear(200, 8))
-            dense = DenseComm(parse_dense_comm_cfg({**DCT, "values": values}))
+            dense = DenseComm(parse_dense_comm_cfg({**DCT, "values": values, "aggregation": aggregation}))
             dense.prepare(model, dist.group.WORLD)
             grads, syncs, events = [], [], []
             for _ in range(iterations):
@@ -77,6 +78,7 @@ def _buckets(rank: int, ws: int, values: str, iterations: int) -> dict:
                 "syncs": syncs,
                 "events": events,
                 "residuals": dict(dense.residuals),
+                "owner_residuals": dict(dense.owner_residuals),
                 "state": dense.state_dict(),
             }
     finally:
@@ -100,19 +102,41 @@ def test_a_device_bucket_makes_one_host_sync_the_size_read(buckets):
 
 
 def test_the_device_path_gives_the_host_paths_gradients_and_residuals_bit_for_bit(buckets):
-    for r in buckets:
+    _same_bits(buckets)
+
+
+def _same_bits(runs: list[dict]) -> None:
+    for r in runs:
         host, device = r["host"], r["device"]
         for a, b in zip(host["grads"], device["grads"], strict=True):
             assert torch.equal(a.view(torch.int32), b.view(torch.int32))
-        assert host["residuals"].keys() == device["residuals"].keys()
-        for name in host["residuals"]:
-            assert torch.equal(host["residuals"][name].view(torch.int32), device["residuals"][name].view(torch.int32))
+        for kind in ("residuals", "owner_residuals"):
+            assert host[kind].keys() == device[kind].keys()
+            for name in host[kind]:
+                assert torch.equal(host[kind][name].view(torch.int32), device[kind][name].view(torch.int32))
         # the checkpointed state is the same plain data (thresholds as floats)
         assert host["state"]["thresholds"] == device["state"]["thresholds"]
         assert all(type(v) is float for v in device["state"]["thresholds"].values())
 
 
-def _damaged(rank: int, ws: int) -> list[str]:
+@pytest.fixture(scope="module", params=["none", "bf16"])
+def scattered(request) -> list[dict]:
+    from multiprocess import run_ranks
+
+    return run_ranks(_buckets, 3, request.param, 4, "reduce_scatter", timeout=300)
+
+
+def test_the_reduce_scatter_on_the_device_makes_one_host_sync_per_phase(scattered):
+    # phase 1: the all-to-all of each segment's count and width; phase 2: the all-gather of the
+    # owner's, with the statistics and the checks of phase 1's payloads
+    for r in scattered:
+        assert r["device"]["syncs"] == [2, 2, 2, 2], r["device"]["events"]
+        assert all(e.op == "host_read" and "dense_comm/hook.py" in e.where for it in r["device"]["events"] for e in it)
+        assert r["device"]["owner_residuals"]  # the reduce-scatter ran
+    _same_bits(scattered)
+
+
+def _damaged(rank: int, ws: int, aggregation: str) -> list[str]:
     from dlrm.bench.host_syncs import device_paths
     from dlrm.dense_comm.config import parse_dense_comm_cfg
     from dlrm.dense_comm.hook import DenseComm, DenseCommError
@@ -132,7 +156,7 @@ def _damaged(rank: int, ws: int) -> list[str]:
         p.grad = torch.randn_like(p)
     with device_paths():
         for raise_at in ("next bucket", "check"):
-            dense = DenseComm(parse_dense_comm_cfg(DCT))
+            dense = DenseComm(parse_dense_comm_cfg({**DCT, "aggregation": aggregation}))
             dense.prepare(model, dist.group.WORLD)
             try:
                 for it in range(3):
@@ -145,10 +169,12 @@ def _damaged(rank: int, ws: int) -> list[str]:
     return errors
 
 
-def test_a_damaged_payload_on_the_device_path_is_an_error_naming_ranks_bucket_and_iteration():
+@pytest.mark.parametrize("aggregation", ["allgather", "reduce_scatter"])
+def test_a_damaged_payload_on_the_device_path_is_an_error_naming_ranks_bucket_and_iteration(aggregation):
+    # the reduce-scatter's damaged phase-1 payloads are named at its phase-2 read, in the same bucket
     from multiprocess import run_ranks
 
-    for rank, errors in enumerate(run_ranks(_damaged, 2, timeout=300)):
+    for rank, errors in enumerate(run_ranks(_damaged, 2, aggregation, timeout=300)):
         for error, at in zip(errors, ("next bucket", "check"), strict=True):
             assert error.startswith(f"{at}: rank {rank}: cannot decode the dense gradient payload of bucket 4"), error
             assert f"from rank {1 - rank} at iteration 1" in error and "PayloadError" in error, error
