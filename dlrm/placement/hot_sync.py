@@ -34,6 +34,7 @@ from torchrec.optim.keyed import KeyedOptimizer
 from dlrm.placement.hot_wire import SyncWire, held_slots
 from dlrm.placement.traffic import ID_BYTES
 from dlrm.process.timeout import named_collective
+from dlrm_compression.format import Deferred
 from dlrm_compression.row_cache import compact, positions
 
 RULES = ("sgd", "adagrad", "rowwise_adagrad")
@@ -166,14 +167,17 @@ class HotRowOptimizer(KeyedOptimizer):
         # same value range), read with the touched counts the rows are then compacted by
         bounds, n_touched = self.wire.bounds([self._any_touched(n) for n in self.names], iteration, touched)
         slots, rows = self._touched_rows(n_touched, bases)
-        payload = self.wire.encode(slots, rows, iteration, bounds)
+        coded = self.wire.encode(slots, rows, iteration, bounds)  # its length on the device where it defers
         if not dist.is_initialized() or dist.get_world_size() == 1:
-            return self._decoded([payload])
-        world, n, dev = dist.get_world_size(), int(payload.numel()), payload.device
+            return self._decoded([self.wire.settle(coded, int(coded.length) if isinstance(coded, Deferred) else 0)])
+        length = coded.length if isinstance(coded, Deferred) else torch.tensor(coded.numel())
+        world, rank = dist.get_world_size(), dist.get_rank()
+        dev = coded.buffer.device if isinstance(coded, Deferred) else coded.device
         with named_collective("the coded hot-row gradient exchange (placement.sync_codec=backward)"):
             sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
-            dist.all_gather(sizes, torch.tensor([n]).to(dev, non_blocking=True))
-            recv = torch.cat(sizes).tolist()  # the size exchange: one host read
+            dist.all_gather(sizes, length.reshape(1).to(dev, non_blocking=True))
+            recv = torch.cat(sizes).tolist()  # the size exchange: one host read (this rank's length too)
+            payload, n = self.wire.settle(coded, recv[rank]), recv[rank]
             out = torch.empty(sum(recv), dtype=torch.uint8, device=dev)
             dist.all_to_all_single(out, payload.repeat(world), recv, [n] * world)
         self.sent_bytes += (world - 1) * (n + ID_BYTES)  # the payload and its size to every peer

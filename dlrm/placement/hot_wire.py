@@ -39,6 +39,7 @@ from dlrm.embedding_comm.codec import DirectionCodec
 from dlrm_compression import format as fmt
 from dlrm_compression.composite import PerBlockCodec
 from dlrm_compression.format import adler32
+from dlrm_compression.lossy import LossyCodec
 
 MAGIC = b"HRW1"
 CHECKS = {1: "crc32", 2: "adler32"}  # version -> the payload's check
@@ -90,6 +91,7 @@ class SyncWire:
         self.slot_dtype = torch.int16 if self.width == 2 else torch.int32
         self.raw_row_bytes = 0  # fp32 bytes of the rows this rank coded
         self.coded_row_bytes = 0  # their codec payloads' bytes
+        self._framing = 0  # the bytes of the last deferred payload that are not its parts'
 
     def bounds(
         self, rows: Sequence[torch.Tensor], iteration: int, also: torch.Tensor | None = None
@@ -119,9 +121,10 @@ class SyncWire:
         rows: Sequence[torch.Tensor],
         iteration: int,
         bounds: Sequence[float] | None = None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | fmt.Deferred:
         """The payload (uint8, 1-D, on the rows' device) of each table's touched ``slots``
-        (global, int64) and ``rows``; ``bounds``: :meth:`bounds`' of the rows, read already."""
+        (global, int64) and ``rows``; ``bounds``: :meth:`bounds`' of the rows, read already.
+        Where :meth:`defers`, its length is still on the device (:meth:`settle` cuts it)."""
         parts: dict[float, Part] = {}
         if bounds is None:
             bounds = self.bounds(rows, iteration)[0]
@@ -131,6 +134,8 @@ class SyncWire:
                 part.slots.append(s)
                 part.rows.append(r)
         device = rows[0].device if rows else torch.device("cpu")
+        if self.defers(device):
+            return self._encode_deferred(list(parts.values()), device)
         payloads = []
         for part in parts.values():
             block = torch.cat(part.rows).contiguous()
@@ -148,6 +153,52 @@ class SyncWire:
         if CHECKS[version] == "adler32":  # computed and written on the device
             out[_CHECK_AT : _PREFIX.size] = adler32(body).reshape(1).view(torch.uint8)[:4]
         return out
+
+    def defers(self, device: torch.device) -> bool:
+        """Whether payloads built on ``device`` are made without a host wait (:meth:`_encode_deferred`):
+        where the codec's are (the lossy codec's fixed-length coder and the device's check)."""
+        return isinstance(self.codec, LossyCodec) and self.codec.defers(device)
+
+    def _encode_deferred(self, parts: list[Part], device: torch.device) -> fmt.Deferred:
+        """:meth:`encode`'s layout built with the parts' byte counts on the device: each part coded
+        with :meth:`LossyCodec.encode_deferred`, the part table written from their lengths and the
+        payloads gathered behind it, the check computed there; the length stays on the device (the
+        size exchange reads it)."""
+        assert isinstance(self.codec, LossyCodec)
+        coded: list[fmt.Deferred] = []
+        for part in parts:
+            block = torch.cat(part.rows).contiguous()
+            d = self.codec.encode_deferred(block, [part.bound], None, blocks=[block.shape[1]])
+            coded.append(d if isinstance(d, fmt.Deferred) else fmt.Deferred(d, _on_int(d.numel(), device)))
+            self.raw_row_bytes += block.numel() * 4
+        all_slots = [s for p in parts for s in p.slots]
+        ids = torch.cat(all_slots).to(device, self.slot_dtype) if all_slots else torch.zeros(0, dtype=self.slot_dtype)
+        counts = [sum(len(s) for s in p.slots) for p in parts]
+        lengths = torch.stack([d.length for d in coded]) if coded else torch.zeros(0, dtype=torch.int64, device=device)
+        self._framing = _PREFIX.size + len(ids) * self.width + len(parts) * _PART.size  # (the rest: the parts)
+        # the part table: per part (rows, bytes) as u32, the low 4 bytes of each little-endian int64
+        table = torch.stack([_on_int(counts, device).reshape(-1), lengths], 1).view(torch.uint8).view(-1, 8)[:, :4]
+        prefix = _PREFIX.pack(MAGIC, 2, self.width, len(parts), len(ids), 0)  # version 2: Adler-32
+        fixed = torch.cat([_on(prefix, device), ids.to(device).view(torch.uint8), table.reshape(-1)])
+        ends = fixed.numel() + lengths.cumsum(0)
+        out = torch.zeros(fixed.numel() + sum(d.buffer.numel() for d in coded) + 1, dtype=torch.uint8, device=device)
+        out[: fixed.numel()] = fixed
+        for d, end in zip(coded, ends, strict=True):
+            fmt.place(out, d.buffer, d.length, end - d.length)
+        total = ends[-1] if coded else _on_int(fixed.numel(), device).reshape(())
+        out = out[:-1]
+        out[_CHECK_AT : _PREFIX.size] = (
+            adler32(out[_PREFIX.size :], total - _PREFIX.size).reshape(1).view(torch.uint8)[:4]
+        )
+        return fmt.Deferred(out, total)
+
+    def settle(self, payload: torch.Tensor | fmt.Deferred, n: int) -> torch.Tensor:
+        """:meth:`encode`'s payload once its length ``n`` is read (a deferred one cut there, its
+        parts' bytes counted)."""
+        if not isinstance(payload, fmt.Deferred):
+            return payload
+        self.coded_row_bytes += n - self._framing
+        return payload.take(n)
 
     def decode(self, payload: torch.Tensor, src: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(slots int64, fp32 rows [n, D]) of rank ``src``'s payload, on its device; any defect is
@@ -169,6 +220,9 @@ class SyncWire:
             return HotWireError(f"hot-row sync payload from rank {srcs[i]} ({payloads[i].numel()} bytes): {why}")
 
         on_device = bool(payloads) and fmt._check_for(payloads[0].device) == "adler32"  # (else the CPU's crc32)
+        # where the parts are the device's, their codec heads are read here too, at their capacity
+        codec_heads = on_device and self.defers(payloads[0].device)
+        head_size = LossyCodec.head_size(1) if codec_heads else 0
         pieces, slots, valid = [], [], []
         for i, payload in enumerate(payloads):
             size = payload.numel()
@@ -182,14 +236,22 @@ class SyncWire:
             table_at = _PREFIX.size + n_rows * self.width + torch.arange(n_tables * _PART.size, device=payload.device)
             check = _adler_ok(payload) if on_device else in_range  # (in_range: a placeholder, not read)
             flags = torch.stack([check, in_range]).to(torch.uint8)
-            pieces += [payload[: _PREFIX.size], payload[table_at.clamp(max=size - 1)], flags]
+            table = payload[table_at.clamp(max=size - 1)]
+            pieces += [payload[: _PREFIX.size], table, flags]
+            if codec_heads:  # part k starts after the part table and the bytes of the parts before it
+                n_parts = payload[6].long() + (payload[7].long() << 8)
+                nbytes = (table.view(-1, 2, 4)[:, 1].long() << torch.arange(0, 32, 8, device=payload.device)).sum(1)
+                starts = _PREFIX.size + n_rows * self.width + n_parts * _PART.size + nbytes.cumsum(0) - nbytes
+                at = starts[:, None] + torch.arange(head_size, device=payload.device)
+                pieces.append(payload[at.clamp(max=size - 1).reshape(-1)])
             slots.append(s.clamp(0, max(n_slots - 1, 0)))
             valid.append(live)
         hit, counts = held_slots(slots, valid, self.sizes)
         raw = _host(torch.cat([*pieces, counts.view(torch.uint8)]))  # the one read
-        out, step = [], _PREFIX.size + n_tables * _PART.size + 2
+        base = _PREFIX.size + n_tables * _PART.size + 2  # prefix, part table, flags
+        out, step = [], base + n_tables * head_size
         for i, payload in enumerate(payloads):
-            head = raw[i * step : (i + 1) * step]
+            head, heads = raw[i * step : i * step + base], raw[i * step + base : (i + 1) * step]
             magic, version, width, n_parts, n_rows, check = _PREFIX.unpack_from(head)
             if magic != MAGIC or version not in CHECKS:
                 raise fail(i, f"not a hot-row sync payload (magic {magic!r}, version {version})")
@@ -212,18 +274,32 @@ class SyncWire:
                 raise fail(i, f"parts of {sizes} (rows, bytes) do not add up to {n_rows} rows and the payload's length")
             if head[-1] != 1:
                 raise fail(i, f"slot ids outside 0..{n_slots - 1}")
-            out.append((slots[i][:n_rows], self._rows(payload, sizes, end, functools.partial(fail, i))))
+            # the parts' own checks: the payload's, which covers their bytes (a device's verdict)
+            read = [fmt.HostHead(heads[k * head_size : (k + 1) * head_size], True, []) for k in range(n_parts)]
+            hosted = read if codec_heads and CHECKS[version] == "adler32" else None
+            out.append((slots[i][:n_rows], self._rows(payload, sizes, end, functools.partial(fail, i), hosted)))
         n_held = list(struct.unpack_from(f"<{n_tables}q", raw, len(payloads) * step))
         return out, hit, n_held
 
     def _rows(
-        self, payload: torch.Tensor, sizes: list[tuple[int, int]], at: int, fail: Callable[[str], HotWireError]
+        self,
+        payload: torch.Tensor,
+        sizes: list[tuple[int, int]],
+        at: int,
+        fail: Callable[[str], HotWireError],
+        heads: list[fmt.HostHead] | None = None,
     ) -> torch.Tensor:
-        """The fp32 rows of a payload's parts (``sizes``: rows and bytes each, from ``at``)."""
+        """The fp32 rows of a payload's parts (``sizes``: rows and bytes each, from ``at``);
+        ``heads``: their codec heads, read already (then nothing here waits for the device)."""
         rows = []
         for i, (n, nbytes) in enumerate(sizes):
             try:
-                block = self.codec.decode(payload[at : at + nbytes].clone())
+                part = payload[at : at + nbytes].clone()
+                if heads is None:
+                    block = self.codec.decode(part)
+                else:
+                    assert isinstance(self.codec, LossyCodec)  # (heads are read where it defers)
+                    block = self.codec.decode(part, head=heads[i])
             except Exception as e:  # any codec failure: name the rank and the part
                 raise fail(f"part {i}: {type(e).__name__}: {e}") from e
             if tuple(block.shape) != (n, self.dim):
@@ -262,6 +338,12 @@ def _u32(payload: torch.Tensor, at: int) -> torch.Tensor:
 def _on(raw: bytes, device: torch.device) -> torch.Tensor:
     """Host bytes (the framing) as a uint8 tensor on ``device``, sent without waiting for its queue."""
     t = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
+    return t if device.type == "cpu" else t.to(device, non_blocking=True)
+
+
+def _on_int(values: int | list[int], device: torch.device) -> torch.Tensor:
+    """Host integers as an int64 tensor on ``device``, sent without waiting for its queue."""
+    t = torch.tensor(values, dtype=torch.int64)
     return t if device.type == "cpu" else t.to(device, non_blocking=True)
 
 
