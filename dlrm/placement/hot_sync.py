@@ -130,6 +130,19 @@ class HotRowOptimizer(KeyedOptimizer):
         rows = torch.arange(t.numel(), device=t.device)
         return self.pending[name].index_select(0, torch.where(t, rows, t.to(torch.uint8).argmax()))
 
+    def _at_capacity(self, bases: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each table's slots (global), its touched ones first in slot order, and its pending rows
+        in that order, each untouched one replaced by its first touched row (the same value range,
+        deduplicated away): on the device, without the touched counts on the host."""
+        slots, rows = [], []
+        for name, base in zip(self.names, bases, strict=False):
+            t = self.touched[name]
+            order = torch.argsort(t.logical_not().to(torch.uint8), stable=True)
+            pick = torch.where(torch.arange(t.numel(), device=t.device) < t.sum(), order, order[:1])
+            slots.append(pick + base)
+            rows.append(self.pending[name].index_select(0, pick))
+        return slots, rows
+
     def _gather(self, touched: torch.Tensor, bases: list[int]) -> Gathered:
         """Every rank's (slots, rows), in rank order; rows of each rank padded to the largest count.
         Tensors on the rows' device (the process group's: NCCL takes CUDA tensors, gloo CPU ones)."""
@@ -163,11 +176,15 @@ class HotRowOptimizer(KeyedOptimizer):
         the payload repeated per destination: a variable-size all-gather)."""
         assert self.wire is not None
         iteration = self.steps - 1  # the iteration of the last step synced
-        # The bounds from each table's rows at capacity (untouched rows replaced by a touched one: the
-        # same value range), read with the touched counts the rows are then compacted by
-        bounds, n_touched = self.wire.bounds([self._any_touched(n) for n in self.names], iteration, touched)
-        slots, rows = self._touched_rows(n_touched, bases)
-        coded = self.wire.encode(slots, rows, iteration, bounds)  # its length on the device where it defers
+        coded: torch.Tensor | Deferred
+        if self.wire.defers(touched.device):  # built at the tables' capacity: its length read with the sizes
+            coded = self.wire.encode_capacity(*self._at_capacity(bases), touched, iteration)
+        else:
+            # The bounds from each table's rows at capacity (untouched rows replaced by a touched one: the
+            # same value range), read with the touched counts the rows are then compacted by
+            bounds, n_touched = self.wire.bounds([self._any_touched(n) for n in self.names], iteration, touched)
+            slots, rows = self._touched_rows(n_touched, bases)
+            coded = self.wire.encode(slots, rows, iteration, bounds)
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return self._decoded([self.wire.settle(coded, int(coded.length) if isinstance(coded, Deferred) else 0)])
         length = coded.length if isinstance(coded, Deferred) else torch.tensor(coded.numel())

@@ -2,9 +2,14 @@
 rows coded with the backward all-to-all's error-bounded codec and bound, and their slots.
 
 Each table's bound is what the backward policy gives its feature (times the value range of the
-table's rows being sent, in ``rel`` mode), rounded down to a power of two; tables whose rounded
-bounds are equal share one codec payload coded at that bound, so a payload header (~120 bytes) is
-paid per bound class, not per table, and no row is coded looser than its table's own bound.
+table's rows being sent, in ``rel`` mode), rounded down to a power of two; on the CPU, tables whose
+rounded bounds are equal share one codec payload coded at that bound, so a payload header (~120
+bytes) is paid per bound class, not per table, and no row is coded looser than its table's own
+bound. On an accelerator (version 2) the grouping would need the bounds on the host: each table is
+one part, coded at its bound's class computed on the device, of its rows at their capacity (the
+touched ones first, the rest repeating a touched row, deduplicated away by the codec; the part
+table's row count says how many are sent). The codec quantises value by value, so a row decodes
+to the same bits either way.
 
 Layout (little-endian)::
 
@@ -14,13 +19,16 @@ Layout (little-endian)::
                        parts, rows, the check of everything after the prefix
     slots              rows x slot width, part after part (a part's rows in slot order)
     per part           rows (u32), payload bytes (u32)
-    payloads           the parts' codec payloads, back to back (each self-describing, checksummed)
+    payloads           the parts' codec payloads, back to back (each self-describing, checksummed;
+                       version 2: their rows at capacity, the part's first ``rows`` sent)
 
-A rank that touched nothing sends the 16-byte prefix alone. Decoding is deterministic, so every
-rank that decodes the same bytes gets the same rows, bit for bit. The payload is built and decoded
-on the rows' device; the host reads the bounds (all tables at once) to encode, and, to decode every
-rank's payload, all their heads at once (prefix, part table, the check's verdict), their part
-tables and slots found on the device at their capacity.
+A rank that touched nothing sends the 16-byte prefix alone (version 1). Decoding is deterministic,
+so every rank that decodes the same bytes gets the same rows, bit for bit. The payload is built and
+decoded on the rows' device. On the CPU the host reads the bounds (all tables at once) to encode;
+on an accelerator the payload is built with every size on the device (its length read by the size
+exchange). To decode every rank's payload the host reads all their heads at once (prefix, part
+table, the check's verdict and, version 2, every part's codec head, the payload's check standing
+for theirs), their part tables, slots and parts found on the device at their capacity.
 """
 
 from __future__ import annotations
@@ -89,9 +97,18 @@ class SyncWire:
         self.features, self.sizes, self.dim = list(features), [int(s) for s in sizes], int(dim)
         self.width = slot_width(sum(self.sizes))
         self.slot_dtype = torch.int16 if self.width == 2 else torch.int32
-        self.raw_row_bytes = 0  # fp32 bytes of the rows this rank coded
-        self.coded_row_bytes = 0  # their codec payloads' bytes
-        self._framing = 0  # the bytes of the last deferred payload that are not its parts'
+        # fp32 bytes of the rows this rank coded, and their codec payloads' bytes (on the device
+        # path device values, added there and read when reported)
+        self._raw: int | torch.Tensor = 0
+        self._coded: int | torch.Tensor = 0
+
+    @property
+    def raw_row_bytes(self) -> int:
+        return int(self._raw)
+
+    @property
+    def coded_row_bytes(self) -> int:
+        return int(self._coded)
 
     def bounds(
         self, rows: Sequence[torch.Tensor], iteration: int, also: torch.Tensor | None = None
@@ -125,6 +142,14 @@ class SyncWire:
         """The payload (uint8, 1-D, on the rows' device) of each table's touched ``slots``
         (global, int64) and ``rows``; ``bounds``: :meth:`bounds`' of the rows, read already.
         Where :meth:`defers`, its length is still on the device (:meth:`settle` cuts it)."""
+        device = rows[0].device if rows else torch.device("cpu")
+        if self.defers(device):  # one part per table, at its own bound's class (a table with no rows: one unsent)
+            sent = _on_int([len(s) for s in slots], device)
+            at_capacity = [
+                (s, r) if len(s) else (s.new_zeros(1), r.new_zeros(1, self.dim))
+                for s, r in zip(slots, rows, strict=True)
+            ]
+            return self.encode_capacity([s for s, _ in at_capacity], [r for _, r in at_capacity], sent, iteration)
         parts: dict[float, Part] = {}
         if bounds is None:
             bounds = self.bounds(rows, iteration)[0]
@@ -133,15 +158,12 @@ class SyncWire:
                 part = parts.setdefault(bound_class(b), Part(bound_class(b), [], []))
                 part.slots.append(s)
                 part.rows.append(r)
-        device = rows[0].device if rows else torch.device("cpu")
-        if self.defers(device):
-            return self._encode_deferred(list(parts.values()), device)
         payloads = []
         for part in parts.values():
             block = torch.cat(part.rows).contiguous()
             payloads.append(self.codec.encode(block, [part.bound], None, blocks=[block.shape[1]]))
-            self.raw_row_bytes += block.numel() * 4
-            self.coded_row_bytes += int(payloads[-1].numel())
+            self._raw += block.numel() * 4
+            self._coded += int(payloads[-1].numel())
         all_slots = [s for p in parts.values() for s in p.slots]
         ids = torch.cat(all_slots).to(device, self.slot_dtype) if all_slots else torch.zeros(0, dtype=self.slot_dtype)
         counts = [sum(len(s) for s in p.slots) for p in parts.values()]
@@ -159,46 +181,53 @@ class SyncWire:
         where the codec's are (the lossy codec's fixed-length coder and the device's check)."""
         return isinstance(self.codec, LossyCodec) and self.codec.defers(device)
 
-    def _encode_deferred(self, parts: list[Part], device: torch.device) -> fmt.Deferred:
-        """:meth:`encode`'s layout built with the parts' byte counts on the device: each part coded
-        with :meth:`LossyCodec.encode_deferred`, the part table written from their lengths and the
-        payloads gathered behind it, the check computed there; the length stays on the device (the
-        size exchange reads it)."""
+    def encode_capacity(
+        self, slots: Sequence[torch.Tensor], rows: Sequence[torch.Tensor], counts: torch.Tensor, iteration: int
+    ) -> fmt.Deferred:
+        """The device's payload (where :meth:`defers`), built without a host wait: one part per
+        table, of its ``rows`` at their capacity (the first ``counts[k]``, an int64 device tensor
+        per table, are its touched rows, ``slots`` their global slots; the others repeat touched
+        rows, so that they keep the range and deduplicate away), coded with
+        :meth:`LossyCodec.encode_deferred` at its bound's class computed on the device (what the
+        CPU's part of that class gives its rows: the codec quantises value by value). The slots
+        and the part table are written from the counts and the parts' lengths, the parts gathered
+        behind them; the length stays on the device (the size exchange reads it, :meth:`settle`)."""
         assert isinstance(self.codec, LossyCodec)
-        coded: list[fmt.Deferred] = []
-        for part in parts:
-            block = torch.cat(part.rows).contiguous()
-            d = self.codec.encode_deferred(block, [part.bound], None, blocks=[block.shape[1]])
+        device = counts.device
+        coded = []
+        for f, r, k in zip(self.features, rows, counts, strict=True):
+            (value,) = self.direction.policy([f], iteration)
+            b = self.direction.bounds(r, [self.dim], [value])
+            assert b is not None  # (a bounded codec)
+            bound = b if isinstance(b, torch.Tensor) else torch.tensor(b, dtype=torch.float64)  # abs mode: floats
+            bound = bound.to(device, torch.float64, non_blocking=bound.device.type == "cpu")
+            eb = torch.where(k > 0, device_bound_class(bound.reshape(-1)), 1.0)  # (none touched: unread)
+            d = self.codec.encode_deferred(r.contiguous(), eb, None, blocks=[self.dim])
             coded.append(d if isinstance(d, fmt.Deferred) else fmt.Deferred(d, _on_int(d.numel(), device)))
-            self.raw_row_bytes += block.numel() * 4
-        all_slots = [s for p in parts for s in p.slots]
-        ids = torch.cat(all_slots).to(device, self.slot_dtype) if all_slots else torch.zeros(0, dtype=self.slot_dtype)
-        counts = [sum(len(s) for s in p.slots) for p in parts]
-        lengths = torch.stack([d.length for d in coded]) if coded else torch.zeros(0, dtype=torch.int64, device=device)
-        self._framing = _PREFIX.size + len(ids) * self.width + len(parts) * _PART.size  # (the rest: the parts)
+        lengths = torch.stack([d.length for d in coded])
         # the part table: per part (rows, bytes) as u32, the low 4 bytes of each little-endian int64
-        table = torch.stack([_on_int(counts, device).reshape(-1), lengths], 1).view(torch.uint8).view(-1, 8)[:, :4]
-        prefix = _PREFIX.pack(MAGIC, 2, self.width, len(parts), len(ids), 0)  # version 2: Adler-32
-        fixed = torch.cat([_on(prefix, device), ids.to(device).view(torch.uint8), table.reshape(-1)])
-        ends = fixed.numel() + lengths.cumsum(0)
-        out = torch.zeros(fixed.numel() + sum(d.buffer.numel() for d in coded) + 1, dtype=torch.uint8, device=device)
-        out[: fixed.numel()] = fixed
-        for d, end in zip(coded, ends, strict=True):
-            fmt.place(out, d.buffer, d.length, end - d.length)
-        total = ends[-1] if coded else _on_int(fixed.numel(), device).reshape(())
-        out = out[:-1]
+        table = torch.stack([counts, lengths], 1).view(torch.uint8).view(-1, 8)[:, :4].reshape(-1)
+        pieces = [(s.to(self.slot_dtype).view(torch.uint8), k * self.width) for s, k in zip(slots, counts, strict=True)]
+        pieces += [(table, _on_int(table.numel(), device)), *((d.buffer, d.length) for d in coded)]
+        sizes = torch.stack([n.reshape(()) for _, n in pieces])
+        ends = _PREFIX.size + sizes.cumsum(0)
+        out = torch.zeros(_PREFIX.size + sum(p.numel() for p, _ in pieces) + 1, dtype=torch.uint8, device=device)
+        out[: _PREFIX.size] = _on(_PREFIX.pack(MAGIC, 2, self.width, len(coded), 0, 0), device)  # 2: Adler-32
+        for (piece, n), end in zip(pieces, ends, strict=True):
+            fmt.place(out, piece, n, end - n)
+        out, total = out[:-1], ends[-1]
+        out[8:_CHECK_AT] = counts.sum().reshape(1).view(torch.uint8)[:4]  # the rows: a device value
         out[_CHECK_AT : _PREFIX.size] = (
             adler32(out[_PREFIX.size :], total - _PREFIX.size).reshape(1).view(torch.uint8)[:4]
         )
+        self._raw = self._raw + counts.sum() * self.dim * 4
+        self._coded = self._coded + lengths.sum()
         return fmt.Deferred(out, total)
 
-    def settle(self, payload: torch.Tensor | fmt.Deferred, n: int) -> torch.Tensor:
-        """:meth:`encode`'s payload once its length ``n`` is read (a deferred one cut there, its
-        parts' bytes counted)."""
-        if not isinstance(payload, fmt.Deferred):
-            return payload
-        self.coded_row_bytes += n - self._framing
-        return payload.take(n)
+    @staticmethod
+    def settle(payload: torch.Tensor | fmt.Deferred, n: int) -> torch.Tensor:
+        """:meth:`encode`'s payload once its length ``n`` is read (a deferred one cut there)."""
+        return payload.take(n) if isinstance(payload, fmt.Deferred) else payload
 
     def decode(self, payload: torch.Tensor, src: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(slots int64, fp32 rows [n, D]) of rank ``src``'s payload, on its device; any defect is
@@ -302,9 +331,9 @@ class SyncWire:
                     block = self.codec.decode(part, head=heads[i])
             except Exception as e:  # any codec failure: name the rank and the part
                 raise fail(f"part {i}: {type(e).__name__}: {e}") from e
-            if tuple(block.shape) != (n, self.dim):
+            if block.shape[0] < n or block.shape[1:] != (self.dim,):  # (a device's part: rows at capacity)
                 raise fail(f"part {i} decoded shape {tuple(block.shape)}, its entry says ({n}, {self.dim})")
-            rows.append(block.float())
+            rows.append(block[:n].float())
             at += nbytes
         return torch.cat(rows) if rows else torch.zeros(0, self.dim, device=payload.device)
 
@@ -339,6 +368,12 @@ def _on(raw: bytes, device: torch.device) -> torch.Tensor:
     """Host bytes (the framing) as a uint8 tensor on ``device``, sent without waiting for its queue."""
     t = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
     return t if device.type == "cpu" else t.to(device, non_blocking=True)
+
+
+def device_bound_class(bound: torch.Tensor) -> torch.Tensor:
+    """:func:`bound_class` of float64 bounds on their device (no host wait)."""
+    exponent = torch.frexp(bound).exponent
+    return torch.where(bound > 0, torch.ldexp(torch.ones_like(bound), exponent - 1), 0.0)
 
 
 def _on_int(values: int | list[int], device: torch.device) -> torch.Tensor:

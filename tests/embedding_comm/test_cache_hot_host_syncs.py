@@ -218,10 +218,10 @@ def test_hot_row_sync_waits_a_fixed_number_of_times_per_sync_whatever_its_tables
         return [p.detach().clone() for p in params.values()], c
 
     replicas, c = run(count=True)
-    # exact: the touched counts, the hit counts (all tables at once); coded: the bounds to encode with
-    # the touched counts, the payload's length (one rank: no size exchange), then every payload's
-    # head with the checks, the parts' codec heads and the hit counts
-    expected = 3 if coded else 2
+    # exact: the touched counts, the hit counts (all tables at once); coded: the payload's length
+    # (one rank: no size exchange), then every payload's head with the checks, the parts' codec
+    # heads and the hit counts
+    expected = 2
     assert all(c.by_label[f"step{i}"] == expected for i in range(3)), c.counts
     assert all(torch.equal(a, b) for a, b in zip(replicas, run(count=False)[0], strict=True))
 
@@ -284,10 +284,9 @@ def test_hot_row_sync_on_ranks_waits_at_most_once_per_collective(coded):
             # the exact sync: the size all-gather and the rows' all-gather; coded: the size all-gather
             # and the payloads' all-to-all
             assert r["collectives"] == 2, r
-            # one read after each: the sizes (with the touched counts, exact), then the hit counts
-            # (with every payload's head and its parts' codec heads, coded); and coded, before
-            # them, the bounds its parts are grouped by (with the touched counts)
-            assert r["waits"] == [r["collectives"] + coded] * 3, (ws, r["waits"], r["collectives"])
+            # one read after each, the codec's own included: the sizes (with the touched counts,
+            # exact), then the hit counts (with every payload's head and its parts' codec heads, coded)
+            assert r["waits"] == [r["collectives"]] * 3, (ws, r["waits"], r["collectives"])
 
 
 # The functions these features run per chunk, batch or sync, and their host copies: each a size
