@@ -5,30 +5,33 @@ Each table's bound is what the backward policy gives its feature (times the valu
 table's rows being sent, in ``rel`` mode), rounded down to a power of two; on the CPU, tables whose
 rounded bounds are equal share one codec payload coded at that bound, so a payload header (~120
 bytes) is paid per bound class, not per table, and no row is coded looser than its table's own
-bound. On an accelerator (version 2) the grouping would need the bounds on the host: each table is
-one part, coded at its bound's class computed on the device, of its rows at their capacity (the
-touched ones first, the rest repeating a touched row, deduplicated away by the codec; the part
-table's row count says how many are sent). The codec quantises value by value, so a row decodes
-to the same bits either way.
+bound. On an accelerator (version 2) that grouping would need the bounds on the host: there every
+table is one block of a single codec payload, coded at its bound's class computed on the device,
+of its rows at their capacity (the touched ones first, the rest repeating a touched row, which the
+codec's dedup folds away; the table's row count says how many are sent), so the header is paid
+once. The codec quantises value by value, so a row decodes to the same bits either way.
 
 Layout (little-endian)::
 
     prefix "<4sBBHII": magic b"HRW1", version (1: the check is zlib's crc32, built on the CPU; 2:
                        Adler-32, built on an accelerator, where a crc32 would copy the payload to
                        the host), slot width (2: int16 when every slot fits, else 4: int32),
-                       parts, rows, the check of everything after the prefix
+                       parts (version 2: tables), rows, the check of everything after the prefix
     slots              rows x slot width, part after part (a part's rows in slot order)
+    version 1:
     per part           rows (u32), payload bytes (u32)
-    payloads           the parts' codec payloads, back to back (each self-describing, checksummed;
-                       version 2: their rows at capacity, the part's first ``rows`` sent)
+    payloads           the parts' codec payloads, back to back (each self-describing, checksummed)
+    version 2:
+    per table          rows (u32)
+    payload            one codec payload, a block per table at its capacity (its first rows sent)
 
-A rank that touched nothing sends the 16-byte prefix alone (version 1). Decoding is deterministic,
-so every rank that decodes the same bytes gets the same rows, bit for bit. The payload is built and
-decoded on the rows' device. On the CPU the host reads the bounds (all tables at once) to encode;
-on an accelerator the payload is built with every size on the device (its length read by the size
-exchange). To decode every rank's payload the host reads all their heads at once (prefix, part
-table, the check's verdict and, version 2, every part's codec head, the payload's check standing
-for theirs), their part tables, slots and parts found on the device at their capacity.
+A CPU rank that touched nothing sends the 16-byte prefix alone. Decoding is deterministic, so every
+rank that decodes the same bytes gets the same rows, bit for bit. The payload is built and decoded
+on the rows' device. On the CPU the host reads the bounds (all tables at once) to encode; on an
+accelerator every size stays on the device (the size exchange reads the length). To decode every
+rank's payload the host reads all their heads at once (prefix, part table, the check's verdict
+and, version 2, the codec payload's head, whose check the payload's stands for), their part tables,
+slots and codec heads found on the device at their capacity.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ VERSION = 1  # the CPU's (crc32)
 _CHECK_AT = 12  # the check's offset in the prefix
 _PREFIX = struct.Struct("<4sBBHII")
 _PART = struct.Struct("<II")
+_COUNT = struct.Struct("<I")  # version 2: a table's rows
 INT16_SLOTS = 1 << 15  # int16 slot ids hold 0..32767
 HEADER_BYTES = _PREFIX.size + _PART.size  # a payload's framing with one bound class
 
@@ -143,7 +147,7 @@ class SyncWire:
         (global, int64) and ``rows``; ``bounds``: :meth:`bounds`' of the rows, read already.
         Where :meth:`defers`, its length is still on the device (:meth:`settle` cuts it)."""
         device = rows[0].device if rows else torch.device("cpu")
-        if self.defers(device):  # one part per table, at its own bound's class (a table with no rows: one unsent)
+        if self.defers(device):  # version 2 (a table with no rows: one row, not sent)
             sent = _on_int([len(s) for s in slots], device)
             at_capacity = [
                 (s, r) if len(s) else (s.new_zeros(1), r.new_zeros(1, self.dim))
@@ -177,42 +181,41 @@ class SyncWire:
         return out
 
     def defers(self, device: torch.device) -> bool:
-        """Whether payloads built on ``device`` are made without a host wait (:meth:`_encode_deferred`):
+        """Whether payloads built on ``device`` are made without a host wait (:meth:`encode_capacity`):
         where the codec's are (the lossy codec's fixed-length coder and the device's check)."""
         return isinstance(self.codec, LossyCodec) and self.codec.defers(device)
 
     def encode_capacity(
         self, slots: Sequence[torch.Tensor], rows: Sequence[torch.Tensor], counts: torch.Tensor, iteration: int
     ) -> fmt.Deferred:
-        """The device's payload (where :meth:`defers`), built without a host wait: one part per
-        table, of its ``rows`` at their capacity (the first ``counts[k]``, an int64 device tensor
-        per table, are its touched rows, ``slots`` their global slots; the others repeat touched
-        rows, so that they keep the range and deduplicate away), coded with
-        :meth:`LossyCodec.encode_deferred` at its bound's class computed on the device (what the
-        CPU's part of that class gives its rows: the codec quantises value by value). The slots
-        and the part table are written from the counts and the parts' lengths, the parts gathered
-        behind them; the length stays on the device (the size exchange reads it, :meth:`settle`)."""
+        """The device's payload (version 2, where :meth:`defers`), built without a host wait: every
+        table's ``rows`` at their capacity (the first ``counts[k]``, an int64 device tensor per
+        table, are its touched rows, ``slots`` their global slots; the others repeat touched rows,
+        so that they keep the range and deduplicate away) as one block each of one payload of
+        :meth:`LossyCodec.encode_deferred`, each block at its table's bound class computed on the
+        device. The slots and the counts are written from the device, the payload gathered behind
+        them; the length stays on the device (the size exchange reads it, :meth:`settle`)."""
         assert isinstance(self.codec, LossyCodec)
         device = counts.device
-        coded = []
-        for f, r, k in zip(self.features, rows, counts, strict=True):
+        bounds = []
+        for f, r in zip(self.features, rows, strict=True):
             (value,) = self.direction.policy([f], iteration)
             b = self.direction.bounds(r, [self.dim], [value])
             assert b is not None  # (a bounded codec)
             bound = b if isinstance(b, torch.Tensor) else torch.tensor(b, dtype=torch.float64)  # abs mode: floats
-            bound = bound.to(device, torch.float64, non_blocking=bound.device.type == "cpu")
-            eb = torch.where(k > 0, device_bound_class(bound.reshape(-1)), 1.0)  # (none touched: unread)
-            d = self.codec.encode_deferred(r.contiguous(), eb, None, blocks=[self.dim])
-            coded.append(d if isinstance(d, fmt.Deferred) else fmt.Deferred(d, _on_int(d.numel(), device)))
-        lengths = torch.stack([d.length for d in coded])
-        # the part table: per part (rows, bytes) as u32, the low 4 bytes of each little-endian int64
-        table = torch.stack([counts, lengths], 1).view(torch.uint8).view(-1, 8)[:, :4].reshape(-1)
+            bounds.append(bound.to(device, torch.float64, non_blocking=bound.device.type == "cpu").reshape(()))
+        classes = torch.where(counts > 0, device_bound_class(torch.stack(bounds)), 1.0)  # (none touched: unread)
+        capacity = max(r.shape[0] for r in rows)  # every table's rows, the last one repeated up to it
+        x = torch.cat([r.index_select(0, torch.arange(capacity, device=device).clamp(max=len(r) - 1)) for r in rows], 1)
+        d = self.codec.encode_deferred(x, classes, None, blocks=[self.dim] * len(rows))
+        coded = d if isinstance(d, fmt.Deferred) else fmt.Deferred(d, _on_int(d.numel(), device))
         pieces = [(s.to(self.slot_dtype).view(torch.uint8), k * self.width) for s, k in zip(slots, counts, strict=True)]
-        pieces += [(table, _on_int(table.numel(), device)), *((d.buffer, d.length) for d in coded)]
+        row_counts = counts.view(torch.uint8).view(-1, 8)[:, :4].reshape(-1)  # u32: an int64's low 4 bytes
+        pieces += [(row_counts, _on_int(row_counts.numel(), device)), (coded.buffer, coded.length)]
         sizes = torch.stack([n.reshape(()) for _, n in pieces])
         ends = _PREFIX.size + sizes.cumsum(0)
         out = torch.zeros(_PREFIX.size + sum(p.numel() for p, _ in pieces) + 1, dtype=torch.uint8, device=device)
-        out[: _PREFIX.size] = _on(_PREFIX.pack(MAGIC, 2, self.width, len(coded), 0, 0), device)  # 2: Adler-32
+        out[: _PREFIX.size] = _on(_PREFIX.pack(MAGIC, 2, self.width, len(rows), 0, 0), device)  # 2: Adler-32
         for (piece, n), end in zip(pieces, ends, strict=True):
             fmt.place(out, piece, n, end - n)
         out, total = out[:-1], ends[-1]
@@ -221,7 +224,7 @@ class SyncWire:
             adler32(out[_PREFIX.size :], total - _PREFIX.size).reshape(1).view(torch.uint8)[:4]
         )
         self._raw = self._raw + counts.sum() * self.dim * 4
-        self._coded = self._coded + lengths.sum()
+        self._coded = self._coded + coded.length
         return fmt.Deferred(out, total)
 
     @staticmethod
@@ -249,9 +252,9 @@ class SyncWire:
             return HotWireError(f"hot-row sync payload from rank {srcs[i]} ({payloads[i].numel()} bytes): {why}")
 
         on_device = bool(payloads) and fmt._check_for(payloads[0].device) == "adler32"  # (else the CPU's crc32)
-        # where the parts are the device's, their codec heads are read here too, at their capacity
+        # where payloads are the device's (version 2), the codec's head is read here too
         codec_heads = on_device and self.defers(payloads[0].device)
-        head_size = LossyCodec.head_size(1) if codec_heads else 0
+        head_size = LossyCodec.head_size(n_tables) if codec_heads else 0
         pieces, slots, valid = [], [], []
         for i, payload in enumerate(payloads):
             size = payload.numel()
@@ -267,27 +270,24 @@ class SyncWire:
             flags = torch.stack([check, in_range]).to(torch.uint8)
             table = payload[table_at.clamp(max=size - 1)]
             pieces += [payload[: _PREFIX.size], table, flags]
-            if codec_heads:  # part k starts after the part table and the bytes of the parts before it
-                n_parts = payload[6].long() + (payload[7].long() << 8)
-                nbytes = (table.view(-1, 2, 4)[:, 1].long() << torch.arange(0, 32, 8, device=payload.device)).sum(1)
-                starts = _PREFIX.size + n_rows * self.width + n_parts * _PART.size + nbytes.cumsum(0) - nbytes
-                at = starts[:, None] + torch.arange(head_size, device=payload.device)
-                pieces.append(payload[at.clamp(max=size - 1).reshape(-1)])
+            if codec_heads:  # version 2: the codec payload follows the row counts
+                at = table_at[0] + n_tables * _COUNT.size + torch.arange(head_size, device=payload.device)
+                pieces.append(payload[at.clamp(max=size - 1)])
             slots.append(s.clamp(0, max(n_slots - 1, 0)))
             valid.append(live)
         hit, counts = held_slots(slots, valid, self.sizes)
         raw = _host(torch.cat([*pieces, counts.view(torch.uint8)]))  # the one read
         base = _PREFIX.size + n_tables * _PART.size + 2  # prefix, part table, flags
-        out, step = [], base + n_tables * head_size
+        out, step = [], base + head_size
         for i, payload in enumerate(payloads):
-            head, heads = raw[i * step : i * step + base], raw[i * step + base : (i + 1) * step]
+            head, codec_head = raw[i * step : i * step + base], raw[i * step + base : (i + 1) * step]
             magic, version, width, n_parts, n_rows, check = _PREFIX.unpack_from(head)
             if magic != MAGIC or version not in CHECKS:
                 raise fail(i, f"not a hot-row sync payload (magic {magic!r}, version {version})")
             if width != self.width:
                 raise fail(i, f"slot width {width} bytes, expected {self.width} for {n_slots} slots")
-            start = _PREFIX.size + n_rows * width  # the part table
-            end = start + n_parts * _PART.size
+            start = _PREFIX.size + n_rows * width  # the part table (version 2: the row counts)
+            end = start + n_parts * (_PART.size if version == 1 else _COUNT.size)
             if payload.numel() < end:
                 raise fail(i, f"truncated: {n_rows} slots and {n_parts} parts need {end} bytes before the rows")
             if CHECKS[version] == "crc32":  # the CPU's: the bytes themselves (no wait there)
@@ -296,45 +296,62 @@ class SyncWire:
                 good = head[-2] == 1 if on_device else bool(_adler_ok(payload))
             if not good:
                 raise fail(i, "checksum mismatch (corrupted or truncated)")
-            if n_rows > n_slots or n_parts > n_tables:  # the checked bytes are an encoder's: a bug
+            if n_rows > n_slots or n_parts > n_tables or (version == 2 and n_parts != n_tables):  # an encoder's bug
                 raise fail(i, f"{n_rows} slots in {n_parts} parts, for {n_slots} slots of {n_tables} tables")
-            sizes = [_PART.unpack_from(head, _PREFIX.size + k * _PART.size) for k in range(n_parts)]
-            if sum(n for n, _ in sizes) != n_rows or end + sum(b for _, b in sizes) != payload.numel():
-                raise fail(i, f"parts of {sizes} (rows, bytes) do not add up to {n_rows} rows and the payload's length")
             if head[-1] != 1:
                 raise fail(i, f"slot ids outside 0..{n_slots - 1}")
-            # the parts' own checks: the payload's, which covers their bytes (a device's verdict)
-            read = [fmt.HostHead(heads[k * head_size : (k + 1) * head_size], True, []) for k in range(n_parts)]
-            hosted = read if codec_heads and CHECKS[version] == "adler32" else None
-            out.append((slots[i][:n_rows], self._rows(payload, sizes, end, functools.partial(fail, i), hosted)))
+            if version == 1:
+                rows = self._rows(payload, head, end, n_rows, functools.partial(fail, i))
+            else:  # the codec's check: the payload's, which covers its bytes (the device's verdict)
+                read = fmt.HostHead(codec_head, True, []) if codec_heads else None
+                rows = self._tables(payload, head, end, n_rows, functools.partial(fail, i), read)
+            out.append((slots[i][:n_rows], rows))
         n_held = list(struct.unpack_from(f"<{n_tables}q", raw, len(payloads) * step))
         return out, hit, n_held
 
     def _rows(
-        self,
-        payload: torch.Tensor,
-        sizes: list[tuple[int, int]],
-        at: int,
-        fail: Callable[[str], HotWireError],
-        heads: list[fmt.HostHead] | None = None,
+        self, payload: torch.Tensor, head: bytes, at: int, n_rows: int, fail: Callable[[str], HotWireError]
     ) -> torch.Tensor:
-        """The fp32 rows of a payload's parts (``sizes``: rows and bytes each, from ``at``);
-        ``heads``: their codec heads, read already (then nothing here waits for the device)."""
+        """The fp32 rows of a version-1 payload's parts (their rows and bytes in the part table
+        of ``head``, the payloads from ``at``)."""
+        n_parts = _PREFIX.unpack_from(head)[3]
+        sizes = [_PART.unpack_from(head, _PREFIX.size + k * _PART.size) for k in range(n_parts)]
+        if sum(n for n, _ in sizes) != n_rows or at + sum(b for _, b in sizes) != payload.numel():
+            raise fail(f"parts of {sizes} (rows, bytes) do not add up to {n_rows} rows and the payload's length")
         rows = []
         for i, (n, nbytes) in enumerate(sizes):
             try:
-                part = payload[at : at + nbytes].clone()
-                if heads is None:
-                    block = self.codec.decode(part)
-                else:
-                    assert isinstance(self.codec, LossyCodec)  # (heads are read where it defers)
-                    block = self.codec.decode(part, head=heads[i])
+                block = self.codec.decode(payload[at : at + nbytes].clone())
             except Exception as e:  # any codec failure: name the rank and the part
                 raise fail(f"part {i}: {type(e).__name__}: {e}") from e
-            if block.shape[0] < n or block.shape[1:] != (self.dim,):  # (a device's part: rows at capacity)
+            if tuple(block.shape) != (n, self.dim):
                 raise fail(f"part {i} decoded shape {tuple(block.shape)}, its entry says ({n}, {self.dim})")
-            rows.append(block[:n].float())
+            rows.append(block.float())
             at += nbytes
+        return torch.cat(rows) if rows else torch.zeros(0, self.dim, device=payload.device)
+
+    def _tables(
+        self,
+        payload: torch.Tensor,
+        head: bytes,
+        at: int,
+        n_rows: int,
+        fail: Callable[[str], HotWireError],
+        read: fmt.HostHead | None,
+    ) -> torch.Tensor:
+        """The fp32 rows of a version-2 payload: each table's first rows (its count in ``head``)
+        of its block of the codec payload at ``at`` (``read``: its head, read already)."""
+        counts = struct.unpack_from(f"<{len(self.sizes)}I", head, _PREFIX.size)
+        if sum(counts) != n_rows:
+            raise fail(f"row counts {list(counts)} do not add up to {n_rows} rows")
+        try:
+            assert isinstance(self.codec, LossyCodec)  # (a version-2 payload is its encode_deferred's)
+            block = self.codec.decode(payload[at:].clone(), head=read)
+        except Exception as e:  # any codec failure: name the rank
+            raise fail(f"rows: {type(e).__name__}: {e}") from e
+        if block.shape[0] < max(counts, default=0) or block.shape[1] != self.dim * len(counts):
+            raise fail(f"decoded shape {tuple(block.shape)}, for {len(counts)} tables of up to {max(counts)} rows")
+        rows = [b[:n] for b, n in zip(block.float().split(self.dim, 1), counts, strict=True)]
         return torch.cat(rows) if rows else torch.zeros(0, self.dim, device=payload.device)
 
 

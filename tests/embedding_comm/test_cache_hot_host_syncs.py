@@ -300,9 +300,12 @@ PER_ITERATION: dict[str, tuple[str, ...] | None] = {
     "dlrm.placement.hot_wire": (
         "SyncWire.bounds",
         "SyncWire.encode",
+        "SyncWire.encode_capacity",
+        "SyncWire.settle",
         "SyncWire.decode",
         "SyncWire.decode_all",
         "SyncWire._rows",
+        "SyncWire._tables",
         "held_slots",
         "_host",
     ),

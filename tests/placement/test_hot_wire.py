@@ -17,7 +17,7 @@ from dlrm.embedding_comm.codec import DirectionCodec
 from dlrm.embedding_comm.config import CompressionSpec, DirectionSpec
 from dlrm.placement.config import PlacementSpec, parse_placement_cfg
 from dlrm.placement.hot_sync import HotRowOptimizer
-from dlrm.placement.hot_wire import HotWireError, SyncWire
+from dlrm.placement.hot_wire import HotWireError, SyncWire, bound_class
 from dlrm.placement.replication import setup_replication
 from dlrm_compression import format as fmt
 from dlrm_compression.host_syncs import HostSyncCounter
@@ -104,10 +104,16 @@ def test_the_device_payload_decodes_to_the_cpu_payloads_rows_bit_for_bit_reading
     host_slots, host_rows = wire.decode(wire.encode(slots, rows, 0), src=0)
     on_device = SyncWire(_codec(), wire.features, wire.sizes, DIM)
     payload = _device_encoded(on_device, slots, rows)
-    n_parts, table_at = int(payload[6]), 16 + 2 * len(host_slots)
-    assert n_parts > 1  # several bound classes
-    table = payload[table_at : table_at + 8 * n_parts].clone().view(torch.int32).view(-1, 2)
-    assert on_device.coded_row_bytes == int(table[:, 1].sum()) == payload.numel() - table_at - 8 * n_parts
+    table_at = 16 + 2 * len(host_slots)  # version 2: each table's row count, then one codec payload
+    assert int(payload[4]) == 2 and int(payload[6]) == tables
+    counts = payload[table_at : table_at + 4 * tables].clone().view(torch.int32)
+    assert counts.tolist() == [len(s) for s in slots]
+    coded = payload[table_at + 4 * tables :]
+    assert on_device.coded_row_bytes == coded.numel() and on_device.raw_row_bytes == sum(r.numel() * 4 for r in rows)
+    header, _ = fmt.unpack(coded)  # a block per table, each at its own bound's class (the CPU's part bound)
+    assert header.widths == [DIM] * tables
+    assert header.bounds == [bound_class(b) for b in wire.bounds(rows, 0)[0]]
+    assert len(set(header.bounds)) > 1  # several bound classes
     c = HostSyncCounter()
     with device_paths(c), c:
         (got,), _, _ = wire.decode_all([payload])
