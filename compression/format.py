@@ -264,9 +264,7 @@ def pack_deferred(
     out = torch.zeros(capacity + 1, dtype=torch.uint8, device=device)
     out[:header_len] = head
     for i, piece in enumerate(pieces):
-        for start in range(0, piece.numel(), _SLICE):  # in slices: the int64 indices stay small
-            j = torch.arange(start, min(start + _SLICE, piece.numel()), device=device)
-            out.scatter_(0, torch.where(j < lens[i], dst_start[i] + j, capacity), piece[start : start + j.numel()])
+        place(out, piece, lens[i], dst_start[i])
     out = out[:capacity]
     out[_TOTAL_AT : _TOTAL_AT + 8] = total.reshape(1).view(torch.uint8)
     if device_rows is not None:  # the first field after the prefix, a u64
@@ -282,6 +280,15 @@ def pack_deferred(
     out[lengths_at : lengths_at + 8 * ns] = sec_len.view(torch.uint8)
     out[_CRC_AT : _PREFIX.size] = adler32(_checked_bytes(out), total - 4).reshape(1).view(torch.uint8)[:4]
     return Deferred(out, total)
+
+
+def place(out: torch.Tensor, piece: torch.Tensor, length: torch.Tensor, start: torch.Tensor) -> None:
+    """Copy ``piece``'s first ``length`` bytes to ``out[start:]`` with both on the device (no host
+    wait); the rest of its capacity goes to ``out``'s last byte, a spare past the payload."""
+    spare = out.numel() - 1
+    for at in range(0, piece.numel(), _SLICE):  # in slices: the int64 indices stay small
+        j = torch.arange(at, min(at + _SLICE, piece.numel()), device=out.device)
+        out.scatter_(0, torch.where(j < length, start + j, spare), piece[at : at + j.numel()])
 
 
 def section_bytes(payload: torch.Tensor, n_blocks: int, n_sections: int, i: int, n: int) -> torch.Tensor:

@@ -34,6 +34,7 @@ from torchrec.optim.keyed import KeyedOptimizer
 from dlrm.placement.hot_wire import SyncWire, held_slots
 from dlrm.placement.traffic import ID_BYTES
 from dlrm.process.timeout import named_collective
+from dlrm_compression.format import Deferred
 from dlrm_compression.row_cache import compact, positions
 
 RULES = ("sgd", "adagrad", "rowwise_adagrad")
@@ -129,6 +130,19 @@ class HotRowOptimizer(KeyedOptimizer):
         rows = torch.arange(t.numel(), device=t.device)
         return self.pending[name].index_select(0, torch.where(t, rows, t.to(torch.uint8).argmax()))
 
+    def _at_capacity(self, bases: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each table's slots (global), its touched ones first in slot order, and its pending rows
+        in that order, each untouched one replaced by its first touched row (the same value range,
+        deduplicated away): on the device, without the touched counts on the host."""
+        slots, rows = [], []
+        for name, base in zip(self.names, bases, strict=False):
+            t = self.touched[name]
+            order = torch.argsort(t.logical_not().to(torch.uint8), stable=True)
+            pick = torch.where(torch.arange(t.numel(), device=t.device) < t.sum(), order, order[:1])
+            slots.append(pick + base)
+            rows.append(self.pending[name].index_select(0, pick))
+        return slots, rows
+
     def _gather(self, touched: torch.Tensor, bases: list[int]) -> Gathered:
         """Every rank's (slots, rows), in rank order; rows of each rank padded to the largest count.
         Tensors on the rows' device (the process group's: NCCL takes CUDA tensors, gloo CPU ones)."""
@@ -162,18 +176,25 @@ class HotRowOptimizer(KeyedOptimizer):
         the payload repeated per destination: a variable-size all-gather)."""
         assert self.wire is not None
         iteration = self.steps - 1  # the iteration of the last step synced
-        # The bounds from each table's rows at capacity (untouched rows replaced by a touched one: the
-        # same value range), read with the touched counts the rows are then compacted by
-        bounds, n_touched = self.wire.bounds([self._any_touched(n) for n in self.names], iteration, touched)
-        slots, rows = self._touched_rows(n_touched, bases)
-        payload = self.wire.encode(slots, rows, iteration, bounds)
+        coded: torch.Tensor | Deferred
+        if self.wire.defers(touched.device):  # built at the tables' capacity: its length read with the sizes
+            coded = self.wire.encode_capacity(*self._at_capacity(bases), touched, iteration)
+        else:
+            # The bounds from each table's rows at capacity (untouched rows replaced by a touched one: the
+            # same value range), read with the touched counts the rows are then compacted by
+            bounds, n_touched = self.wire.bounds([self._any_touched(n) for n in self.names], iteration, touched)
+            slots, rows = self._touched_rows(n_touched, bases)
+            coded = self.wire.encode(slots, rows, iteration, bounds)
         if not dist.is_initialized() or dist.get_world_size() == 1:
-            return self._decoded([payload])
-        world, n, dev = dist.get_world_size(), int(payload.numel()), payload.device
+            return self._decoded([self.wire.settle(coded, int(coded.length) if isinstance(coded, Deferred) else 0)])
+        length = coded.length if isinstance(coded, Deferred) else torch.tensor(coded.numel())
+        world, rank = dist.get_world_size(), dist.get_rank()
+        dev = coded.buffer.device if isinstance(coded, Deferred) else coded.device
         with named_collective("the coded hot-row gradient exchange (placement.sync_codec=backward)"):
             sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
-            dist.all_gather(sizes, torch.tensor([n]).to(dev, non_blocking=True))
-            recv = torch.cat(sizes).tolist()  # the size exchange: one host read
+            dist.all_gather(sizes, length.reshape(1).to(dev, non_blocking=True))
+            recv = torch.cat(sizes).tolist()  # the size exchange: one host read (this rank's length too)
+            payload, n = self.wire.settle(coded, recv[rank]), recv[rank]
             out = torch.empty(sum(recv), dtype=torch.uint8, device=dev)
             dist.all_to_all_single(out, payload.repeat(world), recv, [n] * world)
         self.sent_bytes += (world - 1) * (n + ID_BYTES)  # the payload and its size to every peer

@@ -2,25 +2,36 @@
 rows coded with the backward all-to-all's error-bounded codec and bound, and their slots.
 
 Each table's bound is what the backward policy gives its feature (times the value range of the
-table's rows being sent, in ``rel`` mode), rounded down to a power of two; tables whose rounded
-bounds are equal share one codec payload coded at that bound, so a payload header (~120 bytes) is
-paid per bound class, not per table, and no row is coded looser than its table's own bound.
+table's rows being sent, in ``rel`` mode), rounded down to a power of two; on the CPU, tables whose
+rounded bounds are equal share one codec payload coded at that bound, so a payload header (~120
+bytes) is paid per bound class, not per table, and no row is coded looser than its table's own
+bound. On an accelerator (version 2) that grouping would need the bounds on the host: there every
+table is one block of a single codec payload, coded at its bound's class computed on the device,
+of its rows at their capacity (the touched ones first, the rest repeating a touched row, which the
+codec's dedup folds away; the table's row count says how many are sent), so the header is paid
+once. The codec quantises value by value, so a row decodes to the same bits either way.
 
 Layout (little-endian)::
 
     prefix "<4sBBHII": magic b"HRW1", version (1: the check is zlib's crc32, built on the CPU; 2:
                        Adler-32, built on an accelerator, where a crc32 would copy the payload to
                        the host), slot width (2: int16 when every slot fits, else 4: int32),
-                       parts, rows, the check of everything after the prefix
+                       parts (version 2: tables), rows, the check of everything after the prefix
     slots              rows x slot width, part after part (a part's rows in slot order)
+    version 1:
     per part           rows (u32), payload bytes (u32)
     payloads           the parts' codec payloads, back to back (each self-describing, checksummed)
+    version 2:
+    per table          rows (u32)
+    payload            one codec payload, a block per table at its capacity (its first rows sent)
 
-A rank that touched nothing sends the 16-byte prefix alone. Decoding is deterministic, so every
+A CPU rank that touched nothing sends the 16-byte prefix alone. Decoding is deterministic, so every
 rank that decodes the same bytes gets the same rows, bit for bit. The payload is built and decoded
-on the rows' device; the host reads the bounds (all tables at once) to encode, and, to decode every
-rank's payload, all their heads at once (prefix, part table, the check's verdict), their part
-tables and slots found on the device at their capacity.
+on the rows' device. On the CPU the host reads the bounds (all tables at once) to encode; on an
+accelerator every size stays on the device (the size exchange reads the length). To decode every
+rank's payload the host reads all their heads at once (prefix, part table, the check's verdict
+and, version 2, the codec payload's head, whose check the payload's stands for), their part tables,
+slots and codec heads found on the device at their capacity.
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ from dlrm.embedding_comm.codec import DirectionCodec
 from dlrm_compression import format as fmt
 from dlrm_compression.composite import PerBlockCodec
 from dlrm_compression.format import adler32
+from dlrm_compression.lossy import LossyCodec
 
 MAGIC = b"HRW1"
 CHECKS = {1: "crc32", 2: "adler32"}  # version -> the payload's check
@@ -46,6 +58,7 @@ VERSION = 1  # the CPU's (crc32)
 _CHECK_AT = 12  # the check's offset in the prefix
 _PREFIX = struct.Struct("<4sBBHII")
 _PART = struct.Struct("<II")
+_COUNT = struct.Struct("<I")  # version 2: a table's rows
 INT16_SLOTS = 1 << 15  # int16 slot ids hold 0..32767
 HEADER_BYTES = _PREFIX.size + _PART.size  # a payload's framing with one bound class
 
@@ -88,8 +101,18 @@ class SyncWire:
         self.features, self.sizes, self.dim = list(features), [int(s) for s in sizes], int(dim)
         self.width = slot_width(sum(self.sizes))
         self.slot_dtype = torch.int16 if self.width == 2 else torch.int32
-        self.raw_row_bytes = 0  # fp32 bytes of the rows this rank coded
-        self.coded_row_bytes = 0  # their codec payloads' bytes
+        # fp32 bytes of the rows this rank coded, and their codec payloads' bytes (on the device
+        # path device values, added there and read when reported)
+        self._raw: int | torch.Tensor = 0
+        self._coded: int | torch.Tensor = 0
+
+    @property
+    def raw_row_bytes(self) -> int:
+        return int(self._raw)
+
+    @property
+    def coded_row_bytes(self) -> int:
+        return int(self._coded)
 
     def bounds(
         self, rows: Sequence[torch.Tensor], iteration: int, also: torch.Tensor | None = None
@@ -119,9 +142,18 @@ class SyncWire:
         rows: Sequence[torch.Tensor],
         iteration: int,
         bounds: Sequence[float] | None = None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | fmt.Deferred:
         """The payload (uint8, 1-D, on the rows' device) of each table's touched ``slots``
-        (global, int64) and ``rows``; ``bounds``: :meth:`bounds`' of the rows, read already."""
+        (global, int64) and ``rows``; ``bounds``: :meth:`bounds`' of the rows, read already.
+        Where :meth:`defers`, its length is still on the device (:meth:`settle` cuts it)."""
+        device = rows[0].device if rows else torch.device("cpu")
+        if self.defers(device):  # version 2 (a table with no rows: one row, not sent)
+            sent = _on_int([len(s) for s in slots], device)
+            at_capacity = [
+                (s, r) if len(s) else (s.new_zeros(1), r.new_zeros(1, self.dim))
+                for s, r in zip(slots, rows, strict=True)
+            ]
+            return self.encode_capacity([s for s, _ in at_capacity], [r for _, r in at_capacity], sent, iteration)
         parts: dict[float, Part] = {}
         if bounds is None:
             bounds = self.bounds(rows, iteration)[0]
@@ -130,13 +162,12 @@ class SyncWire:
                 part = parts.setdefault(bound_class(b), Part(bound_class(b), [], []))
                 part.slots.append(s)
                 part.rows.append(r)
-        device = rows[0].device if rows else torch.device("cpu")
         payloads = []
         for part in parts.values():
             block = torch.cat(part.rows).contiguous()
             payloads.append(self.codec.encode(block, [part.bound], None, blocks=[block.shape[1]]))
-            self.raw_row_bytes += block.numel() * 4
-            self.coded_row_bytes += int(payloads[-1].numel())
+            self._raw += block.numel() * 4
+            self._coded += int(payloads[-1].numel())
         all_slots = [s for p in parts.values() for s in p.slots]
         ids = torch.cat(all_slots).to(device, self.slot_dtype) if all_slots else torch.zeros(0, dtype=self.slot_dtype)
         counts = [sum(len(s) for s in p.slots) for p in parts.values()]
@@ -148,6 +179,58 @@ class SyncWire:
         if CHECKS[version] == "adler32":  # computed and written on the device
             out[_CHECK_AT : _PREFIX.size] = adler32(body).reshape(1).view(torch.uint8)[:4]
         return out
+
+    def defers(self, device: torch.device) -> bool:
+        """Whether payloads built on ``device`` are made without a host wait (:meth:`encode_capacity`):
+        where the codec's are (the lossy codec's fixed-length coder and the device's check)."""
+        return isinstance(self.codec, LossyCodec) and self.codec.defers(device)
+
+    def encode_capacity(
+        self, slots: Sequence[torch.Tensor], rows: Sequence[torch.Tensor], counts: torch.Tensor, iteration: int
+    ) -> fmt.Deferred:
+        """The device's payload (version 2, where :meth:`defers`), built without a host wait: every
+        table's ``rows`` at their capacity (the first ``counts[k]``, an int64 device tensor per
+        table, are its touched rows, ``slots`` their global slots; the others repeat touched rows,
+        so that they keep the range and deduplicate away) as one block each of one payload of
+        :meth:`LossyCodec.encode_deferred`, each block at its table's bound class computed on the
+        device. The slots and the counts are written from the device, the payload gathered behind
+        them; the length stays on the device (the size exchange reads it, :meth:`settle`)."""
+        assert isinstance(self.codec, LossyCodec)
+        device = counts.device
+        bounds = []
+        for f, r in zip(self.features, rows, strict=True):
+            (value,) = self.direction.policy([f], iteration)
+            b = self.direction.bounds(r, [self.dim], [value])
+            assert b is not None  # (a bounded codec)
+            bound = b if isinstance(b, torch.Tensor) else torch.tensor(b, dtype=torch.float64)  # abs mode: floats
+            bounds.append(bound.to(device, torch.float64, non_blocking=bound.device.type == "cpu").reshape(()))
+        classes = torch.where(counts > 0, device_bound_class(torch.stack(bounds)), 1.0)  # (none touched: unread)
+        capacity = max(r.shape[0] for r in rows)  # every table's rows, the last one repeated up to it
+        x = torch.cat([r.index_select(0, torch.arange(capacity, device=device).clamp(max=len(r) - 1)) for r in rows], 1)
+        d = self.codec.encode_deferred(x, classes, None, blocks=[self.dim] * len(rows))
+        coded = d if isinstance(d, fmt.Deferred) else fmt.Deferred(d, _on_int(d.numel(), device))
+        pieces = [(s.to(self.slot_dtype).view(torch.uint8), k * self.width) for s, k in zip(slots, counts, strict=True)]
+        row_counts = counts.view(torch.uint8).view(-1, 8)[:, :4].reshape(-1)  # u32: an int64's low 4 bytes
+        pieces += [(row_counts, _on_int(row_counts.numel(), device)), (coded.buffer, coded.length)]
+        sizes = torch.stack([n.reshape(()) for _, n in pieces])
+        ends = _PREFIX.size + sizes.cumsum(0)
+        out = torch.zeros(_PREFIX.size + sum(p.numel() for p, _ in pieces) + 1, dtype=torch.uint8, device=device)
+        out[: _PREFIX.size] = _on(_PREFIX.pack(MAGIC, 2, self.width, len(rows), 0, 0), device)  # 2: Adler-32
+        for (piece, n), end in zip(pieces, ends, strict=True):
+            fmt.place(out, piece, n, end - n)
+        out, total = out[:-1], ends[-1]
+        out[8:_CHECK_AT] = counts.sum().reshape(1).view(torch.uint8)[:4]  # the rows: a device value
+        out[_CHECK_AT : _PREFIX.size] = (
+            adler32(out[_PREFIX.size :], total - _PREFIX.size).reshape(1).view(torch.uint8)[:4]
+        )
+        self._raw = self._raw + counts.sum() * self.dim * 4
+        self._coded = self._coded + coded.length
+        return fmt.Deferred(out, total)
+
+    @staticmethod
+    def settle(payload: torch.Tensor | fmt.Deferred, n: int) -> torch.Tensor:
+        """:meth:`encode`'s payload once its length ``n`` is read (a deferred one cut there)."""
+        return payload.take(n) if isinstance(payload, fmt.Deferred) else payload
 
     def decode(self, payload: torch.Tensor, src: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(slots int64, fp32 rows [n, D]) of rank ``src``'s payload, on its device; any defect is
@@ -169,6 +252,9 @@ class SyncWire:
             return HotWireError(f"hot-row sync payload from rank {srcs[i]} ({payloads[i].numel()} bytes): {why}")
 
         on_device = bool(payloads) and fmt._check_for(payloads[0].device) == "adler32"  # (else the CPU's crc32)
+        # where payloads are the device's (version 2), the codec's head is read here too
+        codec_heads = on_device and self.defers(payloads[0].device)
+        head_size = LossyCodec.head_size(n_tables) if codec_heads else 0
         pieces, slots, valid = [], [], []
         for i, payload in enumerate(payloads):
             size = payload.numel()
@@ -182,21 +268,26 @@ class SyncWire:
             table_at = _PREFIX.size + n_rows * self.width + torch.arange(n_tables * _PART.size, device=payload.device)
             check = _adler_ok(payload) if on_device else in_range  # (in_range: a placeholder, not read)
             flags = torch.stack([check, in_range]).to(torch.uint8)
-            pieces += [payload[: _PREFIX.size], payload[table_at.clamp(max=size - 1)], flags]
+            table = payload[table_at.clamp(max=size - 1)]
+            pieces += [payload[: _PREFIX.size], table, flags]
+            if codec_heads:  # version 2: the codec payload follows the row counts
+                at = table_at[0] + n_tables * _COUNT.size + torch.arange(head_size, device=payload.device)
+                pieces.append(payload[at.clamp(max=size - 1)])
             slots.append(s.clamp(0, max(n_slots - 1, 0)))
             valid.append(live)
         hit, counts = held_slots(slots, valid, self.sizes)
         raw = _host(torch.cat([*pieces, counts.view(torch.uint8)]))  # the one read
-        out, step = [], _PREFIX.size + n_tables * _PART.size + 2
+        base = _PREFIX.size + n_tables * _PART.size + 2  # prefix, part table, flags
+        out, step = [], base + head_size
         for i, payload in enumerate(payloads):
-            head = raw[i * step : (i + 1) * step]
+            head, codec_head = raw[i * step : i * step + base], raw[i * step + base : (i + 1) * step]
             magic, version, width, n_parts, n_rows, check = _PREFIX.unpack_from(head)
             if magic != MAGIC or version not in CHECKS:
                 raise fail(i, f"not a hot-row sync payload (magic {magic!r}, version {version})")
             if width != self.width:
                 raise fail(i, f"slot width {width} bytes, expected {self.width} for {n_slots} slots")
-            start = _PREFIX.size + n_rows * width  # the part table
-            end = start + n_parts * _PART.size
+            start = _PREFIX.size + n_rows * width  # the part table (version 2: the row counts)
+            end = start + n_parts * (_PART.size if version == 1 else _COUNT.size)
             if payload.numel() < end:
                 raise fail(i, f"truncated: {n_rows} slots and {n_parts} parts need {end} bytes before the rows")
             if CHECKS[version] == "crc32":  # the CPU's: the bytes themselves (no wait there)
@@ -205,21 +296,28 @@ class SyncWire:
                 good = head[-2] == 1 if on_device else bool(_adler_ok(payload))
             if not good:
                 raise fail(i, "checksum mismatch (corrupted or truncated)")
-            if n_rows > n_slots or n_parts > n_tables:  # the checked bytes are an encoder's: a bug
+            if n_rows > n_slots or n_parts > n_tables or (version == 2 and n_parts != n_tables):  # an encoder's bug
                 raise fail(i, f"{n_rows} slots in {n_parts} parts, for {n_slots} slots of {n_tables} tables")
-            sizes = [_PART.unpack_from(head, _PREFIX.size + k * _PART.size) for k in range(n_parts)]
-            if sum(n for n, _ in sizes) != n_rows or end + sum(b for _, b in sizes) != payload.numel():
-                raise fail(i, f"parts of {sizes} (rows, bytes) do not add up to {n_rows} rows and the payload's length")
             if head[-1] != 1:
                 raise fail(i, f"slot ids outside 0..{n_slots - 1}")
-            out.append((slots[i][:n_rows], self._rows(payload, sizes, end, functools.partial(fail, i))))
+            if version == 1:
+                rows = self._rows(payload, head, end, n_rows, functools.partial(fail, i))
+            else:  # the codec's check: the payload's, which covers its bytes (the device's verdict)
+                read = fmt.HostHead(codec_head, True, []) if codec_heads else None
+                rows = self._tables(payload, head, end, n_rows, functools.partial(fail, i), read)
+            out.append((slots[i][:n_rows], rows))
         n_held = list(struct.unpack_from(f"<{n_tables}q", raw, len(payloads) * step))
         return out, hit, n_held
 
     def _rows(
-        self, payload: torch.Tensor, sizes: list[tuple[int, int]], at: int, fail: Callable[[str], HotWireError]
+        self, payload: torch.Tensor, head: bytes, at: int, n_rows: int, fail: Callable[[str], HotWireError]
     ) -> torch.Tensor:
-        """The fp32 rows of a payload's parts (``sizes``: rows and bytes each, from ``at``)."""
+        """The fp32 rows of a version-1 payload's parts (their rows and bytes in the part table
+        of ``head``, the payloads from ``at``)."""
+        n_parts = _PREFIX.unpack_from(head)[3]
+        sizes = [_PART.unpack_from(head, _PREFIX.size + k * _PART.size) for k in range(n_parts)]
+        if sum(n for n, _ in sizes) != n_rows or at + sum(b for _, b in sizes) != payload.numel():
+            raise fail(f"parts of {sizes} (rows, bytes) do not add up to {n_rows} rows and the payload's length")
         rows = []
         for i, (n, nbytes) in enumerate(sizes):
             try:
@@ -230,6 +328,30 @@ class SyncWire:
                 raise fail(f"part {i} decoded shape {tuple(block.shape)}, its entry says ({n}, {self.dim})")
             rows.append(block.float())
             at += nbytes
+        return torch.cat(rows) if rows else torch.zeros(0, self.dim, device=payload.device)
+
+    def _tables(
+        self,
+        payload: torch.Tensor,
+        head: bytes,
+        at: int,
+        n_rows: int,
+        fail: Callable[[str], HotWireError],
+        read: fmt.HostHead | None,
+    ) -> torch.Tensor:
+        """The fp32 rows of a version-2 payload: each table's first rows (its count in ``head``)
+        of its block of the codec payload at ``at`` (``read``: its head, read already)."""
+        counts = struct.unpack_from(f"<{len(self.sizes)}I", head, _PREFIX.size)
+        if sum(counts) != n_rows:
+            raise fail(f"row counts {list(counts)} do not add up to {n_rows} rows")
+        try:
+            assert isinstance(self.codec, LossyCodec)  # (a version-2 payload is its encode_deferred's)
+            block = self.codec.decode(payload[at:].clone(), head=read)
+        except Exception as e:  # any codec failure: name the rank
+            raise fail(f"rows: {type(e).__name__}: {e}") from e
+        if block.shape[0] < max(counts, default=0) or block.shape[1] != self.dim * len(counts):
+            raise fail(f"decoded shape {tuple(block.shape)}, for {len(counts)} tables of up to {max(counts)} rows")
+        rows = [b[:n] for b, n in zip(block.float().split(self.dim, 1), counts, strict=True)]
         return torch.cat(rows) if rows else torch.zeros(0, self.dim, device=payload.device)
 
 
@@ -262,6 +384,18 @@ def _u32(payload: torch.Tensor, at: int) -> torch.Tensor:
 def _on(raw: bytes, device: torch.device) -> torch.Tensor:
     """Host bytes (the framing) as a uint8 tensor on ``device``, sent without waiting for its queue."""
     t = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
+    return t if device.type == "cpu" else t.to(device, non_blocking=True)
+
+
+def device_bound_class(bound: torch.Tensor) -> torch.Tensor:
+    """:func:`bound_class` of float64 bounds on their device (no host wait)."""
+    exponent = torch.frexp(bound).exponent
+    return torch.where(bound > 0, torch.ldexp(torch.ones_like(bound), exponent - 1), 0.0)
+
+
+def _on_int(values: int | list[int], device: torch.device) -> torch.Tensor:
+    """Host integers as an int64 tensor on ``device``, sent without waiting for its queue."""
+    t = torch.tensor(values, dtype=torch.int64)
     return t if device.type == "cpu" else t.to(device, non_blocking=True)
 
 

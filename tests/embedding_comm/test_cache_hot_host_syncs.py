@@ -213,18 +213,14 @@ def test_hot_row_sync_waits_a_fixed_number_of_times_per_sync_whatever_its_tables
             if not count:
                 opt.step()
                 continue
-            with device_paths(c), c, c.label(f"step{i}"):
-                if wire is None:
-                    opt.step()
-                else:
-                    with _labelled(c, wire.codec, ["encode", "decode"], "codec"):
-                        opt.step()
+            with device_paths(c), c, c.label(f"step{i}"):  # the codec's own waits counted too
+                opt.step()
         return [p.detach().clone() for p in params.values()], c
 
     replicas, c = run(count=True)
-    # exact: the touched counts, the hit counts (all tables at once); coded: the bounds to encode with
-    # the touched counts, then every payload's head with the checks and the hit counts (one rank: no
-    # size exchange)
+    # exact: the touched counts, the hit counts (all tables at once); coded: the payload's length
+    # (one rank: no size exchange), then every payload's head with the checks, the parts' codec
+    # heads and the hit counts
     expected = 2
     assert all(c.by_label[f"step{i}"] == expected for i in range(3)), c.counts
     assert all(torch.equal(a, b) for a, b in zip(replicas, run(count=False)[0], strict=True))
@@ -232,7 +228,7 @@ def test_hot_row_sync_waits_a_fixed_number_of_times_per_sync_whatever_its_tables
 
 def _synced_on_ranks(rank: int, ws: int, tables: int, coded: bool) -> dict:
     """Three syncs of every rank's touched rows, on the CPU shortcuts, then on the device code
-    paths, counted: this rank's waits per sync (the codec's own apart) and its collectives."""
+    paths, counted: this rank's waits per sync (the codec's own included) and its collectives."""
     import torch.distributed as dist
 
     from dlrm.placement import hot_sync
@@ -263,13 +259,7 @@ def _synced_on_ranks(rank: int, ws: int, tables: int, coded: bool) -> dict:
             if path == "host":
                 opt.step()
                 continue
-            codec = wire.codec if wire is not None else None
-            with (
-                device_paths(c),
-                c,
-                c.label(f"step{i}"),
-                _labelled(c, codec, ["encode", "decode"] if coded else [], "codec"),
-            ):
+            with device_paths(c), c, c.label(f"step{i}"):  # the codec's own waits counted too
                 opt.step()
         runs[path] = ([p.detach().clone() for p in params.values()], c, calls["n"] // 3)
     hot_sync.dist.all_gather, hot_sync.dist.all_to_all_single = gather, exchange  # type: ignore[attr-defined]
@@ -294,10 +284,9 @@ def test_hot_row_sync_on_ranks_waits_at_most_once_per_collective(coded):
             # the exact sync: the size all-gather and the rows' all-gather; coded: the size all-gather
             # and the payloads' all-to-all
             assert r["collectives"] == 2, r
-            # one read after each: the sizes (with the touched counts, exact), then the hit counts
-            # (with every payload's head, coded); and coded, before them, the bounds its framing
-            # needs on the host (with the touched counts)
-            assert r["waits"] == [r["collectives"] + coded] * 3, (ws, r["waits"], r["collectives"])
+            # one read after each, the codec's own included: the sizes (with the touched counts,
+            # exact), then the hit counts (with every payload's head and its parts' codec heads, coded)
+            assert r["waits"] == [r["collectives"]] * 3, (ws, r["waits"], r["collectives"])
 
 
 # The functions these features run per chunk, batch or sync, and their host copies: each a size
@@ -311,9 +300,12 @@ PER_ITERATION: dict[str, tuple[str, ...] | None] = {
     "dlrm.placement.hot_wire": (
         "SyncWire.bounds",
         "SyncWire.encode",
+        "SyncWire.encode_capacity",
+        "SyncWire.settle",
         "SyncWire.decode",
         "SyncWire.decode_all",
         "SyncWire._rows",
+        "SyncWire._tables",
         "held_slots",
         "_host",
     ),

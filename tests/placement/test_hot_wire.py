@@ -11,13 +11,16 @@ import torch
 import torch.distributed as dist
 from multiprocess import run_ranks
 
+from dlrm.bench.host_syncs import device_paths
 from dlrm.embedding_comm.bounds import fixed_bound
 from dlrm.embedding_comm.codec import DirectionCodec
 from dlrm.embedding_comm.config import CompressionSpec, DirectionSpec
 from dlrm.placement.config import PlacementSpec, parse_placement_cfg
 from dlrm.placement.hot_sync import HotRowOptimizer
-from dlrm.placement.hot_wire import HotWireError, SyncWire
+from dlrm.placement.hot_wire import HotWireError, SyncWire, bound_class
 from dlrm.placement.replication import setup_replication
+from dlrm_compression import format as fmt
+from dlrm_compression.host_syncs import HostSyncCounter
 
 EB = 0.01  # the backward policy's value: a fraction of each table's range (rel), as fixed.yaml's
 DIM = 8
@@ -79,6 +82,56 @@ def test_a_damaged_payload_is_a_clear_error_naming_the_rank(damage, match):
     wire = SyncWire(_codec(), ["a", "b"], [10, 10], DIM)
     payload = wire.encode([torch.arange(3), torch.arange(10, 12)], [torch.randn(3, DIM), torch.randn(2, DIM)], 0)
     with pytest.raises(HotWireError, match=rf"from rank 1 .*({match})"):
+        wire.decode(damage(payload), src=1)
+
+
+def _device_encoded(wire: SyncWire, slots: list[torch.Tensor], rows: list[torch.Tensor]) -> torch.Tensor:
+    """The payload :meth:`SyncWire.encode` builds on the device code paths (run on the CPU), its
+    length read as the size exchange reads it."""
+    with device_paths(HostSyncCounter()):
+        coded = wire.encode(slots, rows, 0)
+        assert isinstance(coded, fmt.Deferred)  # its length still on the device
+        return wire.settle(coded, int(coded.length))
+
+
+def test_the_device_payload_decodes_to_the_cpu_payloads_rows_bit_for_bit_reading_nothing_per_part():
+    tables = 5
+    wire = SyncWire(_codec(), [f"t{k}" for k in range(tables)], [50] * tables, DIM)
+    g = torch.Generator().manual_seed(3)
+    slots = [torch.randperm(50, generator=g)[: 7 + k].sort().values + 50 * k for k in range(tables)]
+    # ranges apart (several bound classes), and repeated rows (value dedup)
+    rows = [(torch.randn(7 + k, DIM, generator=g) * 4.0**k)[torch.arange(7 + k) // 2] for k in range(tables)]
+    host_slots, host_rows = wire.decode(wire.encode(slots, rows, 0), src=0)
+    on_device = SyncWire(_codec(), wire.features, wire.sizes, DIM)
+    payload = _device_encoded(on_device, slots, rows)
+    table_at = 16 + 2 * len(host_slots)  # version 2: each table's row count, then one codec payload
+    assert int(payload[4]) == 2 and int(payload[6]) == tables
+    counts = payload[table_at : table_at + 4 * tables].clone().view(torch.int32)
+    assert counts.tolist() == [len(s) for s in slots]
+    coded = payload[table_at + 4 * tables :]
+    assert on_device.coded_row_bytes == coded.numel() and on_device.raw_row_bytes == sum(r.numel() * 4 for r in rows)
+    header, _ = fmt.unpack(coded)  # a block per table, each at its own bound's class (the CPU's part bound)
+    assert header.widths == [DIM] * tables
+    assert header.bounds == [bound_class(b) for b in wire.bounds(rows, 0)[0]]
+    assert len(set(header.bounds)) > 1  # several bound classes
+    c = HostSyncCounter()
+    with device_paths(c), c:
+        (got,), _, _ = wire.decode_all([payload])
+    assert sum(c.counts.values()) == 1, c.counts  # the heads, every part's codec head and the counts
+    assert torch.equal(got[0], host_slots) and torch.equal(got[1], host_rows)
+
+
+@pytest.mark.parametrize(
+    "damage, match",
+    [
+        (lambda p: p[:-7], "checksum mismatch|do not add up|truncated"),
+        (lambda p: torch.cat([p[:-20], p[-20:-19] ^ 0x10, p[-19:]]), "checksum mismatch"),
+    ],
+)
+def test_a_damaged_device_payload_is_a_clear_error_naming_the_rank(damage, match):
+    wire = SyncWire(_codec(), ["a", "b"], [10, 10], DIM)
+    payload = _device_encoded(wire, [torch.arange(3), torch.arange(10, 12)], [torch.randn(3, DIM), torch.randn(2, DIM)])
+    with device_paths(HostSyncCounter()), pytest.raises(HotWireError, match=rf"from rank 1 .*({match})"):
         wire.decode(damage(payload), src=1)
 
 
