@@ -202,7 +202,8 @@ def _sample(s: _Sampled, payload: torch.Tensor, stats: CommStats) -> None:
         head = _read_prepared([payload], [prepared])[0] if prepared is not None else None
         decoded = dc.decode(
             payload, (chunk.shape[0], blocks.dim), ids, head=head, src=s.me, dst=s.me, features=blocks.features,
-            tables=blocks.features, iteration=s.info.iteration, where=f"{s.info.where}, sampling its own payload",
+            tables=sorted({s.info.feature_tables.get(f, f) for f in blocks.features}), iteration=s.info.iteration,
+            where=f"{s.info.where}, sampling its own payload",
         )  # fmt: skip
     starts = [0, *itertools.accumulate(widths)]
     live = [k for k, w in enumerate(widths) if w] if chunk.shape[0] else []
@@ -336,7 +337,7 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
         and defer
         and not payload_hooked()  # (a test's hook sees the payloads, sampled ones too, before that read)
         and dc.picks_ids_on_device(device)
-        and not any(_encodes(s) for s in stages)
+        and not any(_encodes(s) or s.needs_codec(d) for s in stages)  # (auto's calibration measures with the ids)
     )
     if pending is not None and not later:
         info.settle_ids(pending.single.tolist())  # the forward's read of which chunks have ids
@@ -375,7 +376,7 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
             c = Outgoing(
                 d, peer, info.global_ranks[peer], chunk, ids if single is None else None, blocks, bounds, dc, stats
             )
-            c.deferrable = defer and not sample  # (a sampled chunk's payload is measured now)
+            c.deferrable = defer  # (a sampled chunk is measured after the size read, like the others)
             for s in stages:
                 s.before_encode(c)
             thresholds = dc.thresholds(
@@ -475,12 +476,11 @@ Prepared = tuple[int, torch.Tensor | None, Any]  # a payload's head bytes, devic
 def _read_heads(info: CompressedA2AInfo, d: str, incoming: list[Incoming]) -> None:
     """Every received payload's head and what its decoder (a stage's, else the codec's) needs on
     the host, in one host synchronisation for the collective, set as each one's ``head`` (none
-    where the decoder reads for itself: on the CPU, or a stage that sees the payloads)."""
-    codec_reads = not any(s.sees_payloads(d) for s in info.stages)
+    where the decoder reads for itself, e.g. on the CPU)."""
     todo: list[tuple[Incoming, Prepared]] = []
     for r in incoming:
         prepared: Prepared | None = next((p for s in info.stages if (p := s.prepare_decode(r)) is not None), None)
-        if prepared is None and codec_reads:
+        if prepared is None and not any(s.decodes(r) for s in info.stages):
             prepared = _codec_prepared(r.dc, r.payload, r.ids, r.blocks)
         if prepared is not None:
             todo.append((r, prepared))

@@ -391,7 +391,7 @@ class CacheStage(Stage):
         c.settle = Settle(values, lambda host: self._count(c, store(host)))
         if c.deferrable:
             c.payload = late
-        else:  # wanted now (sampled): its length and the counts read at once
+        else:  # wanted now (a stage measures the payloads as sent): its length and the counts read at once
             host = torch.cat([late.length.reshape(1), values]).tolist()
             c.payload, c.settle = late.take(host[0]), None
             self._count(c, store(host[1:]))
@@ -402,6 +402,9 @@ class CacheStage(Stage):
             if "/" not in name:  # totals (the per-feature counts serve the probe)
                 c.stats.add(f"{c.direction}/cache/{name}", n)
         c.stats.maximum(f"{c.direction}/cache_bytes", self.cache.nbytes)
+
+    def decodes(self, r: Incoming) -> bool:
+        return self._applies(r.direction, r.ids, r.dc)
 
     def prepare_decode(self, r: Incoming) -> tuple[int, torch.Tensor, Any] | None:
         if not (self._applies(r.direction, r.ids, r.dc) and on_device(r.dc, r.payload.device, len(r.blocks.widths))):

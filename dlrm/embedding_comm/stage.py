@@ -106,8 +106,13 @@ class Stage:
         return False
 
     def sees_payloads(self, direction: str) -> bool:
-        """Whether this stage reads this direction's payloads for itself (measures them as sent,
-        or decodes them without :meth:`prepare_decode`): they are then made and read one by one."""
+        """Whether this stage reads this direction's payloads as they are sent (measures them):
+        they are then made one by one, their lengths read at once."""
+        return False
+
+    def decodes(self, r: Incoming) -> bool:
+        """Whether this stage decodes ``r`` in place of the codec (then only its own
+        :meth:`prepare_decode` may prepare it)."""
         return False
 
     def prepare_decode(self, r: Incoming) -> tuple[int, torch.Tensor, Any] | None:
