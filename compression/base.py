@@ -204,6 +204,14 @@ def device_bounds(eb: torch.Tensor, widths: list[int], device: torch.device) -> 
     return b
 
 
+def block_bounds(eb: Bound | None, widths: list[int], device: torch.device) -> list[float] | torch.Tensor:
+    """A bounded codec's per-block bounds: a tensor of bounds stays on its device, unread
+    (:func:`device_bounds`); host numbers are checked on the host (:func:`resolve_bounds`)."""
+    if isinstance(eb, torch.Tensor) and on_device(eb):
+        return device_bounds(eb, widths, device)
+    return resolve_bounds(eb, widths, required=True)
+
+
 @overload
 def check_ids(ids: torch.Tensor, rows: int, n_blocks: int, where: str) -> torch.Tensor: ...
 @overload

@@ -31,13 +31,12 @@ from . import format as fmt
 from .base import (
     Bound,
     Codec,
+    block_bounds,
     check_ids,
     check_input,
     check_out,
     codec_for,
-    device_bounds,
     get_codec,
-    on_device,
     register,
     resolve_blocks,
     resolve_bounds,
@@ -218,11 +217,7 @@ class PerBlockCodec(Codec):
         check_input(x)
         rows, cols = x.shape
         widths = resolve_blocks(cols, eb, ids, blocks)
-        bounds: list[float] | torch.Tensor
-        if isinstance(eb, torch.Tensor) and on_device(eb):
-            bounds = device_bounds(eb, widths, x.device)
-        else:
-            bounds = resolve_bounds(eb, widths, required=True)
+        bounds = block_bounds(eb, widths, x.device)
         keys = check_ids(ids, rows, len(widths), "per_block encode")
         choice = self._checked_choice(choice, len(widths))
         names, carried = self.device_groups(choice)

@@ -18,14 +18,13 @@ from . import format as fmt
 from .base import (
     Bound,
     Codec,
+    block_bounds,
     check_ids,
     check_input,
     check_out,
     device_bounds,
-    on_device,
     register,
     resolve_blocks,
-    resolve_bounds,
 )
 from .format import PayloadError
 
@@ -165,12 +164,7 @@ class LossyCodec(Codec):
         check_input(x)
         rows, cols = x.shape
         widths = resolve_blocks(cols, eb, ids, blocks)
-        # a tensor of bounds stays on its device (no host wait); host numbers are checked on the host
-        bounds: list[float] | torch.Tensor
-        if isinstance(eb, torch.Tensor) and on_device(eb):
-            bounds = device_bounds(eb, widths, x.device)
-        else:
-            bounds = resolve_bounds(eb, widths, required=True)
+        bounds = block_bounds(eb, widths, x.device)
         keys = check_ids(ids, rows, len(widths), "lossy encode")
         if keys is not None and keys.device != x.device:
             raise ValueError(f"lossy encode: ids on {keys.device}, x on {x.device}")

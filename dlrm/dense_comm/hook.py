@@ -240,9 +240,7 @@ class DenseComm(PerRank):
         assert self.pg is not None
         pg, codec = self.pg, self._codec
         ws, me = pg.size(), pg.rank()
-        buf, layout, numels, f = self._accumulated(bucket)
-        thresholds = [self._threshold(name, piece) for (name, _), piece in zip(layout, f.split(numels), strict=True)]
-        keep = codec.mask(f.view(1, -1), numels, thresholds).view(-1)
+        buf, layout, numels, f, thresholds, keep = self._kept(bucket)
         sent = codec.sent(f, keep)  # exactly what every rank decodes from our payload
         residual = self._keep_residuals(f, sent, layout, numels)
         t1 = time.perf_counter()
@@ -365,9 +363,7 @@ class DenseComm(PerRank):
         assert self.pg is not None
         pg, codec = self.pg, self._codec
         ws, me = pg.size(), pg.rank()
-        buf, layout, numels, f = self._accumulated(bucket)
-        thresholds = [self._threshold(name, piece) for (name, _), piece in zip(layout, f.split(numels), strict=True)]
-        keep = codec.mask(f.view(1, -1), numels, thresholds).view(-1)
+        buf, layout, numels, f, thresholds, keep = self._kept(bucket)
         owned = _segments(numels, ws, buf.device)
         segments = [f[index] for index, _ in owned]
         sent = codec.sent(f, keep)  # exactly what each owner decodes from our payload
@@ -501,6 +497,15 @@ class DenseComm(PerRank):
             return _segment_of(compression.decode(part), numel)
         except Exception as e:  # any codec failure: name the transfer, keep the cause chained
             raise DenseCommError(f"{what}: {type(e).__name__}: {e}") from e
+
+    def _kept(
+        self, bucket: dist.GradBucket
+    ) -> tuple[torch.Tensor, list[tuple[str, int]], list[int], torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        """:meth:`_accumulated`, each parameter's threshold (0-d tensors, on the device) and where
+        the accumulated gradients reach it (bool), without a host wait."""
+        buf, layout, numels, f = self._accumulated(bucket)
+        thresholds = [self._threshold(name, piece) for (name, _), piece in zip(layout, f.split(numels), strict=True)]
+        return buf, layout, numels, f, thresholds, self._codec.mask(f.view(1, -1), numels, thresholds).view(-1)
 
     def _accumulated(
         self, bucket: dist.GradBucket
