@@ -212,6 +212,13 @@ def block_bounds(eb: Bound | None, widths: list[int], device: torch.device) -> l
     return resolve_bounds(eb, widths, required=True)
 
 
+def held_ids(ids: torch.Tensor | None, single: torch.Tensor | None) -> torch.Tensor | None:
+    """``ids`` where they hold, as ``single`` says (a 0-d bool on the device, read here: a host
+    wait, for the paths that cannot choose between ids and rows on the device); no ``single``:
+    they do."""
+    return ids if single is None or bool(single) else None
+
+
 @overload
 def check_ids(ids: torch.Tensor, rows: int, n_blocks: int, where: str) -> torch.Tensor: ...
 @overload

@@ -37,6 +37,7 @@ from .base import (
     check_out,
     codec_for,
     get_codec,
+    held_ids,
     register,
     resolve_blocks,
     resolve_bounds,
@@ -213,7 +214,7 @@ class PerBlockCodec(Codec):
         says which blocks each group carries, section 2 holds a copy of each group payload's
         head (so that one read of the payload's first bytes gives the decoder every header)."""
         if fmt._check_for(x.device) != "adler32":  # the CPU: the host path is the faster
-            return self.encode(x, eb, _held(ids, single), blocks=blocks, choice=choice)
+            return self.encode(x, eb, held_ids(ids, single), blocks=blocks, choice=choice)
         check_input(x)
         rows, cols = x.shape
         widths = resolve_blocks(cols, eb, ids, blocks)
@@ -222,7 +223,7 @@ class PerBlockCodec(Codec):
         choice = self._checked_choice(choice, len(widths))
         names, carried = self.device_groups(choice)
         if any(_head_size(self.options[n], 0) is None for n in names):  # an option read on the host
-            return self.encode(x, eb, _held(ids, single), blocks=blocks, choice=choice)
+            return self.encode(x, eb, held_ids(ids, single), blocks=blocks, choice=choice)
         if len(names) == 1:
             return self._encode_group(names[0], x, bounds, keys, widths, list(range(len(widths))), single)
         group = self._groups_on_device(x, widths, bounds, choice, names)
@@ -430,12 +431,6 @@ class _Prepared:
         """Each group's values (read) and state."""
         ends = list(itertools.accumulate(self.sizes))
         return [(extra[e - n : e], st) for e, n, st in zip(ends, self.sizes, self.states, strict=True)]
-
-
-def _held(ids: torch.Tensor | None, single: torch.Tensor | None) -> torch.Tensor | None:
-    """``ids`` where they hold, as ``single`` says (a 0-d bool on the device, read here: a host
-    wait); no ``single``: they do."""
-    return ids if single is None or bool(single) else None
 
 
 def _head_size(codec: Codec, n_blocks: int) -> int | None:

@@ -23,6 +23,7 @@ from .base import (
     check_input,
     check_out,
     device_bounds,
+    held_ids,
     register,
     resolve_blocks,
 )
@@ -173,8 +174,7 @@ class LossyCodec(Codec):
         coder = self._coder(kind, backend)
         if deferred and self.defers(x.device) and x.numel() < 2**31:
             return self._encode_deferred(x, widths, bounds, keys, backend, single if keys is not None else None)
-        if single is not None and not bool(single):  # off the device path: read whether the ids hold
-            keys = None
+        keys = held_ids(keys, single)  # off the device path: read whether the ids hold
 
         if keys is not None:
             plan = dedup.plan_by_ids(keys)

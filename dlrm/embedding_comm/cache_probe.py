@@ -59,6 +59,9 @@ class CacheProbe(Stage):
     def sees_payloads(self, direction: str) -> bool:
         return direction == "forward"  # it measures the sent payloads' bytes
 
+    def reads_ids(self, direction: str) -> bool:
+        return direction == "forward"  # its shadow caches are looked up by id
+
     def measure(self, c: Outgoing) -> bool:
         if not (c.direction == "forward" and c.ids is not None and c.dc.dedup and c.bounds is not None):
             return False

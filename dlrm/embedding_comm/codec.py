@@ -19,6 +19,7 @@ from dlrm.embedding_comm.bounds import BoundFn, Bounds, absolute_bounds, host_bo
 from dlrm.embedding_comm.config import DirectionSpec
 from dlrm.process.config_checks import flag, integer
 from dlrm_compression import format as fmt
+from dlrm_compression.base import held_ids
 from dlrm_compression.composite import PerBlockCodec, worst_case_error
 from dlrm_compression.format import Deferred, HostHead
 from dlrm_compression.lossy import LossyCodec
@@ -186,9 +187,8 @@ class DirectionCodec:
             return self.codec.encode_deferred(
                 chunk.contiguous(), bounds, keys, blocks=list(widths), choice=choice, single=single
             )
-        if single is not None and not bool(single):  # a codec that cannot choose on the device: read
-            ids = None
-        return self.encode(chunk, widths, bounds, ids, thresholds, features)
+        # a codec that cannot choose on the device: read whether the ids hold
+        return self.encode(chunk, widths, bounds, held_ids(ids, single), thresholds, features)
 
     def picks_ids_on_device(self, device: torch.device) -> bool:
         """Whether :meth:`encode_deferred` can be told whether the ids hold by a device flag and

@@ -54,6 +54,9 @@ class Calibration(Stage):
     def needs_codec(self, direction: str) -> bool:
         return direction in self.pending
 
+    def reads_ids(self, direction: str) -> bool:
+        return direction in self.pending  # every option measured with the chunk's ids
+
     def measure(self, c: Outgoing) -> bool:
         if c.direction not in self.pending:
             return False

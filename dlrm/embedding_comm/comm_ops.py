@@ -328,7 +328,7 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
     defer = not any(s.sees_payloads(d) for s in stages)
     settles: list[Settle] = []  # what encoding stages read with the sizes
     # Which chunks have ids can wait for that read too where the codec picks ids or rows on the
-    # device and no stage looks at the ids before (an encoding stage does).
+    # device and no stage looks at the ids before they are encoded.
     raw = not any(s.needs_codec(d) for s in stages) and dc.passthrough(layout.features())
     pending = info.pending_ids
     later = (
@@ -337,7 +337,7 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
         and defer
         and not payload_hooked()  # (a test's hook sees the payloads, sampled ones too, before that read)
         and dc.picks_ids_on_device(device)
-        and not any(_encodes(s) or s.needs_codec(d) for s in stages)  # (auto's calibration measures with the ids)
+        and not any(s.reads_ids(d) for s in stages)
     )
     if pending is not None and not later:
         info.settle_ids(pending.single.tolist())  # the forward's read of which chunks have ids
@@ -463,11 +463,6 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
     stats.add(f"{d}/comm_ms", 1e3 * (t2 - t1))
     stats.add(f"{d}/calls", 1)
     return _Transfer(work, recv_buf, recv_sizes, chunks[me])
-
-
-def _encodes(stage: Stage) -> bool:
-    """Whether ``stage`` may encode chunks itself (it looks at their ids first)."""
-    return type(stage).encode is not Stage.encode
 
 
 Prepared = tuple[int, torch.Tensor | None, Any]  # a payload's head bytes, device values read with it, state

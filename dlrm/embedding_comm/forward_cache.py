@@ -376,6 +376,9 @@ class CacheStage(Stage):
     def _applies(direction: str, ids: torch.Tensor | None, dc: DirectionCodec) -> bool:
         return direction == "forward" and ids is not None and dc.dedup
 
+    def reads_ids(self, direction: str) -> bool:
+        return direction == "forward"  # its mirror is looked up by id
+
     def encode(self, c: Outgoing) -> bool:
         if not (self._applies(c.direction, c.ids, c.dc) and c.bounds is not None):
             return False

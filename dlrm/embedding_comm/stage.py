@@ -94,6 +94,11 @@ class Stage:
         """Whether this stage makes one chunk differ per peer (no payload is reused across peers)."""
         return False
 
+    def reads_ids(self, direction: str) -> bool:
+        """Whether this stage looks at this direction's chunk ids before they are encoded (so
+        which chunks hold ids is read first, not with the sizes)."""
+        return False
+
     def before_encode(self, c: Outgoing) -> None:
         """Change ``c.chunk`` before it is encoded."""
 
