@@ -11,6 +11,11 @@ address). gloo binds to the veth address, so ranks of one node reach each other 
 namespace's loopback (the kernel routes local addresses there, unshaped) and the other node's over
 the veth. Prints, and writes with ``--report``, the exit codes, the wall time and the bytes each
 link carried. Needs root and iproute2; deletes both namespaces (and so the link) on exit.
+
+``--fault KIND@WHEN`` injects a fault across nodes (docs/faults.md): ``kill-node<r>`` SIGKILLs node
+r's ranks (not its torchrun agent, which restarts them under ``--max-restarts``), ``cut-link`` takes
+node 1's end of the link down; WHEN is seconds after the start (``30s``) or an iteration the
+trainer logged (``it12``: needs ``loss_log=true`` and ``hydra.run.dir=...``).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +41,34 @@ REPO = Path(__file__).resolve().parents[2]
 # One /30 inside the two namespaces only: node r has ADDRESSES[r].
 ADDRESSES = ("10.27.0.1", "10.27.0.2")
 PREFIX = 30
+FAULT_KINDS = ("kill-node0", "kill-node1", "cut-link")
+_WHEN = re.compile(r"(?:(\d+(?:\.\d+)?)s?|it(\d+))")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """``kind`` (one of FAULT_KINDS) injected ``seconds`` after the agents start, or once the
+    trainer's losses.txt holds ``iteration``."""
+
+    kind: str
+    seconds: float | None = None
+    iteration: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Fault:
+        kind, _, when = text.partition("@")
+        m = _WHEN.fullmatch(when.strip())
+        if kind not in FAULT_KINDS or not m:
+            raise ValueError(
+                f"--fault {text!r}: expected KIND@WHEN, KIND one of {', '.join(FAULT_KINDS)}, WHEN seconds "
+                "after the start (30s) or an iteration (it12)"
+            )
+        if m.group(2) is not None:
+            return cls(kind, iteration=int(m.group(2)))
+        return cls(kind, seconds=float(m.group(1)))
+
+    def __str__(self) -> str:
+        return f"{self.kind}@{f'it{self.iteration}' if self.iteration is not None else f'{self.seconds:g}s'}"
 
 
 @dataclass
@@ -55,6 +88,7 @@ class Options:
     module: str = "dlrm.train"
     report: Path | None = None
     trainer_args: list[str] = field(default_factory=list)
+    faults: list[Fault] = field(default_factory=list)
 
     def namespace(self, node: int) -> str:
         return f"dlrm-2n-{self.tag}-node{node}"
@@ -110,19 +144,118 @@ def _stop(procs: Sequence[subprocess.Popen], wait_s: float = 10.0) -> None:
             time.sleep(0.1)
 
 
-def wait_all(procs: Sequence[subprocess.Popen], timeout: float, grace: float) -> list[int | None]:
+def wait_all(
+    procs: Sequence[subprocess.Popen],
+    timeout: float,
+    grace: float,
+    tick: Callable[[], None] | None = None,
+    poll_s: float = 0.2,
+) -> list[int | None]:
     """Wait for every agent; once one fails, the others get ``grace`` seconds (their collectives
-    fail on their own within the trainer's ``comm_timeout_s``), and none more than ``timeout``."""
+    fail on their own within the trainer's ``comm_timeout_s``), and none more than ``timeout``.
+    ``tick`` is called every ``poll_s`` meanwhile (the fault injector)."""
     deadline = time.monotonic() + timeout
     try:
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             if any(p.returncode not in (None, 0) for p in procs):
                 deadline = min(deadline, time.monotonic() + grace)
-            time.sleep(0.2)
+            if tick is not None:
+                tick()
+            time.sleep(poll_s)
     finally:
         ended = [p.returncode for p in procs]
         _stop(procs)
     return ended
+
+
+def trainer_run_dir(trainer_args: Sequence[str]) -> Path | None:
+    """The run directory the trainer was given (``hydra.run.dir=``, relative to the repository)."""
+    given = [a.split("=", 1)[1] for a in trainer_args if a.startswith("hydra.run.dir=")]
+    return REPO / given[-1] if given else None
+
+
+def last_logged_iteration(losses: Path) -> int:
+    """The newest iteration rank 0 wrote to losses.txt (``loss_log=true``); 0 before the first."""
+    try:
+        with open(losses, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+            lines = f.read().split(b"\n")[:-1]  # the last piece has no newline yet (or is empty)
+    except FileNotFoundError:
+        return 0
+    return int(lines[-1].split()[0]) if lines and lines[-1].strip() else 0
+
+
+def worker_pids(agent: int) -> dict[int, int]:
+    """rank -> pid of the ranks a torchrun agent started: its topmost descendants with RANK set (a
+    rank's own children, e.g. data loader workers, inherit RANK and are left out)."""
+    found, todo = {}, [agent]
+    while todo:
+        pid = todo.pop()
+        try:
+            tasks = list(Path(f"/proc/{pid}/task").iterdir())
+            children = [int(c) for t in tasks for c in (t / "children").read_text().split()]
+        except FileNotFoundError:
+            continue
+        for child in children:
+            try:
+                environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            rank = [e[5:] for e in environ if e.startswith(b"RANK=")]
+            if rank:
+                found[int(rank[0])] = child
+            else:
+                todo.append(child)
+    return found
+
+
+class Injector:
+    """Injects ``o.faults`` when due (each once) and notes when each node's agent ended."""
+
+    def __init__(self, o: Options, nodes: Sequence[Namespace], procs: Sequence[subprocess.Popen], t0: float) -> None:
+        self.o, self.nodes, self.procs, self.t0 = o, nodes, procs, t0
+        run_dir = trainer_run_dir(o.trainer_args)
+        self.losses = run_dir / "losses.txt" if run_dir is not None else None
+        self.injected: list[dict[str, Any]] = []
+        self.ended_s: list[float | None] = [None] * len(procs)
+
+    def __call__(self) -> None:
+        now = time.monotonic() - self.t0
+        for node, p in enumerate(self.procs):
+            if p.poll() is not None and self.ended_s[node] is None:
+                self.ended_s[node] = now
+        done = {f["fault"] for f in self.injected}
+        pending = [f for f in self.o.faults if str(f) not in done]
+        if not pending:
+            return
+        logged = last_logged_iteration(self.losses) if self.losses is not None else 0
+        for fault in pending:
+            due = logged >= fault.iteration if fault.iteration is not None else now >= (fault.seconds or 0.0)
+            if due and all(p.poll() is None for p in self.procs):
+                what = self.inject(fault)
+                if what is not None:
+                    self.injected.append({"fault": str(fault), "at_s": now, "logged_iteration": logged, **what})
+                    print(
+                        f"two_nodes: injected {fault} at {now:.1f} s ({time.strftime('%H:%M:%S')}, "
+                        f"iteration {logged} logged): {what}",
+                        flush=True,
+                    )
+
+    def inject(self, fault: Fault) -> dict[str, Any] | None:
+        """Do it; what was done, or None to try again at the next tick (no ranks to kill yet)."""
+        if fault.kind == "cut-link":
+            # node 1's end: node 0's end only loses its carrier and keeps its address, so node 0's
+            # ranks still reach each other and the store (downing node 0's end would drop its address)
+            self.nodes[1].run("ip", "link", "set", self.o.link(1), "down")
+            return {"link": self.o.link(1)}
+        node = int(fault.kind.removeprefix("kill-node"))
+        ranks = worker_pids(self.procs[node].pid)  # not the agent: it restarts them under --max-restarts
+        if len(ranks) < self.o.nproc_per_node:
+            return None
+        for pid in ranks.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return {"killed_ranks": sorted(ranks), "pids": [ranks[r] for r in sorted(ranks)]}
 
 
 def run(o: Options) -> dict[str, Any]:
@@ -144,8 +277,10 @@ def run(o: Options) -> dict[str, Any]:
             subprocess.Popen(ns.argv(*torchrun_argv(o, node)), cwd=REPO, env=node_env(o, node), start_new_session=True)
             for node, ns in enumerate(nodes)
         ]
-        codes = wait_all(procs, o.timeout, o.grace)
+        injector = Injector(o, nodes, procs, t0)
+        codes = wait_all(procs, o.timeout, o.grace, tick=injector, poll_s=0.05 if o.faults else 0.2)
         wall = time.monotonic() - t0
+        injector.ended_s = [wall if e is None else e for e in injector.ended_s]
         after = [(ns.tx_bytes(o.link(node)), ns.tx_bytes("lo")) for node, ns in enumerate(nodes)]
     return {
         "exit_codes": codes,
@@ -159,6 +294,9 @@ def run(o: Options) -> dict[str, Any]:
         # bytes sent by node r over the veth (to the other node) and over its loopback (to itself)
         "inter_node_bytes": [a[0] - b[0] for a, b in zip(after, before, strict=True)],
         "loopback_bytes": [a[1] - b[1] for a, b in zip(after, before, strict=True)],
+        # seconds from the start to each node's agent ending, and the faults injected (--fault)
+        "ended_s": injector.ended_s,
+        "faults": injector.injected,
     }
 
 
@@ -183,6 +321,14 @@ def parse_args(argv: Sequence[str]) -> Options:
     )
     p.add_argument("--module", default="dlrm.train", help="the module torchrun runs (%(default)s)")
     p.add_argument("--report", type=Path, default=None, help="also write the measurements to this JSON file")
+    p.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="KIND@WHEN",
+        help=f"inject a fault ({', '.join(FAULT_KINDS)}) at WHEN: seconds after the start (30s) or a logged "
+        "iteration (it12, needs loss_log=true and hydra.run.dir=...); repeatable",
+    )
     p.add_argument("--tag", default=str(os.getpid()), help="unique name part of the namespaces and links (pid)")
     args, rest = netreport.parse_with_overrides(p, argv)
     try:
@@ -191,6 +337,16 @@ def parse_args(argv: Sequence[str]) -> Options:
         netns.delay_ms(args.delay)
     except ValueError as e:
         p.error(str(e))
+    try:
+        faults = [Fault.parse(f) for f in args.fault]
+    except ValueError as e:
+        p.error(str(e))
+    by_iteration = [str(f) for f in faults if f.iteration is not None]
+    if by_iteration and (trainer_run_dir(rest) is None or "loss_log=true" not in rest):
+        p.error(
+            f"--fault {by_iteration[0]} watches the trainer's <run dir>/losses.txt: pass loss_log=true and "
+            "hydra.run.dir=... after `--` (or give the time in seconds, e.g. 30s)"
+        )
     if not re.fullmatch(r"[A-Za-z0-9]{1,10}", args.tag):
         p.error(f"--tag {args.tag!r}: 1 to 10 letters or digits (it goes into link names)")
     if args.nproc_per_node < 1 or args.timeout <= 0 or args.grace < 0 or args.max_restarts < 0:
@@ -209,6 +365,7 @@ def parse_args(argv: Sequence[str]) -> Options:
         module=args.module,
         report=args.report,
         trainer_args=list(rest),
+        faults=faults,
     )
 
 

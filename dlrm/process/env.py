@@ -65,8 +65,21 @@ def init_distributed(device: str = "auto", timeout_s: float = 600.0) -> DistEnv:
         store, _, _ = next(rendezvous("env://", rank, world_size, timeout=timeout))
         store = dist.PrefixStore(f"dlrm/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        subgroups_time_out_after(timeout)
         enable_roll_call(store, rank, world_size, timeout_s)
     return DistEnv(rank, world_size, local_rank, local_world_size, dev, backend)
+
+
+def subgroups_time_out_after(timeout: timedelta) -> None:
+    """Groups made later without a timeout wait ``timeout`` too, not torch's default (30 min for gloo).
+
+    TorchRec's intra- and cross-node groups (table_row_wise, grid and 2D sharding) come from
+    ``dist.new_group`` without one; a peer cut off from them would otherwise hang the others for half
+    an hour instead of failing after ``comm_timeout_s``. torch reads this default at each new_group.
+    """
+    c10d = dist.distributed_c10d
+    c10d.default_pg_timeout = timeout  # type: ignore[attr-defined]
+    c10d.default_pg_nccl_timeout = timeout  # type: ignore[attr-defined]
 
 
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:

@@ -13,6 +13,7 @@ gloo reports the closed connection at once (and torchrun restarts the job, if al
 from __future__ import annotations
 
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -49,7 +50,23 @@ def enable_roll_call(store: dist.Store, rank: int, world_size: int, timeout_s: f
 
 def silent_ranks(rc: _RollCall, collective: str, wait_s: float = ROLL_CALL_S) -> list[int] | None:
     """Report in, then wait up to ``wait_s`` for every rank to: those that never do are stalled or
-    gone (survivors time out too, at about the same moment). None if the store cannot be reached."""
+    gone (survivors time out too, at about the same moment). None if the store cannot be reached.
+
+    The store is asked from a daemon thread given ``wait_s`` and a second more: from a rank cut off
+    from the store's host, a store call can block for TCP's retransmission timeout (many minutes),
+    whatever the store's own timeout; such a call is abandoned (the rank is about to fail anyway)."""
+    answer: list[list[int] | None] = []
+
+    def ask() -> None:
+        answer.append(_ask_store(rc, collective, wait_s))
+
+    asking = threading.Thread(target=ask, name="dlrm-roll-call", daemon=True)
+    asking.start()
+    asking.join(wait_s + 1.0)
+    return answer[0] if answer else None
+
+
+def _ask_store(rc: _RollCall, collective: str, wait_s: float) -> list[int] | None:
     key = "dlrm/timed_out/{}".format
     try:
         rc.store.set_timeout(timedelta(seconds=wait_s))
@@ -71,7 +88,9 @@ def describe(collective: str, error: BaseException) -> str:
         return f"{collective} timed out waiting for a peer ({error})"
     silent = silent_ranks(rc, collective)
     if silent is None:
-        who = "which ranks stopped answering is unknown (the store is unreachable)"
+        who = (
+            "which ranks stopped answering is unknown (the store is unreachable too: this rank may be the one cut off)"
+        )
     elif silent:
         who = f"rank(s) {silent} did not answer a roll call within {ROLL_CALL_S:g} s more (stalled, stopped or cut off)"
     else:
