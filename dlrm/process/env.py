@@ -78,8 +78,8 @@ def subgroups_time_out_after(timeout: timedelta) -> None:
     an hour instead of failing after ``comm_timeout_s``. torch reads this default at each new_group.
     """
     c10d = dist.distributed_c10d
-    c10d.default_pg_timeout = timeout  # type: ignore[attr-defined]
-    c10d.default_pg_nccl_timeout = timeout  # type: ignore[attr-defined]
+    c10d.default_pg_timeout = timeout
+    c10d.default_pg_nccl_timeout = timeout
 
 
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
