@@ -185,6 +185,7 @@ class Breakdown:
     codec_forward: float = 0.0
     codec_backward: float = 0.0
     codec_dense: float = 0.0  # encode + decode of the dense gradients (dense_comm hooks)
+    codec_input: float = 0.0  # encode + decode of the input all-to-all's ids (compression.input)
     # compute after the backward all-to-all that the dense all-reduce overlaps (DDP's buckets)
     compute_overlapped: float = 0.0
 
@@ -271,6 +272,26 @@ def with_codecs(
         codec_forward=base.codec_forward + forward.codec_seconds(raw_bytes),
         codec_backward=base.codec_backward + backward.codec_seconds(raw_bytes),
         codec_dense=base.codec_dense + dense.codec_seconds(dense_bytes),
+    )
+
+
+def exposed_input_dist(input_s: float, iteration: Breakdown) -> float:
+    """Seconds an input all-to-all of ``input_s`` on the link adds to ``iteration`` (which leaves it
+    out). TorchRec's pipeline runs the next batch's input dist a batch ahead, beside this batch's
+    compute, so it takes the link while the other collectives leave it idle; only what does not
+    fit there delays the iteration (an optimistic bound: the idle time is taken as one piece)."""
+    busy = iteration.a2a_forward + iteration.a2a_backward + iteration.allreduce
+    return max(input_s - max(iteration.total - busy, 0.0), 0.0)
+
+
+def with_input(iteration: Breakdown, input_s: float, codec_s: float = 0.0) -> Breakdown:
+    """``iteration`` with its input all-to-all: ``input_s`` on the link, pipelined
+    (:func:`exposed_input_dist`), and ``codec_s`` of coding its ids on the compute path."""
+    without = replace(iteration, input_dist=0.0)
+    return replace(
+        without,
+        input_dist=exposed_input_dist(input_s, without),
+        codec_input=iteration.codec_input + codec_s,
     )
 
 

@@ -316,3 +316,29 @@ def test_while_auto_calibrates_the_wire_carries_the_fixed_defaults_and_the_plan_
         a, b = got[f"comm/{path}/wire_bytes"], ref[f"comm/{path}/wire_bytes"]
         for it in range(1, plan["from_iteration"] + 1):
             assert a[it] == pytest.approx(b[it], rel=0.01), (path, it, a[it], b[it])
+
+
+def test_the_input_all_to_all_is_coded_only_where_its_bytes_wait_on_the_link():
+    """The input dist runs a batch ahead, beside the compute: its raw bytes cost only what does not
+    fit in the link's idle time, so coding them (10 ms of CPU) pays on a slow link, not a fast one."""
+    fwd = Unit("forward/cat_0", "forward", 1 * MB, (Option("none"),))
+    ids = Option("ids", 8.0, 0.008, 0.002)
+    inp = Unit("input", "input", 0.6 * MB, (Option("none"), ids))
+    exact = {"forward/cat_0": "none", "input": "none"}
+    coded = {**exact, "input": "ids"}
+    totals = {}
+    for rate, pays in ((1 * MB, True), (1000 * MB, False)):
+        t = Timeline(Link(rate), ranks=2, between=0.05)
+        # by hand: the forward all-to-all holds the link 1 MB / rate; the 0.05 s of compute leaves it idle
+        a2a, idle = 1 * MB / rate, 0.05
+        raw_total = a2a + idle + max(0.6 * MB / rate - idle, 0.0)
+        coded_total = a2a + idle + max(0.6 * MB / 8 / rate - idle, 0.0) + 0.010
+        assert simulate([fwd, inp], exact, t).total == pytest.approx(raw_total)
+        assert simulate([fwd, inp], coded, t).total == pytest.approx(coded_total)
+        assert (coded_total < raw_total) == pays
+        assert choose([fwd, inp], t, start=exact) == (coded if pays else exact)
+        totals[rate] = (raw_total, coded_total)
+    # on the slow link 0.55 s of the raw input is exposed, 0.025 s coded (+ 10 ms of codec); on the
+    # fast one none of it, and the codec's 10 ms are the difference
+    assert totals[1 * MB] == pytest.approx((1.6, 1.085))
+    assert totals[1000 * MB] == pytest.approx((0.051, 0.061))
