@@ -333,6 +333,17 @@ def project_published(
     return out
 
 
+def project_input(iteration: Breakdown, w: Workload, link_bytes_per_s: float, coded: CodecCost) -> dict[str, Breakdown]:
+    """``iteration`` (a projection without its input dist) with ``w``'s input all-to-all added,
+    pipelined (:func:`with_input`) on ``link_bytes_per_s`` per rank: ``raw`` as TorchRec sends it,
+    and ``coded`` at ``coded.ratio`` with ``coded``'s throughput on the raw input bytes."""
+    raw, link = w.input_dist_bytes(), _positive("link_bytes_per_s", link_bytes_per_s, allow_inf=True)
+    return {
+        "raw": with_input(iteration, raw / link),
+        "coded": with_input(iteration, raw / coded.ratio / link, coded.codec_seconds(raw)),
+    }
+
+
 def calibrate_compute(measured_total_s: float, modelled: Breakdown) -> Breakdown:
     """``modelled`` with its compute set so that its total equals a measured iteration time
     (the residual after the modelled communication and codec; errors if that is negative)."""

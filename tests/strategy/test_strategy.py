@@ -171,7 +171,8 @@ def test_auto_decides_once_for_every_rank_and_a_replay_reproduces_the_losses(tmp
     plan = [p for p in saved if p["choice"] is not None][-1]
     units_of = {u["name"]: u for u in plan["units"]}
     assert set(plan["choice"]) == set(units_of) and "dense" in units_of
-    assert {n.split("/")[0] for n in plan["choice"] if n != "dense"} == {"forward", "backward"}
+    assert {n.split("/")[0] for n in plan["choice"] if n not in ("dense", "input")} == {"forward", "backward"}
+    assert "input" in units_of  # compression.input: auto (auto.yaml's default)
     # every rank applied the same plan (rank 0 decides and broadcasts)
     applied = [
         re.findall(r"strategy from iteration (\d+): (.*)", (first / f"train_rank{r}.log").read_text()) for r in (0, 1)
@@ -223,7 +224,7 @@ def test_calibrated_options_choose_by_the_link(tmp_path, cache):
     ]
     exact = {u.name: "none" for u in real}
     slow = choose(real, Timeline(Link(1e5), ranks=2, between=plan["compute_ms"] / 1e3), start=exact)
-    assert all(slow[u.name] in ("lossy/zstd", "lossy/fixed", "dct") for u in real if u.raw_bytes > 4096)
+    assert all(slow[u.name] in ("lossy/zstd", "lossy/fixed", "dct", "ids") for u in real if u.raw_bytes > 4096)
     free = choose(real, Timeline(Link(math.inf), ranks=2), start=exact)
     # with the link free, only options cheaper to run than copying the bytes ("none") can win
     for u in real:
