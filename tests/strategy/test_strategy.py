@@ -224,7 +224,9 @@ def test_calibrated_options_choose_by_the_link(tmp_path, cache):
     ]
     exact = {u.name: "none" for u in real}
     slow = choose(real, Timeline(Link(1e5), ranks=2, between=plan["compute_ms"] / 1e3), start=exact)
-    assert all(slow[u.name] in ("lossy/zstd", "lossy/fixed", "dct", "ids") for u in real if u.raw_bytes > 4096)
+    # (the input's raw bytes may still fit in the link's idle time: tested on its own)
+    big = [u for u in real if u.raw_bytes > 4096 and u.stage != "input"]
+    assert big and all(slow[u.name] in ("lossy/zstd", "lossy/fixed", "dct") for u in big)
     free = choose(real, Timeline(Link(math.inf), ranks=2), start=exact)
     # with the link free, only options cheaper to run than copying the bytes ("none") can win
     for u in real:
