@@ -185,6 +185,7 @@ class Breakdown:
     codec_forward: float = 0.0
     codec_backward: float = 0.0
     codec_dense: float = 0.0  # encode + decode of the dense gradients (dense_comm hooks)
+    codec_input: float = 0.0  # encode + decode of the input all-to-all's ids (compression.input)
     # compute after the backward all-to-all that the dense all-reduce overlaps (DDP's buckets)
     compute_overlapped: float = 0.0
 
@@ -274,6 +275,26 @@ def with_codecs(
     )
 
 
+def exposed_input_dist(input_s: float, iteration: Breakdown) -> float:
+    """Seconds an input all-to-all of ``input_s`` on the link adds to ``iteration`` (which leaves it
+    out). TorchRec's pipeline runs the next batch's input dist a batch ahead, beside this batch's
+    compute, so it takes the link while the other collectives leave it idle; only what does not
+    fit there delays the iteration (an optimistic bound: the idle time is taken as one piece)."""
+    busy = iteration.a2a_forward + iteration.a2a_backward + iteration.allreduce
+    return max(input_s - max(iteration.total - busy, 0.0), 0.0)
+
+
+def with_input(iteration: Breakdown, input_s: float, codec_s: float = 0.0) -> Breakdown:
+    """``iteration`` with its input all-to-all: ``input_s`` on the link, pipelined
+    (:func:`exposed_input_dist`), and ``codec_s`` of coding its ids on the compute path."""
+    without = replace(iteration, input_dist=0.0)
+    return replace(
+        without,
+        input_dist=exposed_input_dist(input_s, without),
+        codec_input=iteration.codec_input + codec_s,
+    )
+
+
 def from_shares(shares: Mapping[str, float], a2a_forward_s: float) -> Breakdown:
     """Absolute times from a published breakdown (fractions by component) and the forward
     all-to-all's time, e.g. raw bytes / link bandwidth of the published cluster."""
@@ -310,6 +331,17 @@ def project_published(
     if dense is not None:
         out["all"] = with_codecs(base, raw, forward, backward, dense=dense, dense_bytes=w.dense_params * w.value_bytes)
     return out
+
+
+def project_input(iteration: Breakdown, w: Workload, link_bytes_per_s: float, coded: CodecCost) -> dict[str, Breakdown]:
+    """``iteration`` (a projection without its input dist) with ``w``'s input all-to-all added,
+    pipelined (:func:`with_input`) on ``link_bytes_per_s`` per rank: ``raw`` as TorchRec sends it,
+    and ``coded`` at ``coded.ratio`` with ``coded``'s throughput on the raw input bytes."""
+    raw, link = w.input_dist_bytes(), _positive("link_bytes_per_s", link_bytes_per_s, allow_inf=True)
+    return {
+        "raw": with_input(iteration, raw / link),
+        "coded": with_input(iteration, raw / coded.ratio / link, coded.codec_seconds(raw)),
+    }
 
 
 def calibrate_compute(measured_total_s: float, modelled: Breakdown) -> Breakdown:

@@ -5,7 +5,8 @@ bandwidth from timed collectives, each unit's ratio and codec time on real batch
 time of an iteration) and hands them over as :class:`Unit` and :class:`Timeline`.
 
 A *unit* is what can carry its own codec: a table in one direction of the embedding all-to-all
-(``forward/cat_3``), or the dense gradients (``dense``). Its *options* are the codecs allowed for
+(``forward/cat_3``), the dense gradients (``dense``), or the input (KJT) all-to-all's ids
+(``input``: raw or coded losslessly, ``ids``). Its *options* are the codecs allowed for
 it (the caller has already removed those that could exceed the error bound), each with the wire
 ratio and encode/decode seconds measured for it.
 
@@ -17,6 +18,10 @@ time on the compute path delays everything after it)::
 
 A stage whose tables use more than one codec also pays for gathering its chunk's columns by codec
 and scattering them back (``regroup_s_per_byte``, measured), so mixing codecs must pay for itself.
+
+The input all-to-all of the next batch runs a batch ahead (TorchRec's pipeline): its coding sits
+on the compute path, and its link time counts only where the other collectives leave the link no
+room (:func:`compression.cost_model.exposed_input_dist`); the spans below leave it out.
 
 The forward all-to-all starts when its units are encoded, and the model waits for it (TorchRec
 needs the pooled rows to go on); so does the backward. The dense all-reduce starts when the
@@ -36,9 +41,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .cost_model import Breakdown, Link
+from .cost_model import Breakdown, Link, with_input
 
-STAGES = ("forward", "backward", "dense")
+STAGES = ("forward", "backward", "dense", "input")
 
 
 @dataclass(frozen=True)
@@ -137,10 +142,11 @@ def simulate(units: Iterable[Unit], choice: Mapping[str, str], t: Timeline) -> S
         codec_dense=enc["dense"] + dec["dense"],
         compute_overlapped=t.after,
     )
+    iteration = with_input(iteration, seconds["input"], enc["input"] + dec["input"])
     # when each collective holds the link: every one waits for its inputs, the previous one is done
     spans: dict[str, tuple[float, float]] = {}
     clock = t.before
-    for stage, compute_after in (("forward", t.between), ("backward", 0.0), ("dense", 0.0)):
+    for stage, compute_after in (("forward", t.between), ("backward", 0.0), ("dense", 0.0)):  # not the input
         clock += enc[stage]
         spans[stage] = (clock, clock + seconds[stage])
         clock += seconds[stage] + dec[stage] + compute_after

@@ -24,7 +24,7 @@ QCOMM_PRECISIONS = ("fp32", "fp16", "bf16", "int8", "mx4")
 ALL_SHARDING_TYPES = ("data_parallel", "table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise")
 ROW_SUM_SHARDING_TYPES = ("row_wise", "table_row_wise")  # forward rows are partial sums (reduce-scatter)
 
-INPUT_CODECS = ("none", "ids")  # compression.input
+INPUT_CODECS = ("none", "ids", "auto")  # compression.input (auto: compression=auto's strategy decides)
 _TOP_KEYS = {
     "name",
     "kind",
@@ -78,7 +78,7 @@ class CompressionSpec:
     # compression=auto (per_block codecs): when to calibrate and re-plan, or a strategy to replay
     strategy: Mapping[str, Any] = field(default_factory=dict)
     strategy_file: str | None = None
-    input: str = "none"  # compression.input: none | ids (the KJT all-to-all, coded losslessly)
+    input: str = "none"  # compression.input: none | ids | auto (the KJT all-to-all, coded losslessly)
 
     @property
     def auto(self) -> bool:
@@ -194,6 +194,12 @@ def parse_compression_cfg(cfg: Mapping[str, Any]) -> CompressionSpec:
         cache_probe_rows=cache_probe_rows,
         **common,
     )
+    if spec.input == "auto" and not spec.auto:
+        raise ValueError(
+            f"{where}.input=auto is decided by compression=auto's strategy (per_block codecs), but "
+            f"{where}.forward.codec is {spec.forward and spec.forward.codec!r}: "
+            f"set {where}.input=ids or none, or use compression=auto"
+        )
     if not spec.auto and (spec.strategy or spec.strategy_file):
         raise ValueError(
             f"{where}.strategy and {where}.strategy_file only apply to compression=auto (per_block codecs)"

@@ -39,6 +39,7 @@ from dlrm.embedding_comm.comm_ops import (
 )
 from dlrm.embedding_comm.forward_cache import CacheStage, ForwardCache
 from dlrm.embedding_comm.ids import PendingIds, Region, pending_ids
+from dlrm.embedding_comm.input_switch import InputSwitch
 from dlrm.embedding_comm.stage import Stage
 from dlrm.embedding_comm.stats import CommStats
 from dlrm.trainer.state import PerRank
@@ -61,7 +62,8 @@ class CompressionRuntime(PerRank):
     calibrating: bool = False  # compression=auto: training calls measure every option meanwhile
     cache_probe: CacheProbe | None = None  # compression.stats.cache_probe (training forwards only)
     forward_cache: ForwardCache | None = None  # compression.forward.cache (training forwards only)
-    input_codec: IdsCodec | None = None  # compression.input: ids (the KJT all-to-all coded losslessly)
+    input_codec: IdsCodec | None = None  # compression.input: ids or auto (the KJT all-to-all coded losslessly)
+    input_switch: InputSwitch | None = None  # compression.input: auto (the strategy says when to code)
 
     @property
     def codecs(self) -> dict[str, DirectionCodec]:

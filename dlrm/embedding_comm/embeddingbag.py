@@ -72,12 +72,14 @@ class CompressedShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self._pre_a2a_kjts: list[KeyedJaggedTensor | None] = [None] * len(self._input_dists)
         runtime = (self._qcomm_codecs_registry or {}).get(REGISTRY_KEY)
         codec = runtime.input_codec if isinstance(runtime, CompressionRuntime) else None
+        switch = runtime.input_switch if isinstance(runtime, CompressionRuntime) else None
         for i, input_dist in enumerate(self._input_dists):
             input_dist.register_forward_pre_hook(self._stash_hook(i))
             for m in list(input_dist.modules()):
                 for name, child in list(m.named_children()):
-                    if type(child) is KJTAllToAll and codec is not None:  # compression.input: ids
-                        setattr(m, name, CompressedKJTAllToAll.from_stock(child, codec, self.input_stats))
+                    if type(child) is KJTAllToAll and codec is not None:  # compression.input: ids or auto
+                        coded = CompressedKJTAllToAll.from_stock(child, codec, self.input_stats, switch)
+                        setattr(m, name, coded)
                     elif type(child) is KJTAllToAll:
                         child.register_forward_pre_hook(self._count_input)
 

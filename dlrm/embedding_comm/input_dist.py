@@ -19,6 +19,7 @@ from torchrec.distributed.dist_data import KJTAllToAll, KJTAllToAllTensorsAwaita
 from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from dlrm.embedding_comm.input_switch import InputSwitch
 from dlrm.embedding_comm.stats import CommStats
 from dlrm_compression.format import PayloadError
 from dlrm_compression.ids_codec import IdsCodec
@@ -40,14 +41,27 @@ def stock_input_bytes(pg: Any, splits: list[int], kjt: KeyedJaggedTensor) -> int
 class CompressedKJTAllToAll(KJTAllToAll):
     """``KJTAllToAll`` whose lengths, ids and weights travel as one coded payload per peer."""
 
-    def __init__(self, pg: dist.ProcessGroup, splits: list[int], stagger: int, codec: IdsCodec, stats: CommStats):
+    def __init__(
+        self,
+        pg: dist.ProcessGroup,
+        splits: list[int],
+        stagger: int,
+        codec: IdsCodec,
+        stats: CommStats,
+        switch: InputSwitch | None = None,
+    ):
         super().__init__(pg, splits, stagger)
         self.codec, self.stats = codec, stats
+        self.switch = switch  # compression.input=auto: the strategy says whether to code
+        if switch is not None:
+            switch.dists += 1
         self.calls = 0
 
     @classmethod
-    def from_stock(cls, stock: KJTAllToAll, codec: IdsCodec, stats: CommStats) -> CompressedKJTAllToAll:
-        return cls(stock._pg, stock._splits, stock._stagger, codec, stats)
+    def from_stock(
+        cls, stock: KJTAllToAll, codec: IdsCodec, stats: CommStats, switch: InputSwitch | None = None
+    ) -> CompressedKJTAllToAll:
+        return cls(stock._pg, stock._splits, stock._stagger, codec, stats, switch)
 
     def __setattr__(self, name: str, value: Any) -> None:
         """Keep our ``forward``: TrainPipelineSparseDist replaces every input dist's forward by one
@@ -57,6 +71,10 @@ class CompressedKJTAllToAll(KJTAllToAll):
 
     def forward(self, input: KeyedJaggedTensor) -> Awaitable[KJTAllToAllTensorsAwaitable]:
         if self._pg.size() == 1:
+            return super().forward(input)
+        if self.switch is not None and not self.switch.coded:  # read once per call, when it starts
+            raw = stock_input_bytes(self._pg, self._splits, input)
+            self.switch.raw_call(self._pg, self._splits, input, self.codec, self.stats, raw)
             return super().forward(input)
         with torch.no_grad():
             self.calls += 1

@@ -21,6 +21,7 @@ from dlrm.embedding_comm.config import CompressionSpec, parse_compression_cfg
 from dlrm.embedding_comm.dist import CompressionRuntime
 from dlrm.embedding_comm.embeddingbag import CompressedEmbeddingBagCollectionSharder, StockEmbeddingBagCollectionSharder
 from dlrm.embedding_comm.forward_cache import ForwardCache
+from dlrm.embedding_comm.input_switch import InputSwitch
 from dlrm_compression.ids_codec import IdsCodec
 
 
@@ -99,7 +100,8 @@ def build_sharders(
         name=spec.name,
         cache_probe=probe,
         forward_cache=cache,
-        input_codec=IdsCodec() if spec.input == "ids" else None,
+        input_codec=IdsCodec() if spec.input in ("ids", "auto") else None,
+        input_switch=InputSwitch() if spec.input == "auto" else None,
     )
     return [
         CompressedEmbeddingBagCollectionSharder(runtime, fused_params=fused_params, sharding_types=spec.sharding_types)

@@ -11,7 +11,9 @@ chosen by :func:`compression.strategy.choose` from measurements of this run:
    are left out. Meanwhile the safe defaults travel: the bounded fallback codec of the all-to-alls
    (``compression.*.params.fallback``) and ``dense_comm.fallback`` (dct in auto.yaml), so these
    iterations send what those fixed choices send;
-3. the compute: the median iteration time over the next ``measure_iterations`` (steady state: the
+3. the input all-to-all (``compression.input: auto``): it sends raw meanwhile, and each call also
+   codes its ids on the side (not sent) and decodes them, for the coded option's bytes and time;
+4. the compute: the median iteration time over the next ``measure_iterations`` (steady state: the
    same defaults, no calibration work), less what the model gives those defaults. The iterations
    timed are recorded in the plan (``timed_iterations``).
 
@@ -30,7 +32,7 @@ import math
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +43,7 @@ import torch.distributed as dist
 from dlrm.dense_comm.config import AUTO_OPTIONS
 from dlrm.dense_comm.hook import DenseComm
 from dlrm.embedding_comm.dist import CompressionRuntime
+from dlrm.embedding_comm.input_switch import InputSwitch
 from dlrm.process.config_checks import check_keys, integer, plain_config
 from dlrm.process.env import DistEnv, collective_device, device_synchronize
 from dlrm_compression.cost_model import Link
@@ -119,12 +122,20 @@ def regroup_cost(samples: list[tuple]) -> float:
     return sum(t for _, t in regroup) / 2 / total if total else 0.0  # each of encode and decode pays one
 
 
-def _units(samples: list[tuple], dense_samples: list[tuple], iterations: int, ws: int) -> list[Unit]:
+def _units(
+    samples: list[tuple],
+    dense_samples: list[tuple],
+    iterations: int,
+    ws: int,
+    input_samples: Sequence[tuple] = (),
+    input_dists: int = 1,
+) -> list[Unit]:
     """Units with per-rank, per-iteration sizes and times, from every rank's calibration samples.
 
     An all-to-all sample is one block sent to one peer; each block goes to ``ws - 1`` peers, and
     the totals are shared by the ``ws`` ranks. Options that exceeded a bound in any sample are
-    left out (the fallback, bounded, always stays).
+    left out (the fallback, bounded, always stays). An input sample is one call of one of the
+    ``input_dists`` input dists on one rank, each called once per batch.
     """
     scale = (ws - 1) / (iterations * ws)
     acc: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0] * 5))
@@ -164,6 +175,11 @@ def _units(samples: list[tuple], dense_samples: list[tuple], iterations: int, ws
                 tuple(Option(o, d[o][0] / d[o][1], d[o][2] * per, d[o][3] * per) for o in order),
             )
         )
+    if input_samples:
+        raw, wire, enc, dec = (sum(col) for col in zip(*input_samples, strict=True))
+        per = input_dists / len(input_samples)  # per rank and batch
+        coded = Option("ids", ratio=raw / wire, encode_s=enc * per, decode_s=dec * per)
+        units.append(Unit("input", "input", raw * per, (Option("none"), coded)))
     return units
 
 
@@ -279,6 +295,8 @@ class StrategyController:
             self.runtime.calibrating = on
         if self.dense is not None:
             self.dense.calibrating = on
+        if self.input is not None:
+            self.input.calibrating = on
         if on:  # the defaults travel while every option is measured on the side
             self._apply_fallback()
 
@@ -290,13 +308,22 @@ class StrategyController:
         out = {d: str(getattr(c.codec, "fallback", "")) for d, c in codecs.items()}
         if self.dense is not None:
             out["dense"] = self.dense.spec.fallback
+        if self.input is not None:
+            out["input"] = "none"  # raw, as TorchRec sends it
         return out
+
+    @property
+    def input(self) -> InputSwitch | None:
+        """The input dists' switch (``compression.input: auto``), if the strategy decides it."""
+        return None if self.runtime is None else self.runtime.input_switch
 
     def _apply_fallback(self, saved: Mapping[str, str] | None = None) -> None:
         """The defaults (the all-to-alls' fallback: an empty choice); ``saved``: a replayed plan's
         (a strategy.json without it is from before ``dense_comm.fallback``: the plain all-reduce)."""
         if self.runtime is not None:
             self.runtime.forward.choice, self.runtime.backward.choice = {}, {}
+        if self.input is not None:
+            self.input.coded = False
         if self.dense is not None:
             self.dense.mode = (saved or {}).get("dense", "none") if self.spec.file else self.dense.spec.fallback
 
@@ -319,8 +346,8 @@ class StrategyController:
 
     # -- planning ---------------------------------------------------------------------------------
 
-    def _collect(self) -> tuple[list[tuple], list[tuple]]:
-        """Every rank's calibration samples (a collective)."""
+    def _collect(self) -> tuple[list[tuple], list[tuple], list[tuple]]:
+        """Every rank's calibration samples: all-to-all, dense, input (a collective)."""
         mine: list[tuple] = []
         if self.runtime is not None:
             for d, c in self.runtime.codecs.items():
@@ -329,16 +356,26 @@ class StrategyController:
         dense = list(self.dense.samples) if self.dense is not None else []
         if self.dense is not None:
             self.dense.samples.clear()
+        inputs = list(self.input.samples) if self.input is not None else []
+        if self.input is not None:
+            self.input.samples.clear()
         gathered: list[Any] = [None] * self.env.world_size
-        dist.all_gather_object(gathered, (mine, dense))
-        return [s for g in gathered for s in g[0]], [s for g in gathered for s in g[1]]
+        dist.all_gather_object(gathered, (mine, dense, inputs))
+        return (
+            [s for g in gathered for s in g[0]],
+            [s for g in gathered for s in g[1]],
+            [s for g in gathered for s in g[2]],
+        )
 
     def _plan(self, iteration: int) -> None:
         """After calibrating: decide from the new measurements (rank 0) and broadcast."""
-        samples, dense_samples = self._collect()
+        samples, dense_samples, input_samples = self._collect()
         decided: list[Any] = [None]
         if self.env.is_main:
-            units = _units(samples, dense_samples, self.spec.calibrate_iterations, self.env.world_size)
+            dists = self.input.dists if self.input is not None else 1
+            units = _units(
+                samples, dense_samples, self.spec.calibrate_iterations, self.env.world_size, input_samples, dists
+            )
             self.regroup = regroup_cost(samples)
             # what the timed iterations ran (dct leaves buckets under its min_numel to the all-reduce)
             ran = {u.name: self.fallback[u.stage] for u in units}
@@ -413,6 +450,8 @@ class StrategyController:
                 c.choice = {name.split("/", 1)[1]: o for name, o in choice.items() if name.startswith(f"{d}/")}
         if self.dense is not None and "dense" in choice:
             self.dense.mode = choice["dense"]
+        if self.input is not None:  # every rank at the same iteration: calls started from here on
+            self.input.coded = choice.get("input") == "ids"
 
     def _write(self) -> None:
         if not self.env.is_main:
@@ -455,7 +494,7 @@ class StrategyController:
 
 
 def summary(choice: Mapping[str, str]) -> str:
-    """``forward: lossy/zstd x20, fp16 x6; backward: ...; dense: dct``."""
+    """``forward: lossy/zstd x20, fp16 x6; backward: ...; dense: dct; input: ids``."""
     parts = []
     for stage in ("forward", "backward"):
         counts: dict[str, int] = defaultdict(int)
@@ -464,6 +503,7 @@ def summary(choice: Mapping[str, str]) -> str:
                 counts[o] += 1
         if counts:
             parts.append(f"{stage}: " + ", ".join(f"{o} x{n}" for o, n in sorted(counts.items(), key=lambda x: -x[1])))
-    if "dense" in choice:
-        parts.append(f"dense: {choice['dense']}")
+    for stage in ("dense", "input"):
+        if stage in choice:
+            parts.append(f"{stage}: {choice[stage]}")
     return "; ".join(parts)

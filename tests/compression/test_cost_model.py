@@ -355,3 +355,21 @@ def test_a_compressed_all_reduce_shrinks_by_its_ratio_and_pays_its_codec():
     base = p["uncompressed"]
     assert cm.speedup(base, p["all"]) > cm.speedup(base, p["forward_backward"])
     assert p["all"].allreduce == pytest.approx(base.allreduce / 10)
+
+
+def test_the_pipelined_input_dist_costs_only_what_the_links_idle_time_cannot_hold():
+    # by hand: 2 ms of compute leave the link idle; the all-to-alls hold it 6 ms
+    base = cm.Breakdown(compute=0.002, a2a_forward=0.003, a2a_backward=0.003)
+    assert cm.exposed_input_dist(0.0015, base) == 0.0  # hidden behind the compute
+    assert cm.exposed_input_dist(0.005, base) == pytest.approx(0.003)
+    # 2 ranks x 1,000 samples x 10 tables: half the lookups travel, 12 bytes each = 60,000 bytes
+    w = cm.Workload(ranks=2, batch_per_rank=1000, dims=(8,) * 10)
+    assert w.input_dist_bytes() == 60_000
+    # at 10 MB/s the raw input takes 6 ms (4 exposed); coded 6x it takes 1 ms (hidden) plus
+    # 1 + 1 ms of coding at 60 MB/s each way
+    p = cm.project_input(base, w, 10e6, cm.CodecCost(6.0, 60e6, 60e6))
+    assert p["raw"].total == pytest.approx(0.008 + 0.004) and p["raw"].input_dist == pytest.approx(0.004)
+    assert p["coded"].total == pytest.approx(0.008 + 0.002) and p["coded"].codec_input == pytest.approx(0.002)
+    # on a link 10x faster both fit in the idle time: coding only costs its 2 ms
+    fast = cm.project_input(base, w, 100e6, cm.CodecCost(6.0, 60e6, 60e6))
+    assert fast["raw"].total == pytest.approx(0.008) and fast["coded"].total == pytest.approx(0.010)

@@ -171,7 +171,8 @@ def test_auto_decides_once_for_every_rank_and_a_replay_reproduces_the_losses(tmp
     plan = [p for p in saved if p["choice"] is not None][-1]
     units_of = {u["name"]: u for u in plan["units"]}
     assert set(plan["choice"]) == set(units_of) and "dense" in units_of
-    assert {n.split("/")[0] for n in plan["choice"] if n != "dense"} == {"forward", "backward"}
+    assert {n.split("/")[0] for n in plan["choice"] if n not in ("dense", "input")} == {"forward", "backward"}
+    assert "input" in units_of  # compression.input: auto (auto.yaml's default)
     # every rank applied the same plan (rank 0 decides and broadcasts)
     applied = [
         re.findall(r"strategy from iteration (\d+): (.*)", (first / f"train_rank{r}.log").read_text()) for r in (0, 1)
@@ -223,7 +224,9 @@ def test_calibrated_options_choose_by_the_link(tmp_path, cache):
     ]
     exact = {u.name: "none" for u in real}
     slow = choose(real, Timeline(Link(1e5), ranks=2, between=plan["compute_ms"] / 1e3), start=exact)
-    assert all(slow[u.name] in ("lossy/zstd", "lossy/fixed", "dct") for u in real if u.raw_bytes > 4096)
+    # (the input's raw bytes may still fit in the link's idle time: tested on its own)
+    big = [u for u in real if u.raw_bytes > 4096 and u.stage != "input"]
+    assert big and all(slow[u.name] in ("lossy/zstd", "lossy/fixed", "dct") for u in big)
     free = choose(real, Timeline(Link(math.inf), ranks=2), start=exact)
     # with the link free, only options cheaper to run than copying the bytes ("none") can win
     for u in real:
@@ -316,3 +319,29 @@ def test_while_auto_calibrates_the_wire_carries_the_fixed_defaults_and_the_plan_
         a, b = got[f"comm/{path}/wire_bytes"], ref[f"comm/{path}/wire_bytes"]
         for it in range(1, plan["from_iteration"] + 1):
             assert a[it] == pytest.approx(b[it], rel=0.01), (path, it, a[it], b[it])
+
+
+def test_the_input_all_to_all_is_coded_only_where_its_bytes_wait_on_the_link():
+    """The input dist runs a batch ahead, beside the compute: its raw bytes cost only what does not
+    fit in the link's idle time, so coding them (10 ms of CPU) pays on a slow link, not a fast one."""
+    fwd = Unit("forward/cat_0", "forward", 1 * MB, (Option("none"),))
+    ids = Option("ids", 8.0, 0.008, 0.002)
+    inp = Unit("input", "input", 0.6 * MB, (Option("none"), ids))
+    exact = {"forward/cat_0": "none", "input": "none"}
+    coded = {**exact, "input": "ids"}
+    totals = {}
+    for rate, pays in ((1 * MB, True), (1000 * MB, False)):
+        t = Timeline(Link(rate), ranks=2, between=0.05)
+        # by hand: the forward all-to-all holds the link 1 MB / rate; the 0.05 s of compute leaves it idle
+        a2a, idle = 1 * MB / rate, 0.05
+        raw_total = a2a + idle + max(0.6 * MB / rate - idle, 0.0)
+        coded_total = a2a + idle + max(0.6 * MB / 8 / rate - idle, 0.0) + 0.010
+        assert simulate([fwd, inp], exact, t).total == pytest.approx(raw_total)
+        assert simulate([fwd, inp], coded, t).total == pytest.approx(coded_total)
+        assert (coded_total < raw_total) == pays
+        assert choose([fwd, inp], t, start=exact) == (coded if pays else exact)
+        totals[rate] = (raw_total, coded_total)
+    # on the slow link 0.55 s of the raw input is exposed, 0.025 s coded (+ 10 ms of codec); on the
+    # fast one none of it, and the codec's 10 ms are the difference
+    assert totals[1 * MB] == pytest.approx((1.6, 1.085))
+    assert totals[1000 * MB] == pytest.approx((0.051, 0.061))
