@@ -204,6 +204,15 @@ def settle(payloads: Sequence[torch.Tensor | Deferred | None]) -> list[torch.Ten
     return [p.take(next(sizes)) if isinstance(p, Deferred) else p for p in payloads]
 
 
+def pick(flag: torch.Tensor, if_true: torch.Tensor | Deferred, if_false: torch.Tensor | Deferred) -> Deferred:
+    """One of two payloads as a 0-d bool on the device says, chosen there (no host wait): for a
+    sender that has not read yet which of two encodings of a chunk applies."""
+    a, b = (p if isinstance(p, Deferred) else Deferred(p, _length(p.numel(), p.device)) for p in (if_true, if_false))
+    n = max(a.buffer.numel(), b.buffer.numel())
+    x, y = (torch.nn.functional.pad(p.buffer, (0, n - p.buffer.numel())) for p in (a, b))
+    return Deferred(torch.where(flag, x, y), torch.where(flag, a.length, b.length))
+
+
 def pack_deferred(
     header: Header,
     sections: list[list[tuple[torch.Tensor, Length]]],
