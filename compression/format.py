@@ -204,6 +204,15 @@ def settle(payloads: Sequence[torch.Tensor | Deferred | None]) -> list[torch.Ten
     return [p.take(next(sizes)) if isinstance(p, Deferred) else p for p in payloads]
 
 
+def pick(flag: torch.Tensor, if_true: torch.Tensor | Deferred, if_false: torch.Tensor | Deferred) -> Deferred:
+    """One of two payloads as a 0-d bool on the device says, chosen there (no host wait): for a
+    sender that has not read yet which of two encodings of a chunk applies."""
+    a, b = (p if isinstance(p, Deferred) else Deferred(p, _length(p.numel(), p.device)) for p in (if_true, if_false))
+    n = max(a.buffer.numel(), b.buffer.numel())
+    x, y = (torch.nn.functional.pad(p.buffer, (0, n - p.buffer.numel())) for p in (a, b))
+    return Deferred(torch.where(flag, x, y), torch.where(flag, a.length, b.length))
+
+
 def pack_deferred(
     header: Header,
     sections: list[list[tuple[torch.Tensor, Length]]],
@@ -288,7 +297,8 @@ def place(out: torch.Tensor, piece: torch.Tensor, length: torch.Tensor, start: t
     spare = out.numel() - 1
     for at in range(0, piece.numel(), _SLICE):  # in slices: the int64 indices stay small
         j = torch.arange(at, min(at + _SLICE, piece.numel()), device=out.device)
-        out.scatter_(0, torch.where(j < length, start + j, spare), piece[at : at + j.numel()])
+        past = j >= length
+        out.scatter_(0, j.add_(start).masked_fill_(past, spare), piece[at : at + j.numel()])
 
 
 def section_bytes(payload: torch.Tensor, n_blocks: int, n_sections: int, i: int, n: int) -> torch.Tensor:
@@ -315,36 +325,48 @@ def _check_for(device: torch.device) -> str:
     return "crc32" if device.type == "cpu" else "adler32"
 
 
-def _checked_bytes(payload: torch.Tensor) -> torch.Tensor:
-    """Every byte of the payload but its check field, in order."""
-    return torch.cat([payload[:_CRC_AT], payload[_PREFIX.size :]])
+def _checked_bytes(payload: torch.Tensor) -> list[torch.Tensor]:
+    """Every byte of the payload but its check field, in order: two views (:func:`adler32`
+    takes them as one, so the payload is not copied)."""
+    return [payload[:_CRC_AT], payload[_PREFIX.size :]]
 
 
-def adler32(t: torch.Tensor, n: torch.Tensor | None = None) -> torch.Tensor:
-    """zlib's Adler-32 of a 1-D uint8 tensor, as an int64 0-d tensor on its device (no host wait);
-    ``n`` (an int64 0-d tensor on the device): of its first ``n`` bytes.
+def adler32(t: torch.Tensor | Sequence[torch.Tensor], n: torch.Tensor | None = None) -> torch.Tensor:
+    """zlib's Adler-32 of a 1-D uint8 tensor (or of several, taken one after another), as an
+    int64 0-d tensor on its device (no host wait); ``n`` (an int64 0-d tensor on the device): of
+    its first ``n`` bytes.
 
     A = 1 + sum(d) and B = n + sum((n - j) d_j), both mod 65521. The bytes go in slices of
-    ``_SLICE``, so the int64 temporaries stay small whatever the payload's size; each term is
-    below 2**24 (the weights are reduced first), so the sums stay exact up to 2**39 bytes.
+    ``_SLICE`` with int32 temporaries, so they stay small whatever the payload's size (a
+    payload's capacity is a few times its chunk); each weight is reduced before it multiplies a
+    byte, so each term is below 2**24 and the int64 sums stay exact up to 2**39 bytes.
     """
-    length = t.numel() if n is None else n
-    a = torch.zeros((), dtype=torch.int64, device=t.device)
-    b = torch.zeros((), dtype=torch.int64, device=t.device)
-    for start in range(0, t.numel(), _SLICE):
-        d = t[start : start + _SLICE].long()
-        left = length - torch.arange(start, start + d.numel(), dtype=torch.int64, device=t.device)
-        if n is not None:
-            d *= left > 0
-        w = left.remainder_(_ADLER_MOD)
-        a += d.sum()
-        b += (d * w).sum()  # not torch.dot: CUDA has no int64 dot
+    parts = [t] if isinstance(t, torch.Tensor) else list(t)
+    device = parts[0].device
+    length = sum(p.numel() for p in parts) if n is None else n
+    a = torch.zeros((), dtype=torch.int64, device=device)
+    b = torch.zeros((), dtype=torch.int64, device=device)
+    steps = torch.arange(min(_SLICE, max(p.numel() for p in parts)), dtype=torch.int32, device=device)
+    done = 0
+    for p in parts:
+        for start in range(0, p.numel(), _SLICE):
+            d = p[start : start + _SLICE].int()
+            j = steps[: d.numel()]
+            left = length - (done + start)  # bytes from this slice's first to the end
+            if n is not None:
+                d *= j < left
+            w = (left % _ADLER_MOD - j).remainder_(_ADLER_MOD)  # (n - position) mod 65521, int32
+            a += d.sum()
+            b += (d * w).sum()  # not torch.dot: CUDA has no integer dot
+        done += p.numel()
     a = (a + 1).remainder_(_ADLER_MOD)
     b = (b + length).remainder_(_ADLER_MOD)
     return b * 65536 + a
 
 
-_SLICE = 1 << 22  # bytes per slice where a pass over a payload needs int64 temporaries
+# Bytes per slice where a pass over a payload needs a temporary per byte (int32 or int64): a few
+# MiB whatever the payload's size, a few kernels per MiB on a device.
+_SLICE = 1 << 20
 
 
 _ZEROS = torch.zeros(_ALIGN, dtype=torch.uint8)

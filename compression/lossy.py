@@ -254,11 +254,7 @@ class LossyCodec(Codec):
             index = coders.BlockCoder(backend).encode_capacity(
                 torch.where(kept, inverse, 0).reshape(-1).to(torch.int32), kept * (nb * rows)
             )
-        values = dedup.gather_capacity(x, widths, first)
-        valid = dedup.valid_capacity(counts, widths, rows)
-        step, ed = quantize.steps_and_margins(bounds, full, widths, values.numel(), x.device)
-        codes, exceptions = quantize.encode_capacity(values, valid, step, ed, backend)
-        coded = coders.BlockCoder(backend).encode_capacity(codes, valid.sum())
+        coded, exceptions = _coded_capacity(x, widths, bounds, counts, first, backend)
         if isinstance(mode, torch.Tensor):
             info[0] = mode | coders.FIXED << 2
         host_mode = mode if isinstance(mode, int) else dedup.NONE  # a device mode is written over it
@@ -362,3 +358,23 @@ class LossyCodec(Codec):
         step, _ = quantize.steps_and_margins(header.bounds, counts, widths, n, device)
         values = quantize.decode(codes, step, exc_s, header.dtype, "exceptions", backend, checked)
         return dedup.scatter(values, widths, counts.to(device), inverse, rows, out, host_counts)
+
+
+def _coded_capacity(
+    x: torch.Tensor,
+    widths: list[int],
+    bounds: list[float] | torch.Tensor,
+    counts: torch.Tensor,
+    first: torch.Tensor,
+    backend,
+) -> tuple[list[tuple[torch.Tensor, fmt.Length]], list[tuple[torch.Tensor, fmt.Length]]]:
+    """The coded codes and the exceptions of each block's first ``counts`` rows ``first``, at
+    capacity (:meth:`LossyCodec._encode_deferred`'s); a function of its own so that the
+    per-value temporaries (gathered values, steps, codes) are freed before the payload is framed."""
+    rows = x.shape[0]
+    values = dedup.gather_capacity(x, widths, first)
+    valid = dedup.valid_capacity(counts, widths, rows)
+    full = torch.full((len(widths),), rows, dtype=torch.int64, device=x.device)
+    step, ed = quantize.steps_and_margins(bounds, full, widths, values.numel(), x.device)
+    codes, exceptions = quantize.encode_capacity(values, valid, step, ed, backend)
+    return coders.BlockCoder(backend).encode_capacity(codes, valid.sum()), exceptions

@@ -107,13 +107,18 @@ def block_pack(v: torch.Tensor, capacity: bool = False) -> tuple[torch.Tensor, t
     w = bit_length(vp.amax(dim=1)) if g else torch.zeros(0, dtype=torch.int64, device=v.device)
     ends = w.cumsum(0)
     total = (GROUP * g if capacity else int(ends[-1])) if g else 0
-    word, shift, spill, _ = _per_code(w)
-    index = ((ends - w)[:, None] + word).view(-1)  # global word of each code
     out = torch.zeros(total + 2, dtype=torch.int32, device=v.device)  # zero-width tail groups point past the end
-    # int32 arithmetic wraps: << keeps the bits that land in this word; bits are disjoint, so add == or.
-    out.index_add_(0, index, (vp << shift).view(-1))
-    out[1:].index_add_(0, index, (vp >> spill).view(-1))  # the part that spills into the next word
+    for at in range(0, g, _PACK_GROUPS):  # in slices: the per-code tables stay small at any size
+        ws, vs = w[at : at + _PACK_GROUPS], vp[at : at + _PACK_GROUPS]
+        word, shift, spill = _per_code(ws)[:3]
+        index = ((ends[at : at + _PACK_GROUPS] - ws)[:, None] + word).view(-1)  # global word of each code
+        # int32 arithmetic wraps: << keeps the bits that land in this word; bits are disjoint, so add == or.
+        out.index_add_(0, index, (vs << shift).view(-1))
+        out[1:].index_add_(0, index, (vs >> spill).view(-1))  # the part that spills into the next word
     return w.to(torch.uint8), out[:total]
+
+
+_PACK_GROUPS = 1 << 13  # groups of 32 codes per slice of block_pack: tables of ~1 MiB each
 
 
 def block_unpack(widths: torch.Tensor, words: torch.Tensor, n: int) -> torch.Tensor:

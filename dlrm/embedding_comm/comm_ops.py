@@ -372,10 +372,8 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
             # summed: the summed rows of frequent ids would set a range under which the gradients
             # of rare ids vanish (at a batch of 2,048, 35-85% of rows decoded as zero).
             bounds = dc.bounds(chunk, blocks.widths, policy[key])
-            # (ids that may not hold are the codec's alone: the stages see none)
-            c = Outgoing(
-                d, peer, info.global_ranks[peer], chunk, ids if single is None else None, blocks, bounds, dc, stats
-            )
+            # (ids that may not hold go with their device flag: only stages that take it see them)
+            c = Outgoing(d, peer, info.global_ranks[peer], chunk, ids, blocks, bounds, dc, stats, single=single)
             c.deferrable = defer  # (a sampled chunk is measured after the size read, like the others)
             for s in stages:
                 s.before_encode(c)

@@ -31,7 +31,9 @@ format payload (sections: the lossy payload, the flags, the bits; the same rows,
 with its length on the device, the sender takes what its peer decodes from the quantiser, and
 what the host needs (the counts for the stores) comes with the collective's reads: the sender's
 with the size exchange (:class:`~dlrm.embedding_comm.stage.Settle`), the receiver's with the
-payloads' heads (:meth:`CacheStage.prepare_decode`).
+payloads' heads (:meth:`CacheStage.prepare_decode`). Whether a chunk's ids hold at all may come
+with the size exchange too (``Outgoing.single``): the device then picks this payload or the
+codec's of the chunk by value, and only the first touches the mirror.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from dlrm.embedding_comm.bounds import Bounds
 from dlrm.embedding_comm.codec import CompressedCommError, DirectionCodec
 from dlrm.embedding_comm.stage import Incoming, Outgoing, Settle, Stage
 from dlrm_compression import format as fmt
+from dlrm_compression.base import held_ids
 from dlrm_compression.dedup import plan_by_ids, plan_capacity
 from dlrm_compression.format import HostHead
 from dlrm_compression.lossy import LossyCodec
@@ -219,12 +222,15 @@ class ForwardCache:
         widths: Sequence[int],
         bounds: Bounds,
         dst: int,
-    ) -> tuple[fmt.Deferred, torch.Tensor, torch.Tensor, Callable[[list[int]], dict[str, int]]]:
+        single: torch.Tensor | None = None,
+    ) -> tuple[fmt.Deferred, torch.Tensor, torch.Tensor, Callable[[list[int]], dict[str, int] | None]]:
         """:meth:`encode` with no host wait (:func:`on_device`): (the device payload with its
         length on the device, the chunk as ``dst`` will decode it, the blocks' counts as int64
         device values, and what stores the rows in the mirror once the host has those values,
         returning :meth:`encode`'s row counts). Every block is laid out at its capacity, the
-        chunk's rows."""
+        chunk's rows. ``single``: a 0-d bool on the device saying whether ``ids`` hold (not read
+        yet); where they do not, the payload is the codec's of the chunk (by value, as sent
+        without the cache), chosen on the device, and the mirror is left as it was (None)."""
         _check_fp32(chunk)
         x, nb, rows = chunk.detach(), len(widths), chunk.shape[0]
         bounds_t = _on(bounds, x.device)
@@ -250,15 +256,23 @@ class ForwardCache:
             sends.append(b.sent(diff, 0.0))
             sent_ids.append(b.sent(b.uid, -1))
         cols, sent = torch.cat(sends, 1), torch.stack(sent_ids, 1)
-        inner = dc.encode_deferred(cols, widths, coded, sent)
+        if single is not None:  # the codec encodes the chunk itself where the ids do not hold
+            cols, coded = torch.where(single, cols, x), torch.where(single, coded, bounds_t)
+        inner = dc.encode_deferred(cols, widths, coded, sent, single=single)
         assert isinstance(dc.codec, LossyCodec)  # on_device() says so
-        unique = _merged(looked, dc.codec.decoded(cols, coded, widths), cached, delta, widths)
+        decoded = dc.codec.decoded(cols, coded, widths)
+        unique = _merged(looked, decoded, cached, delta, widths)
         out = torch.empty_like(x)
         _spread(unique, inverse, widths, out)
         payload = _pack(x, widths, coded, inner, delta, _held_bits(looked, moved, rows))
         counts = torch.cat([torch.stack([b.n_unique for b in looked]), n_held, n_held - n_moved, delta.long()])
+        if single is not None:
+            payload, out = fmt.pick(single, payload, inner), torch.where(single, out, decoded)
+            counts = torch.cat([counts, single.long().reshape(1)])
 
-        def store(host: list[int]) -> dict[str, int]:
+        def store(host: list[int]) -> dict[str, int] | None:
+            if single is not None and not host[4 * nb]:
+                return None  # the codec's payload went: no cache touched
             u, h, hits, deltas = (host[i * nb : (i + 1) * nb] for i in range(4))
             _store(looked, unique, u, h)
             out = dict.fromkeys(("unique_rows", "held_rows", "hit_rows", "moved_rows"), 0)
@@ -376,20 +390,21 @@ class CacheStage(Stage):
     def _applies(direction: str, ids: torch.Tensor | None, dc: DirectionCodec) -> bool:
         return direction == "forward" and ids is not None and dc.dedup
 
-    def reads_ids(self, direction: str) -> bool:
-        return direction == "forward"  # its mirror is looked up by id
-
     def encode(self, c: Outgoing) -> bool:
         if not (self._applies(c.direction, c.ids, c.dc) and c.bounds is not None):
             return False
         assert c.ids is not None
         features, widths = c.blocks.features, c.blocks.widths
         if not on_device(c.dc, c.chunk.device, len(widths)):
-            c.payload, c.held, counts = self.cache.encode(c.dc, c.chunk, c.ids, features, widths, c.bounds, c.dst)
+            ids = held_ids(c.ids, c.single)  # the host path reads per chunk anyway
+            if ids is None:
+                return False  # the codec's, by value
+            c.payload, c.held, counts = self.cache.encode(c.dc, c.chunk, ids, features, widths, c.bounds, c.dst)
             self._count(c, counts)
             return True
+        # where the ids are not read yet (c.single), the device picks the cache's payload or the codec's
         late, c.held, values, store = self.cache.encode_on_device(
-            c.dc, c.chunk, c.ids, features, widths, c.bounds, c.dst
+            c.dc, c.chunk, c.ids, features, widths, c.bounds, c.dst, c.single
         )
         c.settle = Settle(values, lambda host: self._count(c, store(host)))
         if c.deferrable:
@@ -400,7 +415,9 @@ class CacheStage(Stage):
             self._count(c, store(host[1:]))
         return True
 
-    def _count(self, c: Outgoing, counts: dict[str, int]) -> None:
+    def _count(self, c: Outgoing, counts: dict[str, int] | None) -> None:
+        if counts is None:  # the ids did not hold: the codec's payload went
+            return
         for name, n in counts.items():
             if "/" not in name:  # totals (the per-feature counts serve the probe)
                 c.stats.add(f"{c.direction}/cache/{name}", n)

@@ -61,6 +61,9 @@ class Outgoing:
     held: torch.Tensor | None = None
     deferrable: bool = False
     settle: Settle | None = None
+    # Where set, whether ``ids`` hold is not read yet: a 0-d bool on the device says (only
+    # stages that do not :meth:`Stage.reads_ids` see it; the row cache chooses on the device)
+    single: torch.Tensor | None = None
 
 
 @dataclass
@@ -95,8 +98,9 @@ class Stage:
         return False
 
     def reads_ids(self, direction: str) -> bool:
-        """Whether this stage looks at this direction's chunk ids before they are encoded (so
-        which chunks hold ids is read first, not with the sizes)."""
+        """Whether this stage looks at this direction's chunk ids before they are encoded and
+        needs them read (so which chunks hold ids is read first, not with the sizes); a stage
+        that takes the device flag instead (``Outgoing.single``) does not."""
         return False
 
     def before_encode(self, c: Outgoing) -> None:

@@ -3,8 +3,8 @@ per side of each compressed all-to-all (three for a send that samples), per DCT 
 collective of a hot-row sync; none per chunk or table (dlrm.bench.sync_budget: 2 gloo ranks,
 the trainer, the bundled Criteo rows). Each configuration was seen over budget before its device
 path landed; the bench runs all of them (``python -m dlrm.bench.sync_budget``), this suite the
-ones whose code paths differ most. The row cache's forward send keeps one read more, a known miss
-(``sync_budget.MISSES``)."""
+ones whose code paths differ most (the row cache included: it picks on the device between its
+payload and the codec's, so which chunks hold ids is read with the sizes)."""
 
 import pytest
 

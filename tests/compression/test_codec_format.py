@@ -150,6 +150,24 @@ def test_the_device_check_is_zlibs_adler32_and_either_check_decodes_anywhere(mon
         t = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
         assert int(fmt.adler32(t)) == zlib.adler32(t.numpy().tobytes())
     assert int(fmt.adler32(torch.full((1 << 20,), 255, dtype=torch.uint8))) == zlib.adler32(bytes([255]) * (1 << 20))
+    # over several slices, of parts taken one after another, and of the first n bytes only
+    t = torch.randint(0, 256, (3 * fmt._SLICE + 11,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    for n in (5, fmt._SLICE, 2 * fmt._SLICE + 7, t.numel()):
+        want = zlib.adler32(t[:n].numpy().tobytes())
+        assert int(fmt.adler32([t[:7], t[7 : fmt._SLICE + 1], t[fmt._SLICE + 1 :]], torch.tensor(n))) == want, n
+    assert int(fmt.adler32([t[:7], t[7:]])) == zlib.adler32(t.numpy().tobytes())
+
+
+def test_a_deferred_payload_of_many_slices_is_the_host_payload_byte_for_byte(monkeypatch):
+    """pack_deferred copies and checks in slices (small temporaries): pieces longer than a slice,
+    with capacity past their lengths, land as pack joins them."""
+    monkeypatch.setattr(fmt, "_check_for", lambda device: "adler32")
+    g = torch.Generator().manual_seed(4)
+    a, b = (torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in (2 * fmt._SLICE + 5, 3000))
+    header = fmt.Header(1, torch.float32, 4, 2, [2], [0.5])
+    late = fmt.pack_deferred(header, [[(a, a.numel() - 9)], [(b, 17), (b, 2500)]], torch.device("cpu"))
+    host = fmt.pack(header, [a[:-9], torch.cat([b[:17], b[:2500]])])
+    assert torch.equal(late.take(int(late.length)), host) and not late.buffer[int(late.length) :].any()
 
 
 def test_the_device_check_reads_only_the_header_on_the_host(check, monkeypatch):
@@ -168,3 +186,23 @@ def test_the_device_check_reads_only_the_header_on_the_host(check, monkeypatch):
         assert max(seen) <= 1024 + 1 < payload.numel() // 8
     else:
         assert max(seen) >= payload.numel() - 24
+
+
+def test_block_pack_in_slices_packs_every_group_as_one_pass_would():
+    """The torch block coder packs in slices of groups (small tables): codes past a slice
+    boundary, at capacity too, unpack to themselves, and the packed words are the whole pass's."""
+    from dlrm_compression import reference
+
+    n = 32 * reference._PACK_GROUPS + 1000
+    g = torch.Generator().manual_seed(5)
+    v = (torch.randint(0, 1 << 20, (n,), generator=g) >> torch.randint(0, 21, (n,), generator=g)).int()
+    for capacity in (False, True):
+        widths, words = reference.block_pack(v, capacity=capacity)
+        used = words[: int(widths.long().sum())]
+        assert torch.equal(reference.block_unpack(widths, used, n), v)
+        saved = reference._PACK_GROUPS
+        try:
+            reference._PACK_GROUPS = 1 << 30  # one pass
+            assert torch.equal(reference.block_pack(v, capacity=capacity)[1], words)
+        finally:
+            reference._PACK_GROUPS = saved

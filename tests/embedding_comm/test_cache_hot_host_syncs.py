@@ -155,6 +155,42 @@ def test_forward_cache_on_device_waits_only_in_the_reads_of_its_collective(nb):
     assert counts["hit_rows"] > 0 and counts["moved_rows"] > 0
 
 
+def test_forward_cache_on_device_with_ids_not_read_yet_picks_its_payload_or_the_codecs_there():
+    """Which chunks hold ids is read with the sizes (issue 25): given the device flag instead,
+    the cache's encode waits for nothing and sends, where the ids hold, its payload bit for bit
+    and, where they do not, the codec's payload of the chunk (by value), leaving its mirror as it
+    was; the chunk as the peer decodes it is either payload's decode."""
+    nb = 3
+    dc = _codec()
+    feats, widths, bounds = [f"f{k}" for k in range(nb)], [DIM] * nb, torch.full((nb,), EB, dtype=torch.float64)
+    flagged, plain = fc.ForwardCache(), fc.ForwardCache()  # told by the flag; told nothing (the ids hold)
+    for i, (chunk, ids) in enumerate(_chunks(nb, steps=5)):
+        holds = i != 2  # a chunk of bags with two ids: its candidate ids do not identify its rows
+        c = HostSyncCounter()
+        with device_paths(c), c:
+            with c.label("encode"):
+                late, mirror, values, store = flagged.encode_on_device(
+                    dc, chunk, ids, feats, widths, bounds, 1, single=torch.tensor(holds)
+                )
+            host = torch.cat([late.length.reshape(1), values]).tolist()  # the sizes' one read
+            counts = store(host[1:])
+            payload = late.take(host[0])
+            if holds:
+                want, want_mirror, want_values, want_store = plain.encode_on_device(
+                    dc, chunk, ids, feats, widths, bounds, 1
+                )
+                want_host = torch.cat([want.length.reshape(1), want_values]).tolist()
+                assert counts == want_store(want_host[1:]) and counts["held_rows"] > (0 if i else -1)
+                assert torch.equal(payload, want.take(want_host[0])) and torch.equal(mirror, want_mirror), i
+            else:
+                codec = dc.encode_deferred(chunk, widths, bounds, None)
+                assert isinstance(codec, fmt.Deferred)
+                assert counts is None and torch.equal(payload, codec.take(int(codec.length)))
+                assert torch.equal(mirror, dc.codec.decode(payload)), i  # what the peer's codec decodes
+        assert "encode" not in c.by_label, c.counts  # no wait per chunk
+        assert {k: v.ids() for k, v in flagged.caches.items()} == {k: v.ids() for k, v in plain.caches.items()}
+
+
 @pytest.mark.parametrize("nb", [2, 5])
 def test_probe_waits_a_fixed_number_of_times_per_chunk_whatever_its_blocks(nb):
     dc = _codec()

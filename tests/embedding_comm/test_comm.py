@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -268,13 +268,14 @@ def local_weights(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def run_steps(
-    model: nn.Module, rank: int, sizes: list[int], steps: int, integer: bool = False, hot: int = 1
+    model: nn.Module, rank: int, sizes: list[int], steps: int, integer: bool = False, hot: int | Sequence[int] = 1
 ) -> list[torch.Tensor]:
-    """Train ``steps`` steps (loss = <out, fixed random grads>); return each step's forward output."""
+    """Train ``steps`` steps (loss = <out, fixed random grads>); return each step's forward output.
+    ``hot``: ids per bag, or per step."""
     outs = []
     for step in range(steps):
         size = size_of(rank, step, sizes, steps)
-        out = model(batch(rank, step, size, hot))
+        out = model(batch(rank, step, size, hot if isinstance(hot, int) else hot[step]))
         outs.append(out.detach().clone())
         (out * grad_weights(rank, step, size, integer)).sum().backward()
     return outs
