@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from dlrm.bench import netreport, two_nodes
-from dlrm_compression.cost_model import Link, ring_allreduce_bytes
+from dlrm_compression.cost_model import Link, Workload, ring_allreduce_bytes
 from dlrm_compression.topology import Collective, Topology
 
 CONFIGS = ("none+none", "qcomm_fp16+none", "lossy+none", "lossy+dct", "auto+auto")
@@ -42,18 +42,26 @@ TRAINER = [
 ]
 
 
-def comm_seconds(r: netreport.RunResult, input_bytes: float, topo: Topology) -> float:
-    """The collectives of one measured iteration on ``topo``: the all-to-alls and the input dist
-    pairwise, the dense gradients a ring (gloo's all-reduce and all-gather) of their wire bytes."""
-    ws = r.world_size
-    dense = ring_allreduce_bytes(r.dense_params, ws) / r.dense_ratio
-    parts = [
+def collectives(r: netreport.RunResult, input_bytes: float) -> list[Collective]:
+    """The collectives of one measured iteration: the all-to-alls and the input dist pairwise, the
+    dense gradients a ring (gloo's all-reduce and all-gather) of their wire bytes."""
+    dense = ring_allreduce_bytes(r.dense_params, r.world_size) / r.dense_ratio
+    return [
         Collective("pairwise", r.a2a_bytes["forward"]),
         Collective("pairwise", r.a2a_bytes["backward"]),
         Collective("pairwise", input_bytes),
         Collective("ring", dense),
     ]
-    return sum(topo.seconds(c, ws) for c in parts)
+
+
+def comm_seconds(r: netreport.RunResult, input_bytes: float, topo: Topology) -> float:
+    """The iteration's collectives priced on ``topo``, one after the other."""
+    return sum(topo.seconds(c, r.world_size) for c in collectives(r, input_bytes))
+
+
+def node_bytes(r: netreport.RunResult, input_bytes: float, topo: Topology) -> float:
+    """What the model puts on one node's inter-node link per iteration: its ranks' crossing bytes."""
+    return topo.ranks_per_node * sum(topo.crossing(c, r.world_size)[1] for c in collectives(r, input_bytes))
 
 
 def two_node_topology(rate: str, burst: str, nproc_per_node: int) -> Topology:
@@ -95,6 +103,16 @@ def _run(o: argparse.Namespace, config: str, rate: str, out: Path) -> dict[str, 
     return measured
 
 
+def _input_bytes(metrics: dict[str, Any], r: netreport.RunResult) -> float:
+    """Bytes one rank sends in the input dist per iteration: the transport's meter, or for
+    TorchRec's own QComms path (not metered) the raw ids and lengths of the workload."""
+    by_path = metrics.get("wire_bytes_by_path")
+    if by_path:
+        return float(by_path["input"]) / r.world_size
+    w = Workload(r.world_size, r.samples_per_iteration // r.world_size, tuple(r.embedding_dims))
+    return w.input_dist_bytes()
+
+
 def rows(out: Path, warmup: int, rates: Sequence[str], configs: Sequence[str], burst: str) -> list[dict[str, Any]]:
     """One row per configuration and rate, with the model's prediction (see the module docstring)."""
     table = []
@@ -105,8 +123,7 @@ def rows(out: Path, warmup: int, rates: Sequence[str], configs: Sequence[str], b
             r = netreport.load_run(run_dir, warmup, config, rate, 0)
             m = json.loads((run_dir / "metrics.json").read_text())
             ws = r.world_size
-            by_path = m["wire_bytes_by_path"]
-            input_bytes = by_path["input"] / ws
+            input_bytes = _input_bytes(m, r)
             topo = two_node_topology(rate, burst, ws // 2)
             if rate == "unlimited":
                 base = r
@@ -116,7 +133,7 @@ def rows(out: Path, warmup: int, rates: Sequence[str], configs: Sequence[str], b
                 predicted = m.get("predicted_iteration_ms")
             else:
                 predicted = base.iteration_ms + 1e3 * comm_seconds(r, input_bytes, topo)
-            sent = sum(by_path[p] for p in ("input", "forward", "backward")) / ws
+            sent = input_bytes + r.a2a_bytes["forward"] + r.a2a_bytes["backward"]
             sent += ring_allreduce_bytes(r.dense_params, ws) / r.dense_ratio
             link = json.loads((run_dir / "two_nodes.json").read_text())
             table.append(
@@ -128,6 +145,7 @@ def rows(out: Path, warmup: int, rates: Sequence[str], configs: Sequence[str], b
                     "unthrottled_ms": base.iteration_ms,
                     "bytes_per_rank": sent,
                     "inter_node_bytes_per_iteration": statistics.fmean(link["inter_node_bytes"]) / m["iterations"],
+                    "predicted_inter_node_bytes": node_bytes(r, input_bytes, topo),
                     "predicted_ms": predicted,
                     "error": None if predicted is None else predicted / r.iteration_ms - 1,
                     "strategy": m.get("strategy"),
@@ -140,7 +158,7 @@ def rows(out: Path, warmup: int, rates: Sequence[str], configs: Sequence[str], b
 def markdown(table: Sequence[dict[str, Any]]) -> str:
     head = (
         "| inter-node | config | ms/iter | samples/s | unthrottled ms/iter | kB sent per rank/iter "
-        "| kB over each veth/iter | model ms (error) | load |\n"
+        "| kB over each veth/iter (model) | model ms (error) | load |\n"
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |"
     )
     lines = [head]
@@ -149,7 +167,8 @@ def markdown(table: Sequence[dict[str, Any]]) -> str:
         pred = "-" if t["predicted_ms"] is None else f"{t['predicted_ms']:.0f}{err}"
         lines.append(
             f"| {t['rate']} | {t['config']} | {t['ms']:.0f} | {t['samples_per_s']:,.0f} | {t['unthrottled_ms']:.0f} | "
-            f"{t['bytes_per_rank'] / 1e3:,.0f} | {t['inter_node_bytes_per_iteration'] / 1e3:,.0f} | {pred} | "
+            f"{t['bytes_per_rank'] / 1e3:,.0f} | {t['inter_node_bytes_per_iteration'] / 1e3:,.0f} "
+            f"({t['predicted_inter_node_bytes'] / 1e3:,.0f}) | {pred} | "
             f"{t['load_before']:.1f} |"
         )
     return "\n".join(lines)

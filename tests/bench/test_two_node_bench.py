@@ -43,6 +43,8 @@ def test_the_emulated_nodes_price_what_crosses_each_veth_by_hand():
     burst = 2**20
     expected = ((4e6 - burst) + (2e6 - burst) + 0 + (3e6 - burst)) / 12.5e6
     assert two_node_bench.comm_seconds(r, 0.3e6, topo) == pytest.approx(expected)
+    # what crosses each veth: 4 + 2 + 0.4 MB of all-to-alls, the ring's 3 MB
+    assert two_node_bench.node_bytes(r, 0.3e6, topo) == pytest.approx(9.4e6)
     # unthrottled, nothing is priced: the unthrottled run is the calibration
     assert two_node_bench.comm_seconds(r, 0.3e6, two_node_bench.two_node_topology("unlimited", "1mb", 2)) == 0.0
 
@@ -56,9 +58,10 @@ def test_the_table_names_each_rate_and_config():
         "unthrottled_ms": 240.0,
         "bytes_per_rank": 120e3,
         "inter_node_bytes_per_iteration": 150e3,
+        "predicted_inter_node_bytes": 140e3,
         "predicted_ms": 260.0,
         "error": 0.04,
         "load_before": 3.2,
     }
     text = two_node_bench.markdown([row])
-    assert "| 1gbit | lossy+dct | 250 | 16,384 | 240 | 120 | 150 | 260 (+4%) | 3.2 |" in text
+    assert "| 1gbit | lossy+dct | 250 | 16,384 | 240 | 120 | 150 (140) | 260 (+4%) | 3.2 |" in text
