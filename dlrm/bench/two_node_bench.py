@@ -163,7 +163,7 @@ def markdown(table: Sequence[dict[str, Any]]) -> str:
     )
     lines = [head]
     for t in table:
-        err = "" if t["error"] is None else f" ({100 * t['error']:+.0f}%)"
+        err = "" if t["error"] is None else f" ({100 * t['error']:+.1f}%)"
         pred = "-" if t["predicted_ms"] is None else f"{t['predicted_ms']:.0f}{err}"
         lines.append(
             f"| {t['rate']} | {t['config']} | {t['ms']:.0f} | {t['samples_per_s']:,.0f} | {t['unthrottled_ms']:.0f} | "

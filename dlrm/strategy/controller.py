@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torchrec.distributed.comm import intra_and_cross_node_pg
 
 from dlrm.dense_comm.config import AUTO_OPTIONS
 from dlrm.dense_comm.hook import DenseComm
@@ -124,8 +125,6 @@ def calibrate_topology(env: DistEnv, sizes: tuple[int, ...] = LINK_SIZES) -> Top
     g, ws = env.local_world_size, env.world_size
     if g >= ws:
         return None
-    from torchrec.distributed.comm import intra_and_cross_node_pg
-
     intra_pg, cross_pg = intra_and_cross_node_pg(collective_device(), dist.get_backend())
     intra = calibrate_link(env, sizes, group=intra_pg) if g > 1 else Link(math.inf)
     inter = calibrate_link(env, sizes, group=cross_pg)

@@ -64,4 +64,4 @@ def test_the_table_names_each_rate_and_config():
         "load_before": 3.2,
     }
     text = two_node_bench.markdown([row])
-    assert "| 1gbit | lossy+dct | 250 | 16,384 | 240 | 120 | 150 (140) | 260 (+4%) | 3.2 |" in text
+    assert "| 1gbit | lossy+dct | 250 | 16,384 | 240 | 120 | 150 (140) | 260 (+4.0%) | 3.2 |" in text
