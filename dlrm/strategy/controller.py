@@ -119,9 +119,10 @@ def calibrate_topology(env: DistEnv, sizes: tuple[int, ...] = LINK_SIZES) -> Top
     TorchRec's intra-node and cross-node groups (``intra_and_cross_node_pg``; table_row_wise
     shards on the same ones): the intra-node link with every node's all-to-all at once, the
     inter-node link with every cross-node group's at once (as an all-to-all crosses), then with
-    local rank 0's alone. If one group alone goes more than half again as fast, the ranks of a
-    node share one inter-node medium (a NIC per node: ``Link(shared=True)`` carrying all of them),
-    else each rank has its own. A collective."""
+    local rank 0's alone. On a medium the node's ``g`` ranks share (a NIC per node), one alone
+    goes up to ``g`` times as fast; on a link per rank, as fast. Nearer ``g`` (more than
+    ``sqrt(g)`` times as fast: a single TCP flow through a shaper does not reach its rate, so the
+    ratio falls short of ``g``) is ``Link(shared=True)``, carrying all of them. A collective."""
     g, ws = env.local_world_size, env.world_size
     if g >= ws:
         return None
@@ -129,7 +130,15 @@ def calibrate_topology(env: DistEnv, sizes: tuple[int, ...] = LINK_SIZES) -> Top
     intra = calibrate_link(env, sizes, group=intra_pg) if g > 1 else Link(math.inf)
     inter = calibrate_link(env, sizes, group=cross_pg)
     alone = calibrate_link(env, sizes, group=cross_pg, active=env.rank % g == 0) if g > 1 else inter
-    if alone.bytes_per_s > 1.5 * inter.bytes_per_s:
+    log.info(
+        "strategy: links per rank %.3g B/s inside a node, %.3g B/s across with all %d ranks of a node "
+        "crossing, %.3g B/s with one",
+        intra.bytes_per_s,
+        inter.bytes_per_s,
+        g,
+        alone.bytes_per_s,
+    )
+    if alone.bytes_per_s > math.sqrt(g) * inter.bytes_per_s:
         inter = Link(inter.bytes_per_s * g, inter.latency_s, shared=True, burst_bytes=inter.burst_bytes * g)
     return Topology(g, intra, inter)
 
