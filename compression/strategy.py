@@ -42,6 +42,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .cost_model import Breakdown, Link, with_input
+from .topology import Collective, Topology
 
 STAGES = ("forward", "backward", "dense", "input")
 
@@ -99,10 +100,20 @@ class Timeline:
     # seconds per raw byte of gathering a chunk's columns by codec and scattering them back:
     # paid by a whole all-to-all stage once its tables use more than one codec
     regroup_s_per_byte: float = 0.0
+    # ranks in nodes (several nodes: intra- and inter-node links apart); None: every rank on ``link``
+    topology: Topology | None = None
 
     @property
     def compute(self) -> float:
         return self.before + self.between + self.after
+
+    def seconds(self, stage: str, wire_bytes: float) -> float:
+        """A stage's collective of ``wire_bytes`` per rank: the all-to-alls pairwise, the dense
+        gradients' ring (gloo's all-reduce and all-gather), each on the links it crosses."""
+        if self.topology is None:
+            return self.link.seconds(wire_bytes, self.ranks)
+        pattern = "ring" if stage == "dense" else "pairwise"
+        return self.topology.seconds(Collective(pattern, wire_bytes), self.ranks)
 
 
 @dataclass
@@ -131,7 +142,7 @@ def simulate(units: Iterable[Unit], choice: Mapping[str, str], t: Timeline) -> S
         if len(used[stage]) > 1:
             enc[stage] += t.regroup_s_per_byte * raw[stage]
             dec[stage] += t.regroup_s_per_byte * raw[stage]
-    seconds = {stage: t.link.seconds(wire[stage], t.ranks) for stage in STAGES}
+    seconds = {stage: t.seconds(stage, wire[stage]) for stage in STAGES}
     iteration = Breakdown(
         compute=t.before + t.between,
         a2a_forward=seconds["forward"],

@@ -4,7 +4,10 @@ The codec of every table and direction of the embedding all-to-all and of the de
 chosen by :func:`compression.strategy.choose` from measurements of this run:
 
 1. the link: timed all-to-alls of several sizes on the run's own process group, fitted as
-   ``latency + bytes / bandwidth`` (per rank, every rank sending at once, as in training);
+   ``latency + bytes / bandwidth`` (per rank, every rank sending at once, as in training); where
+   the group spans several nodes (``LOCAL_WORLD_SIZE < WORLD_SIZE``), the intra- and inter-node
+   links apart, on TorchRec's intra- and cross-node groups (:func:`calibrate_topology`), and every
+   collective priced on the links it crosses (:mod:`compression.topology`);
 2. the codecs: for ``calibrate_iterations`` training iterations every option is also encoded and
    decoded on the side (not sent) on a real chunk per direction and call and on every dense
    bucket, for its ratio and time; options whose worst-case error could exceed the policy's bound
@@ -39,6 +42,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torchrec.distributed.comm import intra_and_cross_node_pg
 
 from dlrm.dense_comm.config import AUTO_OPTIONS
 from dlrm.dense_comm.hook import DenseComm
@@ -48,6 +52,7 @@ from dlrm.process.config_checks import check_keys, integer, plain_config
 from dlrm.process.env import DistEnv, collective_device, device_synchronize
 from dlrm_compression.cost_model import Link
 from dlrm_compression.strategy import Option, Timeline, Unit, choose, simulate
+from dlrm_compression.topology import Topology
 
 log = logging.getLogger(__name__)
 LINK_SIZES = (1 << 18, 1 << 20, 1 << 22)  # bytes per peer of the timed all-to-alls
@@ -80,11 +85,19 @@ def parse_strategy_cfg(cfg: Mapping[str, Any] | None, file: str | None) -> Strat
     return StrategySpec(**out, drift=float(drift), file=None if file is None else str(Path(file).expanduser()))
 
 
-def calibrate_link(env: DistEnv, sizes: tuple[int, ...] = LINK_SIZES, repeats: int = 3) -> Link:
+def calibrate_link(
+    env: DistEnv,
+    sizes: tuple[int, ...] = LINK_SIZES,
+    repeats: int = 3,
+    group: dist.ProcessGroup | None = None,
+    active: bool = True,
+) -> Link:
     """``latency + bytes / bandwidth`` fitted to timed all-to-alls of ``sizes`` bytes per peer
     (every rank sends to every other at once, as the training collectives do), on the process
-    group's device, which is synchronised before each clock reading. A collective."""
-    ws, device = env.world_size, collective_device()
+    group's device, which is synchronised before each clock reading. A collective of the world:
+    with ``group`` every rank times its own group's all-to-all (all groups at once), and a rank
+    with ``active=False`` sends nothing (its group must be idle too) and only waits."""
+    ws, device = dist.get_world_size(group), collective_device()
     points = []
     for size in sizes:
         send = torch.zeros(size * ws, dtype=torch.uint8, device=device)
@@ -94,13 +107,43 @@ def calibrate_link(env: DistEnv, sizes: tuple[int, ...] = LINK_SIZES, repeats: i
             dist.barrier()
             device_synchronize(device)
             t0 = time.perf_counter()
-            dist.all_to_all_single(recv, send)
+            if active:
+                dist.all_to_all_single(recv, send, group=group)
             device_synchronize(device)
             times.append(time.perf_counter() - t0)
-        slowest = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+        slowest = torch.tensor([statistics.median(times) if active else 0.0], dtype=torch.float64, device=device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the collective ends with its slowest rank
         points.append((float(size * (ws - 1)), float(slowest)))  # bytes each rank sends, seconds
     return fit_link(points)
+
+
+def calibrate_topology(env: DistEnv, sizes: tuple[int, ...] = LINK_SIZES) -> Topology | None:
+    """The intra- and inter-node links of a job on several nodes (None on one node), timed on
+    TorchRec's intra-node and cross-node groups (``intra_and_cross_node_pg``; table_row_wise
+    shards on the same ones): the intra-node link with every node's all-to-all at once, the
+    inter-node link with every cross-node group's at once (as an all-to-all crosses), then with
+    local rank 0's alone. On a medium the node's ``g`` ranks share (a NIC per node), one alone
+    goes up to ``g`` times as fast; on a link per rank, as fast. Nearer ``g`` (more than
+    ``sqrt(g)`` times as fast: a single TCP flow through a shaper does not reach its rate, so the
+    ratio falls short of ``g``) is ``Link(shared=True)``, carrying all of them. A collective."""
+    g, ws = env.local_world_size, env.world_size
+    if g >= ws:
+        return None
+    intra_pg, cross_pg = intra_and_cross_node_pg(collective_device(), dist.get_backend())
+    intra = calibrate_link(env, sizes, group=intra_pg) if g > 1 else Link(math.inf)
+    inter = calibrate_link(env, sizes, group=cross_pg)
+    alone = calibrate_link(env, sizes, group=cross_pg, active=env.rank % g == 0) if g > 1 else inter
+    log.info(
+        "strategy: links per rank %.3g B/s inside a node, %.3g B/s across with all %d ranks of a node "
+        "crossing, %.3g B/s with one",
+        intra.bytes_per_s,
+        inter.bytes_per_s,
+        g,
+        alone.bytes_per_s,
+    )
+    if alone.bytes_per_s > math.sqrt(g) * inter.bytes_per_s:
+        inter = Link(inter.bytes_per_s * g, inter.latency_s, shared=True, burst_bytes=inter.burst_bytes * g)
+    return Topology(g, intra, inter)
 
 
 def fit_link(points: list[tuple[float, float]]) -> Link:
@@ -202,6 +245,7 @@ class StrategyController:
         self.plans: list[dict[str, Any]] = []
         self.replay: list[dict[str, Any]] = []
         self.link: Link | None = None
+        self.topology: Topology | None = None  # several nodes: the two links, timed apart
         self.regroup = 0.0  # seconds per raw byte of mixing codecs within an all-to-all (calibrated)
         self.phase, self.phase_start = "idle", 0
         self.times: list[float] = []  # seconds of the iterations measured since the last event
@@ -227,7 +271,8 @@ class StrategyController:
                 elif plan["calibrated_from"] <= iteration:
                     self._apply_fallback(plan.get("fallback"))
             return
-        self.link = calibrate_link(self.env)
+        self.topology = calibrate_topology(self.env)
+        self.link = self.topology.inter if self.topology is not None else calibrate_link(self.env)
         if self.decided:  # resumed: the restored plan runs until the next re-plan
             self.plans = self.decided
             self.regroup = self.plans[-1].get("regroup_s_per_byte", 0.0)
@@ -418,8 +463,11 @@ class StrategyController:
         assert self.link is not None
         t0 = time.perf_counter()
         ws, regroup = self.env.world_size, self.regroup
-        modelled = simulate(units, measured_with, Timeline(self.link, ws, regroup_s_per_byte=regroup)).total
-        timeline = Timeline(self.link, ws, between=max(measured - modelled, 0.0), regroup_s_per_byte=regroup)
+        base = Timeline(self.link, ws, regroup_s_per_byte=regroup, topology=self.topology)
+        modelled = simulate(units, measured_with, base).total
+        timeline = Timeline(
+            self.link, ws, between=max(measured - modelled, 0.0), regroup_s_per_byte=regroup, topology=self.topology
+        )
         exact = {u.name: "none" for u in units}  # as Espresso: from uncompressed, a codec must pay for itself
         choice = choose(units, timeline, start=exact)
         predicted = simulate(units, choice, timeline).total
@@ -435,6 +483,7 @@ class StrategyController:
                 "latency_s": self.link.latency_s,
                 "burst_bytes": self.link.burst_bytes,
             },
+            "topology": None if self.topology is None else _topology_record(self.topology),
             "compute_ms": 1e3 * timeline.between,
             "regroup_s_per_byte": regroup,
             "units": [
@@ -491,6 +540,11 @@ class StrategyController:
         self.plans = list(state.get("plans", []))
         if self.decided and not self.spec.file:
             self._apply(self.decided[-1]["choice"], self.decided[-1]["from_iteration"])
+
+
+def _topology_record(t: Topology) -> dict[str, Any]:
+    """strategy.json's ``topology``: ranks per node and each level's fitted link."""
+    return {"ranks_per_node": t.ranks_per_node, "intra": asdict(t.intra), "inter": asdict(t.inter)}
 
 
 def summary(choice: Mapping[str, str]) -> str:

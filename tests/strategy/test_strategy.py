@@ -345,3 +345,54 @@ def test_the_input_all_to_all_is_coded_only_where_its_bytes_wait_on_the_link():
     # fast one none of it, and the codec's 10 ms are the difference
     assert totals[1 * MB] == pytest.approx((1.6, 1.085))
     assert totals[1000 * MB] == pytest.approx((0.051, 0.061))
+
+
+def test_on_two_nodes_the_timeline_is_the_two_level_cost_model():
+    from dlrm_compression.cost_model import CodecCost, Workload
+    from dlrm_compression.topology import Topology, iteration_time
+
+    w = Workload(ranks=8, batch_per_rank=512, dims=(64,) * 8, dense_params=2_000_000, compute_s=0.03)
+    w = replace(w, input_bytes_per_lookup=0)  # the strategy's units leave the input dist out
+    topo = Topology(4, Link(2000 * MB, latency_s=1e-5), Link(50 * MB, latency_s=1e-4, shared=True))
+    fwd, bwd, dense = CodecCost(8.0, 400 * MB, 800 * MB), CodecCost(3.0, 900 * MB, 900 * MB), CodecCost(2.0)
+    raw = w.a2a_bytes()
+    units = [
+        Unit("f", "forward", raw, (Option("c", 8.0, raw / (400 * MB), raw / (800 * MB)),)),
+        Unit("b", "backward", raw, (Option("c", 3.0, raw / (900 * MB), raw / (900 * MB)),)),
+        Unit("d", "dense", w.allreduce_bytes(), (Option("c", 2.0, 0.0, 0.0),)),
+    ]
+    serial = Timeline(topo.inter, w.ranks, before=w.compute_s, topology=topo)
+    modelled = iteration_time(w, topo, fwd, bwd, dense)
+    assert simulate(units, {"f": "c", "b": "c", "d": "c"}, serial).total == pytest.approx(modelled.total, rel=1e-12)
+    # by hand: node 0's NIC carries 4 ranks x 4/7 of the forward wire bytes
+    fwd_wire = 4 * raw / 8.0 * 4 / 7
+    assert modelled.a2a_forward == pytest.approx(1e-4 + fwd_wire / (50 * MB))
+
+
+def test_a_slow_link_across_nodes_turns_compression_on_where_one_fast_node_would_not():
+    """The same units on 8 ranks: all in one node on a fast link, auto sends them raw; 2 nodes of
+    4 whose inter-node link is 100x slower, it compresses, because what crosses is priced there."""
+    fast = Link(10_000 * MB)
+    a2a = (Option("none"), Option("lossy", 40.0, 0.004, 0.004))
+    dense = (Option("none"), Option("dct", 300.0, 0.002, 0.002))
+    units = [
+        Unit("forward/t", "forward", 20 * MB, a2a),
+        Unit("backward/t", "backward", 20 * MB, a2a),
+        Unit("dense", "dense", 6 * MB, dense),
+    ]
+    exact = {u.name: "none" for u in units}
+    from dlrm_compression.topology import Topology
+
+    one = Timeline(fast, 8, between=0.01, topology=Topology.one_level(fast, 8))
+    two = Timeline(fast, 8, between=0.01, topology=Topology(4, fast, Link(100 * MB, shared=True)))
+    assert choose(units, one, start=exact) == exact
+    assert simulate(units, exact, one).total == simulate(units, exact, Timeline(fast, 8, between=0.01)).total
+    assert choose(units, two, start=exact) == {"forward/t": "lossy", "backward/t": "lossy", "dense": "dct"}
+
+
+def test_one_node_needs_no_topology():
+    from dlrm.process.env import DistEnv
+    from dlrm.strategy.controller import calibrate_topology
+
+    env = DistEnv(rank=0, world_size=4, local_rank=0, local_world_size=4, device=torch.device("cpu"), backend="gloo")
+    assert calibrate_topology(env) is None  # no collective: one node keeps the one-level link

@@ -1,0 +1,67 @@
+"""The two-node benchmark's prediction: measured bytes priced on the emulated nodes' links by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from dlrm.bench import netreport, two_node_bench
+
+
+def _result(fwd: float, bwd: float, dense_params: int, dense_ratio: float) -> netreport.RunResult:
+    return netreport.RunResult(
+        label="x",
+        rate="100mbit",
+        repeat=0,
+        world_size=4,
+        samples_per_iteration=4096,
+        iterations_timed=10,
+        iteration_ms=500.0,
+        a2a_ms={"forward": 0.0, "backward": 0.0},
+        a2a_bytes={"forward": fwd, "backward": bwd},
+        codec_ms={"forward": 0.0, "backward": 0.0},
+        other_a2a_ms=0.0,
+        dense_params=dense_params,
+        embedding_dims=[64] * 26,
+        auc=0.5,
+        logloss=0.7,
+        forward_ratio=1.0,
+        backward_ratio=1.0,
+        max_abs_error_seen=None,
+        trainer_samples_per_s=None,
+        dense_ratio=dense_ratio,
+    )
+
+
+def test_the_emulated_nodes_price_what_crosses_each_veth_by_hand():
+    # 2 nodes x 2 ranks, veth 100 Mbit/s = 12.5 MB/s per direction, 1 MB (2^20 B) burst.
+    # forward 3 MB per rank: 2 MB of it to the other node, 2 ranks per veth: 4 MB -> (4e6 - 2^20) / 12.5e6
+    # backward 1.5 MB: 2 MB per veth -> (2e6 - 2^20) / 12.5e6; input 0.3 MB: 0.4 MB, inside the burst
+    # dense: 1e6 fp32 values, ring all-reduce 2 x 3/4 x 4 MB = 6 MB per rank, ratio 2: 3 MB, one
+    # crossing hop per node: (3e6 - 2^20) / 12.5e6
+    topo = two_node_bench.two_node_topology("100mbit", "1mb", 2)
+    r = _result(3e6, 1.5e6, 1_000_000, 2.0)
+    burst = 2**20
+    expected = ((4e6 - burst) + (2e6 - burst) + 0 + (3e6 - burst)) / 12.5e6
+    assert two_node_bench.comm_seconds(r, 0.3e6, topo) == pytest.approx(expected)
+    # what crosses each veth: 4 + 2 + 0.4 MB of all-to-alls, the ring's 3 MB
+    assert two_node_bench.node_bytes(r, 0.3e6, topo) == pytest.approx(9.4e6)
+    # unthrottled, nothing is priced: the unthrottled run is the calibration
+    assert two_node_bench.comm_seconds(r, 0.3e6, two_node_bench.two_node_topology("unlimited", "1mb", 2)) == 0.0
+
+
+def test_the_table_names_each_rate_and_config():
+    row = {
+        "config": "lossy+dct",
+        "rate": "1gbit",
+        "ms": 250.0,
+        "samples_per_s": 16384.0,
+        "unthrottled_ms": 240.0,
+        "bytes_per_rank": 120e3,
+        "inter_node_bytes_per_iteration": 150e3,
+        "predicted_inter_node_bytes": 140e3,
+        "predicted_ms": 260.0,
+        "error": 0.04,
+        "load_before": 3.2,
+    }
+    text = two_node_bench.markdown([row])
+    assert "| 1gbit | lossy+dct | 250 | 16,384 | 240 | 120 | 150 (140) | 260 (+4.0%) | 3.2 |" in text
