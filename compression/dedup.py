@@ -41,9 +41,8 @@ def with_known_plan(keys: torch.Tensor, counts: torch.Tensor, inverse: torch.Ten
     row's index among them in ascending order, ``inverse`` [n_blocks, rows]."""
     rows, nb = keys.shape
     if tuple(counts.shape) != (nb,) or tuple(inverse.shape) != (nb, rows):
-        raise ValueError(
-            f"known plan of counts {tuple(counts.shape)} and inverse {tuple(inverse.shape)} for keys {tuple(keys.shape)}"
-        )
+        shapes = f"counts {tuple(counts.shape)} and inverse {tuple(inverse.shape)}"
+        raise ValueError(f"known plan of {shapes} for keys {tuple(keys.shape)}")
     setattr(keys, _KNOWN, (counts, inverse))
     return keys
 
@@ -65,35 +64,6 @@ def first_at_capacity(inverse: torch.Tensor) -> torch.Tensor:
 def unique_per_block(
     keys: torch.Tensor, want_first: Literal[True] = ...
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
-_KNOWN = "_dedup_known_plan"  # the attribute of an ids tensor that holds its known plan
-
-
-def with_known_plan(keys: torch.Tensor, counts: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-    """Attach to ``keys`` [rows, n_blocks] (and return it) what a caller already computed for
-    exactly these keys: per block the number of distinct keys ``counts`` [n_blocks] and each
-    row's index among them in ascending order, ``inverse`` [n_blocks, rows]."""
-    rows, nb = keys.shape
-    if tuple(counts.shape) != (nb,) or tuple(inverse.shape) != (nb, rows):
-        raise ValueError(
-            f"known plan of counts {tuple(counts.shape)} and inverse {tuple(inverse.shape)} for keys {tuple(keys.shape)}"
-        )
-    setattr(keys, _KNOWN, (counts, inverse))
-    return keys
-
-
-def known_plan(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The (counts, inverse) attached to this very tensor by :func:`with_known_plan`, if any."""
-    return getattr(keys, _KNOWN, None)
-
-
-def first_at_capacity(inverse: torch.Tensor) -> torch.Tensor:
-    """[n_blocks, rows]: in slot u of block b, the first row whose index is u (``rows`` in the
-    slots past the block's distinct keys), from the inverse alone: no sort, no host wait."""
-    nb, rows = inverse.shape
-    every = torch.arange(rows, device=inverse.device).expand(nb, rows)
-    return torch.full_like(inverse, rows).scatter_reduce_(1, inverse, every, "amin")
-
-
 @overload
 def unique_per_block(
     keys: torch.Tensor, want_first: bool = ...

@@ -64,7 +64,9 @@ def test_the_ids_codec_plans_are_torch_uniques_and_say_which_keys_have_one_id_pe
     payloads = IdsCodec().encode(lengths, values, [20, 20, 20], keys_per_dest=[2, 1])
     back = [IdsCodec().decode(p).plan for p in payloads]
     assert plans.single == [True, False, True] and back[0].single == [True, False] and back[1].single == [True]
-    for k, (ids, dec, kk) in enumerate(((one[:20], back[0], 0), (torch.tensor(multi), back[0], 1), (one[20:], back[1], 0))):
+    for k, (ids, dec, kk) in enumerate(
+        ((one[:20], back[0], 0), (torch.tensor(multi), back[0], 1), (one[20:], back[1], 0))
+    ):
         u, inv = torch.unique(ids, sorted=True, return_inverse=True)
         for p, key in ((plans, k), (dec, kk)):
             assert int(p.distinct[key]) == u.numel() and torch.equal(p.key_index(key), inv)
@@ -99,10 +101,8 @@ def test_a_region_takes_the_plan_only_where_every_key_has_one_for_exactly_its_ba
 
 
 def test_a_key_with_an_empty_bag_takes_no_plan():
-    kjt = KeyedJaggedTensor(
-        keys=["a", "b"], values=torch.tensor([4, 4, 2, 5, 5]), lengths=torch.tensor([1, 1, 1, 0, 1, 1], dtype=torch.int32),
-        stride=3,
-    )  # fmt: skip
+    lengths = torch.tensor([1, 1, 1, 0, 1, 1], dtype=torch.int32)
+    kjt = KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor([4, 4, 2, 5, 5]), lengths=lengths, stride=3)
     _, plans = IdsCodec().encode_with_plan(kjt.lengths(), kjt.values(), [3, 3])
     attach_plans(kjt, plans, 0, [0, 0])
     a, b = pending_ids([(kjt, [Region(0, 1, 0, 3), Region(1, 1, 0, 3)])]).candidates[0]
@@ -142,7 +142,9 @@ def test_dedup_with_a_known_plan_sorts_nothing_and_gives_the_same_payloads(monke
                 first_rows(ids),
                 counts,
                 inverse,
-                ids.t().reshape(-1)[first + torch.repeat_interleave(torch.arange(3) * 64, counts)],  # the ids of the sources
+                ids.t().reshape(-1)[
+                    first + torch.repeat_interleave(torch.arange(3) * 64, counts)
+                ],  # the ids of the sources
                 cap_counts,
                 cap_inverse,
                 ids.t().gather(1, cap_first),
