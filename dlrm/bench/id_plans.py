@@ -44,7 +44,9 @@ def _side(rows: int, seed: int, keys: slice) -> tuple[KeyedJaggedTensor, KeyedJa
     lengths = torch.ones(len(names) * rows, dtype=torch.int32)
     planned, plain = (KeyedJaggedTensor(keys=names, values=values, lengths=lengths, stride=rows) for _ in range(2))
     payload = IdsCodec().encode(lengths, values, [rows] * len(names))[0]
-    attach_plans(planned, IdsCodec().decode(payload).plan, 0, [0] * len(names))  # as the receiver gets them
+    plans = IdsCodec().decode(payload).plan  # as the receiver gets them
+    assert plans is not None
+    attach_plans(planned, plans, 0, [0] * len(names))
     x = torch.cat([batch[n]["values"] for n in names], 1)
     return planned, plain, x, Region(0, len(names), 0, rows)
 

@@ -31,6 +31,15 @@ from dlrm_compression.ids_codec import KeyPlans
 EMPTY_BAG = -1  # the id of an empty bag: its pooled row is zero, like every other empty bag's
 
 
+class Region(NamedTuple):
+    """Keys ``key_start:key_start+n_keys`` and bags ``bag_start:bag_start+count`` of a KJT."""
+
+    key_start: int
+    n_keys: int
+    bag_start: int
+    count: int  # type: ignore[assignment]  # shadows tuple.count (a public field name, kept)
+
+
 REUSE_INPUT_PLANS = True  # take the input codec's sorted ids where they fit (tests switch it off)
 _PLANS = "_dlrm_id_plans"  # the KJT attribute holding them: {(key, bag_start, bags): (distinct, index)}
 
@@ -56,15 +65,6 @@ def _region_plan(kjt: KeyedJaggedTensor, r: Region) -> tuple[torch.Tensor, torch
     if not REUSE_INPUT_PLANS or not parts or any(p is None for p in parts):
         return None
     return torch.cat([p[0] for p in parts if p]), torch.stack([p[1] for p in parts if p])
-
-
-class Region(NamedTuple):
-    """Keys ``key_start:key_start+n_keys`` and bags ``bag_start:bag_start+count`` of a KJT."""
-
-    key_start: int
-    n_keys: int
-    bag_start: int
-    count: int  # type: ignore[assignment]  # shadows tuple.count (a public field name, kept)
 
 
 def chunk_ids(kjt: KeyedJaggedTensor | None, regions: Sequence[Region]) -> list[torch.Tensor | None]:
@@ -121,11 +121,14 @@ def pending_ids(requests: Sequence[tuple[KeyedJaggedTensor | None, Sequence[Regi
                 checks.append(
                     (lengths[r.key_start : r.key_start + r.n_keys, r.bag_start : r.bag_start + r.count] <= 1).all()
                 )
-            row.append(_ids(kjt, r) if r.n_keys else None)
-            plan = _region_plan(kjt, r) if r.n_keys else None
-            if plan is not None:
-                with_known_plan(row[-1], *plan)
+            if not r.n_keys:
+                row.append(None)
+                continue
+            ids, plan = _ids(kjt, r), _region_plan(kjt, r)
+            if plan is not None:  # the input codec sorted exactly these ids
+                with_known_plan(ids, *plan)
                 reused += 1
+            row.append(ids)
         candidates.append(row)
     single = torch.stack(checks) if checks else torch.zeros(0, dtype=torch.bool)
     return PendingIds(candidates, single, reused)
