@@ -6,7 +6,7 @@ peer's gradients back, the peer's 13 tables' rows from it and our gradients to i
 its ids taken from a KJT as the output dist takes them. Timed with the input codec's plans on the
 KJTs (``reused``) and without (``sorted``), alternating, in one process::
 
-    python -m dlrm.bench.id_plans [--iterations 50] [--rows 1024] [--device-path]
+    OMP_NUM_THREADS=1 python -m dlrm.bench.id_plans [--iterations 50] [--rows 1024] [--device-path]
 
 ``plans``: the id plans alone (region ids, dedup plans, duplicate-id first rows of both sides);
 ``codec``: the whole codec work of both directions and sides (encode, decode, duplicate-id sums).

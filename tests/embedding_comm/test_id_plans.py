@@ -26,15 +26,26 @@ def unique_plan(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return counts, torch.stack([inv for _, inv in parts]) if parts else torch.zeros(0, ids.shape[0])
 
 
+_SORTS = ((dedup, "_sorted_runs"), (dedup, "_unique"), (torch, "sort"))  # dedup's numpy/torch sorts, first_rows'
+
+
 class Sorts:
-    """Counts the calls of dedup's sort routines (the numpy and torch paths) and of the
-    duplicate-id sort, in this process, while active."""
+    """Counts the calls of the sort routines of dedup and of the duplicate-id rows in this
+    process, from now on (until ``monkeypatch`` undoes it, or :meth:`stop`)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch | None = None) -> None:
         self.calls = 0
-        patch = monkeypatch.setattr if monkeypatch is not None else _setattr
-        for mod, name in ((dedup, "_sorted_runs"), (dedup, "_unique"), (torch, "sort")):
-            patch(mod, name, self._counted(getattr(mod, name)))
+        self.saved = [getattr(mod, name) for mod, name in _SORTS]
+        for mod, name in _SORTS:
+            wrapped = self._counted(getattr(mod, name))
+            if monkeypatch is not None:
+                monkeypatch.setattr(mod, name, wrapped)
+            else:
+                setattr(mod, name, wrapped)
+
+    def stop(self) -> None:
+        for (mod, name), fn in zip(_SORTS, self.saved, strict=True):
+            setattr(mod, name, fn)
 
     def _counted(self, fn):
         def wrapped(*args, **kwargs):
@@ -42,16 +53,6 @@ class Sorts:
             return fn(*args, **kwargs)
 
         return wrapped
-
-
-def _setattr(obj, name, value) -> None:
-    setattr(obj, name, value)
-
-
-def _kjt(lengths: list[int], values: list[int], keys: list[str]) -> KeyedJaggedTensor:
-    return KeyedJaggedTensor.from_lengths_sync(
-        keys=keys, values=torch.tensor(values), lengths=torch.tensor(lengths, dtype=torch.int32)
-    )
 
 
 def test_the_ids_codec_plans_are_torch_uniques_and_say_which_keys_have_one_id_per_bag():
@@ -72,17 +73,18 @@ def test_the_ids_codec_plans_are_torch_uniques_and_say_which_keys_have_one_id_pe
             assert int(p.distinct[key]) == u.numel() and torch.equal(p.key_index(key), inv)
 
 
-def _owner_and_sender_kjts(seed: int, stride: int = 12) -> tuple[KeyedJaggedTensor, torch.Tensor]:
+def _single_id_kjt(seed: int, stride: int = 12) -> KeyedJaggedTensor:
+    """Three keys of skewed ids, one per bag."""
     g = torch.Generator().manual_seed(seed)
     values = (torch.rand(3 * stride, generator=g) ** 3 * 40).long()
     kjt = KeyedJaggedTensor(
         keys=["a", "b", "c"], values=values, lengths=torch.ones(3 * stride, dtype=torch.int32), stride=stride
     )
-    return kjt, values
+    return kjt
 
 
 def test_a_region_takes_the_plan_only_where_every_key_has_one_for_exactly_its_bags(monkeypatch):
-    kjt, _ = _owner_and_sender_kjts(0)
+    kjt = _single_id_kjt(0)
     _, plans = IdsCodec().encode_with_plan(kjt.lengths(), kjt.values(), [12, 12, 12])
     attach_plans(kjt, plans, 0, [0, 0, 0])
     regions = [Region(0, 3, 0, 12), Region(1, 2, 0, 12), Region(0, 2, 0, 6), Region(0, 1, 4, 8)]
@@ -94,7 +96,7 @@ def test_a_region_takes_the_plan_only_where_every_key_has_one_for_exactly_its_ba
         want = unique_plan(ids)
         assert torch.equal(counts, want[0]) and torch.equal(inverse, want[1])
     assert dedup.known_plan(half) is None and dedup.known_plan(later) is None  # other bags: sorted again
-    other, _ = _owner_and_sender_kjts(0)  # the same ids in another KJT object: no plan
+    other = _single_id_kjt(0)  # the same ids in another KJT object: no plan
     assert dedup.known_plan(pending_ids([(other, regions[:1])]).candidates[0][0]) is None
     monkeypatch.setattr(ids_mod, "REUSE_INPUT_PLANS", False)
     assert pending_ids([(kjt, regions)]).reused == 0
@@ -116,7 +118,7 @@ def test_dedup_with_a_known_plan_sorts_nothing_and_gives_the_same_payloads(monke
     from dlrm.bench.host_syncs import device_paths
     from dlrm_compression.format import settle
 
-    kjt, _ = _owner_and_sender_kjts(1, stride=64)
+    kjt = _single_id_kjt(1, stride=64)
     _, plans = IdsCodec().encode_with_plan(kjt.lengths(), kjt.values(), [64, 64, 64])
     attach_plans(kjt, plans, 0, [0, 0, 0])
     known = pending_ids([(kjt, [Region(0, 3, 0, 64)])]).candidates[0][0]
@@ -187,7 +189,7 @@ def _pipelined_reuse(rank: int, ws: int) -> dict:
                 outs.append(pipeline.progress(it))
             except StopIteration:
                 break
-        _restore_sorts()
+        sorts.stop()
         weights = local_weights(piped)
         runs[name] = (outs, weights, sorts.calls, comm_stats(piped), len(checked))
         checked.clear()
@@ -199,13 +201,6 @@ def _pipelined_reuse(rank: int, ws: int) -> dict:
         assert all(torch.equal(a, b) for a, b in zip(ref[0], outs, strict=True)), name
         assert weights.keys() == ref[1].keys() and all(torch.equal(weights[k], ref[1][k]) for k in weights), name
     return {name: {"sorts": r[2], "checked": r[4], **r[3]} for name, r in runs.items()}
-
-
-_SORTS = (dedup._sorted_runs, dedup._unique, torch.sort)
-
-
-def _restore_sorts() -> None:
-    dedup._sorted_runs, dedup._unique, torch.sort = _SORTS
 
 
 def test_the_pipelined_output_dist_reuses_the_input_plans_of_its_own_batch_2_ranks():
