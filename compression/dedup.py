@@ -3,6 +3,10 @@
 Unique rows of a block are listed in canonical key order (ascending id, or ascending row hash),
 blocks one after another. A receiver that knows the ids rebuilds the row -> unique mapping
 itself, so only the per-block counts travel; in value mode the mapping (the index) travels too.
+
+A caller that already sorted the ids (e.g. the ids codec of the same batch) attaches its result
+to the ids tensor (:func:`with_known_plan`); every plan of those ids is then taken from it with
+no sort (a slice or copy of the tensor carries none: it is sorted again).
 """
 
 from __future__ import annotations
@@ -28,6 +32,34 @@ class Plan:
     inverse: torch.Tensor | None  # int64 [n_blocks, rows]: index within the block; None = identity
 
 
+_KNOWN = "_dedup_known_plan"  # the attribute of an ids tensor that holds its known plan
+
+
+def with_known_plan(keys: torch.Tensor, counts: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """Attach to ``keys`` [rows, n_blocks] (and return it) what a caller already computed for
+    exactly these keys: per block the number of distinct keys ``counts`` [n_blocks] and each
+    row's index among them in ascending order, ``inverse`` [n_blocks, rows]."""
+    rows, nb = keys.shape
+    if tuple(counts.shape) != (nb,) or tuple(inverse.shape) != (nb, rows):
+        shapes = f"counts {tuple(counts.shape)} and inverse {tuple(inverse.shape)}"
+        raise ValueError(f"known plan of {shapes} for keys {tuple(keys.shape)}")
+    setattr(keys, _KNOWN, (counts, inverse))
+    return keys
+
+
+def known_plan(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The (counts, inverse) attached to this very tensor by :func:`with_known_plan`, if any."""
+    return getattr(keys, _KNOWN, None)
+
+
+def first_at_capacity(inverse: torch.Tensor) -> torch.Tensor:
+    """[n_blocks, rows]: in slot u of block b, the first row whose index is u (``rows`` in the
+    slots past the block's distinct keys), from the inverse alone: no sort, no host wait."""
+    nb, rows = inverse.shape
+    every = torch.arange(rows, device=inverse.device).expand(nb, rows)
+    return torch.full_like(inverse, rows).scatter_reduce_(1, inverse, every, "amin")
+
+
 @overload
 def unique_per_block(
     keys: torch.Tensor, want_first: Literal[True] = ...
@@ -42,6 +74,14 @@ def unique_per_block(
     """Per column of ``keys`` [rows, n_blocks]: (counts, a source row of each unique key in
     block-major canonical order, inverse [n_blocks, rows] index within the block)."""
     rows, nb = keys.shape
+    known = known_plan(keys)
+    if known is not None:  # the first row of each distinct key as its source
+        counts, inverse = known
+        first = None
+        if want_first:
+            cap = first_at_capacity(inverse)
+            first = cap[torch.arange(rows, device=keys.device) < counts[:, None]]
+        return counts, first, inverse
     shared = nb == 1 or keys.stride(1) == 0
     if shared and not want_first and not _host(keys):  # the receiver: a sort, not torch.unique (no host wait)
         counts, _, inverse = _sorted_unique(keys[:, :1].t().contiguous(), False)
@@ -109,6 +149,11 @@ def plan_capacity(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     """:func:`first_capacity`'s counts and source rows, and :func:`unique_per_block`'s inverse
     [n_blocks, rows], from one sort and without a host wait."""
     rows, nb = keys.shape
+    known = known_plan(keys)
+    if known is not None:
+        counts, inverse = known
+        cap = first_at_capacity(inverse)
+        return counts, torch.where(cap < rows, cap, 0), inverse
     shared = nb == 1 or keys.stride(1) == 0
     counts, first, inverse = _capacity_runs(keys[:, :1].t().contiguous() if shared else keys.t().contiguous())
     if shared:

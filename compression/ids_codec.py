@@ -58,6 +58,23 @@ def expected_bytes(bags: float, ids: float, distinct: float, id_range: float, le
 
 
 @dataclass
+class KeyPlans:
+    """What the codec computes per key of a batch, for whoever dedups the same ids again
+    (the output all-to-all's dedup by id): each lookup's index among its key's sorted distinct
+    ids, and how many there are. Sizes on the host (the codec read them), indices on the device."""
+
+    ids_per_key: list[int]
+    single: list[bool]  # every bag of the key holds exactly one id (so lookup i is bag i)
+    distinct: torch.Tensor  # int64 [keys]
+    index: torch.Tensor  # int64 [ids], key after key: each lookup's index among its key's distinct ids
+
+    def key_index(self, k: int) -> torch.Tensor:
+        """Key ``k``'s indices (one per lookup)."""
+        start = sum(self.ids_per_key[:k])
+        return self.index[start : start + self.ids_per_key[k]]
+
+
+@dataclass
 class IdsPart:
     """One destination's share of a jagged batch: keys in order, each key's bags contiguous."""
 
@@ -65,6 +82,13 @@ class IdsPart:
     values: torch.Tensor
     bags_per_key: list[int]
     weights: torch.Tensor | None = None
+    plan: KeyPlans | None = None  # its keys' distinct ids as the decoder rebuilt them
+
+
+def _key_plans(host: list[list[int]], distinct: torch.Tensor, index: torch.Tensor) -> KeyPlans:
+    """:class:`KeyPlans` from a payload plan read on the host (its rows) and the device values."""
+    single = [r[_BAGS] > 0 and r[_LEN_BASE] == 1 and r[_LEN_BITS] == 0 for r in host]
+    return KeyPlans([r[_IDS] for r in host], single, distinct, index)
 
 
 def bit_length(x: torch.Tensor) -> torch.Tensor:
@@ -144,6 +168,17 @@ class IdsCodec:
     ) -> list[torch.Tensor]:
         """One payload per destination, destination d holding the next ``keys_per_dest[d]`` keys
         (default: all keys, one payload). One host synchronisation for the whole call."""
+        return self.encode_with_plan(lengths, values, bags_per_key, weights, keys_per_dest)[0]
+
+    def encode_with_plan(
+        self,
+        lengths: torch.Tensor,
+        values: torch.Tensor,
+        bags_per_key: list[int],
+        weights: torch.Tensor | None = None,
+        keys_per_dest: list[int] | None = None,
+    ) -> tuple[list[torch.Tensor], KeyPlans]:
+        """:meth:`encode`'s payloads, and every key's distinct ids as it computed them."""
         _check_inputs(lengths, values, bags_per_key, weights)
         dev = values.device
         keys_per_dest = [len(bags_per_key)] if keys_per_dest is None else list(keys_per_dest)
@@ -230,7 +265,7 @@ class IdsCodec:
                 )
             )
             key0, id0, bag0, uniq0 = key0 + nk, id0 + ni, bag0 + nb, uniq0 + nd
-        return out
+        return out, _key_plans(host, distinct, inverse)
 
     def _frame(
         self,
@@ -329,6 +364,7 @@ class IdsCodec:
             values=values.to(torch.int32 if flags & _VALUES32 else torch.int64),
             bags_per_key=[r[_BAGS] for r in host],
             weights=weights,
+            plan=_key_plans(host, distinct, idx),
         )
 
 

@@ -65,6 +65,8 @@ CONFIGS: dict[str, list[str]] = {
     "hot_exact": ["compression=lossy", "sharding=table_wise", *HOT, "placement.sync_codec=exact", *FIXED],
     "hot_coded": ["compression=lossy", "sharding=table_wise", *HOT, "placement.sync_codec=backward", *FIXED],
     "fp16_tables": ["compression=lossy", "precision=mixed", *FIXED],
+    # the coded input all-to-all, table-wise so that the output dist dedups by id with its plans
+    "lossy+ids": ["compression=lossy", "policy=dual", "sharding=table_wise", "compression.input=ids", *FIXED],
 }
 COLLECTIVES = (
     "all_to_all_single", "all_gather", "all_gather_into_tensor", "all_reduce", "broadcast", "reduce_scatter_tensor"

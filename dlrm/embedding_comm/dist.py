@@ -248,6 +248,9 @@ class CompressedTwPooledEmbeddingDist(CompressedDist, TwPooledEmbeddingDist):
         )
         for side in pending.candidates:
             side.insert(me, None)
+        # chunks whose ids come with the input codec's plan, of those with ids to plan
+        self.stats.add("ids/plans_reused", pending.reused)
+        self.stats.add("ids/plans", sum(c is not None for side in pending.candidates for c in side))
         return pending
 
     def forward(

@@ -7,6 +7,13 @@ takes the id :data:`EMPTY_BAG`, shared by every empty bag. Sender and receiver d
 independently from the same bags (the receiver sent them in the input all-to-all), so they always
 agree and no flag travels. A chunk is sent by id only
 when all its blocks qualify (one payload per peer); otherwise the codec dedups by value.
+
+Where the coded input all-to-all (``compression.input=ids``) already sorted a key's ids, it
+leaves its result on the very KJT it coded or rebuilt (:func:`attach_plans`, per key and run of
+bags), and the ids of a region made entirely of such runs carry it to the codec
+(:func:`dlrm_compression.dedup.with_known_plan`): dedup, duplicate-id sums and the receiver's
+mapping then sort nothing. Any other region (other bags, an empty or multi-id bag, another KJT
+object) is sorted as before.
 """
 
 from __future__ import annotations
@@ -18,6 +25,9 @@ from typing import NamedTuple
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from dlrm_compression.dedup import first_at_capacity, known_plan, with_known_plan
+from dlrm_compression.ids_codec import KeyPlans
+
 EMPTY_BAG = -1  # the id of an empty bag: its pooled row is zero, like every other empty bag's
 
 
@@ -28,6 +38,33 @@ class Region(NamedTuple):
     n_keys: int
     bag_start: int
     count: int  # type: ignore[assignment]  # shadows tuple.count (a public field name, kept)
+
+
+REUSE_INPUT_PLANS = True  # take the input codec's sorted ids where they fit (tests switch it off)
+_PLANS = "_dlrm_id_plans"  # the KJT attribute holding them: {(key, bag_start, bags): (distinct, index)}
+
+IdPlans = dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def attach_plans(kjt: KeyedJaggedTensor, plans: KeyPlans, key_start: int, bag_starts: Sequence[int]) -> None:
+    """Record on ``kjt`` what the ids codec computed for its keys ``key_start:key_start+n``:
+    key ``key_start + k``'s bags from ``bag_starts[k]`` on, one per lookup of ``plans``'s key k.
+    Only keys with exactly one id in every bag (lookup i is bag i)."""
+    known: IdPlans = getattr(kjt, _PLANS, {})
+    for k, (n, single) in enumerate(zip(plans.ids_per_key, plans.single, strict=True)):
+        if single:
+            known[(key_start + k, bag_starts[k], n)] = (plans.distinct[k : k + 1], plans.key_index(k))
+    setattr(kjt, _PLANS, known)
+
+
+def _region_plan(kjt: KeyedJaggedTensor, r: Region) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(counts [n_keys], inverse [n_keys, count]) of a region whose every key has a plan for exactly
+    its bags, else None."""
+    known: IdPlans = getattr(kjt, _PLANS, {})
+    parts = [known.get((k, r.bag_start, r.count)) for k in range(r.key_start, r.key_start + r.n_keys)]
+    if not REUSE_INPUT_PLANS or not parts or any(p is None for p in parts):
+        return None
+    return torch.cat([p[0] for p in parts if p]), torch.stack([p[1] for p in parts if p])
 
 
 def chunk_ids(kjt: KeyedJaggedTensor | None, regions: Sequence[Region]) -> list[torch.Tensor | None]:
@@ -56,6 +93,7 @@ class PendingIds:
 
     candidates: list[list[torch.Tensor | None]]  # per request, per region
     single: torch.Tensor  # bool, one per candidate in order, on the device
+    reused: int = 0  # candidates that carry the input codec's plan
 
     def flags(self) -> list[list[torch.Tensor | None]]:
         """Each candidate's flag (a 0-d view of ``single``), laid out as ``candidates``."""
@@ -71,7 +109,7 @@ class PendingIds:
 def pending_ids(requests: Sequence[tuple[KeyedJaggedTensor | None, Sequence[Region]]]) -> PendingIds:
     """:func:`chunk_ids_of` without its host read (:class:`PendingIds`)."""
     candidates: list[list[torch.Tensor | None]] = []
-    checks = []
+    checks, reused = [], 0
     for kjt, regions in requests:
         if kjt is None or kjt.weights_or_none() is not None or kjt.variable_stride_per_key() or not regions:
             candidates.append([None] * len(regions))
@@ -83,10 +121,17 @@ def pending_ids(requests: Sequence[tuple[KeyedJaggedTensor | None, Sequence[Regi
                 checks.append(
                     (lengths[r.key_start : r.key_start + r.n_keys, r.bag_start : r.bag_start + r.count] <= 1).all()
                 )
-            row.append(_ids(kjt, r) if r.n_keys else None)
+            if not r.n_keys:
+                row.append(None)
+                continue
+            ids, plan = _ids(kjt, r), _region_plan(kjt, r)
+            if plan is not None:  # the input codec sorted exactly these ids
+                with_known_plan(ids, *plan)
+                reused += 1
+            row.append(ids)
         candidates.append(row)
     single = torch.stack(checks) if checks else torch.zeros(0, dtype=torch.bool)
-    return PendingIds(candidates, single)
+    return PendingIds(candidates, single, reused)
 
 
 def _ids(kjt: KeyedJaggedTensor, r: Region) -> torch.Tensor:
@@ -123,8 +168,11 @@ def first_rows(ids: torch.Tensor) -> torch.Tensor:
 
     One stable sort of every block's ids at once, then segment starts by boundary flags and a
     running maximum: no output whose size depends on the data (``torch.unique`` has one, a host
-    wait per call on an accelerator).
+    wait per call on an accelerator). Ids with a known plan need no sort.
     """
+    known = known_plan(ids)
+    if known is not None:
+        return first_at_capacity(known[1]).gather(1, known[1])
     ids = ids.t()
     rows = ids.shape[1]
     sorted_ids, perm = torch.sort(ids, dim=1, stable=True)  # equal ids keep their row order

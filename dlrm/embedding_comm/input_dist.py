@@ -6,6 +6,11 @@ first exchanges TorchRec's splits plus each payload's size (one collective, one 
 synchronisation), the second sends the payloads of :class:`compression.ids_codec.IdsCodec` in
 one byte all-to-all and rebuilds, with TorchRec's own ``dist_init`` and recat, exactly the
 ``KeyedJaggedTensor`` the stock all-to-all delivers. A rank's own share never travels or is coded.
+
+Both ends leave the codec's sorted ids on the KJT they coded (the sender's) or rebuilt (the
+receiver's, per source rank's bags), where the output all-to-all's dedup by id of the same batch
+takes them instead of sorting again (:func:`dlrm.embedding_comm.ids.attach_plans`): carried by
+the batch's own KJT, so the pipeline running the input dist a batch ahead cannot mix them up.
 """
 
 from __future__ import annotations
@@ -19,10 +24,11 @@ from torchrec.distributed.dist_data import KJTAllToAll, KJTAllToAllTensorsAwaita
 from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from dlrm.embedding_comm.ids import attach_plans
 from dlrm.embedding_comm.input_switch import InputSwitch
 from dlrm.embedding_comm.stats import CommStats
 from dlrm_compression.format import PayloadError
-from dlrm_compression.ids_codec import IdsCodec
+from dlrm_compression.ids_codec import IdsCodec, KeyPlans
 
 
 def stock_input_bytes(pg: Any, splits: list[int], kjt: KeyedJaggedTensor) -> int:
@@ -95,7 +101,11 @@ class _CodedSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
         device = kjt.device()
         weights = kjt.weights_or_none()
         t0 = time.perf_counter()
-        payloads = module.codec.encode(kjt.lengths(), kjt.values(), kjt.stride_per_key(), weights, splits)
+        payloads, plans = module.codec.encode_with_plan(
+            kjt.lengths(), kjt.values(), kjt.stride_per_key(), weights, splits
+        )
+        if not kjt.variable_stride_per_key():
+            attach_plans(kjt, plans, 0, [0] * len(kjt.keys()))  # each key's bags from the first
         module.stats.add("input/codec_ms", 1e3 * (time.perf_counter() - t0))
         payloads[me] = torch.zeros(0, dtype=torch.uint8, device=device)  # our own share stays raw
         self.payloads = payloads
@@ -147,6 +157,8 @@ class _CodedTensorsAwaitable(KJTAllToAllTensorsAwaitable):
         self._req, self._sizes, self._labels = req, sizes, req.labels
         self._input_tensors: list[torch.Tensor] = []  # the stock clear_inputs frees nothing of ours
         self._awaitables: list[Any] = []
+        self._plans: dict[int, KeyPlans] = {}  # per source rank, as decoded
+        self._bags: dict[int, list[int]] = {}
         self._buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=self._device)
         send = torch.cat(req.payloads)
         self._work = dist.all_to_all_single(
@@ -168,7 +180,7 @@ class _CodedTensorsAwaitable(KJTAllToAllTensorsAwaitable):
                 out.append(t)
             req.module.stats.add("input/codec_ms", 1e3 * (time.perf_counter() - t0))
         tensors = [torch.cat(p) for p in parts]
-        return type(self._input).dist_init(
+        out = type(self._input).dist_init(
             keys=self._keys,
             tensors=tensors,
             variable_stride_per_key=self._input.variable_stride_per_key(),
@@ -177,6 +189,18 @@ class _CodedTensorsAwaitable(KJTAllToAllTensorsAwaitable):
             stride_per_rank=self._stride_per_rank,
             stagger=self._stagger,
         )
+        self._attach_plans(out)
+        return out
+
+    def _attach_plans(self, out: KeyedJaggedTensor) -> None:
+        """Each decoded source's key plans on ``out``, at its bags: recat puts key after key and,
+        within a key, source rank after source rank (fixed strides and no stagger only)."""
+        stride = self._stride_per_rank
+        if stride is None or self._stagger != 1 or out.stride() != sum(stride):
+            return
+        for src, plans in self._plans.items():
+            if all(n == stride[src] for n in self._bags[src]):
+                attach_plans(out, plans, 0, [sum(stride[:src])] * len(self._keys))
 
     def _decode(self, chunk: torch.Tensor, src: int) -> list[torch.Tensor]:
         """One peer's share as TorchRec's tensors, in its labels' order."""
@@ -189,6 +213,8 @@ class _CodedTensorsAwaitable(KJTAllToAllTensorsAwaitable):
             part = module.codec.decode(chunk, where)
         except PayloadError as e:
             raise PayloadError(str(e) if where in str(e) else f"{where}: {e}") from None
+        if part.plan is not None and len(part.bags_per_key) == len(self._keys):
+            self._plans[src], self._bags[src] = part.plan, part.bags_per_key
         by_label = {"lengths": part.lengths, "values": part.values, "weights": part.weights}
         by_label["strides"] = torch.tensor(part.bags_per_key, dtype=torch.int64, device=chunk.device)
         expect = {label: self._output_splits[label][src] for label in self._labels}

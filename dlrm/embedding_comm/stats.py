@@ -25,6 +25,10 @@ The input (KJT) all-to-all (``input``, :mod:`dlrm.embedding_comm.embeddingbag`) 
 ``wire_bytes`` and ``calls``; coded (``compression.input=ids``, :mod:`dlrm.embedding_comm.input_dist`)
 also ``raw_bytes`` (what TorchRec's would have sent) and ``codec_ms``.
 
+``ids/plans`` counts the forward's chunks (both sides) whose ids the dedup may plan, and
+``ids/plans_reused`` those that take the coded input all-to-all's plan of the same batch instead
+of sorting their ids again (:mod:`dlrm.embedding_comm.ids`).
+
 The dense gradient all-reduce (``dense``, :mod:`dlrm.dense_comm.hook`) records the same ``raw_bytes``,
 ``wire_bytes``, ``codec_ms``, ``comm_ms`` and ``calls``, and under DCT ``kept``/``numel`` (whose
 quotient :func:`derive` writes as ``comm/dense/keep``), ``threshold`` and ``residual_norm``.

@@ -21,6 +21,7 @@ SIDES = {"a2a/forward/send", "a2a/forward/receive", "a2a/backward/send", "a2a/ba
         ("dct_mp", SIDES),
         ("row_cache", SIDES),
         ("hot_coded", SIDES | {"hot/sync"}),
+        ("lossy+ids", SIDES),  # table-wise dedup by id with the coded input's plans
     ],
 )
 def test_training_on_the_device_paths_keeps_the_sync_budget(name, labels, tmp_path):
