@@ -109,7 +109,7 @@ def _counted(rank: int, ws: int, plan: str, spec: str, hot: int = 1, steps: int 
     ("spec", "plan", "hot"),
     [*((spec, "tw", 1) for spec in SPECS), ("lossy", "tw", 2), ("lossy", "rw", 1)],
 )
-@pytest.mark.parametrize("ws", [2, 3])
+@pytest.mark.parametrize("ws", [2, pytest.param(3, marks=pytest.mark.scale)])  # 3 ranks: make test-scale
 def test_device_path_gives_the_host_paths_numbers_with_one_host_sync_per_collective_side(ws, spec, plan, hot):
     for r in run_ranks(_counted, ws, plan, spec, hot):
         assert r["same"] and r["same_weights"]  # bit for bit: the framing moved, not the values
@@ -122,7 +122,7 @@ def test_device_path_gives_the_host_paths_numbers_with_one_host_sync_per_collect
         assert set(r["syncs"]) == {"forward/send", "forward/receive", "backward/send", "backward/receive"}
 
 
-@pytest.mark.parametrize("ws", [2, 3])
+@pytest.mark.parametrize("ws", [2, pytest.param(3, marks=pytest.mark.scale)])  # 3 ranks: make test-scale
 def test_the_row_cache_on_the_device_path_gives_the_host_paths_numbers_with_one_host_sync_per_collective_side(ws):
     # the cache encodes and decodes the forward itself; the backward goes through the codec
     for r in run_ranks(_counted, ws, "tw", "cache", 1, 4):
