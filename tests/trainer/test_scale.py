@@ -61,8 +61,8 @@ def assert_predicted_paths(m: dict, paths: tuple[str, ...]) -> None:
 # -- compression=none is stock TorchRec, for every sharding option, at 3 and 4 ranks ---------------
 
 
-# comm_aware prices each config's bytes: none's framing (a ratio just under 1) against stock's 1.0.
-# At 4 ranks both plan alike; at 3 the prices place some tables on other ranks (measured: t_cat_1,
+# comm_aware prices each config's bytes (presumably none's framing against stock's bare rows; not
+# traced). At 4 ranks both plan alike; at 3 they place some tables on other ranks (seen: t_cat_1,
 # 10, 17, 25 and more), so stock TorchRec has no twin there and only 4 ranks are compared.
 PARITY = [(w, s) for w in WORLDS for s in SHARDINGS if (w, s) != (3, "comm_aware")]
 
