@@ -8,7 +8,7 @@ ARGS   ?=
 
 NETARGS ?=
 
-.PHONY: venv train test test-gpu lint bench bench-network clean
+.PHONY: venv train test test-scale test-gpu lint bench bench-network clean
 
 venv:
 	@PYTHON=$(PYTHON) bash scripts/setup_env.sh $(VENV)
@@ -19,6 +19,12 @@ train: venv
 
 test: venv
 	@$(PY) -m pytest -q $(ARGS)
+
+# The scale suite (marker scale; `make test` leaves it out): the trainer and the all-to-alls at 3 and
+# 4 ranks (none against stock TorchRec for every sharding, bounds, dense_comm, auto, hot rows, the
+# row cache, resume), two emulated nodes, and the slowest multi-rank variants. CI runs both.
+test-scale: venv
+	@$(PY) -m pytest -q -m scale $(ARGS)
 
 # The GPU suite (tests/gpu, marker gpu; `make test` leaves it out): codecs and kernels on CUDA against
 # the CPU, host syncs under CUDA's sync debug mode, codec GB/s beside the CPU's, the trainer on NCCL.

@@ -31,7 +31,8 @@ def _why_not() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.skipif(_why_not() is not None, reason=str(_why_not()))
+# 4 ranks, two restarts of a run: make test-scale
+pytestmark = [pytest.mark.scale, pytest.mark.skipif(_why_not() is not None, reason=str(_why_not()))]
 
 
 def _ours(pid: int) -> list[str]:

@@ -128,6 +128,7 @@ def test_a_delay_is_netem_or_refused_by_name():
             assert "netem" in qdiscs and "delay 5ms" in qdiscs and "tbf" in qdiscs
 
 
+@pytest.mark.scale  # a 4-rank auto run: make test-scale
 @needs_namespaces
 @pytest.mark.timeout(240)
 def test_auto_times_the_two_links_apart_across_two_nodes(tmp_path, cache):

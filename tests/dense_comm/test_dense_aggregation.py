@@ -149,7 +149,10 @@ def _aggregations(rank: int, ws: int) -> dict:
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 3, 4])
+# 3 and 4 ranks: make test-scale
+@pytest.fixture(
+    scope="module", params=[2, pytest.param(3, marks=pytest.mark.scale), pytest.param(4, marks=pytest.mark.scale)]
+)
 def ranks(request) -> list[dict]:
     from multiprocess import run_ranks
 
@@ -313,6 +316,7 @@ def _bytes_per_rank(rank: int, ws: int) -> dict:
     return {name: _run(cfg, rank, range(ITERATIONS))["wire"] for name, cfg in (("rs", scatter), ("ag", CFG))}
 
 
+@pytest.mark.scale
 def test_at_8_ranks_the_reduce_scatter_sends_a_quarter_of_the_all_gathers_bytes():
     # (W-1) payloads against ~2 (W-1)/W: 2/W = 25% at W = 8 (a minute of 8 processes on 2 cores)
     from multiprocess import run_ranks

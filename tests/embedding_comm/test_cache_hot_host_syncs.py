@@ -308,21 +308,21 @@ def _synced_on_ranks(rank: int, ws: int, tables: int, coded: bool) -> dict:
     }
 
 
+@pytest.mark.parametrize("ws", [2, pytest.param(3, marks=pytest.mark.scale)])  # 3 ranks: make test-scale
 @pytest.mark.parametrize("coded", [False, True])
-def test_hot_row_sync_on_ranks_waits_at_most_once_per_collective(coded):
+def test_hot_row_sync_on_ranks_waits_at_most_once_per_collective(coded, ws):
     from multiprocess import run_ranks
 
-    for ws in (2, 3):
-        got = run_ranks(_synced_on_ranks, ws, 3, coded)
-        for r in got:
-            assert r["same"]  # the device code's replicas are the CPU shortcuts', bit for bit
-            assert all(torch.equal(a, b) for a, b in zip(r["replicas"], got[0]["replicas"], strict=True))
-            # the exact sync: the size all-gather and the rows' all-gather; coded: the size all-gather
-            # and the payloads' all-to-all
-            assert r["collectives"] == 2, r
-            # one read after each, the codec's own included: the sizes (with the touched counts,
-            # exact), then the hit counts (with every payload's head and its parts' codec heads, coded)
-            assert r["waits"] == [r["collectives"]] * 3, (ws, r["waits"], r["collectives"])
+    got = run_ranks(_synced_on_ranks, ws, 3, coded)
+    for r in got:
+        assert r["same"]  # the device code's replicas are the CPU shortcuts', bit for bit
+        assert all(torch.equal(a, b) for a, b in zip(r["replicas"], got[0]["replicas"], strict=True))
+        # the exact sync: the size all-gather and the rows' all-gather; coded: the size all-gather
+        # and the payloads' all-to-all
+        assert r["collectives"] == 2, r
+        # one read after each, the codec's own included: the sizes (with the touched counts,
+        # exact), then the hit counts (with every payload's head and its parts' codec heads, coded)
+        assert r["waits"] == [r["collectives"]] * 3, (ws, r["waits"], r["collectives"])
 
 
 # The functions these features run per chunk, batch or sync, and their host copies: each a size

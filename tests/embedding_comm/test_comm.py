@@ -322,7 +322,7 @@ def _parity_none(rank: int, ws: int) -> list[dict]:
     stats = []
     # every sharding type with even batches; TW/CW with an uneven last batch (stock TorchRec's
     # row-wise reduce-scatter-v fails on gloo with uneven batches, so it cannot be the reference)
-    for plan, sizes in (("mixed", [16, 16]), ("tw_cw", [16, 11])):
+    for plan, sizes in (("mixed", [16] * ws), ("tw_cw", [16] * (ws - 1) + [11])):
         w = full_weights()
         stock = build(stock_sharder(), plan, ws, w)
         ref = run_steps(stock, rank, sizes, 3)
@@ -338,11 +338,19 @@ def _parity_none(rank: int, ws: int) -> list[dict]:
     return stats
 
 
-def test_none_is_bit_identical_to_stock_torchrec_every_sharding_type_and_uneven_batch():
-    for per_plan in run_ranks(_parity_none, 2):
-        for s in per_plan:  # real bytes went through our path in both directions
-            assert s["comm/forward/raw_bytes"] > 0 and s["comm/backward/raw_bytes"] > 0
-            assert s["comm/forward/ratio"] < 1.0  # exact fp32 plus headers and size words
+# 2 ranks in `make test`; 3 and 4 (the mixed plan's row-wise tables over every rank) in `make test-scale`
+WORLDS = [2, pytest.param(3, marks=pytest.mark.scale), pytest.param(4, marks=pytest.mark.scale)]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_none_is_bit_identical_to_stock_torchrec_every_sharding_type_and_uneven_batch(world):
+    results = run_ranks(_parity_none, world)
+    for plan in range(2):  # real bytes went through our path in both directions
+        stats = [per_plan[plan] for per_plan in results]
+        assert all(s["comm/backward/raw_bytes"] > 0 for s in stats)  # every rank sends gradients
+        senders = [s for s in stats if "comm/forward/raw_bytes" in s]  # ranks owning a table (tw_cw at 4: not rank 1)
+        assert len(senders) >= 2 and all(s["comm/forward/raw_bytes"] > 0 for s in senders)
+        assert all(s["comm/forward/ratio"] < 1.0 for s in senders)  # exact fp32 plus headers and size words
 
 
 # -- lossy: every output element and every weight update within its table's bound ----------------
@@ -427,7 +435,7 @@ class IdsSpy:
 def _lossy_abs(rank: int, ws: int) -> dict:
     from dlrm.telemetry.comm_stats import comm_stats, comm_stats_all_ranks, comm_summary
 
-    sizes = [24, 13]
+    sizes = [24] * (ws - 1) + [13]
     spy = IdsSpy()
     model = build(ours(LOSSY, bound_fn_forward=table_bound, bound_fn_backward=table_bound), "mixed", ws, full_weights())
     worst = check_bounded_training(
@@ -440,22 +448,28 @@ def _lossy_abs(rank: int, ws: int) -> dict:
         lambda f: table_bound(f, "backward", 0),
         hot=lambda step: 1 + step % 2,
     )
-    # single-valued steps (0, 2) send table-wise chunks by id, both ways; the 2-hot step by value
+    # single-valued steps (0, 2) send table-wise chunks by id, both ways (forward from the ranks
+    # that own table-wise tables, 0 and ws - 1); the 2-hot step by value
     by_id = {(it, d) for it, d, with_ids in spy.seen if with_ids}
-    assert by_id == {(0, "forward"), (0, "backward"), (2, "forward"), (2, "backward")}, by_id
+    owner = {(0, "forward"), (2, "forward")} if rank in (0, ws - 1) else set()
+    assert by_id == {(0, "backward"), (2, "backward")} | owner, by_id
     assert any(not with_ids for it, _, with_ids in spy.seen if it in (0, 2))  # row-wise partial sums: by value
     local = comm_stats(model, reset=False)
     merged = comm_stats_all_ranks(model)
     summary = comm_summary(model)
     # a rank that owns no table (tw_rank0: rank 1 sends nothing in forward, receives everything)
     lonely = build(ours(LOSSY), "tw_rank0", ws, full_weights(1))
-    check_bounded_training(lonely, rank, ws, [16, 9], 2, lambda f, ref: 1e-3, lambda f: 1e-3)
-    # the planner may pick any type our sharder offers, row-wise ones included on CPU
+    check_bounded_training(lonely, rank, ws, [16] * (ws - 1) + [9], 2, lambda f, ref: 1e-3, lambda f: 1e-3)
+    # the planner may pick any type our sharder offers, row-wise ones included on CPU (but not
+    # data_parallel, which it picks for t0 at 3 ranks: a replica's update is DDP's, outside this
+    # reference, and sends nothing through the codec)
     constraints = {"t2": ["table_column_wise"], "t1": ["row_wise"], "t3": ["table_row_wise"], "t5": ["column_wise"]}
+    sharded = ["table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise"]
+    constraints.update(t0=sharded, t4=sharded)
     planned = build_planned(ours(LOSSY), constraints, ws, full_weights(2))
     types = {t: ps.sharding_type for t, ps in planned.plan.plan["ebc"].items()}
-    assert all(types[t] == want[0] for t, want in constraints.items()), types
-    check_bounded_training(planned, rank, ws, [16, 16], 2, lambda f, ref: 1e-3, lambda f: 1e-3)
+    assert all(types[t] in want for t, want in constraints.items()), types
+    check_bounded_training(planned, rank, ws, [16] * ws, 2, lambda f, ref: 1e-3, lambda f: 1e-3)
     return {
         "worst": worst,
         "local": local,
@@ -466,8 +480,9 @@ def _lossy_abs(rank: int, ws: int) -> dict:
     }
 
 
-def test_lossy_outputs_and_updates_within_per_table_bounds_2_ranks():
-    results = run_ranks(_lossy_abs, 2)
+@pytest.mark.parametrize("world", WORLDS)
+def test_lossy_outputs_and_updates_within_per_table_bounds(world):
+    results = run_ranks(_lossy_abs, world)
     for r in results:
         assert r["worst"] > 0.1  # errors are really there (a no-op codec would pass the bounds)
         s = r["local"]
@@ -476,13 +491,14 @@ def test_lossy_outputs_and_updates_within_per_table_bounds_2_ranks():
     merged = results[0]["merged"]
     for f in FEATURES:  # every table's gradients were sent by some rank and sampled there
         assert f"comm/backward/ratio/{f}" in merged and f"comm/backward/max_abs_error/{f}" in merged
-    assert merged == results[1]["merged"]  # one view on every rank
+    assert all(r["merged"] == merged for r in results)  # one view on every rank
     assert merged["comm/forward/raw_bytes"] == sum(r["local"]["comm/forward/raw_bytes"] for r in results)
     assert results[0]["summary"]["forward_ratio"] == pytest.approx(merged["comm/forward/ratio"])
-    assert results[0]["iterations"] == results[1]["iterations"] == [2]  # a rank without tables counts too
-    lonely = [r["lonely"] for r in results]
-    assert lonely[0]["comm/forward/raw_bytes"] > 0 and "comm/forward/raw_bytes" not in lonely[1]
-    assert lonely[1]["comm/backward/raw_bytes"] > 0 and "comm/backward/raw_bytes" not in lonely[0]
+    assert all(r["iterations"] == [2] for r in results)  # a rank without tables counts too
+    lonely = [r["lonely"] for r in results]  # rank 0 owns every table: it alone sends forward
+    assert lonely[0]["comm/forward/raw_bytes"] > 0 and "comm/backward/raw_bytes" not in lonely[0]
+    for other in lonely[1:]:
+        assert other["comm/backward/raw_bytes"] > 0 and "comm/forward/raw_bytes" not in other
 
 
 def _four_ranks_two_nodes(rank: int, ws: int) -> dict:
@@ -875,11 +891,13 @@ def _dct_mp_step(rank: int, ws: int) -> dict:
     return {"outs": outs, "kjts": kjts, "grads": grads, "w": w, "new": gather_weights(model)}
 
 
-def test_dct_mp_sends_only_kept_entries_and_returns_gradients_only_there():
-    results = run_ranks(_dct_mp_step, 2)
+@pytest.mark.parametrize("world", WORLDS)
+def test_dct_mp_sends_only_kept_entries_and_returns_gradients_only_there(world):
+    results = run_ranks(_dct_mp_step, world)
     r0 = results[0]
     ws, w = len(results), r0["w"]
     masked_grads = []
+    sent: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {f: [] for f in FEATURES}  # (ref, kept) per chunk
     for rank in range(ws):
         out, ref = r0["outs"][rank], reference_out(w, r0["kjts"][rank])
         mask = torch.ones_like(out, dtype=torch.bool)
@@ -891,10 +909,18 @@ def test_dct_mp_sends_only_kept_entries_and_returns_gradients_only_there():
             kept = out[:, cols] != 0
             mask[:, cols] = kept
             assert torch.equal(out[:, cols][kept], ref[:, cols][kept])  # kept values exact (fp32)
-            assert 0.25 <= float(kept.float().mean()) < 0.3  # keep 0.25 of the block's entries
-            # hard thresholding: every kept magnitude is at least every dropped one
-            assert float(ref[:, cols][kept].abs().min()) >= float(ref[:, cols][~kept].abs().max())
+            sent[f].append((ref[:, cols], kept))
         masked_grads.append(torch.where(mask, r0["grads"][rank], 0.0))
+    for chunks in sent.values():
+        # hard thresholding at one threshold per table (set from the first chunk the owner sends):
+        # every kept magnitude in any chunk is at least every dropped one
+        kept_min = min(float(ref[kept].abs().min()) for ref, kept in chunks)
+        assert kept_min >= max(float(ref[~kept].abs().max()) for ref, kept in chunks)
+        share = float(torch.cat([kept.flatten() for _, kept in chunks]).float().mean())
+        if ws == 2:  # the one chunk the threshold came from: keep 0.25 of its entries (ties add a few)
+            assert 0.25 <= share < 0.3
+        else:  # the other destinations' chunks under the same threshold: about as many (0.30 seen at 4)
+            assert 0.15 <= share < 0.35, share
     # the tables took SGD steps from the gradients at the kept entries only
     expected = reference_sgd(w, r0["kjts"], masked_grads, ws)
     for n, _, _ in TABLES:

@@ -109,7 +109,7 @@ def _counted(rank: int, ws: int, plan: str, spec: str, hot: int | tuple[int, ...
     ("spec", "plan", "hot"),
     [*((spec, "tw", 1) for spec in SPECS), ("lossy", "tw", 2), ("lossy", "rw", 1)],
 )
-@pytest.mark.parametrize("ws", [2, 3])
+@pytest.mark.parametrize("ws", [2, pytest.param(3, marks=pytest.mark.scale)])  # 3 ranks: make test-scale
 def test_device_path_gives_the_host_paths_numbers_with_one_host_sync_per_collective_side(ws, spec, plan, hot):
     for r in run_ranks(_counted, ws, plan, spec, hot):
         assert r["same"] and r["same_weights"]  # bit for bit: the framing moved, not the values
@@ -124,7 +124,9 @@ def test_device_path_gives_the_host_paths_numbers_with_one_host_sync_per_collect
 
 # bags of one id, and (ws 2) a step of bags of two ids between them: its chunks hold no ids, so
 # they go through the codec by value, chosen on the device, and the caches skip that step
-@pytest.mark.parametrize(("ws", "hot"), [(2, 1), (3, 1), (2, (1, 1, 2, 1))])
+@pytest.mark.parametrize(
+    ("ws", "hot"), [(2, 1), pytest.param(3, 1, marks=pytest.mark.scale), (2, (1, 1, 2, 1))]
+)  # 3 ranks: make test-scale
 def test_the_row_cache_on_the_device_path_gives_the_host_paths_numbers_with_one_host_sync_per_collective_side(ws, hot):
     # the cache encodes and decodes the forward itself; the backward goes through the codec
     for r in run_ranks(_counted, ws, "tw", "cache", hot, 4):

@@ -95,6 +95,7 @@ def test_every_sharding_type_receives_torchrecs_kjt_bit_for_bit_2_ranks():
             assert 0 < ids["comm/input/wire_bytes"] != none["comm/input/wire_bytes"], plan
 
 
+@pytest.mark.scale
 def test_three_ranks_receive_torchrecs_kjt_bit_for_bit():
     for per_plan in run_ranks(_received_and_trained, 3):
         assert per_plan["tw_cw"][1]["comm/input/wire_bytes"] > 0
@@ -197,6 +198,6 @@ def _direct(rank: int, ws: int) -> int:
     return checked
 
 
-@pytest.mark.parametrize("ws", [2, 3])
+@pytest.mark.parametrize("ws", [2, pytest.param(3, marks=pytest.mark.scale)])  # 3 ranks: make test-scale
 def test_weighted_and_variable_stride_kjts_match_torchrecs_all_to_all(ws):
     assert run_ranks(_direct, ws) == [2] * ws
