@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
+from torchrec.optim.keyed import CombinedOptimizer
 
 from dlrm.process.env import DistEnv
 from dlrm.process.timeout import named_collective
@@ -200,11 +201,25 @@ def read_train_state(step_dir: Path, world_size: int) -> dict[str, Any]:
 
 def load_model(step_dir: Path, model: torch.nn.Module, optimizer: Any) -> None:
     """Restore the model and optimizer from ``step_dir``'s DCP shards (a collective)."""
-    optimizer.init_state()  # materialize lazily created optimizer state so DCP can load into it
+    _init_state(optimizer)  # materialize lazily created optimizer state so DCP can load into it
+    # The dummy step leaves zero gradients; a run from the start has none (a dense zero gradient
+    # turns the hot rows' next sparse one dense, summed in another order).
+    optimizer.zero_grad(set_to_none=True)
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     dcp.load(state, checkpoint_id=str(step_dir))
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
+
+
+def _init_state(optimizer: Any) -> None:
+    """``init_state`` of each optimizer a :class:`CombinedOptimizer` combines (its own would run one
+    dummy step of all of them, bypassing an optimizer's own ``init_state``: the hot rows' counts its
+    steps, which a resumed run must not see one more of)."""
+    if isinstance(optimizer, CombinedOptimizer):
+        for _, opt in optimizer.optimizers:
+            _init_state(opt)
+    else:
+        optimizer.init_state()
 
 
 class Checkpointer:

@@ -289,6 +289,13 @@ def test_resume_restores_replicas_and_their_optimizer_exactly(runs):
     assert len(hot_keys) == 2 * len(_metrics(runs["hot"])["tables"])  # each weight and its momentum
     for k in hot_keys:
         torch.testing.assert_close(ends[1][k], ends[0][k], rtol=1e-5, atol=1e-7)
+    # the sync's step count (the coded sync's policy iteration) is the uninterrupted run's: loading
+    # the checkpoint's optimizer state takes no step of the hot-row optimizer
+    counts = [
+        torch.load(runs[r] / "checkpoints" / f"step-{ITERS}" / "state-rank0.pt", weights_only=True)["hot_rows"]["steps"]
+        for r in ("hot", "resumed")
+    ]
+    assert counts[1] == counts[0] == ITERS
 
 
 def test_a_checkpoint_keeps_one_copy_of_the_replicas(runs):
