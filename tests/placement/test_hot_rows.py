@@ -276,19 +276,14 @@ def test_auto_keeps_tables_and_replicas_within_the_memory_budget(runs):
 
 def test_resume_restores_replicas_and_their_optimizer_exactly(runs):
     full, resumed = losses(runs["hot"]), losses(runs["resumed"])
-    assert [resumed[i] for i in range(1, STOP + 1)] == [full[i] for i in range(1, STOP + 1)]
-    # after the resume: equal to fp32 rounding (a last-iteration loss was seen 1 ulp apart; the
-    # trainer's other resume tests are bit-exact, see the closing note of issue 14)
-    np.testing.assert_allclose(
-        [resumed[i] for i in range(STOP + 1, ITERS + 1)], [full[i] for i in range(STOP + 1, ITERS + 1)], rtol=2e-7
-    )
-    # and the replicas and their row-wise Adagrad state end where the uninterrupted run's do (to the
-    # last-bit noise that the trainer's collectives leave between any two runs)
+    # bit for bit at 2 ranks (a loss 1 ulp apart at iteration STOP + 2 was a resume that stepped the
+    # hot-row optimizer once more and left zero gradients behind); at 3 ranks see test_scale.py
+    assert [resumed[i] for i in range(1, ITERS + 1)] == [full[i] for i in range(1, ITERS + 1)]
+    # and the replicas and their row-wise Adagrad state end where the uninterrupted run's do
     ends = [flatten(checkpoint_tensors(runs[r] / "checkpoints" / f"step-{ITERS}")) for r in ("hot", "resumed")]
     hot_keys = [k for k in ends[0] if "sparse_arch.hot.weights" in k]
     assert len(hot_keys) == 2 * len(_metrics(runs["hot"])["tables"])  # each weight and its momentum
-    for k in hot_keys:
-        torch.testing.assert_close(ends[1][k], ends[0][k], rtol=1e-5, atol=1e-7)
+    assert [k for k in hot_keys if not torch.equal(ends[1][k], ends[0][k])] == []
     # the sync's step count (the coded sync's policy iteration) is the uninterrupted run's: loading
     # the checkpoint's optimizer state takes no step of the hot-row optimizer
     counts = [
