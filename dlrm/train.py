@@ -21,6 +21,7 @@ import hydra.core.hydra_config
 import torch
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.checkpoint.stateful import Stateful
 
 from dlrm.dense_comm.component import DenseCommunication
 from dlrm.embedding_comm.component import EmbeddingCompression
@@ -74,7 +75,7 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
     strategy = Strategy(env, compression, dense, run_dir, telemetry.text)
     components += [strategy, telemetry]
     stopping = EarlyStopping.from_config(cfg.early_stopping)
-    own = {"lr_schedule": schedule, **({"early_stopping": stopping} if stopping else {})}
+    own: dict[str, Stateful] = {"lr_schedule": schedule, **({"early_stopping": stopping} if stopping else {})}
     parts = checkpoint_parts(components, **own)
     ckpt = Checkpointer(Path(cfg.checkpoint.dir), env, model, optimizer, parts, keep=cfg.checkpoint.keep)
     best = Checkpointer(Path(cfg.checkpoint.dir) / "best", env, model, optimizer, parts, keep=1)

@@ -67,7 +67,8 @@ DATA: dict[str, tuple[str, ...]] = {
     "sample": ("data=criteo_sample", "eval_every=10", "epochs=20"),
 }
 COMMON = ("progress_bar=false", "checkpoint.keep=1", "early_stopping.patience=3")
-PATHS = ("forward", "backward", "dense", "input", "replica_sync")
+# metrics.json's wire paths (allreduce: the data-parallel tables') and the MLPs' all-reduce (dense)
+PATHS = ("forward", "backward", "dense", "allreduce", "input", "replica_sync")
 
 
 def run_dir(out: Path, config: str, lr: float, seed: int) -> Path:
@@ -78,7 +79,11 @@ def overrides(data: str, rows: int | None, config: str, lr: float, seed: int, ex
     """The run's Hydra overrides: data, the shared stopping rule, the configuration, lr and seed, then ``extra``."""
     size = [f"data.rows.train={rows}"] if rows and data == "synthetic" else []
     lrs = [f"optimizer.sparse.lr={lr:g}", f"optimizer.dense.lr={lr:g}"]
-    return [*DATA[data], *size, *COMMON, *CONFIGS[config], *lrs, f"seed={seed}", *extra]
+    merged: dict[str, str] = {}  # one value per key, the last given winning (Hydra refuses a key twice)
+    for o in [*DATA[data], *size, *COMMON, *CONFIGS[config], *lrs, f"seed={seed}", *extra]:
+        merged.pop(o.split("=", 1)[0], None)
+        merged[o.split("=", 1)[0]] = o
+    return list(merged.values())
 
 
 def train(directory: Path, args: Sequence[str], timeout: float) -> float:
@@ -89,7 +94,9 @@ def train(directory: Path, args: Sequence[str], timeout: float) -> float:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "dlrm.train"]
     cmd += [*args, f"hydra.run.dir={directory}"]
     (directory / "command.txt").write_text(" ".join(cmd) + "\n")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    )
     t0 = time.monotonic()
     with open(directory / "driver.log", "w") as log:
         rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
@@ -138,7 +145,8 @@ def bytes_by_path(metrics: Mapping[str, Any], baseline: Mapping[str, Any], dense
         else:
             out[path] = float(raw.get(path, math.nan)) / float(metrics[f"{path}_ratio"])
     out["dense"] = ws * ring_allreduce_bytes(dense_numel, ws) / float(metrics.get("dense_ratio") or 1.0)
-    out["input"] = float((measured or raw).get("input", math.nan))
+    for path in ("allreduce", "input"):  # QComms leave both as they are
+        out[path] = float((measured or raw).get(path, math.nan))
     out["replica_sync"] = float((measured or {}).get("replica_sync", 0.0))
     return out
 
@@ -162,7 +170,7 @@ def report(out: Path, configs: Sequence[str], seeds: Sequence[int], lr: float, n
         raise ValueError(f"{out}: no finished `none` run at lr {lr:g}: the baseline every row is compared with")
     numel = dense_params(_config(runs["none"][0]["dir"]))
     none_auc = [r["auc"] for r in runs["none"]]
-    rows = []
+    rows: list[dict[str, Any]] = []
     for c, rs in runs.items():
         aucs = [r["auc"] for r in rs]
         paths = {p: statistics.fmean(bytes_by_path(r, runs["none"][0], numel)[p] for r in rs) for p in PATHS}
@@ -186,8 +194,10 @@ def report(out: Path, configs: Sequence[str], seeds: Sequence[int], lr: float, n
     for r in rows:
         r["ratio_vs_none"] = total["none"] / r["bytes_per_iteration"]
         r["ratio_vs_qcomm_mx4"] = total["qcomm_mx4"] / r["bytes_per_iteration"] if "qcomm_mx4" in total else None
-    missing = [f"{c} seed {s}" for c in configs for s in seeds if not (run_dir(out, c, lr, s) / "metrics.json").exists()]
-    result = {"lr": lr, "dense_params": numel, "rows": rows, "missing": missing, "note": note}
+    missing = [
+        f"{c} seed {s}" for c in configs for s in seeds if not (run_dir(out, c, lr, s) / "metrics.json").exists()
+    ]
+    result: dict[str, Any] = {"lr": lr, "dense_params": numel, "rows": rows, "missing": missing, "note": note}
     (out / "report.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     (out / "report.md").write_text(markdown(result))
     plot(rows, out / "auc_vs_bytes.png")
@@ -212,18 +222,18 @@ def markdown(result: Mapping[str, Any]) -> str:
         "bytes on the wire per iteration, all ranks, MB.",
         "",
         "| config | seeds | test AUC mean ± std (min-max) | within `none`'s seed spread | iterations to stop "
-        "(best) | fwd / bwd / dense / input / sync MB | total MB/iter | vs none | vs qcomm_mx4 |",
+        "(best) | fwd / bwd / dense / DP tables / input / sync MB | total MB/iter | vs none | vs qcomm_mx4 |",
         "| --- | --- | --- | --- | --- | --- | ---: | ---: | ---: |",
     ]
     for r in result["rows"]:
         std = "" if r["auc_std"] is None else f" ± {r['auc_std']:.4f}"
         spread = f" ({min(r['auc']):.4f}-{max(r['auc']):.4f})" if len(r["auc"]) > 1 else ""
         its = ", ".join(f"{i} ({b})" for i, b in zip(r["iterations"], r["best_iteration"], strict=True))
-        mx4 = "-" if r["ratio_vs_qcomm_mx4"] is None else f"{r['ratio_vs_qcomm_mx4']:.2f}×"
+        mx4 = "-" if r["ratio_vs_qcomm_mx4"] is None else f"{r['ratio_vs_qcomm_mx4']:.2f}x"
         lines.append(
             f"| {r['config']} | {len(r['seeds'])} | {r['auc_mean']:.4f}{std}{spread} | {r['within_none_spread']} | "
             f"{its} | {' / '.join(_mb(r['bytes_by_path'][p]) for p in PATHS)} | {_mb(r['bytes_per_iteration'])} | "
-            f"{r['ratio_vs_none']:.2f}× | {mx4} |"
+            f"{r['ratio_vs_none']:.2f}x | {mx4} |"
         )
     if result["missing"]:
         lines += ["", f"Missing (partial): {', '.join(result['missing'])}."]
@@ -277,8 +287,8 @@ def tensorboard(rows: Sequence[Mapping[str, Any]], log_dir: Path, lr: float) -> 
 
 def choose_lr(out: Path, lrs: Sequence[float]) -> float:
     """The swept lr with the best validation AUC of ``none`` (seed 0), written to lr.json."""
-    best = {lr: read_metrics(run_dir(out, "none", lr, 0)).get("best_val_auc") for lr in lrs}
-    lr = max(lrs, key=lambda v: best[v] if best[v] is not None else -1.0)
+    best: dict[float, float | None] = {lr: read_metrics(run_dir(out, "none", lr, 0)).get("best_val_auc") for lr in lrs}
+    lr = max(lrs, key=lambda v: -1.0 if best[v] is None else float(best[v] or 0.0))
     (out / "lr.json").write_text(json.dumps({"lr": lr, "best_val_auc": {f"{k:g}": v for k, v in best.items()}}) + "\n")
     return lr
 
@@ -294,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=1_000_000, help="synthetic training rows")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--lrs", default="0.01,0.02,0.05", help="lrs of the `none` sweep")
+    p.add_argument("--lrs", default="0.005,0.01,0.02", help="lrs of the `none` sweep")
     p.add_argument("--lr", type=float, default=None, help="skip the sweep and train at this lr")
     p.add_argument("--max-runs", type=int, default=None, help="train at most this many new runs, then report")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per run")

@@ -44,12 +44,16 @@ def test_state_round_trips_through_a_checkpoint_dict():
     stop.observe(0.5, 10)
     again = EarlyStopping(patience=3)
     again.load_state_dict(json.loads(json.dumps(stop.state_dict())))
-    assert again.state_dict() == stop.state_dict() == {
-        "best_auc": 0.6,
-        "best_iteration": 5,
-        "since_best": 1,
-        "stopped_iteration": None,
-    }
+    assert (
+        again.state_dict()
+        == stop.state_dict()
+        == {
+            "best_auc": 0.6,
+            "best_iteration": 5,
+            "since_best": 1,
+            "stopped_iteration": None,
+        }
+    )
 
 
 @pytest.mark.parametrize(
