@@ -2,10 +2,11 @@
 
     python -m dlrm.bench.dense_state RUN_DIR...
 
-Per run, over the MLP weights and biases: the share of entries the optimizer ever moved (an Adagrad
-accumulator above zero: an entry DCT never sent keeps 0), the median accumulator of the moved ones, the root mean square over iterations of the
-L2 norm of the gradient the optimizer was given (from the accumulators: what DCT sent, under
-DCT), and the L2 norm of DCT's final residuals (all ranks).
+Per run, over the MLP weights and biases: the share of entries the optimizer ever moved (an
+Adagrad accumulator above zero: an entry DCT never sent keeps 0), the median accumulator of the
+moved ones, the root mean square over iterations of the L2 norm of the gradient the optimizer was
+given (from the accumulators: under DCT, what it sent), and the L2 norm of DCT's final residuals
+(all ranks).
 """
 
 from __future__ import annotations
