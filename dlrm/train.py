@@ -21,6 +21,7 @@ import hydra.core.hydra_config
 import torch
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.checkpoint.stateful import Stateful
 
 from dlrm.dense_comm.component import DenseCommunication
 from dlrm.embedding_comm.component import EmbeddingCompression
@@ -38,6 +39,7 @@ from dlrm.telemetry.metrics import final_metrics, write_metrics_json
 from dlrm.trainer.checkpoint import Checkpointer
 from dlrm.trainer.component import Component, Sharding, checkpoint_parts
 from dlrm.trainer.datasets import RunData
+from dlrm.trainer.early_stopping import EarlyStopping
 from dlrm.trainer.loop import LoopPlan, StepObserver, Stepper, TrainState, evaluate, take, train
 from dlrm.trainer.model import build_model, table_names
 from dlrm.trainer.optim import WarmupDecayLR, apply_sparse_optimizer, build_optimizer
@@ -72,8 +74,11 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
     telemetry = Telemetry(cfg, env, run_dir, model, data, compression, dense, placement)
     strategy = Strategy(env, compression, dense, run_dir, telemetry.text)
     components += [strategy, telemetry]
-    parts = checkpoint_parts(components, lr_schedule=schedule)
+    stopping = EarlyStopping.from_config(cfg.early_stopping)
+    own: dict[str, Stateful] = {"lr_schedule": schedule, **({"early_stopping": stopping} if stopping else {})}
+    parts = checkpoint_parts(components, **own)
     ckpt = Checkpointer(Path(cfg.checkpoint.dir), env, model, optimizer, parts, keep=cfg.checkpoint.keep)
+    best = Checkpointer(Path(cfg.checkpoint.dir) / "best", env, model, optimizer, parts, keep=1)
     state = ckpt.resume(cfg.resume)
     set_iteration(model, state.iteration)  # the policies' iteration continues where it was
     strategy.controller.start(state.iteration)  # auto: time the link, begin calibrating (or replay a strategy)
@@ -94,19 +99,33 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
             telemetry.tb.scalars({f"eval/{k}": v for k, v in last_val.items() if k != "samples"}, s.iteration)
             if env.is_main:
                 log.info("iteration %d: val %s", s.iteration, last_val)
+            if stopping and stopping.observe(last_val["auc"], s.iteration):
+                best.save(s)  # the best step's checkpoint, tested at the end
         if loop.checkpoint_due(s):
             ckpt.save(s)
 
     stepper = Stepper(model, optimizer, env.device, pipelined=cfg.pipeline)
     train_batches = lambda epoch, start: batches("train", cfg.batch_size, epoch, start, cfg.data.shuffle)  # noqa: E731
     watchers = [o for c in components for o in c.observers]
+    stopped = (lambda: stopping.stopped) if stopping else (lambda: False)
     train(
-        state, loop, stepper, train_batches, global_batch, schedule, progress.step, on_drained, [*watchers, *observers]
+        state,
+        loop,
+        stepper,
+        train_batches,
+        global_batch,
+        schedule,
+        progress.step,
+        on_drained,
+        [*watchers, *observers],
+        should_stop=stopped,
     )
     for c in reversed(components):
         c.close()
     ckpt.save(state)
     extra = {k: v for c in components for k, v in c.metrics(model, state).items()}
+    if stopping:  # the test pass sees the best validation step's weights (when one was saved)
+        extra.update(stopping.metrics(tested_on_best=best.load_weights() is not None))
     test = evaluate(model, batches("test", cfg.eval_batch_size), env.device, "test")
     metrics = final_metrics(
         test,

@@ -303,6 +303,19 @@ class Checkpointer:
             log.warning("no intact checkpoint is left in %s: training starts from scratch", self.root)
         return None
 
+    def load_weights(self) -> Path | None:
+        """Load the model and optimizer of the newest checkpoint under the root (a collective; early
+        stopping's best step), or nothing when there is none; a damaged one is refused, naming its files."""
+        for step, found in checked_steps(self.root, self.env.rank, self.env.world_size):
+            if found:
+                raise CheckpointError(f"checkpoint {step} is damaged: {'; '.join(found)}")
+            with named_collective(f"loading checkpoint {step}"):
+                load_model(step, self.model, self.optimizer)
+            if self.env.is_main:
+                log.info("loaded the weights of %s", step)
+            return step
+        return None
+
     def save(self, state: TrainState) -> Path:
         """Checkpoint ``state`` (a collective: every rank calls it); saving changes nothing in training."""
         shared = {name: p.state_dict() for name, p in self.parts.items() if not isinstance(p, PerRank)}

@@ -127,8 +127,10 @@ def train(
     on_step: Callable[[TrainState, torch.Tensor], None],
     on_drained: Callable[[TrainState], None],
     observers: Sequence[StepObserver] = (),
+    should_stop: Callable[[], bool] = lambda: False,
 ) -> None:
-    """Train from ``state`` to ``plan.total`` iterations, segment by segment.
+    """Train from ``state`` to ``plan.total`` iterations, segment by segment, or until ``should_stop()``
+    (asked before each segment: early stopping).
 
     ``batches(epoch, start)`` gives an epoch's batches from batch ``start``; ``on_step(state, loss)``
     runs after every optimizer step (``state`` already counts it), then ``lr_schedule.step()``;
@@ -151,7 +153,7 @@ def train(
             "input all-to-all or the dense gradient all-reduce)"
         )
 
-    while state.iteration < plan.total:
+    while state.iteration < plan.total and not should_stop():
         if state.batch_in_epoch >= plan.steps_per_epoch:
             state.epoch, state.batch_in_epoch = state.epoch + 1, 0
         stop = plan.next_stop(state)

@@ -1,0 +1,380 @@
+"""Converged accuracy: every configuration trained to the same early-stopping rule, a few seeds each.
+
+    python -m dlrm.bench.accuracy --out DIR [--data synthetic|sample] [--configs none,lossy,...]
+        [--seeds 0,1,2] [--lrs 0.01,0.02,0.05 | --lr LR] [--max-runs N] [--report-only] [-- overrides]
+
+First a learning-rate sweep of ``none`` (seed 0, each lr set on the tables and the MLPs alike; the
+lr with the best validation AUC wins, written to ``DIR/lr.json``), then each configuration x seed at
+that lr, every run a ``torchrun`` subprocess of 2 ranks stopped by ``early_stopping`` and tested on
+its best validation step's weights. Runs live in ``DIR/runs/<config>/lr<lr>/seed<s>/``; one whose
+metrics.json exists is skipped and an interrupted one resumes from its checkpoints, so the same
+command completes a partial benchmark. Then the report (:func:`report`): ``DIR/report.md``,
+``DIR/report.json``, ``DIR/auc_vs_bytes.png`` and TensorBoard (``DIR/tensorboard``: per
+configuration its AUC at a step of its bytes per iteration, and HPARAMS), and the sweep summary's
+per-run table (``DIR/summary.md``, :mod:`dlrm.telemetry.sweep_summary`). Not part of ``make test``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from dlrm.telemetry.sweep_summary import summarize
+from dlrm_compression.cost_model import ring_allreduce_bytes
+
+REPO = Path(__file__).resolve().parents[2]
+# The issue's configurations: the baseline, TorchRec's QComms, ours with each dense option, the
+# automatic strategy, hot-row replication with the coded sync, the row cache, low precision.
+CONFIGS: dict[str, tuple[str, ...]] = {
+    "none": ("compression=none",),
+    "qcomm_fp16": ("compression=qcomm_fp16",),
+    "qcomm_mx4": ("compression=qcomm_mx4",),
+    "lossy": ("compression=lossy",),
+    "lossy+dct": ("compression=lossy", "dense_comm=dct"),
+    "lossy+powersgd": ("compression=lossy", "dense_comm=powersgd"),
+    "auto+auto": ("compression=auto", "dense_comm=auto"),
+    "lossy+hot_rows": ("compression=lossy", "placement.hot_rows=auto", "placement.sync_codec=backward"),
+    "lossy+row_cache": ("compression=lossy", "compression.forward.cache.enabled=true"),
+    "lossy+mixed": ("compression=lossy", "precision=mixed"),
+}
+# Synthetic Criteo-like rows with the Terabyte MLPs (762,177 dense parameters), 2,048 rows per rank,
+# a validation pass every 30 iterations (~1/8 epoch at 1M rows); or the bundled real sample at the
+# default model, a pass every 10 of its 57 iterations per epoch.
+DATA: dict[str, tuple[str, ...]] = {
+    "synthetic": (
+        "data=synthetic",
+        "data.rows.dev=50000",
+        "data.rows.test=100000",
+        "model.embedding_dim=64",
+        "model.dense_arch_layer_sizes=[512,256,64]",
+        "model.over_arch_layer_sizes=[512,512,256,1]",
+        "batch_size=2048",
+        "eval_batch_size=8192",
+        "sharding=table_wise",
+        "eval_every=30",
+        "epochs=4",
+    ),
+    "sample": ("data=criteo_sample", "eval_every=10", "epochs=20"),
+}
+COMMON = ("progress_bar=false", "checkpoint.keep=1", "early_stopping.patience=3")
+# metrics.json's wire paths (allreduce: the data-parallel tables') and the MLPs' all-reduce (dense)
+PATHS = ("forward", "backward", "dense", "allreduce", "input", "replica_sync")
+
+
+def run_dir(out: Path, config: str, lr: float, seed: int) -> Path:
+    return out / "runs" / config / f"lr{lr:g}" / f"seed{seed}"
+
+
+def overrides(data: str, rows: int | None, config: str, lr: float, seed: int, extra: Sequence[str]) -> list[str]:
+    """The run's Hydra overrides: data, the shared stopping rule, the configuration, lr and seed, then ``extra``."""
+    size = [f"data.rows.train={rows}"] if rows and data == "synthetic" else []
+    lrs = [f"optimizer.sparse.lr={lr:g}", f"optimizer.dense.lr={lr:g}"]
+    merged: dict[str, str] = {}  # one value per key, the last given winning (Hydra refuses a key twice)
+    for o in [*DATA[data], *size, *COMMON, *CONFIGS[config], *lrs, f"seed={seed}", *extra]:
+        merged.pop(o.split("=", 1)[0], None)
+        merged[o.split("=", 1)[0]] = o
+    return list(merged.values())
+
+
+def train(directory: Path, args: Sequence[str], timeout: float) -> float:
+    """One run with torchrun (2 ranks), skipped when its metrics.json exists; returns its wall seconds."""
+    if (directory / "metrics.json").exists():
+        return 0.0
+    directory.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "dlrm.train"]
+    cmd += [*args, f"hydra.run.dir={directory}"]
+    (directory / "command.txt").write_text(" ".join(cmd) + "\n")
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    )
+    t0 = time.monotonic()
+    with open(directory / "driver.log", "w") as log:
+        rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
+    if rc != 0:
+        tail = "\n".join((directory / "driver.log").read_text(errors="replace").splitlines()[-20:])
+        raise RuntimeError(f"{directory} failed (exit {rc}); last lines of driver.log:\n{tail}")
+    shutil.rmtree(directory / "checkpoints", ignore_errors=True)  # hundreds of MB a run; the metrics stay
+    return time.monotonic() - t0
+
+
+def read_metrics(directory: Path) -> dict[str, Any]:
+    path = directory / "metrics.json"
+    try:
+        metrics = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: unreadable ({e})") from None
+    for key in ("auc", "iterations", "forward_ratio", "backward_ratio"):
+        if key not in metrics:
+            raise ValueError(f"{path}: missing key {key!r}")
+    return metrics
+
+
+def dense_params(cfg: Mapping[str, Any]) -> int:
+    """Weights and biases of DLRM's MLPs (the all-reduced gradient): bottom 13 -> sizes, top from
+    the dot interaction's dim + F(F-1)/2 (F = 26 tables + the dense vector) through its sizes."""
+    model, dim, features = cfg["model"], int(cfg["model"]["embedding_dim"]), 27
+    n, width = 0, 13
+    for layer in (*model["dense_arch_layer_sizes"], None, *model["over_arch_layer_sizes"]):
+        if layer is None:  # the interaction between the two MLPs
+            width = dim + features * (features - 1) // 2
+            continue
+        n, width = n + width * layer + layer, layer
+    return n
+
+
+def bytes_by_path(metrics: Mapping[str, Any], baseline: Mapping[str, Any], dense_numel: int) -> dict[str, float]:
+    """Bytes on the wire per iteration (all ranks) by path. Measured where the run metered them;
+    TorchRec's QComms count none, so theirs are ``none``'s bytes over their fixed ratios; the MLP
+    all-reduce (not metered) is the ring all-reduce's bytes over the run's measured dense ratio."""
+    ws = int(metrics.get("world_size", 2))
+    measured, raw = metrics.get("wire_bytes_by_path"), baseline.get("wire_bytes_by_path") or {}
+    out = {}
+    for path in ("forward", "backward"):
+        if measured:
+            out[path] = float(measured[path])
+        else:
+            out[path] = float(raw.get(path, math.nan)) / float(metrics[f"{path}_ratio"])
+    out["dense"] = ws * ring_allreduce_bytes(dense_numel, ws) / float(metrics.get("dense_ratio") or 1.0)
+    for path in ("allreduce", "input"):  # QComms leave both as they are
+        out[path] = float((measured or raw).get(path, math.nan))
+    out["replica_sync"] = float((measured or {}).get("replica_sync", 0.0))
+    return out
+
+
+def _config(directory: Path) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+
+    raw = OmegaConf.load(directory / ".hydra" / "config.yaml")
+    return {"model": OmegaConf.to_container(raw.model, resolve=True)}
+
+
+def report(out: Path, configs: Sequence[str], seeds: Sequence[int], lr: float, note: str = "") -> dict[str, Any]:
+    """Build report.md / report.json / auc_vs_bytes.png / tensorboard from the runs' metrics.json."""
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for c in configs:
+        for s in seeds:
+            d = run_dir(out, c, lr, s)
+            if (d / "metrics.json").exists():
+                runs.setdefault(c, []).append({"seed": s, "dir": d, **read_metrics(d)})
+    if "none" not in runs:
+        raise ValueError(f"{out}: no finished `none` run at lr {lr:g}: the baseline every row is compared with")
+    numel = dense_params(_config(runs["none"][0]["dir"]))
+    none_auc = [r["auc"] for r in runs["none"]]
+    rows: list[dict[str, Any]] = []
+    for c, rs in runs.items():
+        aucs = [r["auc"] for r in rs]
+        paths = {p: statistics.fmean(bytes_by_path(r, runs["none"][0], numel)[p] for r in rs) for p in PATHS}
+        rows.append(
+            {
+                "config": c,
+                "overrides": list(CONFIGS[c]),
+                "seeds": [r["seed"] for r in rs],
+                "auc": aucs,
+                "auc_mean": statistics.fmean(aucs),
+                "auc_std": statistics.stdev(aucs) if len(aucs) > 1 else None,
+                "within_none_spread": _within(statistics.fmean(aucs), none_auc),
+                "iterations": [r["iterations"] for r in rs],
+                "best_iteration": [r.get("best_iteration") for r in rs],
+                "stopped": [r.get("stopped_iteration") is not None for r in rs],
+                "bytes_by_path": paths,
+                "bytes_per_iteration": sum(paths.values()),
+            }
+        )
+    total = {r["config"]: r["bytes_per_iteration"] for r in rows}
+    # QComms MX4 is fixed-rate: without its run, its bytes still follow from `none`'s and its ratios
+    mx4 = total.get("qcomm_mx4") or sum(
+        bytes_by_path({**qcomm_mx4_ratios(), "world_size": 2}, runs["none"][0], numel).values()
+    )
+    for r in rows:
+        r["ratio_vs_none"] = total["none"] / r["bytes_per_iteration"]
+        r["ratio_vs_qcomm_mx4"] = mx4 / r["bytes_per_iteration"]
+    missing = [
+        f"{c} seed {s}" for c in configs for s in seeds if not (run_dir(out, c, lr, s) / "metrics.json").exists()
+    ]
+    result: dict[str, Any] = {
+        "qcomm_mx4_bytes_per_iteration": mx4,
+        "qcomm_mx4_measured": "qcomm_mx4" in total,
+        "lr": lr,
+        "dense_params": numel,
+        "rows": rows,
+        "missing": missing,
+        "note": note,
+    }
+    (out / "report.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    (out / "report.md").write_text(markdown(result))
+    plot(rows, out / "auc_vs_bytes.png")
+    tensorboard(rows, out / "tensorboard", lr)
+    summarize(out / "runs", out / "summary", title="Converged runs: AUC vs forward ratio")
+    return result
+
+
+def qcomm_mx4_ratios() -> dict[str, float]:
+    """forward_ratio/backward_ratio of configs/compression/qcomm_mx4.yaml, as its runs report them."""
+    from omegaconf import OmegaConf
+
+    from dlrm.embedding_comm.config import parse_compression_cfg
+    from dlrm.embedding_comm.sharders import qcomm_ratios
+
+    cfg = OmegaConf.to_container(OmegaConf.load(REPO / "configs" / "compression" / "qcomm_mx4.yaml"))
+    assert isinstance(cfg, dict)
+    return qcomm_ratios(parse_compression_cfg({str(k): v for k, v in cfg.items()}))
+
+
+def _within(mean: float, reference: Sequence[float]) -> str:
+    """Where a mean AUC sits against the spread (min-max over seeds) of ``none``'s."""
+    lo, hi = min(reference), max(reference)
+    return "yes" if lo <= mean <= hi else ("above" if mean > hi else "below")
+
+
+def _mb(v: float) -> str:
+    return "-" if math.isnan(v) else f"{v / 1e6:.3g}"
+
+
+def markdown(result: Mapping[str, Any]) -> str:
+    lines = [
+        f"Learning rate {result['lr']:g} (tables and MLPs); test AUC on each run's best validation step; "
+        "bytes on the wire per iteration, all ranks, MB.",
+        "",
+        "| config | seeds | test AUC mean ± std (min-max) | within `none`'s seed spread | iterations to stop "
+        "(best) | fwd / bwd / dense / DP tables / input / sync MB | total MB/iter | vs none | vs qcomm_mx4 |",
+        "| --- | --- | --- | --- | --- | --- | ---: | ---: | ---: |",
+    ]
+    for r in result["rows"]:
+        std = "" if r["auc_std"] is None else f" ± {r['auc_std']:.4f}"
+        spread = f" ({min(r['auc']):.4f}-{max(r['auc']):.4f})" if len(r["auc"]) > 1 else ""
+        its = ", ".join(f"{i} ({b})" for i, b in zip(r["iterations"], r["best_iteration"], strict=True))
+        mx4 = f"{r['ratio_vs_qcomm_mx4']:.2f}x"
+        lines.append(
+            f"| {r['config']} | {len(r['seeds'])} | {r['auc_mean']:.4f}{std}{spread} | {r['within_none_spread']} | "
+            f"{its} | {' / '.join(_mb(r['bytes_by_path'][p]) for p in PATHS)} | {_mb(r['bytes_per_iteration'])} | "
+            f"{r['ratio_vs_none']:.2f}x | {mx4} |"
+        )
+    if not result["qcomm_mx4_measured"]:
+        lines += [
+            "",
+            f"qcomm_mx4 (no run here): {result['qcomm_mx4_bytes_per_iteration'] / 1e6:.3g} MB per iteration, "
+            "`none`'s all-to-all bytes over MX4's fixed ratios (what its runs report), the rest as `none`.",
+        ]
+    if result["missing"]:
+        lines += ["", f"Missing (partial): {', '.join(result['missing'])}."]
+    if result.get("note"):
+        lines += ["", result["note"]]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
+    """Test AUC (mean, std bars) against bytes per iteration (log x), one labelled point per config."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for r in rows:
+        x = r["bytes_per_iteration"] / 1e6
+        ax.errorbar([x], [r["auc_mean"]], yerr=[r["auc_std"] or 0], fmt="o", capsize=3)
+        ax.annotate(r["config"], (x, r["auc_mean"]), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xscale("log")
+    ax.set_xlabel("MB on the wire per iteration (all ranks)")
+    ax.set_ylabel("test AUC at the best validation step")
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def tensorboard(rows: Sequence[Mapping[str, Any]], log_dir: Path, lr: float) -> None:
+    """Per configuration: ``accuracy/test_auc`` at step = KB per iteration (the scalars plot AUC
+    against bytes), and its hparams beside AUC and bytes (HPARAMS), as the sweep summary's runs."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    shutil.rmtree(log_dir, ignore_errors=True)
+    for r in rows:
+        with SummaryWriter(str(log_dir / r["config"].replace("+", "_"))) as w:
+            step = round(r["bytes_per_iteration"] / 1e3)
+            w.add_scalar("accuracy/test_auc", r["auc_mean"], step)
+            w.add_hparams(
+                {"config": r["config"], "lr": lr, "seeds": len(r["seeds"])},
+                {
+                    "hparam/auc": r["auc_mean"],
+                    "hparam/auc_std": r["auc_std"] or 0.0,
+                    "hparam/bytes_per_iteration": r["bytes_per_iteration"],
+                    "hparam/ratio_vs_none": r["ratio_vs_none"],
+                },
+                run_name=".",
+            )
+
+
+def choose_lr(out: Path, lrs: Sequence[float]) -> float:
+    """The swept lr with the best validation AUC of ``none`` (seed 0), written to lr.json."""
+    best: dict[float, float | None] = {lr: read_metrics(run_dir(out, "none", lr, 0)).get("best_val_auc") for lr in lrs}
+    lr = max(lrs, key=lambda v: -1.0 if best[v] is None else float(best[v] or 0.0))
+    (out / "lr.json").write_text(json.dumps({"lr": lr, "best_val_auc": {f"{k:g}": v for k, v in best.items()}}) + "\n")
+    return lr
+
+
+def _floats(s: str) -> list[float]:
+    return [float(v) for v in s.split(",") if v]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--data", choices=sorted(DATA), default="synthetic")
+    p.add_argument("--rows", type=int, default=1_000_000, help="synthetic training rows")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--lrs", default="0.005,0.01,0.02", help="lrs of the `none` sweep")
+    p.add_argument("--lr", type=float, default=None, help="skip the sweep and train at this lr")
+    p.add_argument("--max-runs", type=int, default=None, help="train at most this many new runs, then report")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per run")
+    p.add_argument("--report-only", action="store_true")
+    p.add_argument("--note", default="", help="a line for the report (e.g. what is still missing and why)")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
+    a = p.parse_args(argv)
+    configs = [c for c in a.configs.split(",") if c]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        p.error(f"--configs: unknown {unknown}; known: {', '.join(CONFIGS)}")
+    seeds = [int(s) for s in a.seeds.split(",") if s]
+    a.out.mkdir(parents=True, exist_ok=True)
+    budget = a.max_runs if a.max_runs is not None else math.inf
+    lrs = [a.lr] if a.lr is not None else _floats(a.lrs)
+
+    def run(config: str, lr: float, seed: int) -> None:
+        nonlocal budget
+        d = run_dir(a.out, config, lr, seed)
+        if (d / "metrics.json").exists() or a.report_only or budget <= 0:
+            return
+        budget -= 1
+        wall = train(d, overrides(a.data, a.rows, config, lr, seed, a.overrides), a.timeout)
+        m = read_metrics(d)
+        print(f"{config} lr {lr:g} seed {seed}: test AUC {m['auc']}, {m['iterations']} iterations, {wall:.0f} s")
+
+    for lr in lrs:
+        run("none", lr, 0)
+    if any(not (run_dir(a.out, "none", lr, 0) / "metrics.json").exists() for lr in lrs):
+        print("the learning-rate sweep is not finished; run the same command again", file=sys.stderr)
+        return 1
+    lr = choose_lr(a.out, lrs)
+    for config in configs:  # in the order given: the first configurations get all their seeds first
+        for seed in seeds:
+            run(config, lr, seed)
+    result = report(a.out, configs, seeds, lr, a.note)
+    print((a.out / "report.md").read_text())
+    print(f"report: {a.out / 'report.md'}, {a.out / 'report.json'}; plot: {a.out / 'auc_vs_bytes.png'}")
+    return 0 if not result["missing"] else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""The converged-accuracy driver on the bundled sample: 2 configurations x 1 seed, a few iterations
+each; the report must be what the runs' own metrics.json say."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from trainer_runs import SMALL
+
+from dlrm.bench import accuracy, netbench
+
+
+def test_dense_params_of_the_terabyte_mlps():
+    model = {"embedding_dim": 64, "dense_arch_layer_sizes": [512, 256, 64], "over_arch_layer_sizes": [512, 512, 256, 1]}
+    assert accuracy.dense_params({"model": model}) == netbench.PUBLISHED_DENSE_PARAMS == 762_177
+
+
+def test_a_key_given_twice_keeps_the_last_value():
+    got = accuracy.overrides("sample", None, "lossy", 0.02, 1, ["eval_every=2", "compression=none"])
+    assert "eval_every=2" in got and "eval_every=10" not in got
+    assert "compression=none" in got and "compression=lossy" not in got and "seed=1" in got
+
+
+def test_driver_trains_skips_finished_runs_and_reports_from_their_metrics(tmp_path):
+    out = tmp_path / "bench"
+    argv = ["--out", str(out), "--data", "sample", "--configs", "none,lossy", "--seeds", "0", "--lrs", "0.02,0.05"]
+    extra = ["--", *SMALL, f"data.cache_dir={tmp_path / 'cache'}", "max_iterations=4", "eval_every=2"]
+    assert accuracy.main([*argv, *extra]) == 0
+    runs = {c: accuracy.run_dir(out, c, json.loads((out / "lr.json").read_text())["lr"], 0) for c in ("none", "lossy")}
+    metrics = {c: json.loads((d / "metrics.json").read_text()) for c, d in runs.items()}
+    sweep = {lr: json.loads((accuracy.run_dir(out, "none", lr, 0) / "metrics.json").read_text()) for lr in (0.02, 0.05)}
+    assert json.loads((out / "lr.json").read_text())["lr"] == max(sweep, key=lambda lr: sweep[lr]["best_val_auc"])
+    assert all(m["tested_on"] == "best" and m["iterations"] <= 4 for m in metrics.values())
+    report = {r["config"]: r for r in json.loads((out / "report.json").read_text())["rows"]}
+    for c, m in metrics.items():
+        assert report[c]["auc"] == [m["auc"]] and report[c]["iterations"] == [m["iterations"]]
+        for path in ("forward", "backward", "input"):
+            assert report[c]["bytes_by_path"][path] == pytest.approx(m["wire_bytes_by_path"][path])
+    # the MLP all-reduce is not metered: the same ring bytes for both (dense_ratio 1), the rest measured
+    dense = {c: r["bytes_by_path"]["dense"] for c, r in report.items()}
+    assert dense["none"] == dense["lossy"] > 0
+    total = {c: sum(m["wire_bytes_by_path"].values()) + dense[c] for c, m in metrics.items()}
+    assert report["lossy"]["ratio_vs_none"] == pytest.approx(total["none"] / total["lossy"])
+    assert report["lossy"]["ratio_vs_none"] > 1.5 and report["none"]["within_none_spread"] == "yes"
+    md = (out / "report.md").read_text()
+    assert f"| lossy | 1 | {metrics['lossy']['auc']:.4f} |" in md
+    events = EventAccumulator(str(out / "tensorboard" / "lossy")).Reload().Scalars("accuracy/test_auc")
+    assert [e.value for e in events] == [pytest.approx(metrics["lossy"]["auc"])]
+    assert [e.step for e in events] == [round(total["lossy"] / 1e3)]  # AUC at a step of its KB per iteration
+    assert (out / "auc_vs_bytes.png").stat().st_size > 0 and (out / "summary.md").exists()
+    # finished runs are skipped: a second call trains nothing and rebuilds the same report
+    stamp = {c: (d / "metrics.json").stat().st_mtime_ns for c, d in runs.items()}
+    assert accuracy.main([*argv, *extra]) == 0
+    assert stamp == {c: (d / "metrics.json").stat().st_mtime_ns for c, d in runs.items()}
+    assert not math.isnan(report["none"]["bytes_per_iteration"])
