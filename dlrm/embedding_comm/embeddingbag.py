@@ -106,6 +106,11 @@ class CompressedShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def input_dist(
         self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor
     ) -> Awaitable[Awaitable[KJTList]]:
+        runtime = (self._qcomm_codecs_registry or {}).get(REGISTRY_KEY)
+        if isinstance(runtime, CompressionRuntime) and runtime.input_switch is not None:
+            # evaluation batches are no calibration samples; TorchRec keeps the input dists in a
+            # plain list, so eval() never reaches them: they learn it here
+            runtime.input_switch.training = self.training
         first = len(ctx.sharding_contexts)
         out = super().input_dist(ctx, features)
         for i, sharding_ctx in enumerate(ctx.sharding_contexts[first:]):

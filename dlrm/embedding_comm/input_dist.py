@@ -59,7 +59,7 @@ class CompressedKJTAllToAll(KJTAllToAll):
         super().__init__(pg, splits, stagger)
         self.codec, self.stats = codec, stats
         self.switch = switch  # compression.input=auto: the strategy says whether to code
-        if switch is not None:
+        if switch is not None and pg.size() > 1:  # a group of one never calls the switch
             switch.dists += 1
         self.calls = 0
 

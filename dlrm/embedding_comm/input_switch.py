@@ -27,6 +27,7 @@ class InputSwitch:
 
     coded: bool = False  # raw until a plan says ``ids``
     calibrating: bool = False
+    training: bool = True  # set by the sharded EBC per call: only training batches are sampled
     dists: int = 0  # input dists switched (each runs once per batch)
     # one per raw call while calibrating: (raw bytes, coded bytes, encode s, decode s) this rank sends
     samples: list[tuple[float, float, float, float]] = field(default_factory=list)
@@ -39,7 +40,7 @@ class InputSwitch:
         stats.add("input/wire_bytes", raw)
         stats.add("input/raw_bytes", raw)
         stats.add("input/calls", 1)
-        if self.calibrating:
+        if self.calibrating and self.training:
             self.samples.append(_measure(pg, splits, kjt, codec, raw))
 
 
