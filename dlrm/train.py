@@ -106,20 +106,9 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
 
     stepper = Stepper(model, optimizer, env.device, pipelined=cfg.pipeline)
     train_batches = lambda epoch, start: batches("train", cfg.batch_size, epoch, start, cfg.data.shuffle)  # noqa: E731
-    watchers = [o for c in components for o in c.observers]
-    stopped = (lambda: stopping.stopped) if stopping else (lambda: False)
-    train(
-        state,
-        loop,
-        stepper,
-        train_batches,
-        global_batch,
-        schedule,
-        progress.step,
-        on_drained,
-        [*watchers, *observers],
-        should_stop=stopped,
-    )
+    watchers = [*(o for c in components for o in c.observers), *observers]
+    stopped = lambda: bool(stopping and stopping.stopped)  # noqa: E731
+    train(state, loop, stepper, train_batches, global_batch, schedule, progress.step, on_drained, watchers, stopped)
     for c in reversed(components):
         c.close()
     ckpt.save(state)
