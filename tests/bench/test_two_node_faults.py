@@ -15,20 +15,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from namespaces import why_not
 from run_artifacts import checkpoint_tensors, flatten, raw_losses
 from trainer_runs import REPO, SMALL, losses
 
-from dlrm.bench import netns
 from dlrm.process.timeout import ROLL_CALL_S
 from dlrm.trainer.checkpoint import complete_steps, damage, load_rank_state
 
 
 def _why_not() -> str | None:
-    try:
-        netns.preflight("two-node fault tests", "pytest")
-    except netns.NetnsError as e:
-        return str(e)
-    return None
+    return why_not("two-node fault tests")
 
 
 # 4 ranks, two restarts of a run: make test-scale

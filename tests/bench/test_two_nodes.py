@@ -12,17 +12,14 @@ import time
 from pathlib import Path
 
 import pytest
+from namespaces import why_not
 from trainer_runs import REPO, SMALL
 
 from dlrm.bench import netns, two_nodes
 
 
 def _why_not() -> str | None:
-    try:
-        netns.preflight("two-node tests", "pytest")
-    except netns.NetnsError as e:
-        return str(e)
-    return None
+    return why_not("two-node tests")
 
 
 needs_namespaces = pytest.mark.skipif(_why_not() is not None, reason=str(_why_not()))

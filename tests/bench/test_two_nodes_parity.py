@@ -11,17 +11,12 @@ from pathlib import Path
 
 import pytest
 from multiprocess import free_port
+from namespaces import why_not
 from trainer_runs import REPO, SMALL, env_for, losses, train
-
-from dlrm.bench import netns
 
 
 def _why_not() -> str | None:
-    try:
-        netns.preflight("two-node tests", "pytest")
-    except netns.NetnsError as e:
-        return str(e)
-    return None
+    return why_not("two-node tests")
 
 
 STOCK = [
