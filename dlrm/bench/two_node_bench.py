@@ -8,10 +8,23 @@ Every configuration runs under :mod:`dlrm.bench.netprobe` (iteration times, all-
 codec time per iteration) through :func:`dlrm.bench.two_nodes.run` (2 nodes x 2 ranks), first
 with the inter-node link unthrottled, then at each rate. The prediction at a rate is the same
 configuration's unthrottled iteration (its compute and codec time, calibrated) plus what the
-two-level model (:mod:`compression.topology`) gives its measured bytes on a link of that rate,
-shared by the node's ranks (one veth per node) with the shaper's burst, less what it gives them
-unthrottled (nothing). ``auto+auto`` chooses per link, so its unthrottled run calibrates nothing:
-its prediction is its own plan's (``predicted_iteration_ms``: the strategy's two-level timeline).
+iteration's collectives add on a link of that rate (:func:`added_seconds`), each priced by the
+two-level model (:mod:`compression.topology`) on one veth per node shared by the node's ranks.
+Three rules of the emulated link, each read off the per-collective times of quiet runs:
+
+- **tc's bucket refills only while the link idles.** A collective gets the shaper's burst at line
+  speed only when the one before it in the iteration (forward all-to-all, backward all-to-all,
+  dense all-reduce, cyclically) fitted in the burst; after one that did not, the bucket is empty
+  and every byte goes at the rate (``none`` at 100 Mbit/s: its forward all-to-all took 546 ms
+  more than unthrottled, its bytes at the rate are 545 ms).
+- **An all-to-all's own CPU work overlaps its wire time**: it adds what its wire time exceeds its
+  unthrottled time by, not the sum.
+- **The input dist runs a batch ahead** (TorchRec's pipeline): it adds only what exceeds the
+  unthrottled iteration.
+
+The dense all-reduce is added whole (DDP's overlap with the backward is not modelled).
+``auto+auto`` chooses per link, so its unthrottled run calibrates nothing: its prediction is its
+own plan's (``predicted_iteration_ms``: the strategy's two-level timeline).
 """
 
 from __future__ import annotations
@@ -21,6 +34,7 @@ import json
 import os
 import statistics
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -54,14 +68,30 @@ def collectives(r: netreport.RunResult, input_bytes: float) -> list[Collective]:
     ]
 
 
-def comm_seconds(r: netreport.RunResult, input_bytes: float, topo: Topology) -> float:
-    """The iteration's collectives priced on ``topo``, one after the other."""
-    return sum(topo.seconds(c, r.world_size) for c in collectives(r, input_bytes))
+def added_seconds(r: netreport.RunResult, base: netreport.RunResult, input_bytes: float, topo: Topology) -> float:
+    """What the iteration's collectives (measured in ``r``) add on ``topo`` to the unthrottled run
+    ``base`` of the same configuration, by the rules of the module docstring."""
+    fwd, bwd, inp, dense = collectives(r, input_bytes)
+    drained = replace(topo, inter=replace(topo.inter, burst_bytes=0.0))
+    # in iteration order, each with its unthrottled time; the dense all-reduce precedes the next forward
+    cycle = [(fwd, base.a2a_ms["forward"] / 1e3), (bwd, base.a2a_ms["backward"] / 1e3), (dense, 0.0)]
+    added = 0.0
+    for i, (c, own) in enumerate(cycle):
+        idle_before = _on_link(cycle[i - 1][0], topo, r.world_size) <= topo.inter.burst_bytes
+        added += max(0.0, (topo if idle_before else drained).seconds(c, r.world_size) - own)
+    return added + max(0.0, topo.seconds(inp, r.world_size) - base.iteration_ms / 1e3)
+
+
+def _on_link(c: Collective, topo: Topology, world: int) -> float:
+    """Bytes ``c`` puts on one node's inter-node link: every rank's crossing bytes for ``pairwise``,
+    the one crossing rank's for ``ring``."""
+    inter = topo.crossing(c, world)[1]
+    return inter * topo.ranks_per_node
 
 
 def node_bytes(r: netreport.RunResult, input_bytes: float, topo: Topology) -> float:
     """What the model puts on one node's inter-node link per iteration: its ranks' crossing bytes."""
-    return topo.ranks_per_node * sum(topo.crossing(c, r.world_size)[1] for c in collectives(r, input_bytes))
+    return sum(_on_link(c, topo, r.world_size) for c in collectives(r, input_bytes))
 
 
 def two_node_topology(rate: str, burst: str, nproc_per_node: int) -> Topology:
@@ -132,7 +162,7 @@ def rows(out: Path, warmup: int, rates: Sequence[str], configs: Sequence[str], b
             if config.startswith("auto"):
                 predicted = m.get("predicted_iteration_ms")
             else:
-                predicted = base.iteration_ms + 1e3 * comm_seconds(r, input_bytes, topo)
+                predicted = base.iteration_ms + 1e3 * added_seconds(r, base, input_bytes, topo)
             sent = input_bytes + r.a2a_bytes["forward"] + r.a2a_bytes["backward"]
             sent += ring_allreduce_bytes(r.dense_params, ws) / r.dense_ratio
             link = json.loads((run_dir / "two_nodes.json").read_text())

@@ -56,3 +56,15 @@ def test_driver_trains_skips_finished_runs_and_reports_from_their_metrics(tmp_pa
     assert accuracy.main([*argv, *extra]) == 0
     assert stamp == {c: (d / "metrics.json").stat().st_mtime_ns for c, d in runs.items()}
     assert not math.isnan(report["none"]["bytes_per_iteration"])
+
+
+@pytest.mark.scale
+def test_ranks_sets_the_processes_of_every_run(tmp_path):
+    out = tmp_path / "bench"
+    argv = ["--out", str(out), "--data", "sample", "--configs", "none", "--seeds", "0", "--lr", "0.02", "--ranks", "3"]
+    assert accuracy.main([*argv, "--", *SMALL, f"data.cache_dir={tmp_path / 'cache'}", "max_iterations=2"]) == 0
+    metrics = json.loads((accuracy.run_dir(out, "none", 0.02, 0) / "metrics.json").read_text())
+    assert metrics["world_size"] == 3
+    (row,) = json.loads((out / "report.json").read_text())["rows"]
+    assert row["auc"] == [metrics["auc"]]
+    assert row["bytes_by_path"]["forward"] == metrics["wire_bytes_by_path"]["forward"]

@@ -7,7 +7,7 @@ import pytest
 from dlrm.bench import netreport, two_node_bench
 
 
-def _result(fwd: float, bwd: float, dense_params: int, dense_ratio: float) -> netreport.RunResult:
+def _result(fwd: float, bwd: float, dense_params: int, dense_ratio: float, fwd_s: float = 0.0) -> netreport.RunResult:
     return netreport.RunResult(
         label="x",
         rate="100mbit",
@@ -16,7 +16,7 @@ def _result(fwd: float, bwd: float, dense_params: int, dense_ratio: float) -> ne
         samples_per_iteration=4096,
         iterations_timed=10,
         iteration_ms=500.0,
-        a2a_ms={"forward": 0.0, "backward": 0.0},
+        a2a_ms={"forward": 1e3 * fwd_s, "backward": 0.0},
         a2a_bytes={"forward": fwd, "backward": bwd},
         codec_ms={"forward": 0.0, "backward": 0.0},
         other_a2a_ms=0.0,
@@ -34,19 +34,28 @@ def _result(fwd: float, bwd: float, dense_params: int, dense_ratio: float) -> ne
 
 def test_the_emulated_nodes_price_what_crosses_each_veth_by_hand():
     # 2 nodes x 2 ranks, veth 100 Mbit/s = 12.5 MB/s per direction, 1 MB (2^20 B) burst.
-    # forward 3 MB per rank: 2 MB of it to the other node, 2 ranks per veth: 4 MB -> (4e6 - 2^20) / 12.5e6
-    # backward 1.5 MB: 2 MB per veth -> (2e6 - 2^20) / 12.5e6; input 0.3 MB: 0.4 MB, inside the burst
-    # dense: 1e6 fp32 values, ring all-reduce 2 x 3/4 x 4 MB = 6 MB per rank, ratio 2: 3 MB, one
-    # crossing hop per node: (3e6 - 2^20) / 12.5e6
+    # forward 3 MB per rank: 2 MB of it to the other node, 2 ranks per veth: 4 MB on the link;
+    # backward 1.5 MB: 2 MB; input 0.3 MB: 0.4 MB; dense: 1e6 fp32 values, ring all-reduce
+    # 2 x 3/4 x 4 MB = 6 MB per rank, ratio 2: 3 MB, one crossing hop per node: 3 MB.
+    # Every collective follows one larger than the bucket (the dense one precedes the next
+    # forward): no burst, every byte at the rate. The forward's 0.1 s of unthrottled CPU work
+    # overlaps its wire time; the input dist (0.032 s) hides in the 0.5 s unthrottled iteration.
     topo = two_node_bench.two_node_topology("100mbit", "1mb", 2)
-    r = _result(3e6, 1.5e6, 1_000_000, 2.0)
-    burst = 2**20
-    expected = ((4e6 - burst) + (2e6 - burst) + 0 + (3e6 - burst)) / 12.5e6
-    assert two_node_bench.comm_seconds(r, 0.3e6, topo) == pytest.approx(expected)
+    r, base = _result(3e6, 1.5e6, 1_000_000, 2.0), _result(3e6, 1.5e6, 1_000_000, 2.0, fwd_s=0.1)
+    expected = (4e6 / 12.5e6 - 0.1) + 2e6 / 12.5e6 + 3e6 / 12.5e6
+    assert two_node_bench.added_seconds(r, base, 0.3e6, topo) == pytest.approx(expected)
     # what crosses each veth: 4 + 2 + 0.4 MB of all-to-alls, the ring's 3 MB
     assert two_node_bench.node_bytes(r, 0.3e6, topo) == pytest.approx(9.4e6)
-    # unthrottled, nothing is priced: the unthrottled run is the calibration
-    assert two_node_bench.comm_seconds(r, 0.3e6, two_node_bench.two_node_topology("unlimited", "1mb", 2)) == 0.0
+    # a backward of 0.75 MB on the link fits in the bucket: the link idles after it, so the dense
+    # all-reduce passes its first 2^20 bytes at once; an input dist of 8 MB on the link (6 MB
+    # per rank) outlasts the 0.5 s iteration it runs beside, by what it takes beyond it
+    small = _result(3e6, 0.5625e6, 1_000_000, 2.0)
+    burst = 2**20
+    expected = (4e6 / 12.5e6 - 0.1) + 0.75e6 / 12.5e6 + (3e6 - burst) / 12.5e6 + ((8e6 - burst) / 12.5e6 - 0.5)
+    assert two_node_bench.added_seconds(small, base, 6e6, topo) == pytest.approx(expected)
+    # unthrottled, nothing is added: the unthrottled run is the calibration
+    unthrottled = two_node_bench.two_node_topology("unlimited", "1mb", 2)
+    assert two_node_bench.added_seconds(r, base, 0.3e6, unthrottled) == 0.0
 
 
 def test_the_table_names_each_rate_and_config():

@@ -168,6 +168,10 @@ def test_auto_decides_once_for_every_rank_and_a_replay_reproduces_the_losses(tmp
     train(first, cache, AUTO)
     saved = json.loads((first / "strategy.json").read_text())["plans"]
     assert saved and saved[0]["calibrated_from"] == 0 and saved[0]["from_iteration"] == 4
+    # the first plan was timed on the run's first iterations: the next 2 re-make it, drift or not
+    assert saved[0]["settled"] is False and saved[0]["timed_iterations"] == [3, 4]
+    assert saved[1]["settled"] is True and saved[1]["from_iteration"] == 6 and saved[1]["timed_iterations"] == [5, 6]
+    assert saved[1]["units"] == saved[0]["units"]  # the codecs are not measured again
     plan = [p for p in saved if p["choice"] is not None][-1]
     units_of = {u["name"]: u for u in plan["units"]}
     assert set(plan["choice"]) == set(units_of) and "dense" in units_of
