@@ -164,14 +164,18 @@ def simulate(units: Iterable[Unit], choice: Mapping[str, str], t: Timeline) -> S
     return Simulation(iteration.total, spans)
 
 
-def choose(units: Sequence[Unit], t: Timeline, start: Mapping[str, str] | None = None) -> dict[str, str]:
+def choose(
+    units: Sequence[Unit], t: Timeline, start: Mapping[str, str] | None = None, min_gain: float = 0.0
+) -> dict[str, str]:
     """Espresso's greedy: from ``start`` (default: every unit's first option), visit the units in
     descending raw size and give each the option with the lowest simulated iteration time; an
     option replaces the current one only if it is strictly faster. Before that, every stage of the
     all-to-all is tried with one option for all its tables (a move table by table would pay the
-    stage's regrouping cost alone and never be taken)."""
-    choice = {u.name: (start or {}).get(u.name, u.options[0].name) for u in units}
-    best = simulate(units, choice, t).total
+    stage's regrouping cost alone and never be taken). The plan found replaces ``start`` only if it
+    is at least ``min_gain`` (a fraction) faster: a gain inside the model's error is not one."""
+    initial = {u.name: (start or {}).get(u.name, u.options[0].name) for u in units}
+    choice = dict(initial)
+    best = start_total = simulate(units, choice, t).total
     for stage in ("forward", "backward"):
         members = [u for u in units if u.stage == stage]
         shared = set.intersection(*({o.name for o in u.options} for u in members)) if members else set()
@@ -186,4 +190,4 @@ def choose(units: Sequence[Unit], t: Timeline, start: Mapping[str, str] | None =
             total = simulate(units, trial, t).total
             if total < best:
                 best, choice = total, trial
-    return choice
+    return choice if best <= (1.0 - min_gain) * start_total else initial

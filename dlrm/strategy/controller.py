@@ -69,6 +69,7 @@ class StrategySpec:
     measure_iterations: int = 3
     replan_every: int = 1000
     drift: float = 0.2
+    min_gain: float = 0.03  # a plan must be predicted this much faster than sending raw
     file: str | None = None  # replay this strategy.json instead of deciding
 
 
@@ -83,9 +84,17 @@ def parse_strategy_cfg(cfg: Mapping[str, Any] | None, file: str | None) -> Strat
     drift = cfg.get("drift", d.drift)
     if isinstance(drift, bool) or not isinstance(drift, (int, float)) or not drift > 0:
         raise ValueError(f"{where}.drift must be a number > 0, got {drift!r}")
+    min_gain = cfg.get("min_gain", d.min_gain)
+    if isinstance(min_gain, bool) or not isinstance(min_gain, (int, float)) or not 0 <= min_gain < 1:
+        raise ValueError(f"{where}.min_gain must be a number in [0, 1), got {min_gain!r}")
     if file is not None and not Path(file).expanduser().is_file():
         raise FileNotFoundError(f"compression.strategy_file={file}: no such file (a strategy.json of an earlier run)")
-    return StrategySpec(**out, drift=float(drift), file=None if file is None else str(Path(file).expanduser()))
+    return StrategySpec(
+        **out,
+        drift=float(drift),
+        min_gain=float(min_gain),
+        file=None if file is None else str(Path(file).expanduser()),
+    )
 
 
 def calibrate_link(
@@ -476,7 +485,7 @@ class StrategyController:
             self.link, ws, between=max(measured - modelled, 0.0), regroup_s_per_byte=regroup, topology=self.topology
         )
         exact = {u.name: "none" for u in units}  # as Espresso: from uncompressed, a codec must pay for itself
-        choice = choose(units, timeline, start=exact)
+        choice = choose(units, timeline, start=exact, min_gain=self.spec.min_gain)
         predicted = simulate(units, choice, timeline).total
         return {
             "calibrated_from": calibrated_from,

@@ -14,6 +14,7 @@ import torch
 from trainer_runs import losses, train
 
 import dlrm_compression as compression
+from dlrm.strategy.controller import parse_strategy_cfg
 from dlrm_compression.cost_model import Link
 from dlrm_compression.strategy import Option, Timeline, Unit, choose, simulate
 
@@ -61,6 +62,23 @@ def test_a_slow_link_chooses_the_high_ratio_options_and_an_infinite_one_chooses_
     mid = Timeline(Link(100 * MB), ranks=2, between=0.05)
     chosen = choose(units(), mid, start=exact)
     assert chosen["dense"] != "none" and chosen["forward/cat_0"] == "fp16"
+
+
+def test_a_plan_whose_gain_is_inside_the_margin_sends_raw():
+    # 100 MB/s, 50 ms of compute: raw is 50 + 10 (forward) + 5 (backward) + 30 (dense) = 95 ms,
+    # and the greedy plan well below it: taken at the default margin
+    exact = {u.name: "none" for u in units()}
+    mid = Timeline(Link(100 * MB), ranks=2, between=0.05)
+    greedy = choose(units(), mid, start=exact)
+    assert greedy != exact and choose(units(), mid, start=exact, min_gain=0.03) == greedy
+    raw, planned = simulate(units(), exact, mid).total, simulate(units(), greedy, mid).total
+    gain = 1 - planned / raw
+    assert raw == pytest.approx(0.095) and gain > 0.2  # 73.7 ms: fp16 both ways, dct
+    # a margin above the plan's own gain keeps the start; just below it, the plan
+    assert choose(units(), mid, start=exact, min_gain=gain + 1e-6) == exact
+    assert choose(units(), mid, start=exact, min_gain=gain - 1e-6) == greedy
+    with pytest.raises(ValueError, match=r"compression\.strategy\.min_gain"):
+        parse_strategy_cfg({"min_gain": 1.0}, None)
 
 
 def test_the_per_block_codec_never_lets_a_cast_exceed_a_block_bound():
