@@ -356,6 +356,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         p.error(f"--configs: unknown {unknown}; known: {', '.join(CONFIGS)}")
+    if a.ranks < 1:
+        p.error(f"--ranks must be >= 1, got {a.ranks}")
     seeds = [int(s) for s in a.seeds.split(",") if s]
     a.out.mkdir(parents=True, exist_ok=True)
     budget = a.max_runs if a.max_runs is not None else math.inf
@@ -364,7 +366,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     def run(config: str, lr: float, seed: int) -> None:
         nonlocal budget
         d = run_dir(a.out, config, lr, seed)
-        if (d / "metrics.json").exists() or a.report_only or budget <= 0:
+        if (d / "metrics.json").exists():
+            ranks = read_metrics(d).get("world_size", 2)
+            if ranks != a.ranks and not a.report_only:  # its runs would mix world sizes in one report
+                p.error(f"--ranks {a.ranks}: {d} ran on {ranks} ranks; give this benchmark its own --out")
+            return
+        if a.report_only or budget <= 0:
             return
         budget -= 1
         wall = train(d, overrides(a.data, a.rows, config, lr, seed, a.overrides), a.timeout, a.ranks)

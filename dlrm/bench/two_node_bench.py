@@ -210,7 +210,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rate", action="append", help="inter-node rate (repeatable; default 1gbit and 100mbit)")
     p.add_argument("--configs", default=",".join(CONFIGS), help="compression+dense_comm pairs (%(default)s)")
     p.add_argument("--iterations", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=8, help="iterations left out of the timings (auto plans by 5)")
+    p.add_argument(
+        "--warmup", type=int, default=8, help="iterations left out of the timings (auto plans by 5, settles by 8)"
+    )
     p.add_argument("--batch-size", type=int, default=1024)
     p.add_argument("--burst", default="1mb")
     p.add_argument("--timeout", type=float, default=900)

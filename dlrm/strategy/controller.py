@@ -441,7 +441,9 @@ class StrategyController:
             fallback = {u.name: ran[u.name] if any(x.name == ran[u.name] for x in u.options) else "none" for u in units}
             measured = statistics.median(self.times) if self.times else 0.0
             decided[0] = self._decide(iteration, units, measured, fallback, self.plans[-1]["calibrated_from"])
-            decided[0].update(fallback=self.fallback, timed_iterations=list(self.timed), settled=False)
+            # a run's first plan is timed on its first iterations (warm-up); later ones are not
+            settled = bool(self.decided)
+            decided[0].update(fallback=self.fallback, timed_iterations=list(self.timed), settled=settled)
         self._adopt(decided, iteration, replace=True)
 
     def _replan(self, iteration: int, measured: float) -> None:

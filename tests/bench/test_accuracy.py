@@ -68,3 +68,6 @@ def test_ranks_sets_the_processes_of_every_run(tmp_path):
     (row,) = json.loads((out / "report.json").read_text())["rows"]
     assert row["auc"] == [metrics["auc"]]
     assert row["bytes_by_path"]["forward"] == metrics["wire_bytes_by_path"]["forward"]
+    # the same --out at another world size would mix them in one report: refused, nothing trained
+    with pytest.raises(SystemExit):
+        accuracy.main([*argv[:-1], "2", "--", *SMALL, f"data.cache_dir={tmp_path / 'cache'}"])

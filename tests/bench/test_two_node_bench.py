@@ -7,7 +7,9 @@ import pytest
 from dlrm.bench import netreport, two_node_bench
 
 
-def _result(fwd: float, bwd: float, dense_params: int, dense_ratio: float, fwd_s: float = 0.0) -> netreport.RunResult:
+def _result(
+    fwd: float, bwd: float, dense_params: int, dense_ratio: float, fwd_s: float = 0.0, ms: float = 500.0
+) -> netreport.RunResult:
     return netreport.RunResult(
         label="x",
         rate="100mbit",
@@ -15,7 +17,7 @@ def _result(fwd: float, bwd: float, dense_params: int, dense_ratio: float, fwd_s
         world_size=4,
         samples_per_iteration=4096,
         iterations_timed=10,
-        iteration_ms=500.0,
+        iteration_ms=ms,
         a2a_ms={"forward": 1e3 * fwd_s, "backward": 0.0},
         a2a_bytes={"forward": fwd, "backward": bwd},
         codec_ms={"forward": 0.0, "backward": 0.0},
@@ -41,7 +43,8 @@ def test_the_emulated_nodes_price_what_crosses_each_veth_by_hand():
     # forward): no burst, every byte at the rate. The forward's 0.1 s of unthrottled CPU work
     # overlaps its wire time; the input dist (0.032 s) hides in the 0.5 s unthrottled iteration.
     topo = two_node_bench.two_node_topology("100mbit", "1mb", 2)
-    r, base = _result(3e6, 1.5e6, 1_000_000, 2.0), _result(3e6, 1.5e6, 1_000_000, 2.0, fwd_s=0.1)
+    # the throttled run's own time (1.5 s) plays no part: the unthrottled one (0.5 s) is the base
+    r, base = _result(3e6, 1.5e6, 1_000_000, 2.0, ms=1500.0), _result(3e6, 1.5e6, 1_000_000, 2.0, fwd_s=0.1)
     expected = (4e6 / 12.5e6 - 0.1) + 2e6 / 12.5e6 + 3e6 / 12.5e6
     assert two_node_bench.added_seconds(r, base, 0.3e6, topo) == pytest.approx(expected)
     # what crosses each veth: 4 + 2 + 0.4 MB of all-to-alls, the ring's 3 MB
@@ -53,6 +56,12 @@ def test_the_emulated_nodes_price_what_crosses_each_veth_by_hand():
     burst = 2**20
     expected = (4e6 / 12.5e6 - 0.1) + 0.75e6 / 12.5e6 + (3e6 - burst) / 12.5e6 + ((8e6 - burst) / 12.5e6 - 0.5)
     assert two_node_bench.added_seconds(small, base, 6e6, topo) == pytest.approx(expected)
+    # a backward of exactly the bucket (2^20 bytes on the link) still leaves it idle after; a forward
+    # whose unthrottled CPU work (1 s) outlasts its wire time adds nothing
+    edge = _result(3e6, 2**20 * 3 / 4, 1_000_000, 2.0)
+    slow_cpu = _result(3e6, 1.5e6, 1_000_000, 2.0, fwd_s=1.0)
+    expected = 0.0 + 2**20 / 12.5e6 + (3e6 - burst) / 12.5e6
+    assert two_node_bench.added_seconds(edge, slow_cpu, 0.3e6, topo) == pytest.approx(expected)
     # unthrottled, nothing is added: the unthrottled run is the calibration
     unthrottled = two_node_bench.two_node_topology("unlimited", "1mb", 2)
     assert two_node_bench.added_seconds(r, base, 0.3e6, unthrottled) == 0.0

@@ -77,8 +77,10 @@ def test_a_plan_whose_gain_is_inside_the_margin_sends_raw():
     # a margin above the plan's own gain keeps the start; just below it, the plan
     assert choose(units(), mid, start=exact, min_gain=gain + 1e-6) == exact
     assert choose(units(), mid, start=exact, min_gain=gain - 1e-6) == greedy
-    with pytest.raises(ValueError, match=r"compression\.strategy\.min_gain"):
-        parse_strategy_cfg({"min_gain": 1.0}, None)
+    for bad in (1.0, -0.1, True, "3%"):
+        with pytest.raises(ValueError, match=r"compression\.strategy\.min_gain"):
+            parse_strategy_cfg({"min_gain": bad}, None)
+    assert parse_strategy_cfg({"min_gain": 0}, None).min_gain == 0.0
 
 
 def test_the_per_block_codec_never_lets_a_cast_exceed_a_block_bound():
@@ -181,7 +183,7 @@ AUTO = [
 ]
 
 
-def test_auto_decides_once_for_every_rank_and_a_replay_reproduces_the_losses(tmp_path, cache):
+def test_auto_decides_for_every_rank_settles_once_and_a_replay_reproduces_the_losses(tmp_path, cache):
     first, replay = tmp_path / "auto", tmp_path / "replay"
     train(first, cache, AUTO)
     saved = json.loads((first / "strategy.json").read_text())["plans"]
