@@ -470,7 +470,13 @@ def report(o: Options, results: list[netreport.RunResult], failure: str | None, 
         f"(tbf burst {validation['burst_bytes'] / 2**20:g} MiB per collective); "
         f"{validation['predictions']} predictions, mean |error| "
         f"{100 * (validation['mean_abs_error'] or math.nan):.1f}%, max "
-        f"{100 * (validation['max_abs_error'] or math.nan):.1f}%.",
+        f"{100 * (validation['max_abs_error'] or math.nan):.1f}%."
+        + (
+            f"  <- {100 * validation['calibration_link_share']:.0f}% of that run was on the link: "
+            "add an unthrottled rate (--rate unlimited) to calibrate the compute on"
+            if validation["calibration_link_share"] > 0.5
+            else ""
+        ),
         "",
         *projection_lines(summaries, o),
     ]

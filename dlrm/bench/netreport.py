@@ -341,6 +341,9 @@ def validate_model(
         for r in cal
     ]
     compute_s = statistics.median(computes)
+    # the share of the baseline's iteration the model puts on the link: where it is most of it,
+    # the compute is what is left of a link-bound run, and every prediction inherits its error
+    link_share = 1.0 - compute_s / (statistics.median(r.iteration_ms for r in cal) / 1e3)
     by_key = {(r.rate, r.label): r for r in results}
     errors = []
     for s in summaries:
@@ -353,6 +356,7 @@ def validate_model(
     return {
         "calibration": f"{baseline} at {cal_rate}",
         "compute_ms": 1e3 * compute_s,
+        "calibration_link_share": link_share,
         "burst_bytes": burst_bytes,
         "predictions": len(errors),
         "mean_abs_error": statistics.fmean(errors) if errors else None,

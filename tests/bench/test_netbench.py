@@ -240,6 +240,7 @@ def test_model_validation_and_table(tmp_path):
     compute = 1.0 - 2 * (2 * RAW - burst) / link  # none's median iteration is 1000 ms
     lossy = compute + max(0, 2 * RAW / 8 - burst) / link
     assert v["compute_ms"] == pytest.approx(1e3 * compute)
+    assert v["calibration_link_share"] == pytest.approx(1 - compute)  # of none's 1 s: not link-bound
     assert s["lossy"].model_ms == pytest.approx(1e3 * lossy)
     assert s["lossy"].model_error == pytest.approx(1e3 * lossy / 450.0 - 1)
     table = netreport.format_table(summaries)
@@ -254,6 +255,16 @@ def test_report_mode_rebuilds_the_tables_without_running_anything(tmp_path, caps
     doc = json.loads((tmp_path / "results.json").read_text())
     assert len(doc["runs"]) == 6 and doc["validation"]["predictions"] == 1
     assert (tmp_path / "table.md").read_text().startswith("| rate | config |")
+
+
+def test_a_calibration_on_a_link_bound_run_is_flagged(tmp_path, capsys):
+    # none at 300 ms, of which the model puts 2 x (2 RAW - 1 MiB) / 100 MB/s = 252 ms on the link:
+    # the compute it leaves (48 ms) is a small remainder, and the table says so
+    for label, ms, fwd, bwd in (("none", 300.0, RAW, RAW), ("lossy", 100.0, RAW / 20, RAW / 8)):
+        _write_run(tmp_path, label, 0, ms, 250.0 if label == "none" else 20.0, fwd, bwd, 0.7)
+    assert netbench.main(["--report", "--out", str(tmp_path), "--warmup", "1"]) == 0
+    share = 2 * (2 * RAW - 2**20) / 1e8 / 0.3
+    assert f"<- {100 * share:.0f}% of that run was on the link" in capsys.readouterr().out
 
 
 def test_report_mode_names_an_empty_directory(tmp_path, capsys):
