@@ -40,10 +40,11 @@ from dlrm.trainer.checkpoint import Checkpointer
 from dlrm.trainer.component import Component, Sharding, checkpoint_parts
 from dlrm.trainer.datasets import RunData
 from dlrm.trainer.early_stopping import EarlyStopping
-from dlrm.trainer.loop import LoopPlan, StepObserver, Stepper, TrainState, evaluate, take, train
+from dlrm.trainer.loop import LoopPlan, StepObserver, Stepper, TrainState, train
 from dlrm.trainer.model import build_model, table_names
 from dlrm.trainer.optim import WarmupDecayLR, apply_sparse_optimizer, build_optimizer
 from dlrm.trainer.sharding import shard_model
+from dlrm.trainer.validation import Validation
 
 log = logging.getLogger("dlrm.train")
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
@@ -87,38 +88,55 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
     loop = LoopPlan(total, steps_per_epoch, eval_every=cfg.eval_every, checkpoint_every=cfg.checkpoint.every)
     global_batch = cfg.batch_size * env.world_size
     progress = telemetry.start(model, schedule, strategy.active, global_batch, loop.total, state.iteration)
-    last_val: dict[str, Any] = {}
 
     def batches(split: str, batch_size: int, *position: Any) -> Any:  # hot ids split off when replicated
         return placement.split(data.batches(split, batch_size, *position))
 
+    val_batches = lambda: batches("val", cfg.eval_batch_size)  # noqa: E731
+    validation = Validation(model, env, val_batches, cfg.limit_eval_batches, stopping, best, telemetry.tb.scalars)
+
     def on_drained(s: TrainState) -> None:
         if loop.eval_due(s):
-            val = batches("val", cfg.eval_batch_size)
-            last_val.update(evaluate(model, take(iter(val), cfg.limit_eval_batches), env.device, "val"))
-            telemetry.tb.scalars({f"eval/{k}": v for k, v in last_val.items() if k != "samples"}, s.iteration)
-            if env.is_main:
-                log.info("iteration %d: val %s", s.iteration, last_val)
-            if stopping and stopping.observe(last_val["auc"], s.iteration):
-                best.save(s)  # the best step's checkpoint, tested at the end
+            validation.run(s)
         if loop.checkpoint_due(s):
             ckpt.save(s)
 
     stepper = Stepper(model, optimizer, env.device, pipelined=cfg.pipeline)
     train_batches = lambda epoch, start: batches("train", cfg.batch_size, epoch, start, cfg.data.shuffle)  # noqa: E731
     watchers = [*(o for c in components for o in c.observers), *observers]
-    stopped = lambda: bool(stopping and stopping.stopped)  # noqa: E731
+    stopped = lambda: validation.stopped  # noqa: E731
     train(state, loop, stepper, train_batches, global_batch, schedule, progress.step, on_drained, watchers, stopped)
     for c in reversed(components):
         c.close()
     ckpt.save(state)
+    test = batches("test", cfg.eval_batch_size)
+    metrics = run_metrics(cfg, env, model, state, components, validation, test, compression, dense)
+    telemetry.tb.final(metrics, state.iteration, flat_config(cfg))
+    if env.is_main:
+        write_metrics_json(run_dir / "metrics.json", metrics)
+    shutdown()
+    return metrics
+
+
+def run_metrics(
+    cfg: DictConfig,
+    env: Any,
+    model: torch.nn.Module,
+    state: TrainState,
+    components: Sequence[Component],
+    validation: Validation,
+    test_batches: Any,
+    compression: EmbeddingCompression,
+    dense: DenseCommunication,
+) -> dict[str, Any]:
+    """metrics.json's content: the test pass (on the best validation step's weights with early
+    stopping), the last validation pass, the run's figures and every component's metrics."""
     extra = {k: v for c in components for k, v in c.metrics(model, state).items()}
-    if stopping:  # the test pass sees the best validation step's weights (when one was saved)
-        extra.update(stopping.metrics(tested_on_best=best.load_weights() is not None))
-    test = evaluate(model, batches("test", cfg.eval_batch_size), env.device, "test")
-    metrics = final_metrics(
+    test, stopping = validation.test(test_batches)
+    extra.update(stopping)
+    return final_metrics(
         test,
-        last_val,
+        validation.last,
         iterations=state.iteration,
         samples_per_s=state.samples_per_s,
         comm=comm_summary(model, compression.spec, dense.dense),
@@ -128,11 +146,6 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
         compression=cfg.compression.name,
         **extra,
     )
-    telemetry.tb.final(metrics, state.iteration, flat_config(cfg))
-    if env.is_main:
-        write_metrics_json(run_dir / "metrics.json", metrics)
-    shutdown()
-    return metrics
 
 
 def flat_config(cfg: DictConfig) -> dict[str, Any]:
