@@ -8,10 +8,19 @@ ARGS   ?=
 
 NETARGS ?=
 
-.PHONY: venv train test test-scale test-gpu lint bench bench-network clean
+.PHONY: venv check-env lock train test test-scale test-gpu lint bench bench-network clean
 
+# The environment is built from requirements/<flavour>.lock (every package pinned; see scripts/setup_env.sh).
 venv:
 	@PYTHON=$(PYTHON) bash scripts/setup_env.sh $(VENV)
+
+# Fails, naming each package, unless .venv holds exactly its lock file's packages (CI runs it).
+check-env: venv
+	@$(PY) scripts/env_lock.py check requirements/$$(cut -d' ' -f1 $(VENV)/.dlrm-compress-stack).lock
+
+# Re-resolve both lock files (a deliberate upgrade: commit them and run the whole suite on them).
+lock: venv
+	@$(PY) scripts/env_lock.py refresh
 
 # The embedded default: 2 ranks on the bundled real Criteo rows, lossy compression, dual policy.
 train: venv

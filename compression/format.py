@@ -379,8 +379,9 @@ def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def _crc32(t: torch.Tensor, start: int) -> int:
     """zlib crc32 of a uint8 tensor, continuing from ``start`` (device tensors are copied to host)."""
-    # numpy's stubs give ndarray its buffer protocol (__buffer__) on Python >= 3.12 only
-    return zlib.crc32(t.cpu().numpy() if t.device.type != "cpu" else t.numpy(), start)  # type: ignore[arg-type]
+    # ndarray.data (a memoryview) is a buffer to every numpy's type stubs; the array itself is
+    # one only to some (numpy >= 2.5, or Python >= 3.12)
+    return zlib.crc32(t.cpu().numpy().data if t.device.type != "cpu" else t.numpy().data, start)
 
 
 def _host_bytes(t: torch.Tensor, n: int) -> bytes:

@@ -263,7 +263,7 @@ class _AucAccumulator:
         self.n += len(labels)
 
     def result(self) -> dict[str, float | None]:
-        p, n = self.pos.sum(), self.neg.sum()
+        p, n = int(self.pos.sum()), int(self.neg.sum())
         if p == 0 or n == 0:
             return {"auc": None, "logloss": self.loss / max(self.n, 1)}
         below = np.cumsum(self.neg) - self.neg  # negatives in lower bins; ties count one half

@@ -174,7 +174,7 @@ class SyncWire:
         table = b"".join(_PART.pack(n, int(p.numel())) for n, p in zip(counts, payloads, strict=True))
         body = torch.cat([ids.to(device).view(torch.uint8), _on(table, device), *(p.reshape(-1) for p in payloads)])
         version = 2 if fmt._check_for(device) == "adler32" else VERSION  # the codec payloads' choice, by device
-        check = zlib.crc32(body.numpy()) if CHECKS[version] == "crc32" else 0  # type: ignore[arg-type]
+        check = zlib.crc32(body.numpy().data) if CHECKS[version] == "crc32" else 0  # .data: a buffer to every numpy
         out = torch.cat([_on(_PREFIX.pack(MAGIC, version, self.width, len(payloads), len(ids), check), device), body])
         if CHECKS[version] == "adler32":  # computed and written on the device
             out[_CHECK_AT : _PREFIX.size] = adler32(body).reshape(1).view(torch.uint8)[:4]
