@@ -8,7 +8,18 @@ from typing import ClassVar
 import torch
 
 from . import format as fmt
-from .base import Bound, Codec, check_ids, check_input, check_out, register, resolve_blocks, resolve_bounds
+from .base import (
+    NO_CONTEXT,
+    Bound,
+    Codec,
+    CodecContext,
+    check_ids,
+    check_input,
+    check_out,
+    register,
+    resolve_blocks,
+    resolve_bounds,
+)
 
 
 class CastCodec(Codec):
@@ -23,6 +34,7 @@ class CastCodec(Codec):
         ids: torch.Tensor | None = None,
         *,
         blocks: Sequence[int] | None = None,
+        context: CodecContext = NO_CONTEXT,
     ) -> torch.Tensor:
         """Cast and wrap ``x``; one section holding the cast values."""
         check_input(x)
@@ -31,12 +43,17 @@ class CastCodec(Codec):
         check_ids(ids, x.shape[0], len(widths), f"codec {self.name!r} encode")
         wire = x if self.wire_dtype is None else x.to(self.wire_dtype)
         header = fmt.Header(self.codec_id, x.dtype, x.shape[0], x.shape[1], widths, [float("inf")] * len(widths))
-        return fmt.pack(header, [wire], device=x.device)
+        return fmt.pack(header, [wire], device=x.device, backend=self.backend_for(x.device))
 
-    @staticmethod
-    def head_size(n_blocks: int) -> int:
+    def head_size(self, n_blocks: int) -> int:
         """Bytes a decoder needs on the host: the header."""
         return fmt.head_bytes(n_blocks, 1)
+
+    def prepare_decode(
+        self, payload: torch.Tensor, ids: torch.Tensor | None, context: CodecContext = NO_CONTEXT
+    ) -> tuple[torch.Tensor | None, object] | None:
+        """On the device backend the header alone, read with the collective's (nothing else)."""
+        return None if self.backend_for(payload.device).reads_sizes else (None, None)
 
     def decode(
         self,
@@ -45,6 +62,7 @@ class CastCodec(Codec):
         *,
         out: torch.Tensor | None = None,
         head: fmt.HostHead | None = None,
+        context: CodecContext = NO_CONTEXT,
     ) -> torch.Tensor:
         """Undo the cast; the result never aliases ``payload``. ``head``: the payload's head,
         read already (nothing then waits for the device)."""

@@ -33,7 +33,7 @@ from torch.autograd import Function
 from torchrec.distributed.comm_ops import Request, get_gradient_division
 
 from dlrm.embedding_comm.codec import CompressedCommError, DirectionCodec, abs_error
-from dlrm.embedding_comm.ids import PendingIds
+from dlrm.embedding_comm.ids import PendingIds, sum_duplicates
 from dlrm.embedding_comm.stage import Blocks, Incoming, Outgoing, Settle, Stage
 from dlrm.embedding_comm.stats import CommStats
 from dlrm.process.instrument import embedding_collective, on_the_wire, payload_hooked
@@ -196,6 +196,8 @@ def _sample(s: _Sampled, payload: torch.Tensor, stats: CommStats) -> None:
     tables."""
     c, d, dc, blocks = s.c, s.c.direction, s.c.dc, s.c.blocks
     chunk, bounds, ids, widths = c.chunk, c.bounds, s.ids, list(blocks.widths)
+    if c.summed and ids is not None:  # what the codec sent: each id's rows summed (every row holds its sum)
+        chunk = sum_duplicates(chunk, ids, widths)
     decoded = c.held
     if decoded is None:  # our own payload, its head read as a receiver reads it
         prepared = _codec_prepared(dc, payload, ids, blocks)
@@ -203,7 +205,7 @@ def _sample(s: _Sampled, payload: torch.Tensor, stats: CommStats) -> None:
         decoded = dc.decode(
             payload, (chunk.shape[0], blocks.dim), ids, head=head, src=s.me, dst=s.me, features=blocks.features,
             tables=sorted({s.info.feature_tables.get(f, f) for f in blocks.features}), iteration=s.info.iteration,
-            where=f"{s.info.where}, sampling its own payload",
+            where=f"{s.info.where}, sampling its own payload", keep_first=False,
         )  # fmt: skip
     starts = [0, *itertools.accumulate(widths)]
     live = [k for k, w in enumerate(widths) if w] if chunk.shape[0] else []
@@ -383,9 +385,13 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
             late: torch.Tensor | Deferred | None
             if not any(s.encode(c) for s in stages):
                 if defer:  # (a stage may not defer a sampled chunk; the codec's is measured below)
-                    late = dc.encode_deferred(c.chunk, blocks.widths, bounds, ids, thresholds, blocks.features, single)
+                    late = dc.encode_deferred(
+                        c.chunk, blocks.widths, bounds, ids, thresholds, blocks.features, single, c.summed
+                    )
                 else:
-                    late = c.payload = dc.encode(c.chunk, blocks.widths, bounds, ids, thresholds, blocks.features)
+                    late = c.payload = dc.encode(
+                        c.chunk, blocks.widths, bounds, ids, thresholds, blocks.features, c.summed
+                    )
             else:
                 late = c.payload
                 if c.settle is not None:

@@ -64,6 +64,8 @@ class Outgoing:
     # Where set, whether ``ids`` hold is not read yet: a 0-d bool on the device says (only
     # stages that do not :meth:`Stage.reads_ids` see it; the row cache chooses on the device)
     single: torch.Tensor | None = None
+    # each id's rows summed by the codec as it encodes (a gradient's; ``chunk`` keeps the rows)
+    summed: bool = False
 
 
 @dataclass

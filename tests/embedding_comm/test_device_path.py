@@ -2,9 +2,11 @@
 host path, and host synchronisations per collective that do not grow with the rank count.
 
 The device path (fixed-length coder, payloads framed and checked on the device, lengths read
-once per collective) is what runs on a GPU; :func:`dlrm.bench.host_syncs.device_paths` turns
-it on for CPU tensors, and its counter sees every host read (see there). The row cache
-(``compression.forward.cache``) is held to the same: its payloads read with the collective's."""
+once per collective) is what runs on a GPU; ``compression.backend=device`` runs it on CPU
+tensors (the host path: ``compression.backend=host``), and
+:func:`dlrm.bench.host_syncs.counted_reads` counts every host read the dispatcher cannot see there
+(see there). The row cache (``compression.forward.cache``) is held to the same: its payloads read
+with the collective's."""
 
 from __future__ import annotations
 
@@ -43,8 +45,8 @@ RUNS = {**SPECS, "cache": (CACHED, {})}  # the row cache has its own test (below
 
 
 def _counted(rank: int, ws: int, plan: str, spec: str, hot: int | tuple[int, ...] = 1, steps: int = 3) -> dict:
-    """``steps`` training steps on the host path, then the same on the device path, counted."""
-    from dlrm.bench.host_syncs import device_paths
+    """``steps`` training steps on the host backend, then the same on the device backend, counted."""
+    from dlrm.bench.host_syncs import counted_reads
     from dlrm.embedding_comm import comm_ops
     from dlrm.embedding_comm import dist as output_dists
     from dlrm.telemetry.comm_stats import comm_stats
@@ -77,14 +79,15 @@ def _counted(rank: int, ws: int, plan: str, spec: str, hot: int | tuple[int, ...
     runs = {}
     cfg, choice = RUNS[spec]
     for path in ("host", "device"):
-        sharder = tc.ours(cfg)
+        sharder = tc.ours({**cfg, "backend": path})  # compression.backend: every codec's stages, the row cache's
+        assert sharder.runtime.backward.codec.backend_choice == path
         sharder.runtime.forward.choice, sharder.runtime.backward.choice = dict(choice), dict(choice)
         model = tc.build(sharder, plan, ws, tc.full_weights(5))
         if path == "host":
             outs = tc.run_steps(model, rank, [12, 9, 7][:ws], steps, hot=hot)
         else:
             counter.counts.clear()
-            with device_paths(counter), counter:
+            with counted_reads(counter), counter:
                 outs = tc.run_steps(model, rank, [12, 9, 7][:ws], steps, hot=hot)
         cache = {k: v for k, v in comm_stats(model).items() if "/cache/" in k}  # the row cache's counts
         runs[path] = (outs, tc.local_weights(model), cache)
@@ -142,17 +145,15 @@ def test_the_row_cache_on_the_device_path_gives_the_host_paths_numbers_with_one_
 def _fault(rank: int, ws: int, spec: dict = DEVICE_LOSSY) -> str:
     from datetime import timedelta
 
-    from dlrm.bench.host_syncs import device_paths
     from dlrm.process.instrument import set_payload_hook
 
     pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=30))
-    with device_paths():
-        model = tc.build(tc.ours(spec), "tw", ws, tc.full_weights(8), pg=pg)
-        set_payload_hook(tc.corrupt_rank0_to_rank1)
-        try:
-            tc.run_steps(model, rank, [8, 8], 3)
-        except Exception as e:
-            return f"{type(e).__name__}: {e}"
+    model = tc.build(tc.ours({**spec, "backend": "device"}), "tw", ws, tc.full_weights(8), pg=pg)
+    set_payload_hook(tc.corrupt_rank0_to_rank1)
+    try:
+        tc.run_steps(model, rank, [8, 8], 3)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
     return "no error"
 
 

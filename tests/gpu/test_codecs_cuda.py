@@ -113,8 +113,8 @@ def test_the_triton_backend_on_cuda_writes_the_torch_backends_payload(entropy: b
     x, ids = inputs()
     i = ids.cuda() if use_ids else None
     eb = [1e-3, 1e-2, 1e-4]
-    triton_codec = compression.get_codec("lossy", entropy=entropy, backend="triton")
-    torch_codec = compression.get_codec("lossy", entropy=entropy, backend="torch")
+    triton_codec = compression.get_codec("lossy", entropy=entropy, kernels="triton")
+    torch_codec = compression.get_codec("lossy", entropy=entropy, kernels="torch")
     p_triton = triton_codec.encode(x.cuda(), eb, i, blocks=[16] * 3)
     p_torch = torch_codec.encode(x.cuda(), eb, i, blocks=[16] * 3)
     assert torch.equal(p_triton.cpu(), p_torch.cpu())

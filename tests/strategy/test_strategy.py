@@ -123,7 +123,7 @@ def test_the_per_block_device_path_decides_the_fallback_on_the_device_and_decode
     """compression=auto as on a GPU: groups fixed by the choice, each block's option (its choice,
     or the fallback where that could exceed its bound) decided on the device; the same values as
     the host path, no host sync to encode or decode once the head is read, the check held."""
-    from dlrm.bench.host_syncs import device_paths
+    from dlrm.bench.host_syncs import counted_reads
     from dlrm_compression import format as fmt
     from dlrm_compression.host_syncs import HostSyncCounter
 
@@ -131,37 +131,39 @@ def test_the_per_block_device_path_decides_the_fallback_on_the_device_and_decode
     ids = torch.randint(0, 30, (96, 5), generator=g)
     table = torch.randn(30, 40, generator=g) * 0.1
     x = torch.cat([table[ids[:, b], 8 * b : 8 * b + 8] for b in range(5)], 1)  # rows equal per id
-    codec = compression.get_codec("per_block", options=["none", "fp16", "bf16", "lossy/fixed"], fallback="lossy/fixed")
+    options = {"options": ["none", "fp16", "bf16", "lossy/fixed"], "fallback": "lossy/fixed"}
+    # the host path (the CPU's shortcuts), and the device's code run on CPU tensors
+    on_host = compression.get_codec("per_block", backend="host", **options)
+    codec = compression.get_codec("per_block", backend="device", **options)
     # fp16 holds 1e-3 on these blocks (~2^-11 x 0.4) but not 1e-6; bf16 (~2^-8 x 0.4) not 1e-3
     bounds, widths = [1e-3, 1e-6, 1e-3, 0.0, 1e-3], [8] * 5
     choice = ["fp16", "fp16", "bf16", "none", "lossy/fixed"]
-    host = codec.encode(x, bounds, ids, blocks=widths, choice=choice)
-    want = codec.decode(host, ids)
-    assert codec.groups(host) == ["fp16", "lossy", "lossy", "none", "lossy"]
+    host = on_host.encode(x, bounds, ids, blocks=widths, choice=choice)
+    want = on_host.decode(host, ids)
+    assert on_host.groups(host) == ["fp16", "lossy", "lossy", "none", "lossy"]
     enc, dec = HostSyncCounter(), HostSyncCounter()
-    with device_paths():
-        eb = torch.tensor(bounds, dtype=torch.float64)
-        with device_paths(enc), enc:
-            late = codec.encode_deferred(x, eb, ids, blocks=widths, choice=choice)
-        assert isinstance(late, fmt.Deferred)
-        [payload] = fmt.settle([late])
-        assert codec.groups(payload) == codec.groups(host)
+    eb = torch.tensor(bounds, dtype=torch.float64)
+    with counted_reads(enc), enc:
+        late = codec.encode_deferred(x, eb, ids, blocks=widths, choice=choice)
+    assert isinstance(late, fmt.Deferred)
+    [payload] = fmt.settle([late])
+    assert codec.groups(payload) == on_host.groups(host)
 
-        def read(p):
-            extra, state = codec.prepare_decode(p, ids, choice)
-            [head] = fmt.read_heads([p], [extra], [codec.head_size(len(widths))])
-            head.state = state
-            return head
+    def read(p):
+        extra, state = codec.prepare_decode(p, ids, choice)
+        [head] = fmt.read_heads([p], [extra], [codec.head_size(len(widths))])
+        head.state = state
+        return head
 
-        head = read(payload)
-        with device_paths(dec), dec:
-            got = codec.decode(payload, ids, head=head)
-        assert torch.equal(got, want) and torch.equal(codec.decode(payload, ids), want)  # read or not
-        assert enc.total == dec.total == 0, (enc.by_op, dec.by_op)
-        bad = payload.clone()
-        bad[bad.numel() - 9] ^= 0x04  # in the last group's payload
-        with pytest.raises(compression.PayloadError, match="checksum"):
-            codec.decode(bad, ids, head=read(bad))
+    head = read(payload)
+    with counted_reads(dec), dec:
+        got = codec.decode(payload, ids, head=head)
+    assert torch.equal(got, want) and torch.equal(codec.decode(payload, ids), want)  # read or not
+    assert enc.total == dec.total == 0, (enc.by_op, dec.by_op)
+    bad = payload.clone()
+    bad[bad.numel() - 9] ^= 0x04  # in the last group's payload
+    with pytest.raises(compression.PayloadError, match="checksum"):
+        codec.decode(bad, ids, head=read(bad))
 
 
 # --------------------------------------------------------------------------- on real ranks
