@@ -174,6 +174,20 @@ class Codec(ABC):
         Default: :meth:`encode`, after reading whether the ids hold."""
         return self.encode(x, eb, held_ids(ids, context.single), blocks=blocks, context=context)
 
+    def checks_in_decode(self, device: torch.device) -> bool:
+        """Whether the decoder needs nothing from the host (the header its receiver expects is
+        known) and checks the payload as it decodes it (:meth:`decode_checked`), its verdict read
+        with the collective's others after every decode; else its head is read before."""
+        return False
+
+    def decode_checked(
+        self, payload: torch.Tensor, out: torch.Tensor, blocks: Sequence[int], context: CodecContext = NO_CONTEXT
+    ) -> torch.Tensor:
+        """Where :meth:`checks_in_decode`: the payload decoded into ``out`` (the shape and dtype
+        the receiver expects, ``blocks`` its block widths) and its verdict, an int64 tensor on the
+        device, all ones where the payload is sound (the values written are then to be used)."""
+        raise NotImplementedError(f"codec {self.name!r} reads its head before it decodes")
+
     def head_size(self, n_blocks: int) -> int | None:
         """Bytes of a payload of ``n_blocks`` blocks its decoder needs on the host, read with the
         collective's heads where :meth:`prepare_decode` says so; None: it reads for itself."""

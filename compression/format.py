@@ -98,9 +98,10 @@ def read_heads(
     for i, (p, e) in enumerate(zip(payloads, extras, strict=True)):
         n = min(p.numel(), _HEAD if sizes is None else sizes[i])
         ok = _holds(p) if p.numel() >= _PREFIX.size else torch.zeros((), dtype=torch.int64, device=p.device)
-        ex = torch.zeros(0, dtype=torch.int64, device=p.device) if e is None else e.to(torch.int64).reshape(-1)
-        parts += [p[:n], ok.reshape(1).view(torch.uint8)[:1], ex.view(torch.uint8)]
-        spans.append((n, ex.numel()))
+        parts += [p[:n], ok.reshape(1).view(torch.uint8)[:1]]
+        if e is not None:
+            parts.append(e.to(torch.int64).reshape(-1).view(torch.uint8))
+        spans.append((n, 0 if e is None else e.numel()))
     host = torch.cat(parts).cpu().numpy().tobytes() if parts else b""
     heads, at = [], 0
     for n, k in spans:
@@ -139,34 +140,18 @@ def pack(
     if len(header.info) != N_INFO:
         raise ValueError(f"codec info must have {N_INFO} words, got {len(header.info)}")
     body_parts = [_as_bytes_tensor(s) for s in sections]
-    on_device = isinstance(header.bounds, torch.Tensor)
     lengths = [int(p.numel()) for p in body_parts]
-    nb, ns = len(header.widths), len(body_parts)
-    rest = b"".join(
-        [
-            _FIXED.pack(header.rows, header.cols, nb, ns),
-            struct.pack(f"<{nb}I", *header.widths),
-            bytes(8 * nb) if on_device else struct.pack(f"<{nb}d", *header.bounds),
-            struct.pack(f"<{N_INFO}I", *header.info),
-            struct.pack(f"<{ns}Q", *lengths),
-        ]
-    )
-    header_len = _PREFIX.size + len(rest)
-    rest += bytes(_pad(header_len))
-    header_len += _pad(header_len)
+    nb = len(header.widths)
     if device is None:
         device = body_parts[0].device if body_parts else torch.device("cpu")
-    if header.flags & ADLER32:
-        raise ValueError(f"header flags {header.flags:#x}: bit {ADLER32} is the format's (which check)")
     check = (backend or backend_for(device)).check
-    total = header_len + sum(n + _pad(n) for n in lengths)
-    flags = header.flags | (ADLER32 if check == "adler32" else 0)
-    prefix = _PREFIX.pack(MAGIC, VERSION, header.codec_id, DTYPES[header.dtype], flags, header_len, total, 0)
-    pieces = [upload(torch.frombuffer(bytearray(prefix + rest), dtype=torch.uint8), device)]
-    zeros = upload(_ZEROS, device)
+    head = header_bytes(header, lengths, check)
+    prefix = head[: _PREFIX.size]
+    pieces = [upload(torch.frombuffer(bytearray(head), dtype=torch.uint8), device)]
+    zeros = upload(_ZEROS, device) if any(_pad(n) for n in lengths) else None
     for p, n in zip(body_parts, lengths, strict=True):
         pieces.append(_on(p, device))
-        if _pad(n):
+        if zeros is not None and _pad(n):
             pieces.append(zeros[: _pad(n)])
     out = torch.cat(pieces)  # one copy of every section into the payload
     at = _PREFIX.size + _FIXED.size + 4 * nb  # device values written where they are (no host copy)
@@ -181,6 +166,47 @@ def pack(
         crc = _crc32(out[_PREFIX.size :], zlib.crc32(prefix[:_CRC_AT]))
         out[_CRC_AT : _PREFIX.size] = torch.frombuffer(bytearray(struct.pack("<I", crc)), dtype=torch.uint8)
     return out
+
+
+def header_bytes(header: Header, lengths: Sequence[int], check: str) -> bytes:
+    """The bytes of a payload's header (its check field zero) for sections of ``lengths`` bytes,
+    checked by ``check`` ("crc32" or "adler32"); a tensor of bounds leaves zeros where they go."""
+    if len(header.widths) != len(header.bounds):
+        raise ValueError(f"{len(header.widths)} block widths but {len(header.bounds)} bounds")
+    if len(header.info) != N_INFO:
+        raise ValueError(f"codec info must have {N_INFO} words, got {len(header.info)}")
+    if header.flags & ADLER32:
+        raise ValueError(f"header flags {header.flags:#x}: bit {ADLER32} is the format's (which check)")
+    nb, ns = len(header.widths), len(lengths)
+    rest = b"".join(
+        [
+            _FIXED.pack(header.rows, header.cols, nb, ns),
+            struct.pack(f"<{nb}I", *header.widths),
+            bytes(8 * nb) if isinstance(header.bounds, torch.Tensor) else struct.pack(f"<{nb}d", *header.bounds),
+            struct.pack(f"<{N_INFO}I", *header.info),
+            struct.pack(f"<{ns}Q", *lengths),
+        ]
+    )
+    header_len = _PREFIX.size + len(rest)
+    rest += bytes(_pad(header_len))
+    header_len += _pad(header_len)
+    total = header_len + sum(n + _pad(n) for n in lengths)
+    flags = header.flags | (ADLER32 if check == "adler32" else 0)
+    return _PREFIX.pack(MAGIC, VERSION, header.codec_id, DTYPES[header.dtype], flags, header_len, total, 0) + rest
+
+
+_HEADS: dict[tuple[bytes, torch.device], torch.Tensor] = {}  # headers already on a device (few shapes recur)
+
+
+def header_on(head: bytes, device: torch.device) -> torch.Tensor:
+    """A header's bytes on ``device``, uploaded once per distinct header and device: a run sends
+    the same few headers every iteration (the casts' depend on the chunk's shape alone)."""
+    key = (head, torch.device(device))
+    if key not in _HEADS:
+        if len(_HEADS) >= 256:
+            _HEADS.clear()
+        _HEADS[key] = upload(torch.frombuffer(bytearray(head), dtype=torch.uint8), device)
+    return _HEADS[key]
 
 
 Length = int | torch.Tensor  # a byte count known on the host, or an int64 0-d tensor on the device

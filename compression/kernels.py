@@ -48,6 +48,15 @@ def quantize_kernel(
     else:
         step = tl.load(step_ptr)
         ed = tl.load(ed_ptr)
+    q, ok = _quantized(x, step, ed, OUT)
+    tl.store(codes_ptr + offs, (q << 1) ^ (q >> 31), mask=mask)
+    tl.store(miss_ptr + offs, tl.where(ok, 0, 1).to(tl.int8), mask=mask)
+
+
+@triton.jit
+def _quantized(x, step, ed, OUT: tl.constexpr):
+    """(q, ok): x's bin ``round(x / step)`` (int32; 0 where not ok) and whether its reconstruction
+    ``q * step`` in the output dtype (OUT: 0 float32, 1 float16, 2 bfloat16) is within ``ed``."""
     r = _round_half_even(tl.math.div_rn(x, step))
     r = tl.minimum(tl.maximum(r, -1073741823.0), 1073741823.0)  # QMAX; NaN is a miss below
     recon = r * step
@@ -58,10 +67,7 @@ def quantize_kernel(
         b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
         recon = b.to(tl.float32, bitcast=True)
     ok = tl.abs(recon - x) < ed
-    q = tl.where(ok, r, 0.0).to(tl.int32)  # masked before the cast: no NaN/overflow conversion
-    z = (q << 1) ^ (q >> 31)
-    tl.store(codes_ptr + offs, z, mask=mask)
-    tl.store(miss_ptr + offs, tl.where(ok, 0, 1).to(tl.int8), mask=mask)
+    return tl.where(ok, r, 0.0).to(tl.int32), ok  # masked before the cast: no NaN/overflow conversion
 
 
 @triton.jit
@@ -591,18 +597,8 @@ def _lossy_values(
         row = tl.load(rows_ptr + b * rows + u, mask=live, other=0)
     raw = tl.load(x_ptr + row * x_stride + col, mask=live)
     v = raw.to(tl.float32)
-    step = tl.load(step_ptr + b)
-    r = _round_half_even(tl.math.div_rn(v, step))
-    r = tl.minimum(tl.maximum(r, -1073741823.0), 1073741823.0)  # QMAX; NaN is a miss below
-    recon = r * step
-    if OUT == 1:
-        recon = recon.to(tl.float16).to(tl.float32)
-    if OUT == 2:  # round to bfloat16 by hand: the interpreter's cast truncates
-        bits = recon.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        recon = bits.to(tl.float32, bitcast=True)
-    ok = tl.abs(recon - v) < tl.load(ed_ptr + b)
-    q = tl.where(ok & live, r, 0.0).to(tl.int32)  # masked before the cast: no NaN/overflow conversion
+    q, ok = _quantized(v, tl.load(step_ptr + b), tl.load(ed_ptr + b), OUT)
+    q = tl.where(live, q, 0)
     z = ((q << 1) ^ (q >> 31)).to(tl.uint32, bitcast=True)
     return p, live, z, live & ~ok, raw
 
@@ -846,6 +842,171 @@ def lossy_unpack(
         ROWS=ROWS_TILE, COLS=COLS_TILE, STEPS=max(nb, 1).bit_length(), INVERSE=inverse is not None,
         FIRST=first is not None, **_LAUNCH,
     )  # fmt: skip
+
+
+CAST_BLOCK = 4096  # values per program of the cast kernels
+
+
+@triton.jit
+def _byte_sums(bits, at, live, ITEM: tl.constexpr):
+    """Adler's partial sums (sum d, sum v d) of the ``ITEM`` little-endian bytes of each of ``bits``
+    (int32) lying at bytes ``at`` of a payload, the check field (bytes 20-23) skipped: v = at - 4."""
+    a = tl.zeros((), dtype=tl.int64)
+    c = tl.zeros((), dtype=tl.int64)
+    for k in tl.static_range(ITEM):
+        d = tl.where(live, (bits >> (8 * k)) & 255, 0).to(tl.int64)
+        a += tl.sum(d, axis=0)
+        c += tl.sum(d * (at + k - 4), axis=0)
+    return a, c
+
+
+@triton.jit
+def _head_sums(src_ptr, h, total, out_ptr, copy: tl.constexpr, CHUNK: tl.constexpr):
+    """The header's and the padding's partial sums (bytes [0, h) and [end of values, total) are
+    the last program's); ``copy``: also writes the header and zero padding to ``out``."""
+    a = tl.zeros((), dtype=tl.int64)
+    c = tl.zeros((), dtype=tl.int64)
+    for k in range(0, h, CHUNK):
+        j = (k + tl.arange(0, CHUNK)).to(tl.int64)
+        m = j < h
+        d = tl.load(src_ptr + j, mask=m, other=0)
+        if copy:
+            tl.store(out_ptr + j, d, mask=m)
+        d = tl.where(m & ((j < 20) | (j >= 24)), d, 0).to(tl.int64)
+        a += tl.sum(d, axis=0)
+        c += tl.sum(d * tl.where(j >= 24, j - 4, j), axis=0)
+    return a, c
+
+
+@triton.jit
+def cast_pack_kernel(
+    x_ptr, n, head_ptr, h, total, out_ptr, part_ptr,
+    ITEM: tl.constexpr, WIRE: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Programs 0..: a tile of values cast to the wire dtype at their place after the header, and
+    the Adler partial sums of their bytes; the last: the header, the zero padding, their sums."""
+    pid = tl.program_id(0)
+    last = tl.num_programs(0) - 1
+    a = tl.zeros((), dtype=tl.int64)
+    c = tl.zeros((), dtype=tl.int64)
+    if pid < last:
+        i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        live = i < n
+        v = tl.load(x_ptr + i, mask=live, other=0)
+        if WIRE == 0:
+            if ITEM == 4:  # noqa: SIM108  (Triton JIT code: the branch on the constexpr stays a statement)
+                bits = v.to(tl.int32, bitcast=True)
+            else:
+                bits = v.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        if WIRE == 1:
+            bits = v.to(tl.float32).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        if WIRE == 2:  # round to bfloat16 by hand (the interpreter's cast truncates); NaN: the quiet one
+            u = v.to(tl.float32).to(tl.uint32, bitcast=True)
+            r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).to(tl.int32)
+            bits = tl.where(v != v, 0x7FC0, r)
+        if ITEM == 4:
+            tl.store(out_ptr.to(tl.pointer_type(tl.int32)) + h // 4 + i, bits, mask=live)
+        else:
+            tl.store(out_ptr.to(tl.pointer_type(tl.int16)) + h // 2 + i, bits.to(tl.int16), mask=live)
+        a, c = _byte_sums(bits, h + i * ITEM, live, ITEM)
+    else:
+        a, c = _head_sums(head_ptr, h, total, out_ptr, True, 1024)
+        p = h + n * ITEM + tl.arange(0, 8)
+        tl.store(out_ptr + p, tl.zeros((8,), dtype=tl.uint8), mask=p < total)
+    tl.store(part_ptr + 2 * pid, a)
+    tl.store(part_ptr + 2 * pid + 1, c % 65521)
+
+
+@triton.jit
+def cast_unpack_kernel(
+    pay_ptr, n, h, total, head_ptr, out_ptr, s0, s1, cols, part_ptr, verdict_ptr,
+    ITEM: tl.constexpr, WIRE: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Programs 0..: a tile of wire values to the output (float32 from fp16/bf16, else the bits as
+    they are) and their bytes' Adler partial sums; the last: the header's and padding's sums and
+    whether the header is the expected one (``verdict[1]``)."""
+    pid = tl.program_id(0)
+    last = tl.num_programs(0) - 1
+    a = tl.zeros((), dtype=tl.int64)
+    c = tl.zeros((), dtype=tl.int64)
+    if pid < last:
+        i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        live = i < n
+        if ITEM == 4:
+            bits = tl.load(pay_ptr.to(tl.pointer_type(tl.int32)) + h // 4 + i, mask=live, other=0)
+        else:
+            bits = tl.load(pay_ptr.to(tl.pointer_type(tl.int16)) + h // 2 + i, mask=live, other=0).to(tl.int32) & 0xFFFF
+        a, c = _byte_sums(bits, h + i * ITEM, live, ITEM)
+        dst = out_ptr + (i // cols) * s0 + (i % cols) * s1
+        if WIRE == 0:
+            if ITEM == 4:
+                tl.store(dst.to(tl.pointer_type(tl.int32)), bits, mask=live)
+            else:
+                tl.store(dst.to(tl.pointer_type(tl.int16)), bits.to(tl.int16), mask=live)
+        if WIRE == 1:
+            tl.store(dst, bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32), mask=live)
+        if WIRE == 2:
+            tl.store(dst, (bits << 16).to(tl.float32, bitcast=True), mask=live)
+    else:
+        a, c = _head_sums(pay_ptr, h, total, pay_ptr, False, 1024)
+        p = h + n * ITEM + tl.arange(0, 8)  # the padding after the values: checked bytes too
+        d = tl.load(pay_ptr + p, mask=p < total, other=0).to(tl.int64)
+        a += tl.sum(d, axis=0)
+        c += tl.sum(d * (p - 4), axis=0)
+        wrong = tl.zeros((), dtype=tl.int64)
+        for k in range(0, h, 1024):
+            j = (k + tl.arange(0, 1024)).to(tl.int64)
+            m = (j < h) & ((j < 20) | (j >= 24))
+            got = tl.load(pay_ptr + j, mask=m, other=0)
+            want = tl.load(head_ptr + j, mask=m, other=0)
+            wrong += tl.sum((got != want).to(tl.int64), axis=0)
+        tl.store(verdict_ptr + 1, (wrong == 0).to(tl.int64))
+    tl.store(part_ptr + 2 * pid, a)
+    tl.store(part_ptr + 2 * pid + 1, c % 65521)
+
+
+def cast_pack(x: torch.Tensor, head: torch.Tensor, wire: int, block: int = CAST_BLOCK) -> torch.Tensor:
+    """Kernel version of :func:`reference.cast_pack`: the values cast, framed and summed by one
+    kernel, the check finished by a second."""
+    from .reference import WIRE_DTYPES
+
+    item = (WIRE_DTYPES[wire] or x.dtype).itemsize
+    n, h = x.numel(), head.numel()
+    total = h + n * item
+    total += -total % 8
+    out = torch.empty(total, dtype=torch.uint8, device=x.device)
+    programs = triton.cdiv(n, block) + 1
+    parts = torch.empty(2 * programs, dtype=torch.int64, device=x.device)
+    cast_pack_kernel[(programs,)](
+        x.contiguous(), n, head, h, total, out, parts, ITEM=item, WIRE=wire, BLOCK=block, **_LAUNCH
+    )
+    adler_finish_kernel[(1,)](
+        parts, programs, parts, total, 4, 20, out, parts, HAS_END=False, MODE=ADLER_SEAL, CHUNK=1024, **_LAUNCH
+    )
+    return out
+
+
+def cast_unpack(
+    payload: torch.Tensor, head: torch.Tensor, wire: int, out: torch.Tensor, block: int = CAST_BLOCK
+) -> torch.Tensor:
+    """Kernel version of :func:`reference.cast_unpack`: values, sums and the header's verdict in
+    one kernel, the check's verdict in a second."""
+    from .reference import WIRE_DTYPES
+
+    item = (WIRE_DTYPES[wire] or out.dtype).itemsize
+    n, h = out.numel(), head.numel()
+    programs = triton.cdiv(n, block) + 1
+    parts = torch.empty(2 * programs, dtype=torch.int64, device=out.device)
+    verdict = torch.empty(2, dtype=torch.int64, device=out.device)
+    cast_unpack_kernel[(programs,)](
+        payload, n, h, payload.numel(), head, out, out.stride(0), out.stride(1), max(out.shape[1], 1), parts, verdict,
+        ITEM=item, WIRE=wire, BLOCK=block, **_LAUNCH,
+    )  # fmt: skip
+    adler_finish_kernel[(1,)](
+        parts, programs, parts, payload.numel(), 4, 20, payload, verdict,
+        HAS_END=False, MODE=ADLER_HOLDS, CHUNK=1024, **_LAUNCH,
+    )  # fmt: skip
+    return verdict
 
 
 if QMAX != 1073741823:  # quantize_kernel spells the clamp as a literal

@@ -239,3 +239,49 @@ def _(sorted_ids, perm, keys):
 
 
 LAUNCHES["id_runs"] = 2  # the accumulator zeroed, one program per row of sorted ids
+
+
+# -- the casts (none, fp16, bf16): values, header and check in one pass -----------------------------
+
+
+@custom_op("dlrm_compression::cast_pack", mutates_args=())
+@_cpu
+def cast_pack(x: torch.Tensor, head: torch.Tensor, wire: int) -> torch.Tensor:
+    """:func:`reference.cast_pack`: a cast codec's payload, its check written, no host wait."""
+    return reference.cast_pack(x, head, wire)
+
+
+@cast_pack.register_kernel("cuda")
+def _(x, head, wire):
+    return _kernels().cast_pack(x, head, wire)
+
+
+@cast_pack.register_fake
+def _(x, head, wire):
+    item = (reference.WIRE_DTYPES[wire] or x.dtype).itemsize
+    total = head.numel() + x.numel() * item
+    return x.new_empty(total + (-total % 8), dtype=torch.uint8)
+
+
+LAUNCHES["cast_pack"] = 2  # values, header and sums; the check finished and written
+
+
+@custom_op("dlrm_compression::cast_unpack", mutates_args=("out",))
+@_cpu
+def cast_unpack(payload: torch.Tensor, head: torch.Tensor, wire: int, out: torch.Tensor) -> torch.Tensor:
+    """:func:`reference.cast_unpack`: the values into ``out`` and the payload's verdict (int64
+    [2], on the device: its check holds, its header is the expected one)."""
+    return reference.cast_unpack(payload, head, wire, out)
+
+
+@cast_unpack.register_kernel("cuda")
+def _(payload, head, wire, out):
+    return _kernels().cast_unpack(payload, head, wire, out)
+
+
+@cast_unpack.register_fake
+def _(payload, head, wire, out):
+    return payload.new_empty(2, dtype=torch.int64)
+
+
+LAUNCHES["cast_unpack"] = 2  # values, sums and the header's verdict; the check's verdict

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from data.layout import SPARSE_NAMES
 from dlrm.bench.host_copies import host_copies
-from dlrm.embedding_comm.codec import DirectionCodec
+from dlrm.embedding_comm.codec import DirectionCodec, raise_unless_sound
 from dlrm.embedding_comm.config import parse_compression_cfg
 from dlrm.embedding_comm.ids import keep_first_duplicates, sum_duplicates
 from dlrm.embedding_comm.policy import build_policy, table_stats
@@ -74,13 +74,16 @@ def counted_reads(counter: HostSyncCounter) -> Iterator[None]:
         torch.Tensor.tolist, torch.Tensor.cpu = saved  # type: ignore[method-assign]
 
 
-def codecs(features: Sequence[str], dim: int, backend: str = "device") -> dict[str, DirectionCodec]:
-    """Both directions' codecs as the trainer builds them from the composed config, their stages
-    on ``backend`` (the device's by default: the code a GPU runs, here on CPU tensors)."""
+def codecs(
+    features: Sequence[str], dim: int, backend: str = "device", overrides: Sequence[str] = OVERRIDES
+) -> dict[str, DirectionCodec]:
+    """Both directions' codecs as the trainer builds them from the config composed with
+    ``overrides``, their stages on ``backend`` (the device's by default: the code a GPU runs,
+    here on CPU tensors)."""
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):  # as the trainer composes it
-        cfg = compose("config", overrides=[*OVERRIDES, f"compression.backend={backend}"])
+        cfg = compose("config", overrides=[*overrides, f"compression.backend={backend}"])
     spec = parse_compression_cfg(cfg.compression)
     assert spec.forward is not None and spec.backward is not None
     rows = [KAGGLE_CARDINALITIES[i % len(KAGGLE_CARDINALITIES)] for i in range(len(features))]
@@ -95,6 +98,113 @@ def codecs(features: Sequence[str], dim: int, backend: str = "device") -> dict[s
 COLLECTIVE_STAGES = ("size_exchange", "heads")  # once per collective, whatever the number of peers
 
 
+class RankCollective:
+    """One rank's compressed collective with ``peers`` peers, both directions, as the transport
+    runs it: forward, it sends each peer the rows of that peer's batch and receives its own
+    batch's rows; backward, it sends its batch's gradients and receives each peer's (each batch's
+    ids a tensor of its own, so a plan made for one direction serves the other, never the peer's).
+    What the peers send is made once, here. :meth:`run` does the rank's codec work, labelled
+    ``<direction>/<stage>`` in a counter: per chunk the bounds, duplicate ids, encode and decode;
+    per collective the size exchange (every payload's length read at once, as the transport
+    does) and the heads (every received payload's header, check and ids counts read at once)."""
+
+    def __init__(
+        self,
+        rows: int = 2048,
+        tables: int = 13,
+        dim: int = 64,
+        seed: int = 0,
+        peers: int = 1,
+        device: str = "cpu",
+        overrides: Sequence[str] = OVERRIDES,
+    ) -> None:
+        self.features = SPARSE_NAMES[:tables] if tables <= len(SPARSE_NAMES) else [f"t{k}" for k in range(tables)]
+        self.dcs = codecs(self.features, dim, overrides=overrides)
+        self.widths, self.shape = [dim] * tables, (rows, tables * dim)
+
+        def batch(s: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            b = criteo_like_batch(rows=rows, tables=tables, dim=dim, seed=s)
+            values = torch.cat([t["values"] for t in b.values()], 1).to(device)
+            grads = torch.randn(rows, tables * dim, generator=torch.Generator().manual_seed(s)).to(device)
+            return values, grads, torch.stack([t["ids"] for t in b.values()], 1).to(device)
+
+        own_rows, own_grads, self.own_ids = batch(seed)
+        theirs = [batch(seed + 1 + p) for p in range(peers)]
+        self.their_ids = [i for _, _, i in theirs]
+        self.chunks = {"forward": [r for r, _, _ in theirs], "backward": [own_grads] * peers}
+        self.incoming = {
+            "forward": [_peer_payload(self.dcs["forward"], own_rows, self.own_ids.clone(), self.features)] * peers,
+            "backward": [_peer_payload(self.dcs["backward"], g, i.clone(), self.features) for _, g, i in theirs],
+        }
+
+    @property
+    def raw_bytes(self) -> int:
+        """Bytes of every chunk the rank sends, both directions, as fp32 rows (what raw would send)."""
+        return sum(c.numel() * c.element_size() for chunks in self.chunks.values() for c in chunks)
+
+    def fresh_ids(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Copies of this rank's ids and each peer's, carrying no plan (as each iteration's)."""
+        return self.own_ids.clone(), [i.clone() for i in self.their_ids]
+
+    def run(self, batch_ids: tuple[torch.Tensor, list[torch.Tensor]], counter: HostSyncCounter | None = None) -> int:
+        """The rank's codec work for one collective with ``batch_ids`` (:meth:`fresh_ids`); returns
+        the bytes it sends."""
+        label = counter.label if counter is not None else (lambda name: nullcontext())
+        own, theirs = batch_ids
+        send_ids = {"forward": theirs, "backward": [own] * len(theirs)}
+        recv_ids = {"forward": [own] * len(theirs), "backward": theirs}
+        sent_bytes = 0
+        for d, dc in self.dcs.items():
+            sent = []
+            for chunk, ids in zip(self.chunks[d], send_ids[d], strict=True):
+                with label(f"{d}/bounds"):
+                    bounds = dc.bounds(chunk, self.widths, dc.policy(self.features, 0))
+                summed = d == "backward" and dc.merges_ids(chunk.device)  # the codec sums each id's rows
+                if d == "backward" and dc.dedup and not summed:  # the transport's stage sums them
+                    with label(f"{d}/sum_duplicates"):
+                        chunk = sum_duplicates(chunk, ids, self.widths)
+                with label(f"{d}/encode"):
+                    sent.append(dc.encode_deferred(chunk, self.widths, bounds, ids, summed=summed))
+            with label(f"{d}/size_exchange"):
+                sent_bytes += sum(p.numel() for p in fmt.settle(sent) if p is not None)
+            payloads = self.incoming[d]
+            later = dc.checks_in_decode(payloads[0].device)  # the verdicts read after the decodes
+            with label(f"{d}/heads"):
+                prepared = [
+                    None if later else dc.prepare_decode(p, i, self.features)
+                    for p, i in zip(payloads, recv_ids[d], strict=True)
+                ]
+                heads = fmt.read_heads(
+                    [p for p, q in zip(payloads, prepared, strict=True) if q is not None],
+                    [q[0] for q in prepared if q is not None],
+                    [dc.head_size(len(self.widths)) for q in prepared if q is not None],
+                )
+                read = iter(heads)
+                for q in prepared:
+                    if q is not None:
+                        next(read).state = q[1]
+            heads_of = iter(heads)
+            checked: list[tuple[torch.Tensor, str]] = []
+            for payload, ids, q in zip(payloads, recv_ids[d], prepared, strict=True):
+                naming: dict[str, Any] = dict(
+                    src=1, dst=0, features=self.features, tables=self.features, iteration=0, where="bench"
+                )
+                with label(f"{d}/decode"):
+                    if later:
+                        dtype = self.chunks[d][0].dtype
+                        out, verdict = dc.decode_checked(payload, self.shape, dtype, self.widths, **naming)
+                        checked.append((verdict, "bench"))
+                    else:
+                        head = next(heads_of) if q is not None else None
+                        out = dc.decode(payload, self.shape, ids, head=head, **naming)
+                if d == "backward" and dc.dedup and not dc.merges_ids(payload.device):  # else the codec kept them
+                    with label(f"{d}/keep_first"):
+                        keep_first_duplicates(out, ids, self.widths)
+            with label(f"{d}/verdicts"):
+                raise_unless_sound(checked)
+        return sent_bytes
+
+
 def count_chunk(
     rows: int = 2048,
     tables: int = 13,
@@ -103,77 +213,16 @@ def count_chunk(
     trace: bool = False,
     peers: int = 1,
     device: str = "cpu",
+    overrides: Sequence[str] = OVERRIDES,
 ) -> HostSyncCounter:
-    """Count one rank's collective in both directions, with ``peers`` peers, labelled
-    ``<direction>/<stage>``: per chunk the bounds, duplicate ids, encode and decode; per
-    collective the size exchange (every payload's length read at once, as the transport does) and
-    the heads (every received payload's header, check and ids counts read at once). As on a
-    rank: forward, it sends each peer the rows of that peer's batch and receives its own batch's
-    rows; backward, it sends its batch's gradients and receives each peer's (each batch's ids a
-    tensor of its own, so a plan made for one direction serves the other, never the peer's).
-    What the peers send is made before counting. On a CUDA ``device`` the codec takes its own
-    device paths and only syncs on device tensors count."""
-    features = SPARSE_NAMES[:tables]
-    dcs = codecs(features, dim)
-    widths = [dim] * tables
-
-    def batch(s: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        b = criteo_like_batch(rows=rows, tables=tables, dim=dim, seed=s)
-        values = torch.cat([t["values"] for t in b.values()], 1).to(device)
-        grads = torch.randn(rows, tables * dim, generator=torch.Generator().manual_seed(s)).to(device)
-        return values, grads, torch.stack([t["ids"] for t in b.values()], 1).to(device)
-
-    own_rows, own_grads, own_ids = batch(seed)
-    theirs = [batch(seed + 1 + p) for p in range(peers)]
-    # per direction: (chunk, ids) sent to each peer, and (payload, ids) received from each
-    out_chunks = {"forward": [(r, i) for r, _, i in theirs], "backward": [(own_grads, own_ids)] * peers}
-    incoming = {
-        "forward": [(_peer_payload(dcs["forward"], own_rows, own_ids.clone(), features), own_ids)] * peers,
-        "backward": [(_peer_payload(dcs["backward"], g, i.clone(), features), i) for _, g, i in theirs],
-    }
+    """Count one rank's collective in both directions (:class:`RankCollective`). On a CUDA
+    ``device`` the codec takes its own device paths and only syncs on device tensors count."""
+    collective = RankCollective(rows, tables, dim, seed, peers, device, overrides)
+    ids = collective.fresh_ids()
     on_cpu = torch.device(device).type == "cpu"
     counter = HostSyncCounter(count_cpu=on_cpu, trace=trace)
     with counted_reads(counter) if on_cpu else nullcontext(), counter:
-        for d, dc in dcs.items():
-            sent = []
-            for chunk, ids in out_chunks[d]:
-                with counter.label(f"{d}/bounds"):
-                    bounds = dc.bounds(chunk, widths, dc.policy(features, 0))
-                summed = d == "backward" and dc.merges_ids(chunk.device)  # the codec sums each id's rows
-                if d == "backward" and not summed:  # the transport's stage sums them
-                    with counter.label(f"{d}/sum_duplicates"):
-                        chunk = sum_duplicates(chunk, ids, widths)
-                with counter.label(f"{d}/encode"):
-                    sent.append(dc.encode_deferred(chunk, widths, bounds, ids, summed=summed))
-            with counter.label(f"{d}/size_exchange"):
-                [p for p in fmt.settle(sent) if p is not None]
-            payloads, recv_ids = [p for p, _ in incoming[d]], [i for _, i in incoming[d]]
-            with counter.label(f"{d}/heads"):
-                prepared = [dc.prepare_decode(p, i, features) for p, i in incoming[d]]
-                heads = fmt.read_heads(
-                    payloads,
-                    [None if q is None else q[0] for q in prepared],
-                    [dc.head_size(tables)] * len(payloads),
-                )
-                for h, q in zip(heads, prepared, strict=True):
-                    h.state = None if q is None else q[1]
-            for payload, ids, head in zip(payloads, recv_ids, heads, strict=True):
-                with counter.label(f"{d}/decode"):
-                    out = dc.decode(
-                        payload,
-                        (rows, tables * dim),
-                        ids,
-                        src=1,
-                        dst=0,
-                        features=features,
-                        tables=features,
-                        iteration=0,
-                        where="bench",
-                        head=head,
-                    )
-                if d == "backward" and not dc.merges_ids(payload.device):  # else the codec kept the first rows
-                    with counter.label(f"{d}/keep_first"):
-                        keep_first_duplicates(out, ids, widths)
+        collective.run(ids, counter)
     return counter
 
 
@@ -182,7 +231,7 @@ def _peer_payload(dc: DirectionCodec, chunk: torch.Tensor, ids: torch.Tensor, fe
     widths = [chunk.shape[1] // len(features)] * len(features)
     bounds = dc.bounds(chunk, widths, dc.policy(features, 0))
     summed = dc.direction == "backward" and dc.merges_ids(chunk.device)
-    if dc.direction == "backward" and not summed:
+    if dc.direction == "backward" and dc.dedup and not summed:
         chunk = sum_duplicates(chunk, ids, widths)
     [payload] = fmt.settle([dc.encode_deferred(chunk, widths, bounds, ids, summed=summed)])
     assert payload is not None

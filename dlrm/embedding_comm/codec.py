@@ -273,6 +273,42 @@ class DirectionCodec:
         head and the state that goes with them; else None (it reads for itself)."""
         return self.codec.prepare_decode(payload, ids if self.dedup else None, self._context(features))
 
+    def checks_in_decode(self, device: torch.device) -> bool:
+        """Whether its payloads are decoded with no head read first, their verdicts read after
+        every decode of the collective (:meth:`decode_checked`, :func:`raise_unless_sound`)."""
+        return self.codec.checks_in_decode(device)
+
+    def decode_checked(
+        self, payload: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype, widths: Sequence[int], **naming: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where :meth:`checks_in_decode`: one peer's payload decoded (into ``naming``'s ``out``
+        window if given) and its verdict, unread; a payload of the wrong size fails at once with
+        :meth:`decode`'s message."""
+        out = naming.pop("out", None)
+        target = out if out is not None else torch.empty(shape, dtype=dtype, device=payload.device)
+        try:
+            return target, self.codec.decode_checked(payload, target, list(widths))
+        except Exception as e:  # any codec failure: name the transfer, keep the cause chained
+            raise CompressedCommError(f"{self._transfer(payload, **naming)}: {type(e).__name__}: {e}") from e
+
+    def _transfer(
+        self,
+        payload: torch.Tensor,
+        *,
+        src: int,
+        dst: int,
+        features: Sequence[str],
+        tables: Sequence[str],
+        iteration: int,
+        where: str,
+    ) -> str:
+        """What names a payload in an error: its receiver, sender, tables and iteration."""
+        return (
+            f"rank {dst} ({where}): cannot decode the {self.direction} payload ({payload.numel()} "
+            f"bytes) from rank {src} carrying tables {list(tables)} (features {list(features)}) at "
+            f"iteration {iteration}"
+        )
+
     def head_size(self, n_blocks: int) -> int:
         """Bytes of a payload of ``n_blocks`` blocks its decoder reads with the collective's heads
         (with :meth:`prepare_decode`)."""
@@ -300,10 +336,8 @@ class DirectionCodec:
         checking its shape; any failure names source, tables, iteration. Where the codec merges
         ids (:meth:`merges_ids`) each id's sum lands on its first row alone (``keep_first``; off:
         on every row of the id, as the sender's own check of what it sent reads it)."""
-        what = (
-            f"rank {dst} ({where}): cannot decode the {self.direction} payload ({payload.numel()} "
-            f"bytes) from rank {src} carrying tables {list(tables)} (features {list(features)}) at "
-            f"iteration {iteration}"
+        what = self._transfer(
+            payload, src=src, dst=dst, features=features, tables=tables, iteration=iteration, where=where
         )
         keys = ids if self.dedup else None
         context = CodecContext(keep_first=keep_first and keys is not None and self.merges_ids(payload.device))
@@ -314,6 +348,19 @@ class DirectionCodec:
         if tuple(out.shape) != tuple(shape):
             raise CompressedCommError(f"{what}: decoded shape {tuple(out.shape)}, expected {tuple(shape)}")
         return out
+
+
+def raise_unless_sound(checked: Sequence[tuple[torch.Tensor, str]]) -> None:
+    """Read every verdict of a collective's :meth:`DirectionCodec.decode_checked` at once (one
+    host read) and raise, naming the transfer (``checked``: (verdict, what names it)), where one
+    payload is not sound; before the caller uses any decoded value."""
+    if not checked:
+        return
+    verdicts = checked[0][0] if len(checked) == 1 else torch.stack([v for v, _ in checked])
+    for held, (_, what) in zip(verdicts.reshape(len(checked), -1).tolist(), checked, strict=True):
+        if not all(held):
+            why = "checksum mismatch: the payload is corrupted" if not held[0] else "not the header expected"
+            raise CompressedCommError(f"{what}: PayloadError: {why}")
 
 
 def abs_error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.autograd import Function
 from torchrec.distributed.comm_ops import Request, get_gradient_division
 
-from dlrm.embedding_comm.codec import CompressedCommError, DirectionCodec, abs_error
+from dlrm.embedding_comm.codec import CompressedCommError, DirectionCodec, abs_error, raise_unless_sound
 from dlrm.embedding_comm.ids import PendingIds, sum_duplicates
 from dlrm.embedding_comm.stage import Blocks, Incoming, Outgoing, Settle, Stage
 from dlrm.embedding_comm.stats import CommStats
@@ -480,6 +480,9 @@ def _read_heads(info: CompressedA2AInfo, d: str, incoming: list[Incoming]) -> No
     for r in incoming:
         prepared: Prepared | None = next((p for s in info.stages if (p := s.prepare_decode(r)) is not None), None)
         if prepared is None and not any(s.decodes(r) for s in info.stages):
+            if r.dc.checks_in_decode(r.payload.device):  # its verdict is read after the decodes
+                r.checked_later = True
+                continue
             prepared = _codec_prepared(r.dc, r.payload, r.ids, r.blocks)
         if prepared is not None:
             todo.append((r, prepared))
@@ -504,25 +507,28 @@ def _read_prepared(payloads: list[torch.Tensor], prepared: list[Prepared]) -> li
     return heads
 
 
-def _decode(info: CompressedA2AInfo, r: Incoming) -> torch.Tensor:
-    """The first stage that decodes the payload, else the direction's codec."""
+def _decode(
+    info: CompressedA2AInfo, r: Incoming, dtype: torch.dtype, checked: list[tuple[torch.Tensor, str]]
+) -> torch.Tensor:
+    """The first stage that decodes the payload, else the direction's codec (a codec that checks
+    as it decodes leaves its verdict in ``checked``, read once the collective's decodes are done)."""
     for s in info.stages:
         part = s.decode(r)
         if part is not None:
             return part
-    return r.dc.decode(
-        r.payload,
-        r.shape,
-        r.ids,
+    naming: dict[str, Any] = dict(
         src=r.src,
         dst=r.dst,
         features=r.blocks.features,
         tables=sorted({info.feature_tables.get(f, f) for f in r.blocks.features}),
         iteration=r.iteration,
         where=r.where,
-        out=r.window,
-        head=r.head,
     )
+    if r.checked_later:
+        out, verdict = r.dc.decode_checked(r.payload, r.shape, dtype, r.blocks.widths, out=r.window, **naming)
+        checked.append((verdict, r.dc._transfer(r.payload, **naming)))
+        return out
+    return r.dc.decode(r.payload, r.shape, r.ids, out=r.window, head=r.head, **naming)
 
 
 def _receive(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, tr: _Transfer) -> torch.Tensor:
@@ -586,11 +592,13 @@ def _receive(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, tr: _Transf
         parts.append(r)
     if not tr.raw:
         _read_heads(info, d, [p for p in parts if isinstance(p, Incoming)])
+    checked: list[tuple[torch.Tensor, str]] = []  # verdicts of payloads checked as they were decoded
     for i, p in enumerate(parts):
         if isinstance(p, Incoming):
-            parts[i] = decoded = _decode(info, p)
+            parts[i] = decoded = _decode(info, p, tr.self_part.dtype, checked)
             for s in info.stages:
                 s.after_decode(p, decoded)
+    raise_unless_sound(checked)  # (one host read, before any decoded value leaves)
     stats.add(f"{d}/comm_ms", 1e3 * (t1 - t0))
     stats.add(f"{d}/codec_ms", 1e3 * (time.perf_counter() - t1))
     if out is not None:

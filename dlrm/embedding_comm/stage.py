@@ -86,6 +86,9 @@ class Incoming:
     iteration: int
     where: str
     head: HostHead | None = None  # its head, check and a stage's prepared values, read with the collective's
+    # decoded with no head read first, its verdict read after the collective's every decode
+    # (DirectionCodec.checks_in_decode)
+    checked_later: bool = False
 
 
 class Stage:

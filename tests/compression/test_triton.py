@@ -226,6 +226,33 @@ def _check_interpret() -> None:
                 same(outs[0].view(ints), outs[1].view(ints), f"lossy_unpack {dtype} {widths} keep={first is not None}")
     print("lossy pack/unpack OK")
 
+    head = torch.randint(0, 256, (104,), generator=g, dtype=torch.uint8)
+    head[20:24] = 0  # (the check field)
+    for dtype, wire in [
+        (torch.float32, 0),
+        (torch.float16, 0),
+        (torch.bfloat16, 0),
+        (torch.float32, 1),
+        (torch.float32, 2),
+    ]:
+        for rows, cols in ((37, 12), (300, 8), (1, 1)):
+            x = (torch.randn(rows, cols, generator=g) * 1e3).to(dtype)
+            specials = [float("nan") if wire == 0 else 7.0, float("inf"), -0.0]  # (a cast's NaN: any NaN's bits)
+            x.view(-1)[:3] = torch.tensor(specials).to(dtype)[: x.numel()]
+            payload = K.cast_pack(x, head, wire, block=64)
+            same(payload, R.cast_pack(x, head, wire), f"cast_pack {dtype} wire {wire} {rows}x{cols}")
+            for flip in (None, 30, 110, payload.numel() - 1):
+                p = payload.clone()
+                if flip is not None:
+                    p[flip] ^= 1
+                outs = [torch.full((rows, cols + 2), 5.0, dtype=dtype if wire == 0 else torch.float32) for _ in "ab"]
+                got = K.cast_unpack(p, head, wire, outs[0][:, 1 : 1 + cols], block=64)
+                want = R.cast_unpack(p, head, wire, outs[1][:, 1 : 1 + cols])
+                assert got.tolist() == want.tolist() and (got.tolist() == [1, 1]) == (flip is None), (flip, got)
+                ints = torch.int32 if outs[0].element_size() == 4 else torch.int16
+                same(outs[0].view(ints), outs[1].view(ints), f"cast_unpack {dtype} wire {wire} flip {flip}")
+    print("cast pack/unpack OK")
+
 
 def _aot_specs():
     from dlrm_compression import kernels as K
@@ -361,6 +388,20 @@ def _aot_specs():
             if inv or not first
         ],
     ]  # fmt: skip
+    cast_pack = {
+        "x_ptr": "*fp32", "n": "i64", "head_ptr": "*u8", "h": "i64", "total": "i64", "out_ptr": "*u8",
+        "part_ptr": "*i64", "ITEM": "constexpr", "WIRE": "constexpr", "BLOCK": "constexpr",
+    }  # fmt: skip
+    cast_unpack = {
+        "pay_ptr": "*u8", "n": "i64", "h": "i64", "total": "i64", "head_ptr": "*u8", "out_ptr": "*fp32", "s0": "i64",
+        "s1": "i64", "cols": "i64", "part_ptr": "*i64", "verdict_ptr": "*i64", "ITEM": "constexpr",
+        "WIRE": "constexpr", "BLOCK": "constexpr",
+    }  # fmt: skip
+    for item, wire in ((4, 0), (4, 1), (4, 2)):
+        specs.append((K.cast_pack_kernel, cast_pack, {"ITEM": item if wire == 0 else 2, "WIRE": wire, "BLOCK": 4096}))
+        specs.append(
+            (K.cast_unpack_kernel, cast_unpack, {"ITEM": item if wire == 0 else 2, "WIRE": wire, "BLOCK": 4096})
+        )
     return specs
 
 

@@ -125,6 +125,7 @@ def test_the_per_block_device_path_decides_the_fallback_on_the_device_and_decode
     the host path, no host sync to encode or decode once the head is read, the check held."""
     from dlrm.bench.host_syncs import counted_reads
     from dlrm_compression import format as fmt
+    from dlrm_compression.base import CodecContext
     from dlrm_compression.host_syncs import HostSyncCounter
 
     g = torch.Generator().manual_seed(4)
@@ -150,7 +151,7 @@ def test_the_per_block_device_path_decides_the_fallback_on_the_device_and_decode
     assert codec.groups(payload) == on_host.groups(host)
 
     def read(p):
-        extra, state = codec.prepare_decode(p, ids, choice)
+        extra, state = codec.prepare_decode(p, ids, CodecContext(choice=choice)) or (None, None)
         [head] = fmt.read_heads([p], [extra], [codec.head_size(len(widths))])
         head.state = state
         return head
