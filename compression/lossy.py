@@ -354,8 +354,9 @@ class LossyCodec(Codec):
             if read is not None and head is not None and head.state is not None and len(head.extra) == nb + 1:
                 host = [*struct.unpack(f"<{nb}q", read), *head.extra]
                 inverse, first = head.state[1], head.state[2]
-            else:
-                mine, first, inverse, _ = dedup.id_plan(keys)
+            else:  # (the host's numpy sorts where its backend takes them; each id's first row if asked)
+                mine, inverse = dedup.inverse_from_ids(keys, numpy=self.backend_for(device).numpy_sorts)
+                first = dedup.first_at_capacity(inverse) if keep_first else None
                 # one host read: the payload's counts (the sizes), and the counts and fingerprint of these ids
                 host = torch.cat([counts, mine, fingerprint_of(keys).reshape(1)]).tolist()
             host_counts = host[:nb]
