@@ -165,8 +165,12 @@ class RankCollective:
                         chunk = sum_duplicates(chunk, ids, self.widths)
                 with label(f"{d}/encode"):
                     sent.append(dc.encode_deferred(chunk, self.widths, bounds, ids, summed=summed))
-            with label(f"{d}/size_exchange"):
-                sent_bytes += sum(p.numel() for p in fmt.settle(sent) if p is not None)
+            with label(f"{d}/size_exchange"):  # the lengths, at most their stored forms' (one op), read at once
+                first = self.chunks[d][0]
+                stored = dc.stored_size((first.shape[0], first.shape[1]), first.dtype)
+                late = [p.length for p in sent if isinstance(p, fmt.Deferred)]
+                known = [min(p.numel(), stored) for p in sent if isinstance(p, torch.Tensor)]
+                sent_bytes += sum(known) + (sum(torch.stack(late).clamp(max=stored).tolist()) if late else 0)
             payloads = self.incoming[d]
             later = dc.checks_in_decode(payloads[0].device)  # the verdicts read after the decodes
             with label(f"{d}/heads"):
