@@ -1,5 +1,5 @@
-"""Imports point one way (DESIGN.md): no cycle among the project's modules, lazy imports included,
-and the codec package stands alone."""
+"""Imports point one way (docs/architecture.md, "The packages and their layers"): no cycle among the
+project's modules, lazy imports included, and the codec package stands alone."""
 
 from __future__ import annotations
 

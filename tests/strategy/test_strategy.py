@@ -69,9 +69,9 @@ def test_the_per_block_device_path_decides_the_fallback_on_the_device_and_decode
     or the fallback where that could exceed its bound) decided on the device; the same values as
     the host path, no host sync to encode or decode once the head is read, the check held."""
     from dlrm.bench.host_syncs import counted_reads
+    from dlrm.telemetry.sync_counter import HostSyncCounter
     from dlrm_compression import format as fmt
     from dlrm_compression.base import CodecContext
-    from dlrm_compression.host_syncs import HostSyncCounter
 
     g = torch.Generator().manual_seed(4)
     ids = torch.randint(0, 30, (96, 5), generator=g)
