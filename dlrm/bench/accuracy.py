@@ -31,8 +31,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from dlrm.performance.network import ring_allreduce_bytes
 from dlrm.telemetry.sweep_summary import summarize
-from dlrm_compression.cost_model import ring_allreduce_bytes
 
 REPO = Path(__file__).resolve().parents[2]
 # The configurations: the baseline, TorchRec's QComms, ours with each dense option, the

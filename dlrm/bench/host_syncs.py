@@ -31,15 +31,15 @@ import torch
 import torch.distributed as dist
 
 from data.layout import SPARSE_NAMES
+from dlrm.bench.criteo_like import KAGGLE_CARDINALITIES, criteo_like_batch
 from dlrm.bench.host_copies import host_copies
 from dlrm.embedding_comm.codec import DirectionCodec, raise_unless_sound
 from dlrm.embedding_comm.config import parse_compression_cfg
 from dlrm.embedding_comm.ids import keep_first_duplicates, sum_duplicates
 from dlrm.embedding_comm.policy import build_policy, table_stats
+from dlrm.telemetry.sync_counter import HostSyncCounter
 from dlrm_compression import format as fmt
 from dlrm_compression import sparse
-from dlrm_compression.host_syncs import HostSyncCounter
-from dlrm_compression.synthetic import KAGGLE_CARDINALITIES, criteo_like_batch
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 OVERRIDES = [

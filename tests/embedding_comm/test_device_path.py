@@ -50,7 +50,7 @@ def _counted(rank: int, ws: int, plan: str, spec: str, hot: int | tuple[int, ...
     from dlrm.embedding_comm import comm_ops
     from dlrm.embedding_comm import dist as output_dists
     from dlrm.telemetry.comm_stats import comm_stats
-    from dlrm_compression.host_syncs import HostSyncCounter
+    from dlrm.telemetry.sync_counter import HostSyncCounter
 
     counter, calls, stored = HostSyncCounter(), Counter(), set()
     send, receive = comm_ops._send, comm_ops._receive
