@@ -15,6 +15,7 @@ from dlrm.embedding_comm.dist import CompressionRuntime
 from dlrm.embedding_comm.error_feedback import ErrorFeedback
 from dlrm.embedding_comm.policy import TableStats, TrainingBound, policy_for_run
 from dlrm.trainer.component import Component, Sharding
+from dlrm.trainer.loop import StepObserver
 from dlrm.trainer.sharding import check_supported
 
 log = logging.getLogger("dlrm.train")
@@ -34,9 +35,15 @@ class EmbeddingCompression(Component):
         self.spec = parse_compression_cfg(cfg)
         self.policy = policy_for_run(policy_cfg, self.spec, tables)
         self.runtime: CompressionRuntime | None = None  # None on TorchRec's QComms path
+        # the policy as the dists ask it, told by the loop when training segments start and end
+        self.bound = TrainingBound(self.policy) if self.policy is not None else None
+
+    @property
+    def observers(self) -> list[StepObserver]:
+        return [self.bound] if self.bound is not None else []
 
     def shard(self, sharding: Sharding) -> None:
-        bound = TrainingBound(self.policy) if self.policy is not None else None
+        bound = self.bound
         sharders = make_sharders(
             self.cfg, bound_fn_forward=bound, bound_fn_backward=bound, fused_params=self.fused_params
         )

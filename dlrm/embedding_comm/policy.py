@@ -278,16 +278,27 @@ def policy_for_run(cfg: Mapping[str, Any], spec: CompressionSpec, tables: Sequen
 
 
 class TrainingBound:
-    """A policy as the dists' ``bound_fn``: a forward without grad mode (an evaluation pass; the
-    dists count training iterations by grad mode alike) asks for the policy's evaluation bound.
-    A class, not a closure: the sharders holding it are pickled."""
+    """A policy as the dists' ``bound_fn``, and a step observer of the training loop: a forward
+    outside a training segment (an evaluation pass, the test pass) asks for the policy's
+    evaluation bound. (Not grad mode: the all-to-all runs inside an autograd function's forward,
+    where grad mode is off in training too.) A class, not a closure: the sharders holding it are
+    pickled."""
 
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
+        self.training = True  # outside the loop (before it starts) as in training
 
     def __call__(self, feature: str, direction: str, iteration: int) -> float:
-        training = direction == "backward" or torch.is_grad_enabled()
-        return self.policy.bound(feature, direction, iteration, training)
+        return self.policy.bound(feature, direction, iteration, self.training or direction == "backward")
+
+    def segment_start(self, model: torch.nn.Module) -> None:
+        self.training = True
+
+    def step_end(self, model: torch.nn.Module) -> None:
+        return
+
+    def segment_end(self, model: torch.nn.Module) -> None:
+        self.training = False  # evaluation passes and checkpoints happen between segments
 
 
 class PolicyFeedback:

@@ -57,11 +57,16 @@ def test_window_sends_exactly_outside_it_and_evaluation_exact_only_without_grad(
     )
     assert [p.bound("cat_0", "forward", it) for it in (0, 9, 10, 19, 20)] == [0.0, 0.0, 0.02, 0.02, 0.0]
     assert [p.bound("cat_0", "backward", it) for it in (14, 15, 10**6)] == [0.0, 0.01, 0.01]
-    bound = TrainingBound(p)
+    bound, model = TrainingBound(p), torch.nn.Linear(1, 1)
     assert bound("cat_0", "forward", 12) == 0.02
-    with torch.no_grad():  # an evaluation pass (the backward runs without grad mode too: still trained)
-        assert bound("cat_0", "forward", 12) == 0.0
-        assert bound("cat_0", "backward", 16) == 0.01
+    bound.segment_start(model)
+    with torch.no_grad():  # the all-to-all runs in an autograd function's forward: no grad mode in training too
+        assert bound("cat_0", "forward", 12) == 0.02
+    bound.segment_end(model)  # evaluation passes happen between training segments
+    assert bound("cat_0", "forward", 12) == 0.0
+    assert bound("cat_0", "backward", 16) == 0.01
+    bound.segment_start(model)
+    assert bound("cat_0", "forward", 12) == 0.02
 
 
 @pytest.mark.parametrize(
@@ -87,3 +92,59 @@ def test_window_sends_exactly_outside_it_and_evaluation_exact_only_without_grad(
 def test_bad_adaptive_keys_name_the_key(forward, backward, message):
     with pytest.raises(ValueError, match=message):
         build_policy(cfg(forward, backward), TABLES)
+
+
+def _forwards_on_ranks(rank: int, ws: int) -> dict:
+    """Rank 0 owns both tables; rank 1's pooled rows arrive through the compressed all-to-all:
+    once in a training segment (grad mode on, no backward), once after it (an evaluation)."""
+    from torch import nn
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+
+    from dlrm.embedding_comm import make_sharders
+
+    features = ["cat_0", "cat_1"]
+    policy = build_policy(cfg({"kind": "fixed", "eb": 0.05, "evaluation": "exact"}), TABLES)
+    bound = TrainingBound(policy)
+    comp = {"name": "lossy", "forward": {"codec": "lossy", "mode": "rel"}, "backward": {"codec": "lossy"}}
+    sharders = make_sharders(comp, bound_fn_forward=bound, bound_fn_backward=bound)
+    tables = [
+        EmbeddingBagConfig(name=f"t_{f}", embedding_dim=8, num_embeddings=100, feature_names=[f]) for f in features
+    ]
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    plan = construct_module_sharding_plan(
+        ebc, {f"t_{f}": table_wise(rank=0) for f in features}, local_size=ws, world_size=ws, device_type="cpu"
+    )
+    model = DistributedModelParallel(
+        nn.ModuleDict({"ebc": ebc}),
+        env=ShardingEnv.from_process_group(torch.distributed.group.WORLD),
+        plan=ShardingPlan({"ebc": plan}),
+        sharders=sharders,
+        device=torch.device("cpu"),
+    )
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=features, values=torch.arange(2 * 32) % 100, lengths=torch.ones(2 * 32, dtype=torch.int32)
+    )
+
+    def forward() -> torch.Tensor:
+        return model.module["ebc"](kjt).values().detach().clone()
+
+    bound.segment_start(model)
+    trained = forward()  # grad mode on: the all-to-all itself runs inside an autograd function
+    bound.segment_end(model)
+    with torch.no_grad():
+        evaluated = forward()
+    return {"trained": trained, "evaluated": evaluated}
+
+
+def test_training_forwards_are_compressed_and_evaluation_forwards_exact_through_real_all_to_alls():
+    from multiprocess import run_ranks
+
+    results = run_ranks(_forwards_on_ranks, 2)
+    own, received = results[0], results[1]
+    assert torch.equal(own["trained"], own["evaluated"])  # rank 0's own rows never travel
+    diff = (received["trained"] - received["evaluated"]).abs()
+    span = received["evaluated"].max() - received["evaluated"].min()
+    assert 0 < diff.max() <= 0.05 * span + 1e-6  # compressed in training, within its bound of the exact rows
