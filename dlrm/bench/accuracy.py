@@ -48,8 +48,9 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     "lossy+hot_rows": ("compression=lossy", "placement.hot_rows=auto", "placement.sync_codec=backward"),
     "lossy+row_cache": ("compression=lossy", "compression.forward.cache.enabled=true"),
     "lossy+mixed": ("compression=lossy", "precision=mixed"),
-    # not in the default list: DCT's aggregation whose bytes per rank do not grow with the ranks
-    "lossy+dct_rs": ("compression=lossy", "dense_comm=dct", "dense_comm.aggregation=reduce_scatter"),
+    # not in the default list: DCT's all-gather aggregation, its default before issue 38 (bytes per
+    # rank that grow with the ranks; dense_comm=dct now sums by reduce-scatter)
+    "lossy+dct_ag": ("compression=lossy", "dense_comm=dct", "dense_comm.aggregation=allgather"),
 }
 # Where `lossy`'s AUC goes (issue 38): `lossy` with one part of its compression left exact. A bound
 # of 0 sends a table exactly (as raw values, twice their bytes: these rows' bytes mean nothing).
@@ -88,12 +89,17 @@ DIAGNOSTICS: dict[str, tuple[str, ...]] = {
 }
 CONFIGS.update(DIAGNOSTICS)
 # The mechanisms tried to close the gap (docs/results.md, "Where lossy's AUC goes")
+_plateau_dual = tuple(
+    f"+policy.{d}.plateau={{factor: 0.5, min_delta: 0.001, patience: 1, floor: 0.125}}" for d in ("forward", "backward")
+)
 CONFIGS.update(
     {
         "lossy+ef": ("compression=lossy", "compression.backward.error_feedback=true"),
         "lossy+plateau": ("compression=lossy", "policy=plateau"),
-        "lossy+dct+ef": ("compression=lossy", "dense_comm=dct", "compression.backward.error_feedback=true"),
         "lossy+dct+plateau": ("compression=lossy", "dense_comm=dct", "policy=plateau"),
+        "lossy+row_cache+plateau": ("compression=lossy", "compression.forward.cache.enabled=true", "policy=plateau"),
+        # the first plateau tried: the dual policy (2x early) times the level, both directions, min_delta 0.001
+        "lossy+plateau_dual": ("compression=lossy", "policy=dual", *_plateau_dual),
     }
 )
 DEFAULT_CONFIGS = (
