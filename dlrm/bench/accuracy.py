@@ -13,6 +13,11 @@ one resumes from its checkpoints, so the same command completes a partial benchm
 (:func:`report`): ``DIR/report.md``, ``DIR/report.json``, ``DIR/auc_vs_bytes.png`` and TensorBoard
 (``DIR/tensorboard``: per configuration its AUC at a step of its bytes per iteration, and HPARAMS),
 and the sweep summary's per-run table (``DIR/summary.md``, :mod:`dlrm.telemetry.sweep_summary`).
+Each configuration is compared with ``none`` seed by seed (its AUC minus ``none``'s at the same
+seed: runs are deterministic, so this isolates the configuration), and one with an adaptive bound
+gets its first seed's bound per table beside validation AUC (``DIR/bounds_<config>.png``, and the
+TensorBoard run ``<config>_bounds``). The configurations (:mod:`dlrm.bench.accuracy_configs`)
+include the diagnostics of where ``lossy``'s AUC goes and the mechanisms tried against it.
 Not part of ``make test``.
 """
 
@@ -31,109 +36,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from dlrm.bench.accuracy_configs import COMMON, CONFIGS, DATA, DEFAULT_CONFIGS
 from dlrm.telemetry.sweep_summary import summarize
 from dlrm_compression.cost_model import ring_allreduce_bytes
 
 REPO = Path(__file__).resolve().parents[2]
-# The issue's configurations: the baseline, TorchRec's QComms, ours with each dense option, the
-# automatic strategy, hot-row replication with the coded sync, the row cache, low precision.
-CONFIGS: dict[str, tuple[str, ...]] = {
-    "none": ("compression=none",),
-    "qcomm_fp16": ("compression=qcomm_fp16",),
-    "qcomm_mx4": ("compression=qcomm_mx4",),
-    "lossy": ("compression=lossy",),
-    "lossy+dct": ("compression=lossy", "dense_comm=dct"),
-    "lossy+powersgd": ("compression=lossy", "dense_comm=powersgd"),
-    "auto+auto": ("compression=auto", "dense_comm=auto"),
-    "lossy+hot_rows": ("compression=lossy", "placement.hot_rows=auto", "placement.sync_codec=backward"),
-    "lossy+row_cache": ("compression=lossy", "compression.forward.cache.enabled=true"),
-    "lossy+mixed": ("compression=lossy", "precision=mixed"),
-    # not in the default list: DCT's all-gather aggregation, its default before issue 38 (bytes per
-    # rank that grow with the ranks; dense_comm=dct now sums by reduce-scatter)
-    "lossy+dct_ag": ("compression=lossy", "dense_comm=dct", "dense_comm.aggregation=allgather"),
-}
-# Where `lossy`'s AUC goes (issue 38): `lossy` with one part of its compression left exact. A bound
-# of 0 sends a table exactly (as raw values, twice their bytes: these rows' bytes mean nothing).
-_EXACT_BWD = ("compression.forward.codec=none", "compression.forward.dedup=false", "compression.forward.params=null")
-_BWD_CLASSES = ("policy.backward.kind=table_wise", "policy.backward.eb=null", "+policy.backward.classes.source=auto")
-
-
-def _window(start: int, end: int | None) -> tuple[str, ...]:
-    window = f"{{start: {start}, end: {'null' if end is None else end}}}"
-    return tuple(f"+policy.{d}.window={window}" for d in ("forward", "backward"))
-
-
-DIAGNOSTICS: dict[str, tuple[str, ...]] = {
-    "lossy_fwd": ("compression=lossy_forward",),  # forward only: gradients exact
-    "lossy_bwd": ("compression=lossy", *_EXACT_BWD),  # backward only: embeddings exact
-    # the 8 largest tables (the dual policy's tight class) compressed, the 18 others exact; and back
-    "lossy_large": (
-        "compression=lossy",
-        "policy.forward.bounds.base=0",
-        "policy.forward.bounds.loose=0",
-        *_BWD_CLASSES,
-        "+policy.backward.bounds={tight: 0.01, base: 0, loose: 0}",
-    ),
-    "lossy_small": (
-        "compression=lossy",
-        "policy.forward.bounds.tight=0",
-        *_BWD_CLASSES,
-        "+policy.backward.bounds={tight: 0, base: 0.01, loose: 0.01}",
-    ),
-    # training compressed on the first or the second half of the first epoch only (the best
-    # step of every run so far is the epoch's end, 240), evaluation forwards exact; and all of
-    # training compressed, evaluation forwards exact
-    "lossy_first": ("compression=lossy", *_window(0, 120), "+policy.forward.evaluation=exact"),
-    "lossy_second": ("compression=lossy", *_window(120, None), "+policy.forward.evaluation=exact"),
-    "lossy_eval_exact": ("compression=lossy", "+policy.forward.evaluation=exact"),
-}
-CONFIGS.update(DIAGNOSTICS)
-# The mechanisms tried to close the gap (docs/results.md, "Where lossy's AUC goes")
-_plateau_dual = tuple(
-    f"+policy.{d}.plateau={{factor: 0.5, min_delta: 0.001, patience: 1, floor: 0.125}}" for d in ("forward", "backward")
-)
-CONFIGS.update(
-    {
-        "lossy+ef": ("compression=lossy", "compression.backward.error_feedback=true"),
-        "lossy+plateau": ("compression=lossy", "policy=plateau"),
-        "lossy+dct+plateau": ("compression=lossy", "dense_comm=dct", "policy=plateau"),
-        "lossy+row_cache+plateau": ("compression=lossy", "compression.forward.cache.enabled=true", "policy=plateau"),
-        # the first plateau tried: the dual policy (2x early) times the level, both directions, min_delta 0.001
-        "lossy+plateau_dual": ("compression=lossy", "policy=dual", *_plateau_dual),
-    }
-)
-DEFAULT_CONFIGS = (
-    "none",
-    "qcomm_fp16",
-    "qcomm_mx4",
-    "lossy",
-    "lossy+dct",
-    "lossy+powersgd",
-    "auto+auto",
-    "lossy+hot_rows",
-    "lossy+row_cache",
-    "lossy+mixed",
-)
-# Synthetic Criteo-like rows with the Terabyte MLPs (762,177 dense parameters), 2,048 rows per rank,
-# a validation pass every 30 iterations (~1/8 epoch at 1M rows); or the bundled real sample at the
-# default model, a pass every 10 of its 57 iterations per epoch.
-DATA: dict[str, tuple[str, ...]] = {
-    "synthetic": (
-        "data=synthetic",
-        "data.rows.dev=50000",
-        "data.rows.test=100000",
-        "model.embedding_dim=64",
-        "model.dense_arch_layer_sizes=[512,256,64]",
-        "model.over_arch_layer_sizes=[512,512,256,1]",
-        "batch_size=2048",
-        "eval_batch_size=8192",
-        "sharding=table_wise",
-        "eval_every=30",
-        "epochs=4",
-    ),
-    "sample": ("data=criteo_sample", "eval_every=10", "epochs=20"),
-}
-COMMON = ("progress_bar=false", "checkpoint.keep=1", "early_stopping.patience=3")
 # metrics.json keys of a policy whose bounds follow training (the plateau's final levels)
 ADAPTIVE = ("policy_forward_level", "policy_backward_level")
 # metrics.json's wire paths (allreduce: the data-parallel tables') and the MLPs' all-reduce (dense)
@@ -291,6 +198,9 @@ def report(out: Path, configs: Sequence[str], seeds: Sequence[int], lr: float, n
     (out / "report.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     (out / "report.md").write_text(markdown(result))
     plot(rows, out / "auc_vs_bytes.png")
+    for r in rows:
+        if r["adaptive"]:
+            plot_bounds(r["config"], bound_scalars(Path(r["run_dirs"][0])), out / f"bounds_{r['config']}.png")
     tensorboard(rows, out / "tensorboard", lr)
     summarize(out / "runs", out / "summary", title="Converged runs: AUC vs forward ratio")
     return result
@@ -388,6 +298,31 @@ def bound_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in tags}
 
 
+def plot_bounds(config: str, scalars: Mapping[str, Sequence[tuple[int, float]]], path: Path) -> None:
+    """Validation AUC above, each table's bound per direction below, over the iterations (one run)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bounds = {t: v for t, v in scalars.items() if t != "eval/auc"}
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    for ax, series in ((top, {"eval/auc": scalars.get("eval/auc", [])}), (bottom, bounds)):
+        for tag, points in series.items():
+            style = "--" if "/backward/" in tag else "-"
+            ax.plot([p[0] for p in points], [p[1] for p in points], style, linewidth=1)
+    top.set_ylabel("validation AUC")
+    bottom.set_ylabel("bound per table\n(forward solid, backward dashed)")
+    bottom.set_yscale("log")
+    bottom.set_xlabel("iteration")
+    top.set_title(f"{config}: the bound of every table beside validation AUC (first seed)")
+    for ax in (top, bottom):
+        ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def tensorboard(rows: Sequence[Mapping[str, Any]], log_dir: Path, lr: float) -> None:
     """Per configuration: ``accuracy/test_auc`` at step = KB per iteration (the scalars plot AUC
     against bytes), and its hparams beside AUC and bytes (HPARAMS), as the sweep summary's runs.
@@ -439,7 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=1_000_000, help="synthetic training rows")
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--lrs", default="0.005,0.01,0.02", help="lrs of the `none` sweep")
+    p.add_argument("--lrs", default="0.0025,0.005,0.01", help="lrs of the `none` sweep")
     p.add_argument("--lr", type=float, default=None, help="skip the sweep and train at this lr")
     p.add_argument("--ranks", type=int, default=2, help="processes per run (one host)")
     p.add_argument("--max-runs", type=int, default=None, help="train at most this many new runs, then report")

@@ -110,3 +110,4 @@ def test_report_compares_seed_by_seed_and_shows_an_adaptive_bound_beside_validat
     assert set(events.Tags()["scalars"]) == {"eval/auc", "comm/forward/eb/cat_0"}  # the first seed's
     bound = [(e.step, e.value) for e in events.Scalars("comm/forward/eb/cat_0")]
     assert bound == [(it, pytest.approx(0.02 * it / 30)) for it in (30, 60, 90)]
+    assert (out / "bounds_lossy+plateau.png").stat().st_size > 0 and not (out / "bounds_none.png").exists()
