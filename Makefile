@@ -8,7 +8,7 @@ ARGS   ?=
 
 NETARGS ?=
 
-.PHONY: venv check-env lock train test test-scale test-gpu lint bench bench-network clean
+.PHONY: venv check-env lock train test test-scale test-gpu lint bench bench-gpu bench-network clean
 
 # The environment is built from requirements/<flavour>.lock (every package pinned; see scripts/setup_env.sh).
 venv:
@@ -51,9 +51,14 @@ lint: venv
 
 # Codec benchmark, then (as root, which the network namespace needs) the emulated-link benchmark.
 bench: venv
-	@$(PY) -m dlrm_compression.bench $(ARGS)
+	@$(PY) -m dlrm.bench.codec $(ARGS)
 	@if [ "$$(id -u)" = 0 ]; then bash scripts/bench_network.sh $(NETARGS); \
 	 else echo "network benchmark skipped: needs root (sudo make bench-network)"; fi
+
+# One compressed collective's codec work on a GPU against the raw bytes' wire time (launches and host
+# syncs counted on CPU; on a machine without CUDA those counts alone): docs/gpu.md.
+bench-gpu: venv
+	@$(PY) -m dlrm.bench.gpu_collective $(ARGS)
 
 bench-network: venv
 	@bash scripts/bench_network.sh $(NETARGS)

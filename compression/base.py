@@ -5,11 +5,13 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import ClassVar, overload
+from dataclasses import dataclass
+from typing import Any, ClassVar, overload
 
 import torch
 
 from . import format as fmt
+from .backend import CHOICES, Backend, backend_for
 from .format import PayloadError
 
 Bound = float | Sequence[float] | torch.Tensor
@@ -27,14 +29,16 @@ def register(cls: type[Codec]) -> type[Codec]:
     return cls
 
 
-def get_codec(name: str, **params) -> Codec:
-    """Build the codec registered as ``name`` with its keyword parameters."""
+def get_codec(name: str, backend: str = "auto", **params) -> Codec:
+    """Build the codec registered as ``name`` with its keyword parameters; ``backend``: where its
+    stages run (:func:`compression.backend.backend_for`'s choice: auto, host or device)."""
     if name not in _REGISTRY:
         raise ValueError(f"unknown codec {name!r}; available: {', '.join(sorted(_REGISTRY))}")
     try:
-        return _REGISTRY[name](**params)
+        codec = _REGISTRY[name](**params)
     except TypeError as e:  # name the codec: "unexpected keyword" alone does not say which
         raise TypeError(f"codec {name!r}: {e}") from None
+    return codec.with_backend(backend)
 
 
 def available_codecs() -> list[str]:
@@ -63,16 +67,51 @@ def decode(payload: torch.Tensor, ids: torch.Tensor | None = None, *, out: torch
     return codec_for(payload).decode(payload, ids, out=out)
 
 
+@dataclass
+class CodecContext:
+    """What one call of a collective tells a codec besides its tensor (TorchRec's codec context is
+    the model): each codec reads what concerns it and ignores the rest."""
+
+    single: torch.Tensor | None = None  # a 0-d bool on the device: whether the ids hold (not read yet)
+    summed: bool = False  # each id's rows travel as their sum (a gradient's), where the codec can
+    keep_first: bool = False  # decoded, each id's value stays on its first row only (zeros elsewhere)
+    thresholds: Sequence[Any] | None = None  # DCT-MP: each block's threshold
+    choice: Sequence[str | None] | None = None  # compression=auto: each block's option (None: the fallback)
+
+
+NO_CONTEXT = CodecContext()
+
+
 class Codec(ABC):
     """tensor [rows, cols] -> self-describing uint8 payload -> tensor.
 
     ``bounded`` codecs guarantee ``|decode(encode(x, eb)) - x| <= eb`` element-wise; the others
     ignore ``eb`` (cast/quantised baselines).
+
+    The transport calls the protocol below, whose defaults fit a codec that reads what it needs
+    on the host: :meth:`encode_deferred` (a payload whose length may stay on the device),
+    :meth:`defers` and :meth:`chooses_ids_on_device` (what it can do there), :meth:`head_size`
+    and :meth:`prepare_decode` (what its decoder reads on the host, with every payload of the
+    collective at once) and :meth:`decode` with that ``head``; each takes a
+    :class:`CodecContext`.
     """
 
     name: ClassVar[str]
     codec_id: ClassVar[int]
     bounded: ClassVar[bool] = False
+    backend_choice: str = "auto"  # where its stages run (with_backend); a codec's own, not shared
+
+    def with_backend(self, choice: str) -> Codec:
+        """Run this codec's stages on the ``choice`` backend (auto, host or device) from now on;
+        returns the codec. Codecs that hold others pass it on."""
+        if choice not in CHOICES:
+            raise ValueError(f"backend must be one of {CHOICES}, got {choice!r}")
+        self.backend_choice = choice
+        return self
+
+    def backend_for(self, device: torch.device) -> Backend:
+        """The backend of this codec's stages on ``device``, chosen once per call from the device."""
+        return backend_for(device, self.backend_choice)
 
     @abstractmethod
     def encode(
@@ -82,19 +121,85 @@ class Codec(ABC):
         ids: torch.Tensor | None = None,
         *,
         blocks: Sequence[int] | None = None,
+        context: CodecContext = NO_CONTEXT,
     ) -> torch.Tensor:
         """Compress ``x`` into one payload (see the package docstring for ``eb``/``ids``/``blocks``)."""
 
     @abstractmethod
     def decode(
-        self, payload: torch.Tensor, ids: torch.Tensor | None = None, *, out: torch.Tensor | None = None
+        self,
+        payload: torch.Tensor,
+        ids: torch.Tensor | None = None,
+        *,
+        out: torch.Tensor | None = None,
+        head: fmt.HostHead | None = None,
+        context: CodecContext = NO_CONTEXT,
     ) -> torch.Tensor:
         """Rebuild the tensor (shape, dtype, device of the payload) from a payload.
 
         ``out``: write into this tensor instead (the payload's shape, dtype and device; it may be
         a strided view, e.g. one peer's columns of an all-to-all's output) and return it. Reusing
         or sharing the output saves the allocation (page faults on CPU) and the caller's copy.
+        ``head``: the payload's head and :meth:`prepare_decode`'s values, read already
+        (:func:`compression.format.read_heads`), so that the decode need not wait for the device.
         """
+
+    # -- the transport's protocol (defaults: read on the host as needed) ------------------------
+
+    def defers(self, device: torch.device) -> bool:
+        """Whether :meth:`encode_deferred` builds payloads on ``device`` without a host wait."""
+        return False
+
+    def chooses_ids_on_device(self, device: torch.device) -> bool:
+        """Whether :meth:`encode_deferred` takes ``context.single`` (whether the ids hold, unread)
+        and chooses between ids and rows on the device (else it reads the flag)."""
+        return False
+
+    def sums_duplicates(self, device: torch.device) -> bool:
+        """Whether :meth:`encode_deferred` takes ``context.summed`` (each id's rows sent as their
+        sum) and :meth:`decode` ``context.keep_first`` on ``device`` (else the caller sums and keeps)."""
+        return False
+
+    def encode_deferred(
+        self,
+        x: torch.Tensor,
+        eb: Bound | None = None,
+        ids: torch.Tensor | None = None,
+        *,
+        blocks: Sequence[int] | None = None,
+        context: CodecContext = NO_CONTEXT,
+    ) -> torch.Tensor | fmt.Deferred:
+        """:meth:`encode`, with the payload's length left on the device where the codec can
+        (:class:`compression.format.Deferred`, read with every length of the collective at once).
+        Default: :meth:`encode`, after reading whether the ids hold."""
+        return self.encode(x, eb, held_ids(ids, context.single), blocks=blocks, context=context)
+
+    def checks_in_decode(self, device: torch.device) -> bool:
+        """Whether the decoder needs nothing from the host (the header its receiver expects is
+        known) and checks the payload as it decodes it (:meth:`decode_checked`), its verdict read
+        with the collective's others after every decode; else its head is read before."""
+        return False
+
+    def decode_checked(
+        self, payload: torch.Tensor, out: torch.Tensor, blocks: Sequence[int], context: CodecContext = NO_CONTEXT
+    ) -> torch.Tensor:
+        """Where :meth:`checks_in_decode`: the payload decoded into ``out`` (the shape and dtype
+        the receiver expects, ``blocks`` its block widths) and its verdict, an int64 tensor on the
+        device, all ones where the payload is sound (the values written are then to be used)."""
+        raise NotImplementedError(f"codec {self.name!r} reads its head before it decodes")
+
+    def head_size(self, n_blocks: int) -> int | None:
+        """Bytes of a payload of ``n_blocks`` blocks its decoder needs on the host, read with the
+        collective's heads where :meth:`prepare_decode` says so; None: it reads for itself."""
+        return None
+
+    def prepare_decode(
+        self, payload: torch.Tensor, ids: torch.Tensor | None, context: CodecContext = NO_CONTEXT
+    ) -> tuple[torch.Tensor | None, Any] | None:
+        """Where :meth:`decode` can take everything it reads on the host from the collective's one
+        read (:func:`compression.format.read_heads`): the device values to read with the payload's
+        head (int64, or None) and the state that goes with them; None: it reads for itself."""
+        return None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
@@ -103,7 +208,7 @@ class Codec(ABC):
 
     def _header(self, payload: torch.Tensor, head: fmt.HostHead | None = None) -> tuple[fmt.Header, list[torch.Tensor]]:
         """Unpack (from its ``head`` if read already) and check that this codec wrote the payload."""
-        header, sections = fmt.unpack(payload, head)
+        header, sections = fmt.unpack(payload, head, self.backend_for(payload.device))
         if header.codec_id != self.codec_id:
             other = _BY_ID.get(header.codec_id)
             raise PayloadError(
@@ -180,14 +285,10 @@ def resolve_bounds(eb: Bound | None, widths: list[int], required: bool) -> list[
     return bounds
 
 
-HOST_BOUNDS = True  # a CPU tensor of bounds is read as Python floats: no wait on a CPU, and cheaper
-# there than the device code's small tensor ops (tests and the sync count switch it off to run the
-# device code on CPU tensors)
-
-
-def on_device(eb: Bound | None) -> bool:
-    """Whether the bounds take the device path: a tensor, unless a CPU one read on the host."""
-    return isinstance(eb, torch.Tensor) and not (HOST_BOUNDS and eb.device.type == "cpu")
+def on_device(eb: Bound | None, backend: Backend) -> bool:
+    """Whether the bounds take the device path: a tensor, unless ``backend`` reads a CPU one on
+    the host."""
+    return isinstance(eb, torch.Tensor) and not (backend.host_bounds and eb.device.type == "cpu")
 
 
 def device_bounds(eb: torch.Tensor, widths: list[int], device: torch.device) -> torch.Tensor:
@@ -199,15 +300,17 @@ def device_bounds(eb: torch.Tensor, widths: list[int], device: torch.device) -> 
         b = b.expand(len(widths))
     if b.numel() != len(widths):
         raise ValueError(f"{b.numel()} error bounds for {len(widths)} blocks {widths}")
-    ok = (b >= 0).logical_and_(b.isfinite()).all()
+    ok = (b.nan_to_num(-1.0, -1.0, -1.0) >= 0).all()  # (NaN and inf fail too)
     torch._assert_async(ok, "error bounds must be finite and >= 0")
     return b
 
 
-def block_bounds(eb: Bound | None, widths: list[int], device: torch.device) -> list[float] | torch.Tensor:
+def block_bounds(
+    eb: Bound | None, widths: list[int], device: torch.device, backend: Backend
+) -> list[float] | torch.Tensor:
     """A bounded codec's per-block bounds: a tensor of bounds stays on its device, unread
     (:func:`device_bounds`); host numbers are checked on the host (:func:`resolve_bounds`)."""
-    if isinstance(eb, torch.Tensor) and on_device(eb):
+    if isinstance(eb, torch.Tensor) and on_device(eb, backend):
         return device_bounds(eb, widths, device)
     return resolve_bounds(eb, widths, required=True)
 

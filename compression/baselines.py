@@ -15,7 +15,19 @@ from typing import ClassVar
 import torch
 
 from . import format as fmt
-from .base import Bound, Codec, check_ids, check_input, check_out, into, register, resolve_blocks, resolve_bounds
+from .base import (
+    NO_CONTEXT,
+    Bound,
+    Codec,
+    CodecContext,
+    check_ids,
+    check_input,
+    check_out,
+    into,
+    register,
+    resolve_blocks,
+    resolve_bounds,
+)
 
 # fbgemm_gpu.quantize_comm constants (TorchRec's defaults).
 HFP8_EBITS, HFP8_MBITS, HFP8_BIAS = 4, 3, 15
@@ -57,6 +69,7 @@ class FbgemmCodec(Codec):
         ids: torch.Tensor | None = None,
         *,
         blocks: Sequence[int] | None = None,
+        context: CodecContext = NO_CONTEXT,
     ) -> torch.Tensor:
         """Quantise ``x`` as TorchRec's qcomms would; ``eb`` and ``ids`` are ignored."""
         check_input(x)
@@ -78,10 +91,9 @@ class FbgemmCodec(Codec):
             [float("inf")] * len(widths),
             info=[self.chunk, 0, 0, 0],
         )
-        return fmt.pack(header, [wire], device=x.device)
+        return fmt.pack(header, [wire], device=x.device, backend=self.backend_for(x.device))
 
-    @staticmethod
-    def head_size(n_blocks: int) -> int:
+    def head_size(self, n_blocks: int) -> int:
         """Bytes a decoder needs on the host: the header."""
         return fmt.head_bytes(n_blocks, 1)
 
@@ -92,6 +104,7 @@ class FbgemmCodec(Codec):
         *,
         out: torch.Tensor | None = None,
         head: fmt.HostHead | None = None,
+        context: CodecContext = NO_CONTEXT,
     ) -> torch.Tensor:
         """Dequantise back to the input's shape and dtype. ``head``: the payload's head, read
         already (nothing then waits for the device)."""
@@ -151,13 +164,14 @@ class Fp8Codec(FbgemmCodec):
         ids: torch.Tensor | None = None,
         *,
         blocks: Sequence[int] | None = None,
+        context: CodecContext = NO_CONTEXT,
     ) -> torch.Tensor:
         """As TorchRec; row-wise FP8 raises NotImplementedError off CUDA (fbgemm has no CPU kernel)."""
         if self.rowwise and x.device.type != "cuda":
             raise NotImplementedError(
                 "fp8 rowwise=True needs CUDA: fbgemm 1.8 raises 'fp8 is not supported by CPU'; use rowwise=False (HFP8)"
             )
-        return super().encode(x, eb, ids, blocks=blocks)
+        return super().encode(x, eb, ids, blocks=blocks, context=context)
 
     def _quantize(self, flat: torch.Tensor, chunk: int) -> torch.Tensor:
         if chunk > 1:

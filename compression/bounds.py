@@ -11,9 +11,9 @@ from collections.abc import Sequence
 
 import torch
 
+from . import ops
+from .backend import upload
 from .base import check_input, resolve_blocks
-
-_BLOCK_OF: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
 
 
 def relative_to_absolute(
@@ -29,16 +29,7 @@ def relative_to_absolute(
     check_input(x)
     widths = resolve_blocks(x.shape[1], rel, None, blocks)
     rels = _relative(rel, len(widths), x.device)
-    if x.numel() == 0:
-        return torch.zeros(len(widths), dtype=torch.float64, device=x.device)
-    xf = x.float()
-    finite = torch.isfinite(xf)
-    hi = torch.where(finite, xf, float("-inf")).amax(dim=0)  # per column
-    lo = torch.where(finite, xf, float("inf")).amin(dim=0)
-    top, bottom = _per_block(hi, widths, "amax"), _per_block(lo, widths, "amin")
-    top, bottom = top.double(), bottom.double()
-    span = torch.where(top >= bottom, top - bottom, 0.0)  # no finite value: an empty range
-    return rels * span
+    return ops.relative_bounds(x, rels, widths)  # one op: the ranges of every block
 
 
 def _relative(rel: float | Sequence[float] | torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
@@ -57,21 +48,4 @@ def _relative(rel: float | Sequence[float] | torch.Tensor, n: int, device: torch
         raise ValueError(f"{len(rels)} relative bounds for {n} blocks")
     if any(not r >= 0 for r in rels):
         raise ValueError(f"relative bounds must be >= 0, got {rels}")
-    return torch.tensor(rels, dtype=torch.float64).to(device, non_blocking=True)
-
-
-def _per_block(col: torch.Tensor, widths: list[int], how: str) -> torch.Tensor:
-    """Reduce per-column values to one per block (``amax``/``amin``; an empty block gets the
-    reduction's identity, -inf/inf): a view when the blocks are equal, else one scatter_reduce."""
-    nb = len(widths)
-    if nb and min(widths) == max(widths) > 0:
-        v = col.view(nb, widths[0])
-        return v.amax(1) if how == "amax" else v.amin(1)
-    key = (tuple(widths), col.device)
-    if key not in _BLOCK_OF:
-        if len(_BLOCK_OF) > 64:
-            _BLOCK_OF.clear()
-        _BLOCK_OF[key] = torch.tensor([b for b, w in enumerate(widths) for _ in range(w)], device=col.device)
-    fill = float("-inf") if how == "amax" else float("inf")
-    out = torch.full((nb,), fill, dtype=col.dtype, device=col.device)
-    return out.scatter_reduce(0, _BLOCK_OF[key], col, how, include_self=True)
+    return upload(torch.tensor(rels, dtype=torch.float64), device)

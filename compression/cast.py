@@ -8,7 +8,19 @@ from typing import ClassVar
 import torch
 
 from . import format as fmt
-from .base import Bound, Codec, check_ids, check_input, check_out, register, resolve_blocks, resolve_bounds
+from . import ops
+from .base import (
+    NO_CONTEXT,
+    Bound,
+    Codec,
+    CodecContext,
+    check_ids,
+    check_input,
+    check_out,
+    register,
+    resolve_blocks,
+    resolve_bounds,
+)
 
 
 class CastCodec(Codec):
@@ -23,20 +35,59 @@ class CastCodec(Codec):
         ids: torch.Tensor | None = None,
         *,
         blocks: Sequence[int] | None = None,
+        context: CodecContext = NO_CONTEXT,
     ) -> torch.Tensor:
         """Cast and wrap ``x``; one section holding the cast values."""
         check_input(x)
         widths = resolve_blocks(x.shape[1], eb, ids, blocks)
         resolve_bounds(eb, widths, required=False)  # reject malformed bounds even though unused
         check_ids(ids, x.shape[0], len(widths), f"codec {self.name!r} encode")
+        backend = self.backend_for(x.device)
+        if not backend.reads_sizes and self._fused(x.dtype):  # one op: values, header and check
+            return ops.cast_pack(x, self._head(x.shape, x.dtype, widths, x.device), _WIRE[self.wire_dtype])
         wire = x if self.wire_dtype is None else x.to(self.wire_dtype)
         header = fmt.Header(self.codec_id, x.dtype, x.shape[0], x.shape[1], widths, [float("inf")] * len(widths))
-        return fmt.pack(header, [wire], device=x.device)
+        return fmt.pack(header, [wire], device=x.device, backend=backend)
 
-    @staticmethod
-    def head_size(n_blocks: int) -> int:
+    def _fused(self, dtype: torch.dtype) -> bool:
+        """Whether the fused ops cast this dtype (as they are, or float32 to a 16-bit wire)."""
+        return self.wire_dtype is None or dtype == torch.float32
+
+    def _head(
+        self, shape: Sequence[int], dtype: torch.dtype, widths: Sequence[int], device: torch.device
+    ) -> torch.Tensor:
+        """The device backend's header of a payload of this shape, on ``device`` (uploaded once)."""
+        n = shape[0] * shape[1] * (self.wire_dtype or dtype).itemsize
+        header = fmt.Header(self.codec_id, dtype, shape[0], shape[1], list(widths), [float("inf")] * len(widths))
+        return fmt.header_on(fmt.header_bytes(header, [n], "adler32"), device)
+
+    def checks_in_decode(self, device: torch.device) -> bool:
+        return not self.backend_for(device).reads_sizes
+
+    def decode_checked(
+        self, payload: torch.Tensor, out: torch.Tensor, blocks: Sequence[int], context: CodecContext = NO_CONTEXT
+    ) -> torch.Tensor:
+        """One op: the values into ``out`` and the verdict (the check holds, the header is this
+        shape's), no host wait; a payload of another size raises at once (its size is the host's)."""
+        if not self._fused(out.dtype):
+            raise ValueError(f"codec {self.name!r}: no fused decode to {out.dtype}")
+        head = self._head(out.shape, out.dtype, blocks, out.device)
+        n = out.numel() * (self.wire_dtype or out.dtype).itemsize
+        total = head.numel() + n + (-(head.numel() + n) % 8)
+        if payload.numel() != total:
+            what = "truncated" if payload.numel() < total else "trailing bytes"
+            raise fmt.PayloadError(f"payload is {payload.numel()} bytes where {total} were expected ({what})")
+        return ops.cast_unpack(payload, head, _WIRE[self.wire_dtype], out)
+
+    def head_size(self, n_blocks: int) -> int:
         """Bytes a decoder needs on the host: the header."""
         return fmt.head_bytes(n_blocks, 1)
+
+    def prepare_decode(
+        self, payload: torch.Tensor, ids: torch.Tensor | None, context: CodecContext = NO_CONTEXT
+    ) -> tuple[torch.Tensor | None, object] | None:
+        """On the device backend the header alone, read with the collective's (nothing else)."""
+        return None if self.backend_for(payload.device).reads_sizes else (None, None)
 
     def decode(
         self,
@@ -45,6 +96,7 @@ class CastCodec(Codec):
         *,
         out: torch.Tensor | None = None,
         head: fmt.HostHead | None = None,
+        context: CodecContext = NO_CONTEXT,
     ) -> torch.Tensor:
         """Undo the cast; the result never aliases ``payload``. ``head``: the payload's head,
         read already (nothing then waits for the device)."""
@@ -58,6 +110,9 @@ class CastCodec(Codec):
         if out is not None:
             return out.copy_(values)  # one pass: copy and cast together
         return values.clone() if values.dtype == header.dtype else values.to(header.dtype)
+
+
+_WIRE = {None: 0, torch.float16: 1, torch.bfloat16: 2}  # compression.reference.WIRE_DTYPES' codes
 
 
 @register

@@ -29,8 +29,10 @@ import torch
 
 from . import format as fmt
 from .base import (
+    NO_CONTEXT,
     Bound,
     Codec,
+    CodecContext,
     block_bounds,
     check_ids,
     check_input,
@@ -43,7 +45,6 @@ from .base import (
     resolve_bounds,
 )
 from .format import PayloadError
-from .lossy import LossyCodec
 
 # The options by name: a codec of this package and its parameters.
 OPTIONS: dict[str, tuple[str, dict]] = {
@@ -111,6 +112,12 @@ class PerBlockCodec(Codec):
         if not getattr(self.options[fallback], "bounded", False):
             raise ValueError(f"fallback {fallback!r} must be a bounded codec")
 
+    def with_backend(self, choice: str) -> PerBlockCodec:
+        super().with_backend(choice)
+        for codec in self.options.values():
+            codec.with_backend(choice)
+        return self
+
     def effective(
         self, x: torch.Tensor, widths: Sequence[int], bounds: Sequence[float], choice: Sequence[str]
     ) -> list[str]:
@@ -142,12 +149,13 @@ class PerBlockCodec(Codec):
         ]
         return names, carried
 
-    def _checked_choice(self, choice: Sequence[str] | None, n_blocks: int) -> list[str]:
-        choice = list(choice) if choice is not None else [self.fallback] * n_blocks
-        unknown = sorted({c for c in choice} - set(self.options))
-        if len(choice) != n_blocks or unknown:
-            raise ValueError(f"per_block: choice {choice} for {n_blocks} blocks; unknown options {unknown}")
-        return choice
+    def _checked_choice(self, choice: Sequence[str | None] | None, n_blocks: int) -> list[str]:
+        """Each block's option (None, or no choice: the fallback), checked."""
+        names = [c or self.fallback for c in choice] if choice is not None else [self.fallback] * n_blocks
+        unknown = sorted(set(names) - set(self.options))
+        if len(names) != n_blocks or unknown:
+            raise ValueError(f"per_block: choice {names} for {n_blocks} blocks; unknown options {unknown}")
+        return names
 
     @staticmethod
     def _columns(x: torch.Tensor, widths: Sequence[int], members: Sequence[int]) -> torch.Tensor:
@@ -165,9 +173,12 @@ class PerBlockCodec(Codec):
         ids: torch.Tensor | None = None,
         *,
         blocks: Sequence[int] | None = None,
-        choice: Sequence[str] | None = None,
+        choice: Sequence[str | None] | None = None,
+        context: CodecContext = NO_CONTEXT,
     ) -> torch.Tensor:
-        """Encode each block with ``choice[k]`` (default: the fallback for every block)."""
+        """Encode each block with ``choice[k]`` (else ``context.choice``'s; None or neither: the
+        fallback)."""
+        choice = choice if choice is not None else context.choice
         check_input(x)
         rows, cols = x.shape
         widths = resolve_blocks(cols, eb, ids, blocks)
@@ -189,7 +200,7 @@ class PerBlockCodec(Codec):
                 )
             )
         header = fmt.Header(self.codec_id, x.dtype, rows, cols, widths, bounds)
-        return fmt.pack(header, sections, device=x.device)
+        return fmt.pack(header, sections, device=x.device, backend=self.backend_for(x.device))
 
     def encode_deferred(
         self,
@@ -198,8 +209,8 @@ class PerBlockCodec(Codec):
         ids: torch.Tensor | None = None,
         *,
         blocks: Sequence[int] | None = None,
-        choice: Sequence[str] | None = None,
-        single: torch.Tensor | None = None,
+        choice: Sequence[str | None] | None = None,
+        context: CodecContext = NO_CONTEXT,
     ) -> torch.Tensor | fmt.Deferred:
         """:meth:`encode` where the payload is built on the device (Adler-32 check), its length
         left there (:class:`~compression.format.Deferred`): made without a host wait where every
@@ -213,16 +224,17 @@ class PerBlockCodec(Codec):
         names; in the fallback's group, the blocks decided otherwise travel as zeros. Section 1
         says which blocks each group carries, section 2 holds a copy of each group payload's
         head (so that one read of the payload's first bytes gives the decoder every header)."""
-        if fmt._check_for(x.device) != "adler32":  # the CPU: the host path is the faster
+        choice, single = (choice if choice is not None else context.choice), context.single
+        if self.backend_for(x.device).reads_sizes:  # the host backend (a CPU): its path is the faster
             return self.encode(x, eb, held_ids(ids, single), blocks=blocks, choice=choice)
         check_input(x)
         rows, cols = x.shape
         widths = resolve_blocks(cols, eb, ids, blocks)
-        bounds = block_bounds(eb, widths, x.device)
+        bounds = block_bounds(eb, widths, x.device, self.backend_for(x.device))
         keys = check_ids(ids, rows, len(widths), "per_block encode")
         choice = self._checked_choice(choice, len(widths))
         names, carried = self.device_groups(choice)
-        if any(_head_size(self.options[n], 0) is None for n in names):  # an option read on the host
+        if any(self.options[n].head_size(0) is None for n in names):  # an option read on the host
             return self.encode(x, eb, held_ids(ids, single), blocks=blocks, choice=choice)
         if len(names) == 1:
             return self._encode_group(names[0], x, bounds, keys, widths, list(range(len(widths))), single)
@@ -244,7 +256,7 @@ class PerBlockCodec(Codec):
             (s.buffer, s.length) if isinstance(s, fmt.Deferred) else (s, s.numel()) for s in subs
         ]
         heads: list[tuple[torch.Tensor, fmt.Length]] = [
-            (buffer, _head_size(self.options[name], len(members)) or 0)
+            (buffer, self.options[name].head_size(len(members)) or 0)
             for (buffer, _), name, members in zip(pieces, names, carried, strict=True)
         ]
         sections: list[list[tuple[torch.Tensor, fmt.Length]]] = [
@@ -298,32 +310,36 @@ class PerBlockCodec(Codec):
             sub_bounds: list[float] | torch.Tensor = bounds[torch.tensor(members).to(bounds.device, non_blocking=True)]
         else:
             sub_bounds = [bounds[k] for k in members]
-        if isinstance(codec, LossyCodec):
-            return codec.encode_deferred(sub, sub_bounds, sub_ids, blocks=sub_widths, single=single)
-        return codec.encode(sub, sub_bounds, sub_ids, blocks=sub_widths)
+        return codec.encode_deferred(sub, sub_bounds, sub_ids, blocks=sub_widths, context=CodecContext(single=single))
+
+    def chooses_ids_on_device(self, device: torch.device) -> bool:
+        return not self.backend_for(device).reads_sizes  # (its lossy groups choose)
 
     def head_size(self, n_blocks: int) -> int:
         """Bytes a decoder needs on the host, at most: a payload of every option as its own
         group, with its head copied in front (section 2), or one option's own payload."""
         options = len(self.options)
-        most = max((_head_size(codec, n_blocks) or 0 for codec in self.options.values()), default=0)
+        most = max((codec.head_size(n_blocks) or 0 for codec in self.options.values()), default=0)
         padding = 3 * 8  # sections 0 to 2 each padded to 8 bytes
         return fmt.head_bytes(n_blocks, 3 + options, padding + n_blocks * (1 + options) + options * most)
 
     def prepare_decode(
-        self, payload: torch.Tensor, ids: torch.Tensor | None, choice: Sequence[str]
-    ) -> tuple[torch.Tensor | None, object]:
+        self, payload: torch.Tensor, ids: torch.Tensor | None, context: CodecContext = NO_CONTEXT
+    ) -> tuple[torch.Tensor | None, object] | None:
         """The device values :meth:`decode` reads on the host besides the payload's head, for
-        the groups this ``choice`` gives (:meth:`device_groups`; the sender's, as every rank has
-        the same): each group codec's own (e.g. what the receiver's ids give the lossy codec),
-        to be read with every payload's head at once; and the state that goes with them."""
-        names, carried = self.device_groups(list(choice))
+        the groups ``context.choice`` gives (:meth:`device_groups`; the sender's, as every rank
+        has the same): each group codec's own (e.g. what the receiver's ids give the lossy codec),
+        to be read with every payload's head at once; and the state that goes with them. The
+        host backend reads for itself (None)."""
+        if self.backend_for(payload.device).reads_sizes or context.choice is None:
+            return None
+        choice = self._checked_choice(context.choice, len(context.choice))
+        names, carried = self.device_groups(choice)
         keys = ids if ids is None or ids.dim() != 1 else ids[:, None].expand(-1, len(choice))
         extras, prepared = [], _Prepared(carried)
         for name, members in zip(names, carried, strict=True):
-            prepare = getattr(self.options[name], "prepare_decode", None)
             sub_keys = None if keys is None else keys[:, members]
-            extra, state = (None, None) if prepare is None else prepare(payload, sub_keys)
+            extra, state = self.options[name].prepare_decode(payload, sub_keys) or (None, None)
             if extra is not None:
                 extras.append(extra.to(torch.int64).reshape(-1))
             prepared.sizes.append(0 if extra is None else extra.numel())
@@ -346,6 +362,7 @@ class PerBlockCodec(Codec):
         *,
         out: torch.Tensor | None = None,
         head: fmt.HostHead | None = None,
+        context: CodecContext = NO_CONTEXT,
     ) -> torch.Tensor:
         """Rebuild the tensor; ``head``: the payload's head and :meth:`prepare_decode`'s values,
         read already: nothing then waits for the device where its groups are the ones prepared."""
@@ -355,7 +372,7 @@ class PerBlockCodec(Codec):
                 return codec.decode(payload, ids, out=out)
             single = isinstance(head.state, _Prepared) and len(head.state.carried) == 1
             extra, state = head.state.split(head.extra)[0] if single else ([], None)
-            return _decode(codec, payload, ids, out, fmt.HostHead(head.data, head.good, extra, state))
+            return codec.decode(payload, ids, out=out, head=fmt.HostHead(head.data, head.good, extra, state))
         header, sections = self._header(payload, head)
         check_out(out, header, payload.device)
         widths, nb = header.widths, len(header.widths)
@@ -382,8 +399,8 @@ class PerBlockCodec(Codec):
             sub_keys = None if keys is None else keys[:, members]
             sub_codec = codec_for(sub, heads[g])
             if group == [g] * nb and len(members) == nb:  # one codec for the whole chunk: into out
-                return _decode(sub_codec, sub, sub_keys, out, heads[g])
-            part = _decode(sub_codec, sub, sub_keys, None, heads[g])
+                return sub_codec.decode(sub, sub_keys, out=out, head=heads[g])
+            part = sub_codec.decode(sub, sub_keys, head=heads[g])
             c = 0
             for k in members:
                 if group[k] == g:
@@ -407,7 +424,7 @@ class PerBlockCodec(Codec):
         at = 0
         for g, (sub, members) in enumerate(zip(sections[3:], carried, strict=True)):
             read = fmt.HostHead(heads[at:], head.good, [], None)
-            n = _head_size(codec_for(sub, read), len(members)) or 0
+            n = codec_for(sub, read).head_size(len(members)) or 0
             extra, state = prepared[g] if prepared is not None else ([], None)
             out.append(fmt.HostHead(heads[at : at + n], head.good, extra, state))
             at += n
@@ -431,22 +448,6 @@ class _Prepared:
         """Each group's values (read) and state."""
         ends = list(itertools.accumulate(self.sizes))
         return [(extra[e - n : e], st) for e, n, st in zip(ends, self.sizes, self.states, strict=True)]
-
-
-def _head_size(codec: Codec, n_blocks: int) -> int | None:
-    """Bytes of a payload of ``codec``'s with ``n_blocks`` blocks that its decoder needs on the
-    host, for the codecs with a device path (they take the head read, :func:`_decode`); else None."""
-    size = getattr(codec, "head_size", None)
-    return None if size is None else int(size(n_blocks))
-
-
-def _decode(
-    codec: Codec, payload: torch.Tensor, ids: torch.Tensor | None, out: torch.Tensor | None, head: fmt.HostHead | None
-) -> torch.Tensor:
-    """``codec.decode``, given the payload's head where it was read."""
-    if head is None:
-        return codec.decode(payload, ids, out=out)
-    return codec.decode(payload, ids, out=out, head=head)  # type: ignore[call-arg]  # a codec with _head_size
 
 
 def _host(head: fmt.HostHead | None, header: fmt.Header, i: int, section: torch.Tensor) -> bytes:

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Literal, overload
+from typing import Literal, NamedTuple, overload
 
 import numpy as np
 import torch
+
+from . import ops, reference
 
 NONE, IDS, VALUE = 0, 1, 2
 _HASH_SEED = 0x5EED
@@ -62,17 +64,18 @@ def first_at_capacity(inverse: torch.Tensor) -> torch.Tensor:
 
 @overload
 def unique_per_block(
-    keys: torch.Tensor, want_first: Literal[True] = ...
+    keys: torch.Tensor, want_first: Literal[True] = ..., numpy: bool = ...
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 @overload
 def unique_per_block(
-    keys: torch.Tensor, want_first: bool = ...
+    keys: torch.Tensor, want_first: bool = ..., numpy: bool = ...
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]: ...
 def unique_per_block(
-    keys: torch.Tensor, want_first: bool = True
+    keys: torch.Tensor, want_first: bool = True, numpy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Per column of ``keys`` [rows, n_blocks]: (counts, a source row of each unique key in
-    block-major canonical order, inverse [n_blocks, rows] index within the block)."""
+    block-major canonical order, inverse [n_blocks, rows] index within the block). ``numpy``:
+    the host backend's shortcut, numpy's sorts for CPU tensors (``Backend.numpy_sorts``)."""
     rows, nb = keys.shape
     known = known_plan(keys)
     if known is not None:  # the first row of each distinct key as its source
@@ -83,59 +86,93 @@ def unique_per_block(
             first = cap[torch.arange(rows, device=keys.device) < counts[:, None]]
         return counts, first, inverse
     shared = nb == 1 or keys.stride(1) == 0
-    if shared and not want_first and not _host(keys):  # the receiver: a sort, not torch.unique (no host wait)
+    host = numpy and keys.device.type == "cpu"
+    if shared and not want_first and not host:  # the receiver: a sort, not torch.unique (no host wait)
         counts, _, inverse = _sorted_unique(keys[:, :1].t().contiguous(), False)
         return counts.expand(nb), None, inverse.expand(nb, rows)
     if shared:  # one key column shared by every block: one unique
-        uniq, inv = _unique(keys[:, 0])
+        uniq, inv = _unique(keys[:, 0], host)
         first = None
         if want_first:
             first = torch.empty_like(uniq).scatter_(0, inv, torch.arange(rows, device=keys.device))
             first = first.repeat(nb) if nb > 1 else first
         counts = torch.full((nb,), uniq.numel(), dtype=torch.int64, device=keys.device)
         return counts, first, inv.expand(nb, rows)
-    return _sorted_unique(keys.t().contiguous(), want_first)
+    return _sorted_unique(keys.t().contiguous(), want_first, host)
 
 
-def _sorted_unique(k: torch.Tensor, want_first: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+def _sorted_unique(
+    k: torch.Tensor, want_first: bool, host: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """:func:`unique_per_block` of ``k`` [n_blocks, rows] by one vectorised sort for every block."""
-    perm, new = _sorted_runs(k)
+    perm, new = _sorted_runs(k, host)
     local = new.cumsum(1)
     local -= 1
     inverse = torch.empty_like(local).scatter_(1, perm, local)
     return new.sum(1), perm[new] if want_first else None, inverse
 
 
-def _sorted_runs(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _sorted_runs(k: torch.Tensor, host: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row of ``k`` sorted: the permutation, and where each new key starts (bool)."""
-    s, perm = _sort_rows(k)
+    s, perm = _sort_rows(k, host)
     new = torch.ones_like(s, dtype=torch.bool)
     new[:, 1:] = s[:, 1:] != s[:, :-1]
     return perm, new
 
 
-HOST_NUMPY = True  # CPU tensors take numpy's faster sorts and compares (tests switch it off to
-# run the device code on CPU)
-
-
-def _host(t: torch.Tensor) -> bool:
-    return HOST_NUMPY and t.device.type == "cpu"
-
-
-def _unique(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sorted unique values and the inverse index (numpy's sort is ~3x torch's on CPU)."""
-    if _host(k):
+def _unique(k: torch.Tensor, host: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted unique values and the inverse index (``host``: numpy's, ~3x torch's on a CPU)."""
+    if host:
         uniq, inv = np.unique(k.numpy(), return_inverse=True)
         return torch.from_numpy(uniq), torch.from_numpy(inv.reshape(-1)).long()
     return torch.unique(k, sorted=True, return_inverse=True)
 
 
-def _sort_rows(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row sorted, and the permutation (order among equal keys is unspecified)."""
-    if _host(k):
+def _sort_rows(k: torch.Tensor, host: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row sorted, and the permutation (order among equal keys is unspecified; ``host``:
+    numpy's sort)."""
+    if host:
         perm = np.argsort(k.numpy(), axis=1)
         return torch.from_numpy(np.take_along_axis(k.numpy(), perm, axis=1)), torch.from_numpy(perm)
     return torch.sort(k, dim=1)
+
+
+_ID_PLAN = "_dedup_id_plan"  # the attribute of an ids tensor that holds its plan (id_plan)
+
+
+class IdPlan(NamedTuple):
+    """Dedup by id of ``keys`` [rows, n_blocks], at capacity, on their device."""
+
+    counts: torch.Tensor  # int64 [n_blocks]: distinct ids per block
+    first: torch.Tensor  # int64 [n_blocks, rows]: slot u's first row (ascending id order; past counts: 0)
+    inverse: torch.Tensor  # int64 [n_blocks, rows]: each row's slot
+    fingerprint: torch.Tensor  # int64 0-d: the ids' 32-bit weighted sum (reference.fingerprint)
+
+
+def id_plan(keys: torch.Tensor) -> IdPlan:
+    """The plan of ``keys``, made once per ids tensor (a collective's sender and receiver, forward
+    and backward, ask for the same ids): one sort (stable: each slot's first row is its id's
+    smallest) and one op for the runs (:func:`compression.ops.id_runs`), no host wait; or the
+    input codec's plan where it left one (:func:`with_known_plan`). The ids must not change in
+    place afterwards."""
+    plan = getattr(keys, _ID_PLAN, None)
+    if plan is not None:
+        return plan
+    rows, nb = keys.shape
+    known = known_plan(keys)
+    if known is not None:
+        counts, inverse = known
+        cap = first_at_capacity(inverse)
+        plan = IdPlan(counts, torch.where(cap < rows, cap, 0), inverse, reference.fingerprint(keys))
+    else:
+        shared = nb == 1 or keys.stride(1) == 0
+        sorted_ids, perm = torch.sort(keys[:, :1].t().contiguous() if shared else keys.t().contiguous(), stable=True)
+        counts, first, inverse, fingerprint = ops.id_runs(sorted_ids, perm, keys)
+        if shared:
+            counts, first, inverse = counts.expand(nb), first.expand(nb, rows), inverse.expand(nb, rows)
+        plan = IdPlan(counts, first, inverse, fingerprint)
+    setattr(keys, _ID_PLAN, plan)
+    return plan
 
 
 def first_capacity(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,18 +184,9 @@ def first_capacity(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def plan_capacity(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`first_capacity`'s counts and source rows, and :func:`unique_per_block`'s inverse
-    [n_blocks, rows], from one sort and without a host wait."""
-    rows, nb = keys.shape
-    known = known_plan(keys)
-    if known is not None:
-        counts, inverse = known
-        cap = first_at_capacity(inverse)
-        return counts, torch.where(cap < rows, cap, 0), inverse
-    shared = nb == 1 or keys.stride(1) == 0
-    counts, first, inverse = _capacity_runs(keys[:, :1].t().contiguous() if shared else keys.t().contiguous())
-    if shared:
-        return counts.expand(nb), first.expand(nb, rows), inverse.expand(nb, rows)
-    return counts, first, inverse
+    [n_blocks, rows], from one sort and without a host wait (:func:`id_plan`'s)."""
+    plan = id_plan(keys)
+    return plan.counts, plan.first, plan.inverse
 
 
 def _capacity_runs(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -219,15 +247,15 @@ def identity_plan(rows: int, n_blocks: int, device: torch.device) -> Plan:
     return Plan(NONE, counts, first, None)
 
 
-def plan_by_ids(ids: torch.Tensor) -> Plan:
+def plan_by_ids(ids: torch.Tensor, numpy: bool = False) -> Plan:
     """Dedup by the caller's ids [rows, n_blocks] (equal id => equal row, by contract)."""
-    counts, first, inverse = unique_per_block(ids)
+    counts, first, inverse = unique_per_block(ids, numpy=numpy)
     return Plan(IDS, counts, first, inverse)
 
 
-def inverse_from_ids(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def inverse_from_ids(ids: torch.Tensor, numpy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Receiver side of :func:`plan_by_ids`: (counts, inverse) from the same ids."""
-    counts, _, inverse = unique_per_block(ids, want_first=False)
+    counts, _, inverse = unique_per_block(ids, want_first=False, numpy=numpy)
     return counts, inverse
 
 
@@ -245,13 +273,13 @@ def _words(x: torch.Tensor, widths: list[int]) -> tuple[torch.Tensor, list[int]]
     raise AssertionError(f"no integer view of {x.dtype}")  # int16/int32 always tile 2/4-byte values
 
 
-def _row_hashes(x: torch.Tensor, widths: list[int]) -> torch.Tensor:
+def _row_hashes(x: torch.Tensor, widths: list[int], host: bool = False) -> torch.Tensor:
     """int64 hash of each (row, block) from the value bits (collisions are checked later).
 
-    CPU: one wrapping int64 multiply-sum over 8-byte words (numpy's integer matmul, one pass).
-    Elsewhere: two wrapping int32 multiply-sums, joined.
+    ``host`` (a CPU tensor): one wrapping int64 multiply-sum over 8-byte words (numpy's integer
+    matmul, one pass). Elsewhere: two wrapping int32 multiply-sums, joined.
     """
-    if _host(x):
+    if host:
         return _row_hashes_host(x, widths)
     bits = x.contiguous().view(torch.int32 if x.element_size() == 4 else torch.int16).int()
     gen = torch.Generator().manual_seed(_HASH_SEED)
@@ -293,15 +321,16 @@ def _row_hashes_host(x: torch.Tensor, widths: list[int]) -> torch.Tensor:
     return torch.from_numpy(np.stack(cols, 1) if cols else np.zeros((x.shape[0], 0), np.int64))
 
 
-def plan_by_value(x: torch.Tensor, widths: list[int]) -> Plan:
+def plan_by_value(x: torch.Tensor, widths: list[int], numpy: bool = False) -> Plan:
     """Dedup bit-identical rows per block; a block whose hash collides is left undeduplicated."""
     rows = x.shape[0]
-    keys = _row_hashes(x, widths)
-    counts, first, inverse = unique_per_block(keys)
-    bad = mismatched_blocks(x, widths, counts, first, inverse)
+    host = numpy and x.device.type == "cpu"
+    keys = _row_hashes(x, widths, host)
+    counts, first, inverse = unique_per_block(keys, numpy=numpy)
+    bad = mismatched_blocks(x, widths, counts, first, inverse, numpy)
     if bad.any():  # astronomically rare: fall back to the row number as key for those blocks
         keys[:, bad] = torch.arange(rows, device=x.device)[:, None]
-        counts, first, inverse = unique_per_block(keys)
+        counts, first, inverse = unique_per_block(keys, numpy=numpy)
     return Plan(VALUE, counts, first, inverse)
 
 
@@ -324,14 +353,20 @@ def _pays_off(counts: torch.Tensor, widths: list[int], rows: int) -> torch.Tenso
 
 
 def mismatched_blocks(
-    x: torch.Tensor, widths: list[int], counts: torch.Tensor, first: torch.Tensor, inverse: torch.Tensor
+    x: torch.Tensor,
+    widths: list[int],
+    counts: torch.Tensor,
+    first: torch.Tensor,
+    inverse: torch.Tensor,
+    numpy: bool = False,
 ) -> torch.Tensor:
-    """bool [n_blocks]: blocks where some row differs (bitwise) from the unique row it maps to."""
+    """bool [n_blocks]: blocks where some row differs (bitwise) from the unique row it maps to
+    (``numpy``: the host's gather and compare for a CPU tensor, ~4x torch's there)."""
     offsets = counts.cumsum(0) - counts
     src = first[inverse + offsets[:, None]]  # [nb, rows]: the representative row
-    if not _host(x):
+    if not (numpy and x.device.type == "cpu"):
         return _differs(x, widths, src)
-    words, ww = _words(x, widths)  # numpy's gather + compare: ~4x torch's here
+    words, ww = _words(x, widths)  # numpy's gather + compare
     bits, rep = words.numpy(), src.numpy()
     out, start = [], 0
     for b, w in enumerate(ww):

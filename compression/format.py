@@ -11,10 +11,11 @@ Layout (little-endian)::
 Every check that fails raises :class:`PayloadError` naming the field, so a truncated, corrupted
 or foreign buffer is never decoded into wrong values.
 
-The check is zlib's crc32 for a payload built on the CPU (the fastest there), and Adler-32
-computed with torch integer ops where the payload is on an accelerator, so that it is never
-copied to the host; bit 0 of ``flags`` says which (:data:`ADLER32`), and the decoder verifies
-whichever the payload carries, on any device. Either one catches every single-bit flip.
+The check is the backend's (:mod:`compression.backend`): zlib's crc32 on the host (the fastest
+there), Adler-32 on the device (:func:`compression.ops.adler32`: two kernels over the payload's
+own bytes), so that a device payload is never copied to the host; bit 0 of ``flags`` says which
+(:data:`ADLER32`), and the decoder verifies whichever the payload carries, on any device. Either
+one catches every single-bit flip.
 """
 
 from __future__ import annotations
@@ -27,13 +28,15 @@ from typing import Any
 
 import torch
 
+from . import ops
+from .backend import Backend, backend_for, upload
+
 MAGIC = b"DLCZ"
 VERSION = 1
 _PREFIX = struct.Struct("<4sBBBBIQI")  # magic, version, codec, dtype, flags, header_len, total_len, check
 _CRC_AT = _PREFIX.size - 4  # the check is the prefix's last field and covers every other byte
 _TOTAL_AT = _CRC_AT - 8  # total_len, the field before it
 ADLER32 = 1  # flags bit: the check is Adler-32 computed on the payload's device (else zlib crc32)
-_ADLER_MOD = 65521
 _FIXED = struct.Struct("<QIII")  # rows, cols, n_blocks, n_sections
 N_INFO = 4  # codec-private u32 words (e.g. the lossy codec's stage choices)
 _ALIGN = 8
@@ -94,13 +97,11 @@ def read_heads(
     spans = []
     for i, (p, e) in enumerate(zip(payloads, extras, strict=True)):
         n = min(p.numel(), _HEAD if sizes is None else sizes[i])
-        if p.numel() >= _PREFIX.size:
-            ok = adler32(_checked_bytes(p)) == _stored_check(p)
-        else:
-            ok = torch.zeros((), dtype=torch.bool, device=p.device)
-        ex = torch.zeros(0, dtype=torch.int64, device=p.device) if e is None else e.to(torch.int64).reshape(-1)
-        parts += [p[:n], ok.to(torch.uint8).reshape(1), ex.view(torch.uint8)]
-        spans.append((n, ex.numel()))
+        ok = _holds(p) if p.numel() >= _PREFIX.size else torch.zeros((), dtype=torch.int64, device=p.device)
+        parts += [p[:n], ok.reshape(1).view(torch.uint8)[:1]]
+        if e is not None:
+            parts.append(e.to(torch.int64).reshape(-1).view(torch.uint8))
+        spans.append((n, 0 if e is None else e.numel()))
     host = torch.cat(parts).cpu().numpy().tobytes() if parts else b""
     heads, at = [], 0
     for n, k in spans:
@@ -126,8 +127,10 @@ def pack(
     sections: list[torch.Tensor],
     device: torch.device | None = None,
     device_info: dict[int, torch.Tensor] | None = None,
+    backend: Backend | None = None,
 ) -> torch.Tensor:
-    """Serialise a header and its sections into one uint8 payload tensor on ``device``.
+    """Serialise a header and its sections into one uint8 payload tensor on ``device``, with the
+    check of ``backend`` (default: the device's).
 
     ``device_info``: codec info words (index -> int64 0-d tensor in [0, 2**32)) computed on the
     device, written in place of ``header.info``'s, so that the host never reads them.
@@ -137,34 +140,18 @@ def pack(
     if len(header.info) != N_INFO:
         raise ValueError(f"codec info must have {N_INFO} words, got {len(header.info)}")
     body_parts = [_as_bytes_tensor(s) for s in sections]
-    on_device = isinstance(header.bounds, torch.Tensor)
     lengths = [int(p.numel()) for p in body_parts]
-    nb, ns = len(header.widths), len(body_parts)
-    rest = b"".join(
-        [
-            _FIXED.pack(header.rows, header.cols, nb, ns),
-            struct.pack(f"<{nb}I", *header.widths),
-            bytes(8 * nb) if on_device else struct.pack(f"<{nb}d", *header.bounds),
-            struct.pack(f"<{N_INFO}I", *header.info),
-            struct.pack(f"<{ns}Q", *lengths),
-        ]
-    )
-    header_len = _PREFIX.size + len(rest)
-    rest += bytes(_pad(header_len))
-    header_len += _pad(header_len)
+    nb = len(header.widths)
     if device is None:
         device = body_parts[0].device if body_parts else torch.device("cpu")
-    if header.flags & ADLER32:
-        raise ValueError(f"header flags {header.flags:#x}: bit {ADLER32} is the format's (which check)")
-    check = _check_for(device)
-    total = header_len + sum(n + _pad(n) for n in lengths)
-    flags = header.flags | (ADLER32 if check == "adler32" else 0)
-    prefix = _PREFIX.pack(MAGIC, VERSION, header.codec_id, DTYPES[header.dtype], flags, header_len, total, 0)
-    pieces = [_on(torch.frombuffer(bytearray(prefix + rest), dtype=torch.uint8), device)]
-    zeros = _on(_ZEROS, device)
+    check = (backend or backend_for(device)).check
+    head = header_bytes(header, lengths, check)
+    prefix = head[: _PREFIX.size]
+    pieces = [upload(torch.frombuffer(bytearray(head), dtype=torch.uint8), device)]
+    zeros = upload(_ZEROS, device) if any(_pad(n) for n in lengths) else None
     for p, n in zip(body_parts, lengths, strict=True):
         pieces.append(_on(p, device))
-        if _pad(n):
+        if zeros is not None and _pad(n):
             pieces.append(zeros[: _pad(n)])
     out = torch.cat(pieces)  # one copy of every section into the payload
     at = _PREFIX.size + _FIXED.size + 4 * nb  # device values written where they are (no host copy)
@@ -174,11 +161,52 @@ def pack(
         word = at + 8 * nb + 4 * i
         out[word : word + 4] = _on(v.to(torch.int64).reshape(1), device).view(torch.uint8)[:4]
     if check == "adler32":  # computed and written on the device: the payload never leaves it
-        out[_CRC_AT : _PREFIX.size] = adler32(_checked_bytes(out)).reshape(1).view(torch.uint8)[:4]
+        ops.adler32_seal_(out, None, out.numel(), _CRC_AT, 4, _CRC_AT)
     else:
         crc = _crc32(out[_PREFIX.size :], zlib.crc32(prefix[:_CRC_AT]))
         out[_CRC_AT : _PREFIX.size] = torch.frombuffer(bytearray(struct.pack("<I", crc)), dtype=torch.uint8)
     return out
+
+
+def header_bytes(header: Header, lengths: Sequence[int], check: str) -> bytes:
+    """The bytes of a payload's header (its check field zero) for sections of ``lengths`` bytes,
+    checked by ``check`` ("crc32" or "adler32"); a tensor of bounds leaves zeros where they go."""
+    if len(header.widths) != len(header.bounds):
+        raise ValueError(f"{len(header.widths)} block widths but {len(header.bounds)} bounds")
+    if len(header.info) != N_INFO:
+        raise ValueError(f"codec info must have {N_INFO} words, got {len(header.info)}")
+    if header.flags & ADLER32:
+        raise ValueError(f"header flags {header.flags:#x}: bit {ADLER32} is the format's (which check)")
+    nb, ns = len(header.widths), len(lengths)
+    rest = b"".join(
+        [
+            _FIXED.pack(header.rows, header.cols, nb, ns),
+            struct.pack(f"<{nb}I", *header.widths),
+            bytes(8 * nb) if isinstance(header.bounds, torch.Tensor) else struct.pack(f"<{nb}d", *header.bounds),
+            struct.pack(f"<{N_INFO}I", *header.info),
+            struct.pack(f"<{ns}Q", *lengths),
+        ]
+    )
+    header_len = _PREFIX.size + len(rest)
+    rest += bytes(_pad(header_len))
+    header_len += _pad(header_len)
+    total = header_len + sum(n + _pad(n) for n in lengths)
+    flags = header.flags | (ADLER32 if check == "adler32" else 0)
+    return _PREFIX.pack(MAGIC, VERSION, header.codec_id, DTYPES[header.dtype], flags, header_len, total, 0) + rest
+
+
+_HEADS: dict[tuple[bytes, torch.device], torch.Tensor] = {}  # headers already on a device (few shapes recur)
+
+
+def header_on(head: bytes, device: torch.device) -> torch.Tensor:
+    """A header's bytes on ``device``, uploaded once per distinct header and device: a run sends
+    the same few headers every iteration (the casts' depend on the chunk's shape alone)."""
+    key = (head, torch.device(device))
+    if key not in _HEADS:
+        if len(_HEADS) >= 256:
+            _HEADS.clear()
+        _HEADS[key] = upload(torch.frombuffer(bytearray(head), dtype=torch.uint8), device)
+    return _HEADS[key]
 
 
 Length = int | torch.Tensor  # a byte count known on the host, or an int64 0-d tensor on the device
@@ -224,9 +252,10 @@ def pack_deferred(
     check: the same bytes, built without a host synchronisation.
 
     Each section is a list of pieces (bytes tensor of at least ``length`` bytes, ``length``),
-    joined without padding; the payload is one gather from the pieces' bytes, so its capacity
-    is the header plus every piece's capacity. ``device_rows`` (an int64 0-d tensor): the row
-    count where only the device knows it, written in place of ``header.rows``.
+    joined without padding (:func:`compression.ops.frame`: one gather, whose programs past the
+    payload's end exit at once). ``device_rows`` (an int64 0-d tensor): the row count where only
+    the device knows it, written in place of ``header.rows``; device values in the header (the
+    rows, a tensor of bounds, ``device_info``'s words) join the host's bytes in one gather.
     """
     nb, ns = len(header.widths), len(sections)
     if header.flags & ADLER32:
@@ -243,7 +272,7 @@ def pack_deferred(
             struct.pack(f"<{nb}I", *header.widths),
             bytes(8 * nb) if on_device else struct.pack(f"<{nb}d", *header.bounds),
             struct.pack(f"<{N_INFO}I", *header.info),
-            bytes(8 * ns),  # section lengths: written from the device below
+            bytes(8 * ns),  # section lengths: written from the device
         ]
     )
     header_len = _PREFIX.size + len(rest)
@@ -251,54 +280,32 @@ def pack_deferred(
     header_len += _pad(header_len)
     flags = header.flags | ADLER32
     prefix = _PREFIX.pack(MAGIC, VERSION, header.codec_id, DTYPES[header.dtype], flags, header_len, 0, 0)
-    head = _on(torch.frombuffer(bytearray(prefix + rest), dtype=torch.uint8), device)
-    # Where each piece goes: its section's start (sections aligned to 8) plus the pieces before it.
-    pieces = [_as_bytes_tensor(_on(t, device)) for sec in sections for t, _ in sec]
-    lens = torch.stack([_length(n, device) for sec in sections for _, n in sec])
-    sec_of: list[int] = []  # each piece's section
-    lead: list[int] = []  # the index of the first piece of each piece's section
-    for i, sec in enumerate(sections):
-        lead += [len(sec_of)] * len(sec)
-        sec_of += [i] * len(sec)
-    sec_of_t = _on(torch.tensor(sec_of, dtype=torch.int64), device)
-    sec_len = torch.zeros(ns, dtype=torch.int64, device=device).index_add_(0, sec_of_t, lens)
-    padded = sec_len + (-sec_len).remainder(_ALIGN)
-    ends = header_len + padded.cumsum(0)
-    before = lens.cumsum(0) - lens  # bytes of the pieces before each, over all sections
-    dst_start = (ends - padded)[sec_of_t] + before - before[_on(torch.tensor(lead, dtype=torch.int64), device)]
-    total = ends[-1]
-    # Each piece's first ``length`` bytes scattered to their place; the rest of its capacity to
-    # a spare byte past the end. Everything else (padding, the unused tail) stays zero.
-    capacity = header_len + sum(p.numel() for p in pieces) + _ALIGN * ns
-    out = torch.zeros(capacity + 1, dtype=torch.uint8, device=device)
-    out[:header_len] = head
-    for i, piece in enumerate(pieces):
-        place(out, piece, lens[i], dst_start[i])
-    out = out[:capacity]
-    out[_TOTAL_AT : _TOTAL_AT + 8] = total.reshape(1).view(torch.uint8)
+    at = _PREFIX.size + _FIXED.size + 4 * nb  # the bounds, then the info words
+    patches: list[tuple[int, torch.Tensor]] = []  # (where, bytes on the device) in the header
     if device_rows is not None:  # the first field after the prefix, a u64
-        out[_PREFIX.size : _PREFIX.size + 8] = _length(device_rows, device).reshape(1).view(torch.uint8)
-    at = _PREFIX.size + _FIXED.size + 4 * nb
+        patches.append((_PREFIX.size, _length(device_rows, device).reshape(1).view(torch.uint8)))
     if on_device:
         assert isinstance(header.bounds, torch.Tensor)
-        out[at : at + 8 * nb] = _as_bytes_tensor(_on(header.bounds.to(torch.float64), device))
-    for i, v in (device_info or {}).items():
-        word = at + 8 * nb + 4 * i
-        out[word : word + 4] = _on(v.to(torch.int64).reshape(1), device).view(torch.uint8)[:4]
-    lengths_at = at + 8 * nb + 4 * N_INFO
-    out[lengths_at : lengths_at + 8 * ns] = sec_len.view(torch.uint8)
-    out[_CRC_AT : _PREFIX.size] = adler32(_checked_bytes(out), total - 4).reshape(1).view(torch.uint8)[:4]
+        patches.append((at, _as_bytes_tensor(_on(header.bounds.to(torch.float64), device))))
+    for i, v in sorted((device_info or {}).items()):
+        patches.append((at + 8 * nb + 4 * i, _on(v.to(torch.int64).reshape(1), device).view(torch.uint8)[:4]))
+    pieces = [_as_bytes_tensor(_on(t, device)) for sec in sections for t, _ in sec]
+    lengths = [n for sec in sections for _, n in sec]
+    out, total = ops.frame(
+        torch.frombuffer(bytearray(prefix + rest), dtype=torch.uint8),  # the host's bytes (up inside the op)
+        [b for _, b in patches],
+        [where for where, _ in patches],
+        pieces,
+        [_length(n, device) for n in lengths if isinstance(n, torch.Tensor)],
+        [-1 if isinstance(n, torch.Tensor) else int(n) for n in lengths],
+        [i for i, sec in enumerate(sections) for _ in sec],
+        ns,
+        _ALIGN,
+        at + 8 * nb + 4 * N_INFO,
+        _TOTAL_AT,
+    )
+    ops.adler32_seal_(out, total, 0, _CRC_AT, 4, _CRC_AT)
     return Deferred(out, total)
-
-
-def place(out: torch.Tensor, piece: torch.Tensor, length: torch.Tensor, start: torch.Tensor) -> None:
-    """Copy ``piece``'s first ``length`` bytes to ``out[start:]`` with both on the device (no host
-    wait); the rest of its capacity goes to ``out``'s last byte, a spare past the payload."""
-    spare = out.numel() - 1
-    for at in range(0, piece.numel(), _SLICE):  # in slices: the int64 indices stay small
-        j = torch.arange(at, min(at + _SLICE, piece.numel()), device=out.device)
-        past = j >= length
-        out.scatter_(0, j.add_(start).masked_fill_(past, spare), piece[at : at + j.numel()])
 
 
 def section_bytes(payload: torch.Tensor, n_blocks: int, n_sections: int, i: int, n: int) -> torch.Tensor:
@@ -316,65 +323,20 @@ def _length(n: Length, device: torch.device) -> torch.Tensor:
     """A byte count as an int64 0-d tensor on ``device`` (a host number goes up without waiting)."""
     if isinstance(n, torch.Tensor):
         return n.to(device, torch.int64).reshape(())
-    return _on(torch.tensor(n, dtype=torch.int64), device)
+    return upload(torch.tensor(n, dtype=torch.int64), device)
 
 
-def _check_for(device: torch.device) -> str:
-    """The check a payload built on ``device`` carries: zlib crc32 on the CPU, where it is the
-    fastest, Adler-32 on the device elsewhere (crc32 would copy the payload to the host)."""
-    return "crc32" if device.type == "cpu" else "adler32"
-
-
-def _checked_bytes(payload: torch.Tensor) -> list[torch.Tensor]:
-    """Every byte of the payload but its check field, in order: two views (:func:`adler32`
-    takes them as one, so the payload is not copied)."""
-    return [payload[:_CRC_AT], payload[_PREFIX.size :]]
-
-
-def adler32(t: torch.Tensor | Sequence[torch.Tensor], n: torch.Tensor | None = None) -> torch.Tensor:
-    """zlib's Adler-32 of a 1-D uint8 tensor (or of several, taken one after another), as an
-    int64 0-d tensor on its device (no host wait); ``n`` (an int64 0-d tensor on the device): of
-    its first ``n`` bytes.
-
-    A = 1 + sum(d) and B = n + sum((n - j) d_j), both mod 65521. The bytes go in slices of
-    ``_SLICE`` with int32 temporaries, so they stay small whatever the payload's size (a
-    payload's capacity is a few times its chunk); each weight is reduced before it multiplies a
-    byte, so each term is below 2**24 and the int64 sums stay exact up to 2**39 bytes.
-    """
-    parts = [t] if isinstance(t, torch.Tensor) else list(t)
-    device = parts[0].device
-    length = sum(p.numel() for p in parts) if n is None else n
-    a = torch.zeros((), dtype=torch.int64, device=device)
-    b = torch.zeros((), dtype=torch.int64, device=device)
-    steps = torch.arange(min(_SLICE, max(p.numel() for p in parts)), dtype=torch.int32, device=device)
-    done = 0
-    for p in parts:
-        for start in range(0, p.numel(), _SLICE):
-            d = p[start : start + _SLICE].int()
-            j = steps[: d.numel()]
-            left = length - (done + start)  # bytes from this slice's first to the end
-            if n is not None:
-                d *= j < left
-            w = (left % _ADLER_MOD - j).remainder_(_ADLER_MOD)  # (n - position) mod 65521, int32
-            a += d.sum()
-            b += (d * w).sum()  # not torch.dot: CUDA has no integer dot
-        done += p.numel()
-    a = (a + 1).remainder_(_ADLER_MOD)
-    b = (b + length).remainder_(_ADLER_MOD)
-    return b * 65536 + a
-
-
-# Bytes per slice where a pass over a payload needs a temporary per byte (int32 or int64): a few
-# MiB whatever the payload's size, a few kernels per MiB on a device.
-_SLICE = 1 << 20
+def _holds(payload: torch.Tensor) -> torch.Tensor:
+    """Whether a payload's Adler-32 holds, as an int64 0-d 1/0 on its device (no host wait)."""
+    return ops.adler32_holds(payload, None, payload.numel(), _CRC_AT, 4, _CRC_AT)
 
 
 _ZEROS = torch.zeros(_ALIGN, dtype=torch.uint8)
 
 
 def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device``; host bytes (the header) go up without waiting for the device's queue."""
-    return t if t.device == device else t.to(device, non_blocking=t.device.type == "cpu")
+    """``t`` on ``device``: host bytes go up with one copy (:func:`compression.backend.upload`)."""
+    return t if t.device == device else upload(t, device)
 
 
 def _crc32(t: torch.Tensor, start: int) -> int:
@@ -409,10 +371,13 @@ def peek_codec_id(payload: torch.Tensor, read: HostHead | None = None) -> int:
     return int(codec_id)
 
 
-def unpack(payload: torch.Tensor, read: HostHead | None = None) -> tuple[Header, list[torch.Tensor]]:
+def unpack(
+    payload: torch.Tensor, read: HostHead | None = None, backend: Backend | None = None
+) -> tuple[Header, list[torch.Tensor]]:
     """Validate a payload and return its header and section views (on the payload's device);
     ``read``: its first bytes and check, already read (:func:`read_heads`), so that nothing here
-    waits for the device."""
+    waits for the device; else read here, with the device's check verdict where ``backend``
+    (default: the device's) checks on the device."""
     if not isinstance(payload, torch.Tensor):
         raise PayloadError(f"payload must be a torch.uint8 tensor, got {type(payload).__name__}")
     if payload.dtype != torch.uint8 or payload.dim() != 1:
@@ -426,7 +391,9 @@ def unpack(payload: torch.Tensor, read: HostHead | None = None) -> tuple[Header,
             f"payload of {size} bytes is shorter than the {_PREFIX.size}-byte prefix "
             "(truncated or not a dlrm-compress payload)"
         )
-    head, verdict = _read_head(payload) if read is None else (read.data, int(read.good))
+    head, verdict = (
+        _read_head(payload, backend or backend_for(payload.device)) if read is None else (read.data, int(read.good))
+    )
     prefix = head[: _PREFIX.size]
     magic, version, codec_id, dtype_code, flags, header_len, total, crc = _PREFIX.unpack(prefix)
     if magic != MAGIC:
@@ -442,7 +409,7 @@ def unpack(payload: torch.Tensor, read: HostHead | None = None) -> tuple[Header,
     if flags & ADLER32 and verdict is not None and header_len <= len(head):  # read with the prefix
         good, raw = verdict == 1, head
     elif flags & ADLER32:  # checked on the device; its verdict comes back with the header's bytes
-        ok = (adler32(_checked_bytes(payload)) == crc).to(torch.uint8).reshape(1)
+        ok = _holds(payload).reshape(1).view(torch.uint8)[:1]
         raw = _host_bytes(torch.cat([payload[:header_len], ok]), header_len + 1)
         good, raw = raw[-1] == 1, raw[:-1]
     else:
@@ -495,29 +462,24 @@ def unpack(payload: torch.Tensor, read: HostHead | None = None) -> tuple[Header,
 _HEAD = 1024  # bytes read with the prefix where the device checks: the header of up to ~75 blocks
 
 
-def _read_head(payload: torch.Tensor) -> tuple[bytes, int | None]:
-    """The payload's first bytes for the host, and, where this device writes Adler-32, the
-    verdict of that check computed on the device: one read for the prefix, the header and the
-    check (the payload's own flags say later whether the verdict applies)."""
-    if _check_for(payload.device) != "adler32":
+def _read_head(payload: torch.Tensor, backend: Backend) -> tuple[bytes, int | None]:
+    """The payload's first bytes for the host, and, where ``backend`` checks on the device, the
+    verdict of that check computed there: one read for the prefix, the header and the check (the
+    payload's own flags say later whether the verdict applies)."""
+    if backend.check != "adler32":
         return _host_bytes(payload, _PREFIX.size), None
     [head] = read_heads([payload], [None])
     return head.data, int(head.good)
 
 
-def verdict(payload: torch.Tensor) -> torch.Tensor:
-    """Whether a payload's check (the one :func:`pack` writes on its device) holds, as a 0-d
-    bool tensor where the payload is: on a device no host wait (read later with other numbers)."""
-    if _check_for(payload.device) == "adler32":
-        return adler32(_checked_bytes(payload)) == _stored_check(payload)
+def verdict(payload: torch.Tensor, backend: Backend | None = None) -> torch.Tensor:
+    """Whether a payload's check (the one ``backend``, by default the device's, writes) holds, as
+    a 0-d bool tensor where the payload is: on a device no host wait (read later with other
+    numbers)."""
+    if (backend or backend_for(payload.device)).check == "adler32":
+        return _holds(payload).bool()
     crc = _crc32(payload[_PREFIX.size :], zlib.crc32(_host_bytes(payload, _CRC_AT)))  # the CPU: free
-    return torch.tensor(crc == int(_stored_check(payload)))
-
-
-def _stored_check(payload: torch.Tensor) -> torch.Tensor:
-    """The check field as an int64 0-d tensor on the payload's device (little-endian u32)."""
-    b = payload[_CRC_AT : _PREFIX.size].long()
-    return b[0] + (b[1] << 8) + (b[2] << 16) + (b[3] << 24)
+    return torch.tensor(crc == int.from_bytes(_host_bytes(payload, _PREFIX.size)[_CRC_AT:], "little"))
 
 
 def view_as(section: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:

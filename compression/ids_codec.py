@@ -28,6 +28,7 @@ import torch
 import zstandard
 
 from . import format as fmt
+from .backend import backend_for
 from .format import PayloadError, view_as
 
 CODEC_ID = 10
@@ -148,13 +149,15 @@ def _starts(counts: torch.Tensor) -> torch.Tensor:
 class IdsCodec:
     """Lengths + ids (+ weights) of a jagged batch -> one payload per destination -> back, exactly.
 
-    ``entropy``: try zstd over the packed bits of CPU payloads and keep it where smaller.
+    ``entropy``: try zstd over the packed bits of host payloads and keep it where smaller;
+    ``backend``: where its stages run (:func:`compression.backend.backend_for`'s choice).
     """
 
     codec_id = CODEC_ID
 
-    def __init__(self, entropy: bool = True, level: int = 1) -> None:
-        self.entropy, self.level = entropy, level
+    def __init__(self, entropy: bool = True, level: int = 1, backend: str = "auto") -> None:
+        backend_for("cpu", backend)  # (checks the choice)
+        self.entropy, self.level, self.backend = entropy, level, backend
 
     # -- encode --------------------------------------------------------------------------------
 
@@ -280,7 +283,8 @@ class IdsCodec:
         weights: torch.Tensor | None,
     ) -> torch.Tensor:
         flags = (_VALUES32 if val_dtype == torch.int32 else 0) | (_LENGTHS64 if len_dtype == torch.int64 else 0)
-        if self.entropy and bits.device.type == "cpu" and bits.numel() > 64:
+        b = backend_for(bits.device, self.backend)
+        if self.entropy and b.on_host and bits.device.type == "cpu" and bits.numel() > 64:
             frame = zstandard.ZstdCompressor(level=self.level).compress(bits.numpy())  # type: ignore[arg-type]
             if len(frame) < bits.numel():
                 bits, flags = torch.frombuffer(bytearray(frame), dtype=torch.uint8), flags | _ZSTD
@@ -298,13 +302,13 @@ class IdsCodec:
             bounds=[],
             info=[nk, flags, total & 0xFFFFFFFF, total >> 32],
         )
-        return fmt.pack(header, sections, device=base.device)
+        return fmt.pack(header, sections, device=base.device, backend=b)
 
     # -- decode --------------------------------------------------------------------------------
 
     def decode(self, payload: torch.Tensor, what: str = "ids payload") -> IdsPart:
         """Rebuild one destination's lengths, values (and weights), in the sender's dtypes."""
-        header, sections = fmt.unpack(payload)
+        header, sections = fmt.unpack(payload, backend=backend_for(payload.device, self.backend))
         if header.codec_id != CODEC_ID:
             raise PayloadError(f"{what}: codec id {header.codec_id}, the ids codec is {CODEC_ID}")
         nk, flags, lo_bits, hi_bits = header.info

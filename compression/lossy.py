@@ -13,11 +13,14 @@ from collections.abc import Sequence
 
 import torch
 
-from . import coders, dedup, quantize, reference
+from . import coders, dedup, ops, quantize, reference
 from . import format as fmt
+from .backend import upload
 from .base import (
+    NO_CONTEXT,
     Bound,
     Codec,
+    CodecContext,
     block_bounds,
     check_ids,
     check_input,
@@ -32,9 +35,6 @@ from .format import PayloadError
 Entropy = bool | str
 
 
-_WEIGHTS: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
 def ids_fingerprint(ids: torch.Tensor) -> int:
     """32-bit weighted sum of the ids [rows, n_blocks]: catches a receiver passing other ids.
 
@@ -45,37 +45,26 @@ def ids_fingerprint(ids: torch.Tensor) -> int:
 
 
 def fingerprint_of(ids: torch.Tensor) -> torch.Tensor:
-    """:func:`ids_fingerprint` as an int64 0-d tensor on the ids' device (no host wait)."""
-    rows, nb = ids.shape
-    key = (rows, nb, ids.device)
-    if key not in _WEIGHTS:
-        if len(_WEIGHTS) > 64:
-            _WEIGHTS.clear()
-        w_row = torch.arange(rows, device=ids.device) * -7046029254386353131 + 0x2545F491 | 1
-        w_blk = torch.arange(nb, device=ids.device) * 0x5851F42D4C957F2D + 0x14057B7EF767814F | 1
-        _WEIGHTS[key] = (w_row, w_blk)
-    w_row, w_blk = _WEIGHTS[key]
-    if nb == 1 or ids.stride(1) == 0:
-        total = (ids[:, 0] * w_row).sum() * w_blk.sum()  # not torch.dot: CUDA has no int64 dot
-    else:
-        total = ((ids * w_row[:, None]).sum(0) * w_blk).sum()
-    return total & 0xFFFFFFFF
+    """:func:`ids_fingerprint` as an int64 0-d tensor on the ids' device (no host wait): the one
+    their plan made, where :func:`compression.dedup.id_plan` made one."""
+    plan = getattr(ids, dedup._ID_PLAN, None)
+    return plan.fingerprint if plan is not None else reference.fingerprint(ids)
 
 
-def _backend(name: str, device: torch.device):
+def _kernels(name: str, device: torch.device):
     """The module with quantize/dequantize/block_pack/block_unpack for this device."""
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return reference
     if name in ("triton", "auto"):
         if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise RuntimeError(
-                "backend='triton' on CPU tensors runs only in Triton's interpreter: "
+                "kernels='triton' on CPU tensors runs only in Triton's interpreter: "
                 "set TRITON_INTERPRET=1 before triton is imported"
             )
         from . import kernels  # imports triton; only needed on this path
 
         return kernels
-    raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {name!r}")
+    raise ValueError(f"kernels must be 'auto', 'torch' or 'triton', got {name!r}")
 
 
 @register
@@ -85,7 +74,7 @@ class LossyCodec(Codec):
     Parameters: ``entropy`` True (byte planes + zstd, near entropy), False (cuSZp-style
     fixed-length blocks, the GPU fast path) or "auto" (zstd for CPU tensors, blocks on a device);
     ``level``: zstd level; ``dedup``: deduplicate bit-identical rows when no ids are given;
-    ``backend``: "auto" (Triton kernels on CUDA, torch reference on CPU), "torch" or "triton"
+    ``kernels``: "auto" (Triton kernels on CUDA, torch reference on CPU), "torch" or "triton"
     (on CPU only under TRITON_INTERPRET=1); ``verify_ids``: check on encode that rows sharing an
     id in a block are bit-identical (the contract the id path relies on; costs one full compare).
     """
@@ -99,14 +88,14 @@ class LossyCodec(Codec):
         entropy: Entropy = "auto",
         level: int = 1,
         dedup: bool = True,
-        backend: str = "auto",
+        kernels: str = "auto",
         verify_ids: bool = False,
     ):
         if entropy not in (True, False, "auto"):
             raise ValueError(f"entropy must be True, False or 'auto', got {entropy!r}")
-        if backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
-        self.entropy, self.level, self.dedup, self.backend = entropy, level, dedup, backend
+        if kernels not in ("auto", "torch", "triton"):
+            raise ValueError(f"kernels must be 'auto', 'torch' or 'triton', got {kernels!r}")
+        self.entropy, self.level, self.dedup, self.kernels = entropy, level, dedup, kernels
         self.verify_ids = verify_ids
         self._zstd = coders.ZstdCoder(level)
 
@@ -120,6 +109,7 @@ class LossyCodec(Codec):
         ids: torch.Tensor | None = None,
         *,
         blocks: Sequence[int] | None = None,
+        context: CodecContext = NO_CONTEXT,
     ) -> torch.Tensor:
         """Compress ``x`` under absolute bound(s) ``eb``; see the package docstring."""
         payload = self._encode(x, eb, ids, blocks, deferred=False)
@@ -133,24 +123,34 @@ class LossyCodec(Codec):
         ids: torch.Tensor | None = None,
         *,
         blocks: Sequence[int] | None = None,
-        single: torch.Tensor | None = None,
+        context: CodecContext = NO_CONTEXT,
     ) -> torch.Tensor | fmt.Deferred:
         """:meth:`encode`, but where the payload is built on the device (:meth:`defers`), with its
         length left on the device (:class:`~compression.format.Deferred`): made without a host
-        wait. ``single``: a 0-d bool on the device saying whether ``ids`` hold (else the payload
-        is ``encode(x, eb)``'s), for a caller that has not read it yet."""
-        return self._encode(x, eb, ids, blocks, deferred=True, single=single)
+        wait. ``context.single``: a 0-d bool on the device saying whether ``ids`` hold (else the
+        payload is ``encode(x, eb)``'s), for a caller that has not read it yet. ``context.summed``
+        (with ids that hold, where it defers): each id's rows sent as their sum, summed in row
+        order (a gradient's: the payload of ``encode`` of x with each row replaced by its id's sum)."""
+        single, summed = context.single, context.summed
+        if summed and not (ids is not None and single is None and self.defers(x.device)):
+            raise ValueError("lossy encode_deferred: summed needs ids that hold, on a backend that defers")
+        return self._encode(x, eb, ids, blocks, deferred=True, single=single, summed=summed)
+
+    def chooses_ids_on_device(self, device: torch.device) -> bool:
+        return self.defers(device)
+
+    def sums_duplicates(self, device: torch.device) -> bool:
+        return self.defers(device)
 
     def defers(self, device: torch.device) -> bool:
         """Whether :meth:`encode_deferred` builds payloads on ``device`` without a host wait: the
-        fixed-length coder there, the device's check (Adler-32), ids taken on trust."""
-        return self._kind(device) == coders.FIXED and fmt._check_for(device) == "adler32" and not self.verify_ids
+        fixed-length coder there, the device backend (lengths left there), ids taken on trust."""
+        return self._kind(device) == coders.FIXED and not self.backend_for(device).reads_sizes and not self.verify_ids
 
     def _kind(self, device: torch.device) -> int:
-        """The coder payloads built on ``device`` take: entropy=auto is zstd where the payload is
-        checked on the host (the CPU), the fixed-length coder where it stays on the device (zstd
-        would copy it to the host)."""
-        on_host = fmt._check_for(device) != "adler32"
+        """The coder payloads built on ``device`` take: entropy=auto is zstd on the host backend
+        (the CPU's), the fixed-length coder on the device's (zstd would copy it to the host)."""
+        on_host = self.backend_for(device).on_host
         return coders.ZSTD if self.entropy is True or (self.entropy == "auto" and on_host) else coders.FIXED
 
     def _encode(
@@ -161,33 +161,35 @@ class LossyCodec(Codec):
         blocks: Sequence[int] | None,
         deferred: bool,
         single: torch.Tensor | None = None,
+        summed: bool = False,
     ) -> torch.Tensor | fmt.Deferred:
         check_input(x)
         rows, cols = x.shape
         widths = resolve_blocks(cols, eb, ids, blocks)
-        bounds = block_bounds(eb, widths, x.device)
+        b = self.backend_for(x.device)
+        bounds = block_bounds(eb, widths, x.device, b)
         keys = check_ids(ids, rows, len(widths), "lossy encode")
         if keys is not None and keys.device != x.device:
             raise ValueError(f"lossy encode: ids on {keys.device}, x on {x.device}")
-        backend = _backend(self.backend, x.device)
+        backend = _kernels(self.kernels, x.device)
         kind = self._kind(x.device)
         coder = self._coder(kind, backend)
         if deferred and self.defers(x.device) and x.numel() < 2**31:
-            return self._encode_deferred(x, widths, bounds, keys, backend, single if keys is not None else None)
+            return self._encode_deferred(x, widths, bounds, keys, backend, single if keys is not None else None, summed)
         keys = held_ids(keys, single)  # off the device path: read whether the ids hold
 
         if keys is not None:
-            plan = dedup.plan_by_ids(keys)
+            plan = dedup.plan_by_ids(keys, numpy=b.numpy_sorts)
             assert plan.inverse is not None  # an id plan always has its inverse
             if self.verify_ids:
-                bad = dedup.mismatched_blocks(x, widths, plan.counts, plan.first, plan.inverse)
+                bad = dedup.mismatched_blocks(x, widths, plan.counts, plan.first, plan.inverse, b.numpy_sorts)
                 if bad.any():
                     raise ValueError(
                         f"lossy encode: rows sharing an id differ in block(s) "
                         f"{bad.nonzero().view(-1).tolist()}: ids must identify rows"
                     )
         elif self.dedup and rows > 1:
-            plan = dedup.plan_by_value(x, widths)
+            plan = dedup.plan_by_value(x, widths, numpy=b.numpy_sorts)
             if not dedup.index_pays_off(plan, widths, rows):
                 plan = dedup.identity_plan(rows, len(widths), x.device)
         else:
@@ -205,7 +207,7 @@ class LossyCodec(Codec):
         header = fmt.Header(self.codec_id, x.dtype, rows, cols, widths, bounds, info=info)
         sections = [plan.counts, index, coder.encode(codes), exceptions]
         fingerprint = None if keys is None else {1: fingerprint_of(keys)}
-        return fmt.pack(header, sections, device=x.device, device_info=fingerprint)
+        return fmt.pack(header, sections, device=x.device, device_info=fingerprint, backend=b)
 
     def _encode_deferred(
         self,
@@ -215,24 +217,29 @@ class LossyCodec(Codec):
         keys: torch.Tensor | None,
         backend,
         single: torch.Tensor | None,
+        summed: bool = False,
     ) -> fmt.Deferred:
-        """:meth:`encode`'s payload, the same bytes, built with every size on the device: each
-        block's unique rows stay at its capacity (all rows), are quantised there and moved to
-        the front; the sections' lengths are written by the device. ``single``: see
-        :meth:`encode_deferred` (both plans made, the device picks one)."""
+        """:meth:`encode`'s payload, the same bytes, built with every size on the device: the plan
+        (each block's unique rows, at capacity), then one op for the codes and exceptions
+        (:func:`compression.ops.lossy_pack`), framed by the device. ``single``: see
+        :meth:`encode_deferred` (both plans made, the device picks one); ``summed``: each id's
+        rows summed (a gradient's), with ``keys``."""
         rows, nb = x.shape[0], len(widths)
-        none = torch.zeros(0, dtype=torch.uint8, device=x.device)
-        index: list[tuple[torch.Tensor, fmt.Length]] = [(none, 0)]
+        index: list[tuple[torch.Tensor, fmt.Length]] = [(x.new_empty(0, dtype=torch.uint8), 0)]
         info: dict[int, torch.Tensor] = {}  # header words written by the device
         mode: int | torch.Tensor = dedup.NONE
-        every = torch.arange(rows, device=x.device).expand(nb, rows)
-        full = torch.full((nb,), rows, dtype=torch.int64, device=x.device)
-        counts, first = full, every
         if keys is not None:
             mode = dedup.IDS
-            counts, first = dedup.first_capacity(keys)
-            info[1] = fingerprint_of(keys)
+            counts, first, inverse, info[1] = dedup.id_plan(keys)
+            if summed:
+                first = inverse  # lossy_pack sums each id's rows into its unique row
+        else:  # every row of every block (value dedup replaces them below)
+            full = torch.full((nb,), rows, dtype=torch.int64, device=x.device)
+            every = torch.arange(rows, device=x.device).expand(nb, rows)
+            counts, first = full, every
         if (keys is None and self.dedup and rows > 1) or single is not None:
+            full = torch.full((nb,), rows, dtype=torch.int64, device=x.device)
+            every = torch.arange(rows, device=x.device).expand(nb, rows)
             if self.dedup and rows > 1:
                 kept, by_value, from_value, inverse = dedup.value_capacity(x, widths)
             else:  # encode(x, eb) would send every row
@@ -254,7 +261,13 @@ class LossyCodec(Codec):
             index = coders.BlockCoder(backend).encode_capacity(
                 torch.where(kept, inverse, 0).reshape(-1).to(torch.int32), kept * (nb * rows)
             )
-        coded, exceptions = _coded_capacity(x, widths, bounds, counts, first, backend)
+        if isinstance(bounds, torch.Tensor):
+            on = bounds.to(x.device, torch.float64, non_blocking=True)
+        else:  # host floats (abs mode): up with one copy
+            on = upload(torch.tensor(bounds, dtype=torch.float64), x.device)
+        group_widths, words, positions, raw, lengths = ops.lossy_pack(x, first, counts, on, widths, summed)
+        coded = [(group_widths, lengths[0]), (words.view(torch.uint8), lengths[1])]
+        exceptions = [(positions.view(torch.uint8), lengths[2]), (raw.view(torch.uint8), lengths[3])]
         if isinstance(mode, torch.Tensor):
             info[0] = mode | coders.FIXED << 2
         host_mode = mode if isinstance(mode, int) else dedup.NONE  # a device mode is written over it
@@ -276,24 +289,28 @@ class LossyCodec(Codec):
         step, ed = quantize.steps_and_margins(bounds, ones, widths, cols, x.device)  # per column
         if step.dim():
             step, ed = step.expand(rows, cols).reshape(-1), ed.expand(rows, cols).reshape(-1)
-        backend = _backend(self.backend, x.device)
+        backend = _kernels(self.kernels, x.device)
         return quantize.roundtrip(x.reshape(-1), step, ed, backend).view(rows, cols)
 
-    @staticmethod
-    def head_size(n_blocks: int) -> int:
+    def head_size(self, n_blocks: int) -> int:
         """Bytes a decoder needs on the host: the header and the dedup counts after it."""
         return fmt.head_bytes(n_blocks, 4, 8 * n_blocks)
 
-    def prepare_decode(self, payload: torch.Tensor, ids: torch.Tensor | None) -> tuple[torch.Tensor | None, object]:
+    def prepare_decode(
+        self, payload: torch.Tensor, ids: torch.Tensor | None, context: CodecContext = NO_CONTEXT
+    ) -> tuple[torch.Tensor | None, object] | None:
         """The device values :meth:`decode` reads on the host besides the payload's head (what
         the receiver's ``ids`` give: unique counts per block and fingerprint), computed ahead so
         that a collective reads them with every payload's head at once
-        (:func:`~compression.format.read_heads`); and the device tensors that go with them."""
+        (:func:`~compression.format.read_heads`); and the device tensors that go with them. The
+        host backend reads for itself (None)."""
+        if self.backend_for(payload.device).reads_sizes:
+            return None
         if ids is None or ids.dim() != 2 or ids.shape[0] == 0:
             return None, None
         keys = ids.to(payload.device)
-        mine, inverse = dedup.inverse_from_ids(keys)
-        return torch.cat([mine, fingerprint_of(keys).reshape(1)]), (mine, inverse)
+        mine, first, inverse, fingerprint = dedup.id_plan(keys)  # (the sender's plan of these ids, if it made one)
+        return torch.cat([mine, fingerprint.reshape(1)]), (mine, inverse, first)
 
     def decode(
         self,
@@ -302,10 +319,14 @@ class LossyCodec(Codec):
         *,
         out: torch.Tensor | None = None,
         head: fmt.HostHead | None = None,
+        context: CodecContext = NO_CONTEXT,
     ) -> torch.Tensor:
         """Rebuild the tensor (into ``out`` if given); payloads encoded with ids need the same ids.
         ``head``: the payload's head and :meth:`prepare_decode`'s values, read already: with the
-        fixed-length coder, nothing then waits for the device."""
+        fixed-length coder, nothing then waits for the device (one op decodes every block,
+        :func:`compression.ops.lossy_unpack`). ``context.keep_first`` (with ids): each id's value
+        on its first row only, zeros on the others (a gradient summed by id: what the owner adds)."""
+        keep_first = context.keep_first
         header, sections = self._header(payload, head)
         check_out(out, header, payload.device)
         if len(sections) != 4:
@@ -316,22 +337,26 @@ class LossyCodec(Codec):
             raise PayloadError(f"unknown stage choice word {header.info[0]:#x}")
         rows, widths, nb = header.rows, header.widths, len(header.widths)
         device = payload.device
-        backend = _backend(self.backend, device)
+        backend = _kernels(self.kernels, device)
         coder = self._coder(kind, backend)
-        counts = fmt.view_as(counts_s, torch.int64, "dedup counts").clone()
+        counts = fmt.view_as(counts_s, torch.int64, "dedup counts")
         if counts.numel() != nb:
             raise PayloadError(f"{counts.numel()} dedup counts for {nb} blocks")
         read = None if head is None else head.section(header, 0, 8 * nb)  # the counts, read with the head
         inverse: torch.Tensor | None = None
+        first: torch.Tensor | None = None
+        if keep_first and mode != dedup.IDS:
+            raise ValueError("lossy decode: keep_first needs a payload encoded with ids")
         if mode == dedup.IDS:
             if ids is None:
                 raise PayloadError("payload was encoded with ids and carries no row index: pass the same ids to decode")
             keys = check_ids(ids, rows, nb, "lossy decode").to(device)
             if read is not None and head is not None and head.state is not None and len(head.extra) == nb + 1:
                 host = [*struct.unpack(f"<{nb}q", read), *head.extra]
-                inverse = head.state[1]
-            else:
-                mine, inverse = dedup.inverse_from_ids(keys)
+                inverse, first = head.state[1], head.state[2]
+            else:  # (the host's numpy sorts where its backend takes them; each id's first row if asked)
+                mine, inverse = dedup.inverse_from_ids(keys, numpy=self.backend_for(device).numpy_sorts)
+                first = dedup.first_at_capacity(inverse) if keep_first else None
                 # one host read: the payload's counts (the sizes), and the counts and fingerprint of these ids
                 host = torch.cat([counts, mine, fingerprint_of(keys).reshape(1)]).tolist()
             host_counts = host[:nb]
@@ -354,27 +379,49 @@ class LossyCodec(Codec):
         elif mode == dedup.NONE and any(u != rows for u in host_counts):
             raise PayloadError(f"undeduplicated payload with counts {host_counts[:8]} != {rows}")
         n = sum(u * w for u, w in zip(host_counts, widths, strict=True))
+        if checked:  # one op: the codes unpacked, dequantised, patched and scattered to their rows
+            return self._unpack(header, codes_s, exc_s, n, host_counts, inverse, first if keep_first else None, out)
         codes = coder.decode(codes_s, n, "codes", checked)
         step, _ = quantize.steps_and_margins(header.bounds, counts, widths, n, device)
         values = quantize.decode(codes, step, exc_s, header.dtype, "exceptions", backend, checked)
-        return dedup.scatter(values, widths, counts.to(device), inverse, rows, out, host_counts)
+        result = dedup.scatter(values, widths, counts.clone(), inverse, rows, out, host_counts)
+        if keep_first:
+            assert first is not None and inverse is not None
+            keep = first.gather(1, inverse) == torch.arange(rows, device=device)  # [n_blocks, rows]
+            c = 0
+            for k, w in enumerate(widths):  # (the host path: a CPU's loop of a few ops per table)
+                result[:, c : c + w] = torch.where(keep[k, :, None], result[:, c : c + w], 0.0)
+                c += w
+        return result
 
-
-def _coded_capacity(
-    x: torch.Tensor,
-    widths: list[int],
-    bounds: list[float] | torch.Tensor,
-    counts: torch.Tensor,
-    first: torch.Tensor,
-    backend,
-) -> tuple[list[tuple[torch.Tensor, fmt.Length]], list[tuple[torch.Tensor, fmt.Length]]]:
-    """The coded codes and the exceptions of each block's first ``counts`` rows ``first``, at
-    capacity (:meth:`LossyCodec._encode_deferred`'s); a function of its own so that the
-    per-value temporaries (gathered values, steps, codes) are freed before the payload is framed."""
-    rows = x.shape[0]
-    values = dedup.gather_capacity(x, widths, first)
-    valid = dedup.valid_capacity(counts, widths, rows)
-    full = torch.full((len(widths),), rows, dtype=torch.int64, device=x.device)
-    step, ed = quantize.steps_and_margins(bounds, full, widths, values.numel(), x.device)
-    codes, exceptions = quantize.encode_capacity(values, valid, step, ed, backend)
-    return coders.BlockCoder(backend).encode_capacity(codes, valid.sum()), exceptions
+    @staticmethod
+    def _unpack(
+        header: fmt.Header,
+        codes_s: torch.Tensor,
+        exc_s: torch.Tensor,
+        n: int,
+        counts: list[int],
+        inverse: torch.Tensor | None,
+        first: torch.Tensor | None,
+        out: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """:meth:`decode` of a checked fixed-length payload by :func:`compression.ops.lossy_unpack`:
+        its sections cut on the host (their lengths came with the head), nothing read back."""
+        groups = -(-n // reference.GROUP)
+        lead = groups + (-groups % 4)
+        if codes_s.numel() < lead:
+            raise PayloadError(f"codes: {codes_s.numel()} bytes cannot hold {groups} group widths")
+        words = fmt.view_as(codes_s[lead:], torch.int32, "codes")
+        item = 4 + header.dtype.itemsize
+        if exc_s.numel() % item:
+            raise PayloadError(f"exceptions: {exc_s.numel()} bytes is not a whole number of exceptions")
+        k = exc_s.numel() // item
+        positions = fmt.view_as(exc_s[: 4 * k], torch.int32, "exceptions")
+        raw = fmt.view_as(exc_s[4 * k :], header.dtype, "exceptions")
+        if out is None:
+            out = torch.empty(header.rows, header.cols, dtype=header.dtype, device=codes_s.device)
+        assert isinstance(header.bounds, list)  # (read from the payload)
+        ops.lossy_unpack(
+            codes_s[:groups], words, positions, raw, counts, header.bounds, header.widths, inverse, first, out
+        )
+        return out

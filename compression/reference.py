@@ -14,6 +14,9 @@ j at bits ``[j*w, j*w + w)`` of the group's bit string, least significant bit fi
 
 from __future__ import annotations
 
+import ctypes
+import zlib
+
 import numpy as np
 import torch
 
@@ -136,3 +139,248 @@ def block_unpack(widths: torch.Tensor, words: torch.Tensor, n: int) -> torch.Ten
 
 
 _VALUE_MASKS = ((1 << torch.arange(GROUP, dtype=torch.int64)) - 1).to(torch.int32)
+
+
+ADLER_VALUE, ADLER_HOLDS, ADLER_SEAL = 0, 1, 2  # what :func:`adler32` does with the check
+
+
+def adler32(
+    data: torch.Tensor, end: torch.Tensor | None, size: int, skip_at: int, skip_len: int, check_at: int, mode: int
+) -> torch.Tensor:
+    """zlib's Adler-32 of ``data``'s first ``end`` bytes (else ``size``) but the ``skip_len`` at
+    ``skip_at`` (a payload's own check field, or a prefix that holds it): returned (VALUE),
+    compared with the little-endian u32 stored at ``check_at`` (HOLDS: 1 or 0), or written there
+    (SEAL); an int64 0-d tensor. The CPU's: zlib over the bytes where they lie (no copy)."""
+    n = size if end is None else int(end)
+    raw = _memory(data.contiguous(), n)
+    check = zlib.adler32(raw[skip_at + skip_len :], zlib.adler32(raw[:skip_at]))
+    if mode == ADLER_HOLDS:
+        check = int(int.from_bytes(raw[check_at : check_at + 4], "little") == check)
+    elif mode == ADLER_SEAL:
+        data[check_at : check_at + 4] = torch.tensor(list(check.to_bytes(4, "little")), dtype=torch.uint8)
+    return torch.tensor(check, dtype=torch.int64)
+
+
+def _memory(t: torch.Tensor, n: int) -> memoryview:
+    """The first ``n`` bytes of a contiguous uint8 CPU tensor, as a memoryview of its memory."""
+    if n > t.numel() or t.device.type != "cpu":
+        raise ValueError(f"{n} bytes of a {t.numel()}-byte tensor on {t.device}")
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B") if n else memoryview(b"")
+
+
+def frame(
+    head: torch.Tensor,
+    patches: list[torch.Tensor],
+    patch_at: list[int],
+    pieces: list[torch.Tensor],
+    lengths: list[torch.Tensor],
+    host_lengths: list[int],
+    section_of: list[int],
+    n_sections: int,
+    align: int,
+    lengths_at: int,
+    total_at: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A payload from its header and its sections' pieces: the header's bytes ``head`` (the
+    host's) with ``patches`` (the device's bytes) at ``patch_at``; each piece's first bytes (its
+    ``host_lengths`` entry, or where that is -1 the next of the device's ``lengths``, int64 0-d),
+    joined per section (``section_of``: each piece's, in order), sections ``align``-aligned
+    after the header; the section lengths and the total written as u64 at ``lengths_at`` and
+    ``total_at`` (-1: not written). Returns (the payload in a buffer of capacity ``head +
+    pieces + align per section``, its length as an int64 0-d tensor)."""
+    device = pieces[0].device if pieces else head.device
+    out = head.to(device, copy=True)
+    for at, p in zip(patch_at, patches, strict=True):
+        out[at : at + p.numel()] = p
+    found = iter(int(n) for n in lengths)
+    lens = [n if n >= 0 else next(found) for n in host_lengths]
+    sections: list[list[torch.Tensor]] = [[] for _ in range(n_sections)]
+    for piece, n, s in zip(pieces, lens, section_of, strict=True):
+        sections[s].append(piece[:n])
+    parts, sizes = [out], []
+    for sec in sections:
+        size = sum(p.numel() for p in sec)
+        sizes.append(size)
+        parts += [*sec, out.new_zeros(-size % align)]
+    total = sum(p.numel() for p in parts)
+    if lengths_at >= 0:
+        out[lengths_at : lengths_at + 8 * n_sections] = torch.tensor(sizes, dtype=torch.int64).view(torch.uint8)
+    if total_at >= 0:
+        out[total_at : total_at + 8] = torch.tensor([total], dtype=torch.int64).view(torch.uint8)
+    capacity = head.numel() + sum(p.numel() for p in pieces) + align * n_sections
+    buffer = out.new_empty(capacity)  # past the payload: capacity, never read
+    torch.cat(parts, out=buffer[:total])
+    return buffer, torch.tensor(total, dtype=torch.int64, device=device)
+
+
+def _block_steps(bound: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block's float32 bin width ``2 eb`` and strict margin ``ed``, as 0-d tensors."""
+    return torch.tensor(step_of(bound), dtype=torch.float32), torch.tensor(float32_at_most(bound), dtype=torch.float32)
+
+
+def lossy_pack(
+    x: torch.Tensor, src: torch.Tensor, counts: torch.Tensor, bounds: torch.Tensor, widths: list[int], summed: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The lossy codec's codes and exceptions of a chunk ``x`` [rows, cols] of column blocks
+    ``widths``: per block b its first ``counts[b]`` unique rows, the rows ``src[b, :counts[b]]``
+    of x (or, ``summed``, the sums of x's rows by ``src[b]``, each row's unique index: a
+    gradient's rows of one id), block after block, each row's columns in order (the flat value
+    order); quantised under ``bounds[b]`` (:func:`quantize`), block-packed (:func:`block_pack`).
+
+    Returns (group widths u8, packed words int32, exception positions int32, exception values in
+    x's dtype, lengths): the first three at the capacity of a chunk with every row unique (the
+    widths zero past the used groups), ``lengths`` = (bytes of the widths padded to 4, of the
+    words, of the positions, of the values), int64. The payload's codes and exceptions sections,
+    as the kernels write them on a device; here the counts are read on the host (a CPU's)."""
+    rows, cols = x.shape
+    n_cap = rows * cols
+    groups = -(-n_cap // GROUP)
+    codes, pos, raw, at, c = [], [], [], 0, 0
+    for b, (w, u, eb) in enumerate(zip(widths, counts.tolist(), bounds.tolist(), strict=True)):
+        block = x[:, c : c + w]
+        if summed:
+            vals = torch.zeros(u, w, dtype=x.dtype).index_add_(0, src[b], block)
+        else:
+            vals = block.index_select(0, src[b, :u])
+        v = vals.reshape(-1)
+        q, miss = quantize(v.float(), *_block_steps(eb), x.dtype)
+        hit = miss.nonzero().view(-1)
+        codes.append(q)
+        pos.append((hit + at).to(torch.int32))
+        raw.append(v.index_select(0, hit))
+        at, c = at + v.numel(), c + w
+    widths_g, words = block_pack(torch.cat(codes) if codes else torch.zeros(0, dtype=torch.int32))
+    g, k = widths_g.numel(), sum(p.numel() for p in pos)
+    out_widths = torch.zeros(groups + 4, dtype=torch.uint8)
+    out_widths[:g] = widths_g
+    out_words = torch.empty(GROUP * groups, dtype=torch.int32)
+    out_words[: words.numel()] = words
+    out_pos = torch.empty(n_cap, dtype=torch.int32)
+    out_raw = torch.empty(n_cap, dtype=x.dtype)
+    if k:
+        out_pos[:k] = torch.cat(pos)
+        out_raw[:k] = torch.cat(raw)
+    lengths = torch.tensor([g + (-g % 4), 4 * words.numel(), 4 * k, x.element_size() * k], dtype=torch.int64)
+    return out_widths, out_words, out_pos, out_raw, lengths
+
+
+def lossy_unpack(
+    group_widths: torch.Tensor,
+    words: torch.Tensor,
+    positions: torch.Tensor,
+    raw: torch.Tensor,
+    counts: list[int],
+    bounds: list[float],
+    widths: list[int],
+    inverse: torch.Tensor | None,
+    first: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:
+    """Inverse of :func:`lossy_pack` into ``out`` [rows, cols] (any strides, x's dtype): the
+    codes unpacked and dequantised per block, the exceptions' bits restored, and each row ``r``
+    of block b given its unique row ``inverse[b, r]`` (None: row r itself); with ``first``
+    (each unique row's first row, [n_blocks, rows]) the other rows of an id are zeros (a
+    gradient's duplicate-id rows: the owner adds them). Positions are in range (the payload's
+    check passed)."""
+    n = sum(u * w for u, w in zip(counts, widths, strict=True))
+    used = group_widths.long().clamp(max=31)  # widths that disagree with the words (an encoder bug or a
+    used = used * (used.sum() == words.numel())  # forged check) decode as zero-width groups: no read past them
+    codes = block_unpack(used, words, n)
+    values = torch.empty(n, dtype=torch.float32)
+    at = 0
+    for u, w, eb in zip(counts, widths, bounds, strict=True):
+        values[at : at + u * w] = dequantize(codes[at : at + u * w], _block_steps(eb)[0])
+        at += u * w
+    values = values.to(out.dtype)
+    values[positions.long().clamp(0, max(n - 1, 0))] = raw[: positions.numel()] if n else raw[:0]
+    at = c = 0
+    for b, (u, w) in enumerate(zip(counts, widths, strict=True)):
+        block = values[at : at + u * w].view(u, w)
+        if inverse is not None:
+            block = block.index_select(0, inverse[b])
+        if first is not None and inverse is not None:  # rows that are not their id's first: zeros (not
+            mine = first[b].gather(0, inverse[b]) == torch.arange(out.shape[0])  # `* mask`: inf * 0 is nan)
+            block = torch.where(mine[:, None], block, 0.0)
+        out[:, c : c + w] = block
+        at, c = at + u * w, c + w
+
+
+def relative_bounds(x: torch.Tensor, rel: torch.Tensor, widths: list[int]) -> torch.Tensor:
+    """Per column block of ``x`` (``widths``): ``rel[b]`` (float64) times the block's finite value
+    range, taken in float32 and widened to float64 before the subtraction (as Python floats of
+    its max and min would be); no finite value (an empty block, or only NaN/inf): 0. Float64
+    ``[n_blocks]``."""
+    nb = len(widths)
+    if x.numel() == 0:
+        return torch.zeros(nb, dtype=torch.float64, device=x.device)
+    xf = x.float()
+    finite = torch.isfinite(xf)
+    hi = torch.where(finite, xf, float("-inf")).amax(dim=0)  # per column
+    lo = torch.where(finite, xf, float("inf")).amin(dim=0)
+    if nb and min(widths) == max(widths) > 0:  # equal blocks: a view
+        top, bottom = hi.view(nb, widths[0]).amax(1), lo.view(nb, widths[0]).amin(1)
+    else:
+        block = torch.tensor([b for b, w in enumerate(widths) for _ in range(w)], device=x.device)
+        top = torch.full((nb,), float("-inf"), device=x.device).scatter_reduce(0, block, hi, "amax")
+        bottom = torch.full((nb,), float("inf"), device=x.device).scatter_reduce(0, block, lo, "amin")
+    top, bottom = top.double(), bottom.double()
+    return rel * torch.where(top >= bottom, top - bottom, 0.0)  # no finite value: an empty range
+
+
+def id_runs(
+    sorted_ids: torch.Tensor, perm: torch.Tensor, keys: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row of ``sorted_ids`` [n, rows] (``keys``' columns sorted, ``perm`` their rows; one
+    row for every block where ``keys`` [rows, n_blocks] repeats one column): the runs of equal
+    ids, in order: their number (counts [n]), each run's row of first appearance in sorted order
+    (first [n, rows], slots past the runs 0), each row's run (inverse [n, rows]); and the ids'
+    fingerprint, a 32-bit weighted sum (int64 0-d) that tells other ids apart."""
+    n, rows = sorted_ids.shape
+    new = torch.ones_like(sorted_ids, dtype=torch.bool)
+    new[:, 1:] = sorted_ids[:, 1:] != sorted_ids[:, :-1]
+    local = new.cumsum(1) - 1
+    inverse = torch.empty_like(local).scatter_(1, perm, local)
+    slot = torch.where(new, local, rows)  # repeats go to a spare column
+    first = torch.zeros(n, rows + 1, dtype=torch.int64).scatter_(1, slot, perm)[:, :rows]
+    return new.sum(1), first.contiguous(), inverse, fingerprint(keys)
+
+
+def fingerprint(keys: torch.Tensor) -> torch.Tensor:
+    """32-bit weighted sum of ``keys`` [rows, n_blocks] (int64 0-d): odd weights, so any single
+    change of an id changes it (wrapping int64 arithmetic, then its low 32 bits)."""
+    rows, nb = keys.shape
+    w_row = torch.arange(rows, device=keys.device) * -7046029254386353131 + 0x2545F491 | 1
+    w_blk = torch.arange(nb, device=keys.device) * 0x5851F42D4C957F2D + 0x14057B7EF767814F | 1
+    if nb == 1 or keys.stride(1) == 0:
+        total = (keys[:, 0] * w_row).sum() * w_blk.sum()  # not torch.dot: CUDA has no int64 dot
+    else:
+        total = ((keys * w_row[:, None]).sum(0) * w_blk).sum()
+    return total & 0xFFFFFFFF
+
+
+WIRE_DTYPES: dict[int, torch.dtype | None] = {0: None, 1: torch.float16, 2: torch.bfloat16}  # None: as they are
+
+
+def cast_pack(x: torch.Tensor, head: torch.Tensor, wire: int) -> torch.Tensor:
+    """A cast codec's payload: the header's bytes ``head`` (its check field zero), ``x``'s values
+    in the wire dtype (:data:`WIRE_DTYPES`), zeros to 8 bytes, then its Adler-32 written in."""
+    dtype = WIRE_DTYPES[wire]
+    body = (x if dtype is None else x.to(dtype)).contiguous().view(-1).view(torch.uint8)
+    out = torch.cat([head.to(x.device), body, body.new_zeros(-(head.numel() + body.numel()) % 8)])
+    adler32(out, None, out.numel(), 20, 4, 20, ADLER_SEAL)
+    return out
+
+
+def cast_unpack(payload: torch.Tensor, head: torch.Tensor, wire: int, out: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`cast_pack` into ``out`` (any strides), and the payload's verdict, int64
+    [2]: whether its Adler-32 holds, and whether its header is ``head`` (the one the receiver
+    expects, its check field aside). The values are written whatever the verdict."""
+    dtype = WIRE_DTYPES[wire] or out.dtype
+    h, n = head.numel(), out.numel() * dtype.itemsize
+    body = payload[h : h + n]
+    if body.data_ptr() % dtype.itemsize:
+        body = body.clone()
+    out.copy_(body.view(dtype).view(out.shape))
+    holds = adler32(payload, None, payload.numel(), 20, 4, 20, ADLER_HOLDS)
+    same = torch.equal(payload[:20], head[:20]) and torch.equal(payload[24:h], head[24:h])
+    return torch.stack([holds, torch.tensor(int(same))])

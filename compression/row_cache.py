@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .backend import Backend, backend_for
+
 _INDEX = ("ids", "slots", "ticks", "free")  # the index tensors (int64)
 
 
@@ -41,6 +43,7 @@ class RowCache:
         capacity_rows: int = 0,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        backend: Backend | None = None,
     ) -> None:
         if capacity_rows < 0:
             raise ValueError(f"capacity_rows must be >= 0 (0: unlimited), got {capacity_rows}")
@@ -51,6 +54,8 @@ class RowCache:
         self._free = empty  # rows of _rows holding nothing (taken from the end)
         self._rows = torch.empty(0, dim, dtype=dtype, device=device)
         self._clock = 0
+        # the host's compactions (nonzero), or the device's that never wait (default: the device's choice)
+        self.host = (backend or backend_for(self._rows.device)).host_compaction
 
     def __len__(self) -> int:
         return self._ids.numel()
@@ -91,7 +96,7 @@ class RowCache:
         if self._rows.shape[0] == 0:
             return self._rows.new_zeros(s.numel(), self.dim)
         rows, miss = self._rows.index_select(0, s.clamp(min=0)), s < 0
-        if HOST_SHORTCUTS and s.device.type == "cpu":  # ~3x faster there than the broadcast where
+        if self.host:  # ~3x faster on a CPU than the broadcast where
             return rows.index_fill_(0, miss.nonzero().flatten(), 0)
         return torch.where(miss.unsqueeze(1), 0, rows)
 
@@ -123,7 +128,7 @@ class RowCache:
         if n_held is None:
             n_held = int(held.sum())  # the host read: the index's new size depends on it
         if n_held:
-            self._ticks.index_fill_(0, compact(s, held, n_held), self._clock)
+            self._ticks.index_fill_(0, compact(s, held, n_held, self.host), self._clock)
         n, n_new, new = len(self), q.numel() - n_held, ~held
         excess = n + n_new - self.capacity if self.capacity else 0
         written = q.numel()  # ids whose rows are kept
@@ -133,11 +138,11 @@ class RowCache:
                 key = self._ticks.index_select(0, self._slots) * n + torch.arange(n, device=q.device)
                 gone = torch.topk(key, excess, largest=False).indices
             else:  # every older id goes, and this call's smallest ids (held or new) are not kept
-                older = positions(self._ticks.index_select(0, self._slots) < self._clock, n_older)
+                older = positions(self._ticks.index_select(0, self._slots) < self._clock, n_older, self.host)
                 out = q <= torch.sort(q).values[excess - n_older - 1]
                 dropped = out & held
                 k = int(dropped.sum())
-                gone = torch.cat([older, torch.searchsorted(self._ids, compact(q, dropped, k))])
+                gone = torch.cat([older, torch.searchsorted(self._ids, compact(q, dropped, k, self.host))])
                 s = torch.where(out, -1, s)
                 new &= ~out
                 n_new -= excess - n_older - k
@@ -145,14 +150,14 @@ class RowCache:
             self._free = torch.cat([self._free, self._slots.index_select(0, gone)])
             keep = torch.ones(n, dtype=torch.bool, device=q.device)
             keep[gone] = False
-            self._index_ = self._index_.index_select(1, positions(keep, n - gone.numel()))
+            self._index_ = self._index_.index_select(1, positions(keep, n - gone.numel(), self.host))
         if n_new:
             s = self._insert(q, new, n_new, s)
         rows = rows.to(self._rows.device, self._rows.dtype)
         if written == q.numel():  # the usual case: one copy of every row
             self._rows.index_copy_(0, s, rows)
         elif written:
-            at = positions(s >= 0, written)
+            at = positions(s >= 0, written, self.host)
             self._rows.index_copy_(0, s.index_select(0, at), rows.index_select(0, at))
 
     def lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,7 +212,7 @@ class RowCache:
             self._grow(k - self._free.numel())
         got = self._free[self._free.numel() - k :].flip(0)
         self._free = self._free[: self._free.numel() - k]
-        new_at = positions(new, k)
+        new_at = positions(new, k, self.host)
         s = s.index_copy(0, new_at, got)  # the i-th new id takes got[i]
         self._ticks.index_fill_(0, got, self._clock)
         new_ids, order = torch.sort(q.index_select(0, new_at))
@@ -217,7 +222,7 @@ class RowCache:
         old[at] = False
         index = self._index_.new_empty(2, n + k)
         index.index_copy_(1, at, torch.stack([new_ids, got.index_select(0, order)]))
-        self._index_ = index.index_copy_(1, positions(old, n), self._index_)
+        self._index_ = index.index_copy_(1, positions(old, n, self.host), self._index_)
         return s
 
     def _grow(self, need: int) -> None:
@@ -233,25 +238,23 @@ class RowCache:
         self._free = torch.cat([torch.arange(size - 1, n - 1, -1, device=self.device), self._free])
 
 
-HOST_SHORTCUTS = True  # CPU tensors take nonzero (no wait to avoid there, and ~5x faster than the
-# scatter); tests switch it off to run the device code on CPU
-
-
-def positions(keep: torch.Tensor, n: int) -> torch.Tensor:
+def positions(keep: torch.Tensor, n: int, host: bool) -> torch.Tensor:
     """``keep.nonzero().flatten()`` when the host knows ``n = keep.sum()``: on a device, each kept
     element's rank scattered to it (the others to one spare place), which needs no host
-    synchronisation, unlike ``nonzero`` or a mask index."""
+    synchronisation, unlike ``nonzero`` or a mask index. ``host``: the host backend's
+    ``nonzero`` for a CPU tensor (``Backend.host_compaction``: ~5x the scatter there)."""
     if n == 0 or n == keep.numel():
         return torch.arange(n, device=keep.device)
-    if HOST_SHORTCUTS and keep.device.type == "cpu":
+    if host and keep.device.type == "cpu":
         return keep.nonzero().flatten()
     at = torch.arange(keep.numel(), device=keep.device)
     dest = torch.where(keep, keep.cumsum(0) - 1, n)
     return at.new_empty(n + 1).index_copy_(0, dest, at)[:n]
 
 
-def compact(x: torch.Tensor, keep: torch.Tensor, n: int) -> torch.Tensor:
-    """``x[keep]`` (along dim 0) when the host knows ``n = keep.sum()``, without a host wait."""
+def compact(x: torch.Tensor, keep: torch.Tensor, n: int, host: bool) -> torch.Tensor:
+    """``x[keep]`` (along dim 0) when the host knows ``n = keep.sum()``, without a host wait
+    (``host``: as :func:`positions`)."""
     if n == x.shape[0] or n == 0:
         return x[:n]
-    return x.index_select(0, positions(keep, n))
+    return x.index_select(0, positions(keep, n, host))

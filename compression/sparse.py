@@ -35,19 +35,23 @@ import torch
 
 from . import coders
 from . import format as fmt
-from .base import Bound, Codec, check_input, check_out, codec_for, get_codec, register, resolve_blocks
+from .base import (
+    NO_CONTEXT,
+    Bound,
+    Codec,
+    CodecContext,
+    check_input,
+    check_out,
+    codec_for,
+    get_codec,
+    register,
+    resolve_blocks,
+)
 from .format import PayloadError
 
 DELTAS, BITMAP, PACKED = 0, 1, 2
 VALUE_CODECS = ("none", "fp16", "bf16", "lossy")
-HOST_POSITIONS = True  # CPU tensors' positions are coded on the host (zstd, numpy): smaller and faster there
 Threshold = float | torch.Tensor  # a 0-d float32 tensor stays on its device (no host wait)
-
-
-def coded_on_host(x: torch.Tensor) -> bool:
-    """Whether ``x``'s positions take the host coding (CPU tensors; :data:`HOST_POSITIONS` off
-    runs the device coding on CPU tensors too, as tests and the host-sync bench do)."""
-    return HOST_POSITIONS and x.device.type == "cpu"
 
 
 def kth_largest_abs_tensor(x: torch.Tensor, keep: float) -> torch.Tensor:
@@ -203,6 +207,16 @@ class ThresholdCodec(Codec):
         header, _ = self._header(payload)
         return int(header.info[1])
 
+    def with_backend(self, choice: str) -> ThresholdCodec:
+        super().with_backend(choice)
+        self._values.with_backend(choice)
+        return self
+
+    def coded_on_host(self, device: torch.device) -> bool:
+        """Whether positions on ``device`` take the host coding (zstd deltas, numpy's bitmap):
+        the host backend's, smaller and faster on a CPU."""
+        return self.backend_for(device).host_positions
+
     def encode(
         self,
         x: torch.Tensor,
@@ -211,15 +225,18 @@ class ThresholdCodec(Codec):
         *,
         blocks: Sequence[int] | None = None,
         thresholds: Sequence[Threshold] | None = None,
+        context: CodecContext = NO_CONTEXT,
     ) -> torch.Tensor:
         """Positions and values of the kept entries; ``ids`` are not used (no dedup);
-        ``thresholds`` (one per block) replace the codec's own for this call."""
+        ``thresholds`` (one per block; else ``context.thresholds``) replace the codec's own for
+        this call."""
+        thresholds = thresholds if thresholds is not None else context.thresholds
         check_input(x)
         rows, cols = x.shape
         widths = resolve_blocks(cols, None, None, blocks)
         keep = self.mask(x, widths, thresholds).reshape(-1)
         bound = self._bound(eb)
-        if not coded_on_host(x):  # the device coding: one host read, the count and the delta width
+        if not self.coded_on_host(x.device):  # the device coding: one host read, the count and the delta width
             count, width = torch.stack([keep.sum(), delta_width(keep)]).tolist()
             return self.encode_known(x, keep, count, width, widths, bound)
         flat = x.reshape(-1)
@@ -230,7 +247,7 @@ class ThresholdCodec(Codec):
         header = fmt.Header(
             self.codec_id, x.dtype, rows, cols, widths, [math.inf] * len(widths), info=[mode, int(idx.numel()), 0, 0]
         )
-        return fmt.pack(header, [positions, values], device=x.device)
+        return fmt.pack(header, [positions, values], device=x.device, backend=self.backend_for(x.device))
 
     def _bound(self, eb: Bound | None) -> float | None:
         if self.values != "lossy":
@@ -261,7 +278,7 @@ class ThresholdCodec(Codec):
         values = self._values.encode(x.reshape(-1).index_select(0, idx).float().view(-1, 1), eb)
         info = [mode, count, width if mode == PACKED else 0, 0]
         header = fmt.Header(self.codec_id, x.dtype, rows, cols, list(blocks), [math.inf] * len(blocks), info=info)
-        return fmt.pack(header, [positions, values], device=x.device)
+        return fmt.pack(header, [positions, values], device=x.device, backend=self.backend_for(x.device))
 
     def encode_deferred(
         self,
@@ -271,13 +288,16 @@ class ThresholdCodec(Codec):
         *,
         blocks: Sequence[int] | None = None,
         thresholds: Sequence[Threshold] | None = None,
+        context: CodecContext = NO_CONTEXT,
     ) -> torch.Tensor | fmt.Deferred:
         """:meth:`encode`, but where the positions are coded on the device (cast values, Adler-32
         check), with the count, the delta width and the payload's length left on the device
         (:class:`~compression.format.Deferred`): :meth:`encode_known`'s bytes, made without a
         host wait. Elsewhere (the host coding, lossy values) :meth:`encode`'s payload."""
+        thresholds = thresholds if thresholds is not None else context.thresholds
         check_input(x)
-        if coded_on_host(x) or self.values == "lossy" or fmt._check_for(x.device) != "adler32" or not x.numel():
+        b = self.backend_for(x.device)
+        if b.host_positions or self.values == "lossy" or b.reads_sizes or not x.numel():
             return self.encode(x, eb, ids, blocks=blocks, thresholds=thresholds)
         rows, cols = x.shape
         widths = resolve_blocks(cols, None, None, blocks)
@@ -302,10 +322,19 @@ class ThresholdCodec(Codec):
         ]
         return fmt.pack_deferred(header, sections, x.device, info)
 
-    @staticmethod
-    def head_size(n_blocks: int) -> int:
+    def chooses_ids_on_device(self, device: torch.device) -> bool:
+        return True  # (it takes no ids)
+
+    def head_size(self, n_blocks: int) -> int:
         """Bytes a decoder needs on the host: the header (the count and the positions' coding)."""
         return fmt.head_bytes(n_blocks, 2)
+
+    def prepare_decode(
+        self, payload: torch.Tensor, ids: torch.Tensor | None, context: CodecContext = NO_CONTEXT
+    ) -> tuple[torch.Tensor | None, object] | None:
+        """Its head alone says where the values go (cast values on the device backend); lossy
+        values and the host backend read for themselves (None)."""
+        return None if self.values == "lossy" or self.backend_for(payload.device).reads_sizes else (None, None)
 
     def payload_size(self, n: int, blocks: Sequence[int], count: int, width: int) -> int:
         """Bytes of :meth:`encode_known`'s payload of ``n`` entries in ``blocks`` (cast values)."""
@@ -343,7 +372,7 @@ class ThresholdCodec(Codec):
         values = self._known_values(payload[at + p + (-p % 8) :], count)
         dense = torch.zeros(rows, cols, dtype=dtype, device=payload.device)
         dense.view(-1).index_copy_(0, idx, values.to(dtype))  # as decode: the cast codec's fp32, then dtype
-        return dense, fmt.verdict(payload)
+        return dense, fmt.verdict(payload, self.backend_for(payload.device))
 
     def _known_values(self, section: torch.Tensor, count: int) -> torch.Tensor:
         """The ``count`` cast values (fp32) of a values section, past its (fixed) header: no read."""
@@ -404,7 +433,7 @@ class ThresholdCodec(Codec):
         if mode == BITMAP:
             if section.numel() != (n + 7) // 8:
                 raise PayloadError(f"threshold bitmap: {section.numel()} bytes for {n} entries")
-            if coded_on_host(section):
+            if self.coded_on_host(section.device):
                 bits = np.unpackbits(section.cpu().numpy(), count=n).astype(bool)
                 idx = torch.from_numpy(np.flatnonzero(bits)).to(section.device)
             else:
@@ -434,6 +463,7 @@ class ThresholdCodec(Codec):
         *,
         out: torch.Tensor | None = None,
         head: fmt.HostHead | None = None,
+        context: CodecContext = NO_CONTEXT,
     ) -> torch.Tensor:
         """The dense tensor: kept values at their positions, zeros elsewhere. ``head``: the
         payload's head and check, read already (:func:`~compression.format.read_heads`): a

@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from dlrm.bench.accuracy_configs import COMMON, CONFIGS, DATA, DEFAULT_CONFIGS
+from dlrm.performance.network import ring_allreduce_bytes
 from dlrm.telemetry.sweep_summary import summarize
-from dlrm_compression.cost_model import ring_allreduce_bytes
 
 REPO = Path(__file__).resolve().parents[2]
 # metrics.json keys of a policy whose bounds follow training (the plateau's final levels)

@@ -4,9 +4,9 @@ allocated.
     python -m dlrm.bench.encode_memory [--rows 2048] [--tables 13] [--dim 64] [--mode ids|value]
 
 One chunk of Criteo-like single-valued ids (``ids``: deduplicated by id; ``value``: by value)
-through :meth:`LossyCodec.encode_deferred` with the fixed-length coder, on the device code paths
-run on CPU tensors (:func:`~dlrm.bench.host_syncs.device_paths`; the CPU's torch reference of the
-block coder, where a GPU runs Triton). torch.profiler records every allocation and free of the
+through :meth:`LossyCodec.encode_deferred` with the fixed-length coder, on the device backend
+run on CPU tensors (``backend="device"``: none of the host's shortcuts; the CPU's torch reference
+of the block coder, where a GPU runs Triton). torch.profiler records every allocation and free of the
 second encode (the first warms caches); the peak of the bytes alive during it (the payload's
 own buffer, which outlives the call, included) is printed against the chunk's size with the
 allocations alive at that peak, by the two innermost frames of this project that made them.
@@ -22,7 +22,6 @@ import torch
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
-from dlrm.bench.host_syncs import device_paths
 from dlrm_compression.lossy import LossyCodec
 
 
@@ -32,11 +31,11 @@ def peak_of_encode(rows: int, tables: int, dim: int, mode: str) -> tuple[int, in
     ids = (torch.rand(rows, tables, generator=g) ** 3 * 1000).long()
     table = torch.randn(tables, 1000, dim, generator=g)
     x = torch.cat([table[k][ids[:, k]] for k in range(tables)], 1).contiguous()
-    codec, bounds = LossyCodec(entropy=False), torch.full((tables,), 1e-3, dtype=torch.float64)
-    with device_paths():
+    codec = LossyCodec(entropy=False).with_backend("device")
+    bounds = torch.full((tables,), 1e-3, dtype=torch.float64)
+    codec.encode_deferred(x, bounds, ids if mode == "ids" else None, blocks=[dim] * tables)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True) as prof:
         codec.encode_deferred(x, bounds, ids if mode == "ids" else None, blocks=[dim] * tables)
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True) as prof:
-            codec.encode_deferred(x, bounds, ids if mode == "ids" else None, blocks=[dim] * tables)
     allocs: list[tuple[int, int, int, list[str]]] = []
 
     def walk(node, frames: list[str]) -> None:

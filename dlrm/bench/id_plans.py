@@ -10,7 +10,8 @@ KJTs (``reused``) and without (``sorted``), alternating, in one process::
 
 ``plans``: the id plans alone (region ids, dedup plans, duplicate-id first rows of both sides);
 ``codec``: the whole codec work of both directions and sides (encode, decode, duplicate-id sums).
-``--device-path``: the device code (torch sorts, fixed-length coder) on CPU tensors.
+``--device-path``: the device code (torch sorts, fixed-length coder) on CPU tensors: the codec on
+the device backend (``backend="device"``) and the id plans without numpy's sorts.
 """
 
 from __future__ import annotations
@@ -19,18 +20,16 @@ import argparse
 import statistics
 import time
 from collections.abc import Sequence
-from contextlib import nullcontext
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from dlrm.bench.host_syncs import device_paths
+from dlrm.bench.criteo_like import criteo_like_batch
 from dlrm.embedding_comm.ids import Region, attach_plans, first_rows, keep_first_duplicates, pending_ids, sum_duplicates
 from dlrm_compression import dedup
 from dlrm_compression.format import settle
 from dlrm_compression.ids_codec import IdsCodec
 from dlrm_compression.lossy import LossyCodec
-from dlrm_compression.synthetic import criteo_like_batch
 
 TABLES, DIM, BOUND = 26, 64, 1e-3
 
@@ -68,40 +67,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     own = _side(a.rows, 1, half[0])  # our tables, the peer's samples (we send rows, get gradients)
     peer = _side(a.rows, 2, half[1])  # the peer's tables, our samples (we get rows, send gradients)
     widths = [DIM] * (TABLES // 2)
-    codec = LossyCodec(entropy="auto")
+    codec = LossyCodec(entropy="auto").with_backend("device" if a.device_path else "auto")
+    numpy = codec.backend_for(own[2].device).numpy_sorts  # the id plans' sorts, as the codec's
     grad = torch.randn(a.rows, sum(widths)) * 1e-3
-    with device_paths() if a.device_path else nullcontext():
-        enc = codec.encode_deferred if a.device_path else codec.encode
-        # what the peer sends us: its tables' rows for our samples, our tables' gradients
-        from_peer = settle([enc(peer[2], [BOUND] * len(widths), _ids(peer[1], peer[3]))])[0]
-        grads_from_peer = settle([enc(grad, [BOUND] * len(widths), _ids(own[1], own[3]))])[0]
-        assert from_peer is not None and grads_from_peer is not None
+    enc = codec.encode_deferred if a.device_path else codec.encode
+    # what the peer sends us: its tables' rows for our samples, our tables' gradients
+    from_peer = settle([enc(peer[2], [BOUND] * len(widths), _ids(peer[1], peer[3]))])[0]
+    grads_from_peer = settle([enc(grad, [BOUND] * len(widths), _ids(own[1], own[3]))])[0]
+    assert from_peer is not None and grads_from_peer is not None
 
-        def plans(which: int) -> None:
-            for kjt, r in ((own[which], own[3]), (peer[which], peer[3])):
-                ids = _ids(kjt, r)
-                dedup.plan_by_ids(ids)
-                dedup.inverse_from_ids(ids)
-                first_rows(ids)
+    def plans(which: int) -> None:
+        for kjt, r in ((own[which], own[3]), (peer[which], peer[3])):
+            ids = _ids(kjt, r)
+            dedup.plan_by_ids(ids, numpy=numpy)
+            dedup.inverse_from_ids(ids, numpy=numpy)
+            first_rows(ids)
 
-        def codec_work(which: int) -> None:
-            ids_own, ids_peer = _ids(own[which], own[3]), _ids(peer[which], peer[3])
-            settle([enc(own[2], [BOUND] * len(widths), ids_own)])  # forward send
-            codec.decode(from_peer, ids_peer)  # forward receive
-            settle([enc(sum_duplicates(grad, ids_peer, widths), [BOUND] * len(widths), ids_peer)])  # backward send
-            keep_first_duplicates(codec.decode(grads_from_peer, ids_own), ids_own, widths)  # backward receive
+    def codec_work(which: int) -> None:
+        ids_own, ids_peer = _ids(own[which], own[3]), _ids(peer[which], peer[3])
+        settle([enc(own[2], [BOUND] * len(widths), ids_own)])  # forward send
+        codec.decode(from_peer, ids_peer)  # forward receive
+        settle([enc(sum_duplicates(grad, ids_peer, widths), [BOUND] * len(widths), ids_peer)])  # backward send
+        keep_first_duplicates(codec.decode(grads_from_peer, ids_own), ids_own, widths)  # backward receive
 
-        rows = []
-        for name, fn in (("plans", plans), ("codec", codec_work)):
-            times: dict[int, list[float]] = {0: [], 1: []}
-            for i in range(a.iterations + 3):
-                for which in (0, 1) if i % 2 else (1, 0):
-                    t0 = time.perf_counter()
-                    fn(which)
-                    if i >= 3:  # warm-up
-                        times[which].append(1e3 * (time.perf_counter() - t0))
-            reused, sorted_ = statistics.median(times[0]), statistics.median(times[1])
-            rows.append((name, sorted_, reused))
+    rows = []
+    for name, fn in (("plans", plans), ("codec", codec_work)):
+        times: dict[int, list[float]] = {0: [], 1: []}
+        for i in range(a.iterations + 3):
+            for which in (0, 1) if i % 2 else (1, 0):
+                t0 = time.perf_counter()
+                fn(which)
+                if i >= 3:  # warm-up
+                    times[which].append(1e3 * (time.perf_counter() - t0))
+        reused, sorted_ = statistics.median(times[0]), statistics.median(times[1])
+        rows.append((name, sorted_, reused))
     path = "device code on CPU" if a.device_path else "host (numpy) code"
     print(f"ms per iteration, one rank of 2, {a.rows} samples per rank, {TABLES} tables x dim {DIM}; {path}")
     print("| work | sorted (ms) | reused (ms) | saved | sorted / reused |")

@@ -1,5 +1,5 @@
 """Projections to 1,024 GPUs: bytes per rank and iteration time of every configuration, from the
-two-level cost model (:mod:`compression.topology`) with stated inputs and our measured ratios.
+two-level cost model (:mod:`dlrm.performance.network`) with stated inputs and our measured ratios.
 
 ``python -m dlrm.bench.projection`` prints the table (markdown) for each inter-node rate and, with
 ``--plot FILE``, draws iteration time against GPUs (matplotlib). Every input is a named constant
@@ -12,10 +12,11 @@ import argparse
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
-from dlrm_compression.cost_model import NO_CODEC, Breakdown, CodecCost, Link, Workload, cheaper_aggregation
-from dlrm_compression.strategy import Option, Timeline, Unit, choose
-from dlrm_compression.topology import Collective, Topology, iteration_time, sparse_aggregation
+from dlrm.performance.cost_model import NO_CODEC, Breakdown, CodecCost, Workload, iteration_time
+from dlrm.performance.network import Collective, Link, Topology, cheaper_aggregation, sparse_aggregation
+from dlrm.performance.search import Option, Timeline, Unit, choose
 
 GB = 1e9
 GPUS = (8, 32, 64, 256, 1024)
@@ -58,11 +59,34 @@ CONFIGS = (
 )
 
 
-def _codec(kind: str, direction: int) -> CodecCost:
+def _codec(kind: str, direction: int, lossy_tput: tuple[float, float] = LOSSY_TPUT) -> CodecCost:
     if kind == "none":
         return NO_CODEC
-    tput = LOSSY_TPUT if kind == "lossy" else CAST_TPUT
+    tput = lossy_tput if kind == "lossy" else CAST_TPUT
     return CodecCost(RATIOS[kind][direction], *tput)
+
+
+def measured_lossy_tput(path: str, w: Workload = WORKLOAD) -> tuple[float, float]:
+    """The lossy codec's encode and decode throughput for the projection, from a GPU run of
+    ``python -m dlrm.bench.gpu_collective --json PATH``: its per-collective codec time (both
+    directions, one peer) fitted as a fixed cost plus a cost per raw byte over the measured chunk
+    sizes, taken at one peer's chunk of this workload, half to each of encode and decode (the
+    cost model adds the two)."""
+    import json
+
+    data = json.loads(Path(path).read_text())
+    if not str(data.get("device", "")).startswith("cuda"):
+        raise SystemExit(f"{path}: measured on {data.get('device')!r}; the projection takes a GPU's codec times")
+    pts = [(r["raw_bytes"], r["codec_ms"] / 1e3) for r in data["rows"] if r["config"] == "lossy" and "codec_ms" in r]
+    if len(pts) < 2:
+        raise SystemExit(f"{path}: the lossy codec at two chunk sizes at least is needed for the fit")
+    n = len(pts)
+    mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
+    slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+    fixed = max(my - slope * mx, 0.0)
+    raw = 2 * w.batch_per_rank * sum(w.dims) * 4  # one peer's chunk, both directions, fp32
+    tput = raw / (fixed + max(slope, 0.0) * raw)
+    return 2 * tput, 2 * tput
 
 
 @dataclass(frozen=True)
@@ -102,12 +126,17 @@ def _dense(w: Workload, dense: str) -> tuple[tuple[Collective, ...], CodecCost]:
 
 
 def price(
-    w: Workload, topo: Topology, a2a: str | tuple[str, str], dense: str, ids: bool = False
+    w: Workload,
+    topo: Topology,
+    a2a: str | tuple[str, str],
+    dense: str,
+    ids: bool = False,
+    lossy_tput: tuple[float, float] = LOSSY_TPUT,
 ) -> tuple[Breakdown, float, float]:
     """The iteration of all-to-all codec ``a2a`` (or a (forward, backward) pair) and dense codec
     ``dense``: its breakdown and the bytes one rank sends (all, and across nodes)."""
     kinds = (a2a, a2a) if isinstance(a2a, str) else a2a
-    fwd, bwd = _codec(kinds[0], 0), _codec(kinds[1], 1)
+    fwd, bwd = _codec(kinds[0], 0, lossy_tput), _codec(kinds[1], 1, lossy_tput)
     collectives, dense_codec = _dense(w, dense)
     input_ratio = IDS_RATIO if ids else 1.0
     b = iteration_time(w, topo, fwd, bwd, dense_codec, dense_collectives=collectives, input_ratio=input_ratio)
@@ -127,8 +156,8 @@ def _plus_codec(b: Breakdown, seconds: float) -> Breakdown:
     return Breakdown(**{**b.as_dict(), "codec_forward": b.codec_forward + seconds})
 
 
-def auto_choice(w: Workload, topo: Topology) -> tuple[str, str, str]:
-    """What ``compression=auto dense_comm=auto``'s search (:func:`compression.strategy.choose`)
+def auto_choice(w: Workload, topo: Topology, lossy_tput: tuple[float, float] = LOSSY_TPUT) -> tuple[str, str, str]:
+    """What ``compression=auto dense_comm=auto``'s search (:func:`dlrm.performance.search.choose`)
     picks on this topology, from the options' stated ratios and throughputs."""
     raw = w.a2a_bytes()
     ring = 2 * (w.ranks - 1) / w.ranks * w.dense_params * w.value_bytes
@@ -136,7 +165,7 @@ def auto_choice(w: Workload, topo: Topology) -> tuple[str, str, str]:
     def a2a(direction: int) -> tuple[Option, ...]:
         out = [Option("none")]
         for kind in ("fp16", "mx4", "lossy"):
-            c = _codec(kind, direction)
+            c = _codec(kind, direction, lossy_tput)
             out.append(Option(kind, c.ratio, raw / c.encode_bytes_per_s, raw / c.decode_bytes_per_s))
         return tuple(out)
 
@@ -158,9 +187,14 @@ def auto_choice(w: Workload, topo: Topology) -> tuple[str, str, str]:
 
 
 def project(
-    gpus: Sequence[int] = GPUS, inter_gbit: float = 200, gpu: str = "a100", w: Workload = WORKLOAD
+    gpus: Sequence[int] = GPUS,
+    inter_gbit: float = 200,
+    gpu: str = "a100",
+    w: Workload = WORKLOAD,
+    lossy_tput: tuple[float, float] = LOSSY_TPUT,
 ) -> list[Row]:
-    """Every configuration at every size (``ranks_per_node`` 8; fewer GPUs than 8 are one node)."""
+    """Every configuration at every size (``ranks_per_node`` 8; fewer GPUs than 8 are one node);
+    ``lossy_tput``: the lossy codec's encode and decode throughput (:func:`measured_lossy_tput`)."""
     rows = []
     for n in gpus:
         wn = Workload(**{**w.__dict__, "ranks": n})
@@ -168,7 +202,7 @@ def project(
         for config in CONFIGS:
             choice = ""
             if config == "auto+auto":
-                fwd, bwd, dense = auto_choice(wn, topo)
+                fwd, bwd, dense = auto_choice(wn, topo, lossy_tput)
                 a2a: str | tuple[str, str] = (fwd, bwd)
                 choice = f"{fwd}/{bwd}+{dense.replace('dct:auto', 'dct')}"
                 ids = False
@@ -180,7 +214,7 @@ def project(
                 elif "powersgd" in config:
                     dense = "powersgd"
                 ids = "input=ids" in config
-            b, sent, across = price(wn, topo, a2a, dense, ids)
+            b, sent, across = price(wn, topo, a2a, dense, ids, lossy_tput)
             rows.append(Row(config, n, sent, across, b, choice))
     return rows
 
@@ -234,12 +268,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--gpu", choices=sorted(INTRA_BYTES_PER_S), default="a100")
     p.add_argument("--inter-gbit", type=float, action="append", help="inter-node Gbit/s per GPU (repeatable)")
     p.add_argument("--plot", help="also draw iteration time against GPUs into this file (png/svg)")
+    p.add_argument(
+        "--measured",
+        help="the lossy codec's times measured on a GPU (python -m dlrm.bench.gpu_collective --json FILE) "
+        f"in place of the assumed {LOSSY_TPUT[0] / GB:.0f} / {LOSSY_TPUT[1] / GB:.0f} GB/s",
+    )
     args = p.parse_args(argv)
+    lossy_tput = measured_lossy_tput(args.measured) if args.measured else LOSSY_TPUT
+    source = f"measured ({args.measured})" if args.measured else "assumed (cuSZp2's A100 figures)"
+    print(f"lossy codec: {lossy_tput[0] / GB:.3g} / {lossy_tput[1] / GB:.3g} GB/s encode / decode, {source}")
     for rate in args.inter_gbit or INTER_GBIT:
         if not (rate > 0 and math.isfinite(rate)):
             p.error(f"--inter-gbit must be a positive number, got {rate}")
         print(f"\n{args.gpu.upper()}, {rate:g} Gbit/s per GPU across nodes, {RANKS_PER_NODE} GPUs per node\n")
-        print(table(project(inter_gbit=rate, gpu=args.gpu)))
+        print(table(project(inter_gbit=rate, gpu=args.gpu, lossy_tput=lossy_tput)))
     if args.plot:
         plot(args.plot, args.gpu, args.inter_gbit or INTER_GBIT)
     return 0

@@ -4,11 +4,11 @@ the budget of one per collective side.
     python -m dlrm.bench.sync_budget [--configs lossy dct_mp ...] [--ranks 2] [--iterations 24]
 
 Each configuration trains the small model on the bundled Criteo rows with ``torchrun`` (N ranks,
-gloo) on the device code paths (:func:`dlrm.bench.host_syncs.device_paths`: the CPU shortcuts off,
-``.tolist()``/``.cpu()`` counted as host reads; lossy directions on the fixed-length coder used on
-CUDA). Over the steady-state iterations (after ``--skip``) it labels each call of our
-communication code and counts, per call, the host synchronisations made inside it and the
-collectives it issued:
+gloo) on the device backends (``compression.backend=device dense_comm.backend=device``: none of the
+CPU shortcuts; lossy directions on the fixed-length coder used on CUDA), ``.tolist()``/``.cpu()``
+counted as host reads (:func:`dlrm.bench.host_syncs.counted_reads`). Over the steady-state
+iterations (after ``--skip``) it labels each call of our communication code and counts, per call,
+the host synchronisations made inside it and the collectives it issued:
 
 - each side of a compressed all-to-all (``a2a/<direction>/send``, ``.../receive``): budget 1 (the
   send's size exchange, the receive's head read), none per chunk, whatever the rank count; a
@@ -41,10 +41,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dlrm.bench.host_syncs import device_paths
-from dlrm_compression.host_syncs import HostSyncCounter
+from dlrm.bench.host_syncs import counted_reads
+from dlrm.telemetry.sync_counter import HostSyncCounter
 
 REPO = Path(__file__).resolve().parents[2]
+# Every run on the device code, as a GPU runs it (the codecs, the row cache, the hot-row sync, DCT)
+DEVICE = ["compression.backend=device", "dense_comm.backend=device"]
 # The fixed-length coder, as on CUDA (entropy=auto would take zstd on CPU tensors: a host path).
 FIXED = ["compression.forward.params.entropy=false", "compression.backward.params.entropy=false"]
 SMALL = [
@@ -210,14 +212,15 @@ class SyncBudget:
 
 
 def _rank(skip: int, window: int, trace: bool) -> None:
-    """One rank of one configuration (under torchrun): the trainer on the device paths, counted."""
+    """One rank of one configuration (under torchrun): the trainer (on the device backends: the
+    run's overrides, :data:`DEVICE`), its host reads counted."""
     from dlrm.train import hydra_main, run
 
     meter = SyncBudget(skip, window, trace)
 
     def counted_run(cfg: Any, run_dir: Path) -> dict[str, Any]:
         with ExitStack() as stack:
-            stack.enter_context(device_paths(meter.counter))
+            stack.enter_context(counted_reads(meter.counter))
             stack.enter_context(meter.installed())
             metrics = run(cfg, run_dir, observers=[meter])
         out = Path(os.environ[OUT_ENV]) / f"rank{os.environ['RANK']}.json"
@@ -230,13 +233,14 @@ def _rank(skip: int, window: int, trace: bool) -> None:
 def measure(
     name: str, overrides: Sequence[str], ranks: int, iterations: int, skip: int, out: Path, trace: bool = False
 ) -> dict:
-    """Run one configuration; the per-rank counts merged."""
+    """Run one configuration on the device backends (:data:`DEVICE`, before ``overrides``); the
+    per-rank counts merged."""
     shutil.rmtree(out, ignore_errors=True)  # a run directory with checkpoints would resume, not train
     out.mkdir(parents=True)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
         "-m", "dlrm.bench.sync_budget", "--rank-of", str(skip), str(iterations - skip - 1), str(int(trace)), "--",
-        *SMALL, f"max_iterations={iterations}", f"hydra.run.dir={out / 'run'}", *overrides,
+        *SMALL, *DEVICE, f"max_iterations={iterations}", f"hydra.run.dir={out / 'run'}", *overrides,
     ]  # fmt: skip
     env = {**os.environ, OUT_ENV: str(out), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dlrm.process.config_checks import check_keys, flag, integer, number, one_of, plain_config
+from dlrm_compression.backend import CHOICES as BACKENDS
 from dlrm_compression.sparse import VALUE_CODECS
 
 KINDS = ("none", "fp16", "bf16", "powersgd", "dct", "auto")
@@ -28,7 +29,7 @@ _KEYS = {
     "dct": {"keep", "refresh_every", "refresh_warmup", "min_numel", "values", "values_eb", "aggregation"},
 }
 _KEYS["auto"] = _KEYS["dct"] | {"fallback"}  # auto may choose dct, with these settings
-_COMMON = {"name", "bucket_cap_mb"}
+_COMMON = {"name", "bucket_cap_mb", "backend"}
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class DenseCommSpec:
 
     name: str = "none"
     bucket_cap_mb: float = 25.0  # DDP's (and TorchRec's) default bucket size
+    backend: str = "auto"  # where DCT's stages run (compression.backend: auto | host | device)
     # powersgd
     rank: int = 1
     start_iter: int = 10
@@ -72,7 +74,11 @@ def parse_dense_comm_cfg(cfg: Mapping[str, Any] | None) -> DenseCommSpec:
     name = one_of(cfg, "name", where, KINDS, "none")
     check_keys(cfg, _COMMON | _KEYS[name], where)
     d = DenseCommSpec()  # the defaults
-    out: dict[str, Any] = {"name": name, "bucket_cap_mb": number(cfg, "bucket_cap_mb", where, d.bucket_cap_mb, True)}
+    out: dict[str, Any] = {
+        "name": name,
+        "bucket_cap_mb": number(cfg, "bucket_cap_mb", where, d.bucket_cap_mb, True),
+        "backend": one_of(cfg, "backend", where, BACKENDS, d.backend),
+    }
     if name == "powersgd":
         out.update(
             rank=integer(cfg, "rank", where, d.rank, 1),

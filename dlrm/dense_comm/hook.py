@@ -23,7 +23,7 @@ fails to decode raises on the receiving ranks; the sender stops at its next coll
 owners' own error feedback is the ``owner_residuals``, checkpointed beside the residuals. On an
 accelerator it makes one host synchronisation per phase (:meth:`DenseComm._dct_reduce_scatter_device`).
 
-On an accelerator (:func:`compression.sparse.coded_on_host` false; cast values) a bucket makes
+On the device backend (:meth:`ThresholdCodec.coded_on_host` false; cast values) a bucket makes
 one host synchronisation, the read of the size all-gather: each rank gathers one word, its count
 and delta width (from which every rank computes every payload's size), and the same read brings
 this rank's statistics (residual norm, threshold) and the checks of the payloads received before.
@@ -65,11 +65,11 @@ from torchrec.distributed.types import ShardingEnv
 import dlrm_compression as compression
 from dlrm.dense_comm.config import DenseCommSpec
 from dlrm.embedding_comm.stats import CommStats
+from dlrm.performance.network import cheaper_aggregation, ring_allreduce_bytes, sparse_aggregation_bytes
 from dlrm.process.instrument import on_the_wire
 from dlrm.trainer.state import CheckpointError, PerRank, numpy_rng_state, numpy_rng_tuple
-from dlrm_compression.cost_model import cheaper_aggregation, ring_allreduce_bytes, sparse_aggregation_bytes
 from dlrm_compression.format import PayloadError
-from dlrm_compression.sparse import ThresholdCodec, coded_on_host, delta_width, kth_largest_abs, refresh_due
+from dlrm_compression.sparse import ThresholdCodec, delta_width, kth_largest_abs, refresh_due
 from dlrm_compression.sparse import kth_largest_abs_tensor as kth_largest
 
 Future = torch.futures.Future
@@ -109,8 +109,10 @@ class DenseComm(PerRank):
         self._names: dict[int, str] = {}
         self._norm_sq = 0.0  # squared residual norm of the buckets seen this iteration
         self._unread: list[tuple[torch.Tensor, str]] = []  # device path: (check holds, where) of received payloads
-        self._codec = ThresholdCodec(values=spec.values)
-        self._sizer = ThresholdCodec(values="none" if spec.values == "lossy" else spec.values)  # header sizes
+        self._codec = ThresholdCodec(values=spec.values).with_backend(spec.backend)
+        self._sizer = ThresholdCodec(values="none" if spec.values == "lossy" else spec.values).with_backend(
+            spec.backend
+        )  # header sizes
         self._lock = threading.Lock()  # future callbacks run on the collectives' threads
         self.pg: dist.ProcessGroup | None = None
         self.powersgd: PowerSGDState | None = None
@@ -155,7 +157,7 @@ class DenseComm(PerRank):
         kind = self.mode
         t0 = time.perf_counter()
         if kind == "dct" and buf.numel() >= self.spec.min_numel:
-            device = self.spec.values != "lossy" and not coded_on_host(buf)
+            device = self.spec.values != "lossy" and not self._codec.coded_on_host(buf.device)
             if self.aggregation([p.numel() for p in bucket.parameters()], ws) == "reduce_scatter":
                 fut = self._dct_reduce_scatter_device(bucket, t0) if device else self._dct_reduce_scatter(bucket, t0)
             else:

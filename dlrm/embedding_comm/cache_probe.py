@@ -41,9 +41,9 @@ def prefix(scheme: str) -> str:
 class CacheProbe(Stage):
     """A shadow row cache per scheme, fed every training forward chunk sent by id."""
 
-    def __init__(self, capacity_rows: int = 0) -> None:
+    def __init__(self, capacity_rows: int = 0, backend: str = "auto") -> None:
         self.capacity_rows = capacity_rows
-        self.shadows = {s: ForwardCache(capacity_rows, deltas=s == "cache_delta") for s in SCHEMES}
+        self.shadows = {s: ForwardCache(capacity_rows, deltas=s == "cache_delta", backend=backend) for s in SCHEMES}
 
     def state_dict(self) -> dict[str, Any]:
         """Each scheme's shadow cache (this rank's checkpoint)."""

@@ -17,12 +17,12 @@ import torch
 import dlrm_compression as compression
 from dlrm.embedding_comm.bounds import BoundFn, Bounds, absolute_bounds, host_bounds, policy_values
 from dlrm.embedding_comm.config import DirectionSpec
+from dlrm.embedding_comm.ids import keep_first_duplicates, sum_duplicates
 from dlrm.process.config_checks import flag, integer
 from dlrm_compression import format as fmt
-from dlrm_compression.base import held_ids
+from dlrm_compression.base import CodecContext
 from dlrm_compression.composite import PerBlockCodec, worst_case_error
 from dlrm_compression.format import Deferred, HostHead
-from dlrm_compression.lossy import LossyCodec
 from dlrm_compression.sparse import Threshold, ThresholdCodec, kth_largest_abs_tensor, refresh_due
 
 
@@ -44,7 +44,9 @@ class DirectionCodec:
     derivative of the thresholding).
     """
 
-    def __init__(self, spec: DirectionSpec, direction: str, bound_fn: BoundFn | None = None) -> None:
+    def __init__(
+        self, spec: DirectionSpec, direction: str, bound_fn: BoundFn | None = None, backend: str = "auto"
+    ) -> None:
         self.spec = spec
         self.direction = direction
         params = dict(spec.params)
@@ -54,7 +56,7 @@ class DirectionCodec:
         # feature -> (iteration refreshed, threshold: a 0-d tensor on the chunks' device, never read)
         self._taus: dict[str, tuple[int, torch.Tensor]] = {}
         try:
-            self.codec = compression.get_codec(spec.codec, **params)
+            self.codec = compression.get_codec(spec.codec, backend=backend, **params)
         except TypeError as e:  # e.g. `compression.backward.codec=none` keeping lossy's params
             raise ValueError(
                 f"compression.{direction}.params {dict(spec.params)} do not fit codec "
@@ -70,6 +72,7 @@ class DirectionCodec:
             )
         self.bound_fn = bound_fn
         self.dedup = spec.dedup
+        self.exact = compression.get_codec("none", backend=backend)  # a stored chunk's (store)
         # compression=auto: the option of every feature (the per_block codec's choice; unset: its
         # fallback), and the calibration measurements not yet collected
         self.choice: dict[str, str] = {}
@@ -141,6 +144,23 @@ class DirectionCodec:
             for k, v in state.get("taus", {}).items()
         }
 
+    def merges_ids(self, device: torch.device) -> bool:
+        """Whether the codec itself sums a gradient's rows by id as it encodes and keeps each sum on
+        the id's first row as it decodes (the backward's dedup: one op each way on the device),
+        rather than the transport's :class:`~dlrm.embedding_comm.codec_stages.DuplicateIds`."""
+        return self.direction == "backward" and self.dedup and self.codec.sums_duplicates(device)
+
+    def _context(
+        self,
+        features: Sequence[str] | None = None,
+        thresholds: Sequence[Threshold] | None = None,
+        **rest: Any,
+    ) -> CodecContext:
+        """What this call tells the codec: DCT-MP's thresholds, compression=auto's choice per
+        block (its features'; unset: the codec's fallback), and ``rest``."""
+        choice = None if features is None or not self.choice else [self.choice.get(f) for f in features]
+        return CodecContext(thresholds=None if thresholds is None else list(thresholds), choice=choice, **rest)
+
     def encode(
         self,
         chunk: torch.Tensor,
@@ -149,18 +169,16 @@ class DirectionCodec:
         ids: torch.Tensor | None,
         thresholds: Sequence[Threshold] | None = None,
         features: Sequence[str] | None = None,
+        summed: bool = False,
     ) -> torch.Tensor:
         """Payload (uint8, 1-D) of one chunk; ``ids`` ``[rows, n_blocks]`` or None (value dedup);
-        ``features`` name the blocks (the per_block codec's choice is per feature)."""
-        extra: dict[str, Any] = {} if thresholds is None else {"thresholds": list(thresholds)}
-        if isinstance(self.codec, PerBlockCodec) and features is not None:
-            extra["choice"] = self._choice(features)
+        ``features`` name the blocks (the per_block codec's choice is per feature); ``summed``:
+        each id's rows are sent as their sum (:meth:`merges_ids`)."""
+        if summed and ids is not None:
+            chunk = sum_duplicates(chunk, ids, widths)
+        context = self._context(features, thresholds)
         return self.codec.encode(
-            chunk.contiguous(),
-            bounds,
-            ids if self.dedup else None,
-            blocks=list(widths),
-            **extra,
+            chunk.contiguous(), bounds, ids if self.dedup else None, blocks=list(widths), context=context
         )
 
     def encode_deferred(
@@ -172,37 +190,62 @@ class DirectionCodec:
         thresholds: Sequence[Threshold] | None = None,
         features: Sequence[str] | None = None,
         single: torch.Tensor | None = None,
+        summed: bool = False,
     ) -> torch.Tensor | Deferred:
-        """:meth:`encode`, with the payload's length left on the device where the codec can (on a
-        device: :meth:`LossyCodec.encode_deferred`, :meth:`ThresholdCodec.encode_deferred`;
-        compression=auto's: :meth:`PerBlockCodec.encode_deferred`). ``single``: a 0-d bool on the
-        device saying whether ``ids`` hold (not read yet: see :meth:`picks_ids_on_device`)."""
+        """:meth:`encode`, with the payload's length left on the device where the codec can
+        (:meth:`Codec.encode_deferred`). ``single``: a 0-d bool on the device saying whether
+        ``ids`` hold (not read yet: see :meth:`picks_ids_on_device`); ``summed``: see
+        :meth:`merges_ids`."""
         keys = ids if self.dedup else None
-        if isinstance(self.codec, LossyCodec) and thresholds is None:
-            return self.codec.encode_deferred(chunk.contiguous(), bounds, keys, blocks=list(widths), single=single)
-        if isinstance(self.codec, ThresholdCodec):  # (it takes no ids)
-            return self.codec.encode_deferred(chunk.contiguous(), bounds, blocks=list(widths), thresholds=thresholds)
-        if isinstance(self.codec, PerBlockCodec) and thresholds is None and features is not None:
-            choice = self._choice(features)
-            return self.codec.encode_deferred(
-                chunk.contiguous(), bounds, keys, blocks=list(widths), choice=choice, single=single
-            )
-        # a codec that cannot choose on the device: read whether the ids hold
-        return self.encode(chunk, widths, bounds, held_ids(ids, single), thresholds, features)
+        context = self._context(features, thresholds, single=None if keys is None else single, summed=summed)
+        return self.codec.encode_deferred(chunk.contiguous(), bounds, keys, blocks=list(widths), context=context)
+
+    # Never more bytes than raw: a chunk whose payload is no smaller than its stored form travels
+    # stored, the ``none`` codec's payload of one block (the rows as they are, an 80-byte header,
+    # still checked). The receiver tells one by its size alone (a coded payload is always
+    # smaller), so nothing more is read. Where a stage encodes a chunk it is never stored.
+
+    def stored_size(self, shape: tuple[int, int], dtype: torch.dtype) -> int:
+        """Bytes of a stored chunk of ``shape``: every coded payload sent is smaller."""
+        rows, cols = shape
+        n = rows * cols * dtype.itemsize
+        return fmt.head_bytes(1, 1) + n + (-n % 8)
+
+    def store(self, chunk: torch.Tensor) -> torch.Tensor:
+        """The stored payload of ``chunk`` (the rows exactly as the peer is to decode them)."""
+        return self.exact.encode(chunk.contiguous(), blocks=[chunk.shape[1]])
+
+    def decode_stored(
+        self,
+        payload: torch.Tensor,
+        shape: tuple[int, int],
+        dtype: torch.dtype,
+        ids: torch.Tensor | None,
+        widths: Sequence[int],
+        checked: list[tuple[torch.Tensor, str]],
+        **naming: Any,
+    ) -> torch.Tensor:
+        """A stored chunk (into ``naming``'s ``out`` window if given), each id's sum kept on its
+        first row where the codec would have done so; a device verdict goes to ``checked`` (read
+        with the collective's, :func:`raise_unless_sound`)."""
+        out = naming.pop("out", None)
+        target = out if out is not None else torch.empty(shape, dtype=dtype, device=payload.device)
+        what = self._transfer(payload, **naming)
+        try:
+            if self.exact.checks_in_decode(payload.device):
+                checked.append((self.exact.decode_checked(payload, target, [shape[1]]), what))
+            else:
+                self.exact.decode(payload, out=target)
+        except Exception as e:  # any failure: name the transfer, keep the cause chained
+            raise CompressedCommError(f"{what}: {type(e).__name__}: {e}") from e
+        if ids is not None and self.dedup and self.merges_ids(payload.device):
+            keep_first_duplicates(target, ids, widths)
+        return target
 
     def picks_ids_on_device(self, device: torch.device) -> bool:
         """Whether :meth:`encode_deferred` can be told whether the ids hold by a device flag and
         choose between them and the rows on the device (no host read), or takes no ids at all."""
-        if isinstance(self.codec, ThresholdCodec):
-            return True
-        if isinstance(self.codec, PerBlockCodec):  # its lossy groups choose (a host path reads)
-            return self.dedup and fmt._check_for(device) == "adler32"
-        return isinstance(self.codec, LossyCodec) and self.dedup and self.codec.defers(device)
-
-    def _choice(self, features: Sequence[str]) -> list[str]:
-        """compression=auto: each feature's option (unset: the per_block codec's fallback)."""
-        assert isinstance(self.codec, PerBlockCodec)
-        return [self.choice.get(f, self.codec.fallback) for f in features]
+        return not self.dedup or self.codec.chooses_ids_on_device(device)
 
     def passthrough(self, features: Sequence[str]) -> bool:
         """compression=auto: every feature of a collective chose ``none``, so it travels as
@@ -272,22 +315,50 @@ class DirectionCodec:
         """Where decoding ``payload`` can read everything it needs on the host in its collective's
         one read (:func:`dlrm_compression.format.read_heads`): the device values to read with its
         head and the state that goes with them; else None (it reads for itself)."""
-        if fmt._check_for(payload.device) != "adler32":
-            return None
-        keys = ids if self.dedup else None
-        if isinstance(self.codec, LossyCodec):
-            return self.codec.prepare_decode(payload, keys)
-        if isinstance(self.codec, PerBlockCodec):  # for the groups of this collective's choice
-            return self.codec.prepare_decode(payload, keys, self._choice(features))
-        if isinstance(self.codec, ThresholdCodec) and self.codec.values != "lossy":
-            return None, None  # its head alone says where the values go
-        return None
+        return self.codec.prepare_decode(payload, ids if self.dedup else None, self._context(features))
+
+    def checks_in_decode(self, device: torch.device) -> bool:
+        """Whether its payloads are decoded with no head read first, their verdicts read after
+        every decode of the collective (:meth:`decode_checked`, :func:`raise_unless_sound`)."""
+        return self.codec.checks_in_decode(device)
+
+    def decode_checked(
+        self, payload: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype, widths: Sequence[int], **naming: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where :meth:`checks_in_decode`: one peer's payload decoded (into ``naming``'s ``out``
+        window if given) and its verdict, unread; a payload of the wrong size fails at once with
+        :meth:`decode`'s message."""
+        out = naming.pop("out", None)
+        target = out if out is not None else torch.empty(shape, dtype=dtype, device=payload.device)
+        try:
+            return target, self.codec.decode_checked(payload, target, list(widths))
+        except Exception as e:  # any codec failure: name the transfer, keep the cause chained
+            raise CompressedCommError(f"{self._transfer(payload, **naming)}: {type(e).__name__}: {e}") from e
+
+    def _transfer(
+        self,
+        payload: torch.Tensor,
+        *,
+        src: int,
+        dst: int,
+        features: Sequence[str],
+        tables: Sequence[str],
+        iteration: int,
+        where: str,
+    ) -> str:
+        """What names a payload in an error: its receiver, sender, tables and iteration."""
+        return (
+            f"rank {dst} ({where}): cannot decode the {self.direction} payload ({payload.numel()} "
+            f"bytes) from rank {src} carrying tables {list(tables)} (features {list(features)}) at "
+            f"iteration {iteration}"
+        )
 
     def head_size(self, n_blocks: int) -> int:
         """Bytes of a payload of ``n_blocks`` blocks its decoder reads with the collective's heads
         (with :meth:`prepare_decode`)."""
-        assert isinstance(self.codec, (LossyCodec, ThresholdCodec, PerBlockCodec))  # those prepare_decode takes
-        return self.codec.head_size(n_blocks)
+        size = self.codec.head_size(n_blocks)
+        assert size is not None, f"codec {self.spec.codec!r} prepares no decode"  # (prepare_decode said None)
+        return size
 
     def decode(
         self,
@@ -303,24 +374,37 @@ class DirectionCodec:
         iteration: int,
         where: str,
         out: torch.Tensor | None = None,
+        keep_first: bool = True,
     ) -> torch.Tensor:
         """Decode one peer's payload (into ``out``, its window of the merged output, if given),
-        checking its shape; any failure names source, tables, iteration."""
-        what = (
-            f"rank {dst} ({where}): cannot decode the {self.direction} payload ({payload.numel()} "
-            f"bytes) from rank {src} carrying tables {list(tables)} (features {list(features)}) at "
-            f"iteration {iteration}"
+        checking its shape; any failure names source, tables, iteration. Where the codec merges
+        ids (:meth:`merges_ids`) each id's sum lands on its first row alone (``keep_first``; off:
+        on every row of the id, as the sender's own check of what it sent reads it)."""
+        what = self._transfer(
+            payload, src=src, dst=dst, features=features, tables=tables, iteration=iteration, where=where
         )
+        keys = ids if self.dedup else None
+        context = CodecContext(keep_first=keep_first and keys is not None and self.merges_ids(payload.device))
         try:
-            if head is not None and isinstance(self.codec, (LossyCodec, ThresholdCodec, PerBlockCodec)):
-                out = self.codec.decode(payload, ids if self.dedup else None, out=out, head=head)
-            else:
-                out = self.codec.decode(payload, ids if self.dedup else None, out=out)
+            out = self.codec.decode(payload, keys, out=out, head=head, context=context)
         except Exception as e:  # any codec failure: name the transfer, keep the cause chained
             raise CompressedCommError(f"{what}: {type(e).__name__}: {e}") from e
         if tuple(out.shape) != tuple(shape):
             raise CompressedCommError(f"{what}: decoded shape {tuple(out.shape)}, expected {tuple(shape)}")
         return out
+
+
+def raise_unless_sound(checked: Sequence[tuple[torch.Tensor, str]]) -> None:
+    """Read every verdict of a collective's :meth:`DirectionCodec.decode_checked` at once (one
+    host read) and raise, naming the transfer (``checked``: (verdict, what names it)), where one
+    payload is not sound; before the caller uses any decoded value."""
+    if not checked:
+        return
+    verdicts = checked[0][0] if len(checked) == 1 else torch.stack([v for v, _ in checked])
+    for held, (_, what) in zip(verdicts.reshape(len(checked), -1).tolist(), checked, strict=True):
+        if not all(held):
+            why = "checksum mismatch: the payload is corrupted" if not held[0] else "not the header expected"
+            raise CompressedCommError(f"{what}: PayloadError: {why}")
 
 
 def abs_error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

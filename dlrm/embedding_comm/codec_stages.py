@@ -12,14 +12,18 @@ from dlrm.embedding_comm.stage import Incoming, Outgoing, Stage
 class DuplicateIds(Stage):
     """Gradients by id (``backward.dedup``): the sender sums the rows of each id and sends the sum
     once; the receiver keeps it on the id's first row and zeros the others (what the owner's
-    optimizer sums is then the same)."""
+    optimizer sums is then the same). Where the codec does both itself (one op each way on the
+    device, :meth:`DirectionCodec.merges_ids`), this stage only asks it to."""
 
     def before_encode(self, c: Outgoing) -> None:
         if c.ids is not None and c.direction == "backward" and c.dc.dedup:
-            c.chunk = sum_duplicates(c.chunk, c.ids, c.blocks.widths)
+            if c.dc.merges_ids(c.chunk.device):
+                c.summed = True
+            else:
+                c.chunk = sum_duplicates(c.chunk, c.ids, c.blocks.widths)
 
     def after_decode(self, r: Incoming, part: torch.Tensor) -> None:
-        if r.ids is not None and r.direction == "backward" and r.dc.dedup:
+        if r.ids is not None and r.direction == "backward" and r.dc.dedup and not r.dc.merges_ids(r.payload.device):
             keep_first_duplicates(part, r.ids, r.blocks.widths)
 
 
@@ -40,7 +44,9 @@ class ForwardPositions(Stage):
             c.chunk = torch.where(self.kept[c.peer], c.chunk, zero)
 
     def after_decode(self, r: Incoming, part: torch.Tensor) -> None:
-        if r.direction == "forward":
+        if r.direction == "forward" and r.stored:  # the rows as they are: every entry kept
+            self.kept[r.peer] = part.new_ones(r.shape, dtype=torch.bool)
+        elif r.direction == "forward":
             self.kept[r.peer] = r.dc.kept(r.payload, r.shape, r.head)
 
 

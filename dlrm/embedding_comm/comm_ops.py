@@ -32,8 +32,8 @@ import torch.distributed as dist
 from torch.autograd import Function
 from torchrec.distributed.comm_ops import Request, get_gradient_division
 
-from dlrm.embedding_comm.codec import CompressedCommError, DirectionCodec, abs_error
-from dlrm.embedding_comm.ids import PendingIds
+from dlrm.embedding_comm.codec import CompressedCommError, DirectionCodec, abs_error, raise_unless_sound
+from dlrm.embedding_comm.ids import PendingIds, sum_duplicates
 from dlrm.embedding_comm.stage import Blocks, Incoming, Outgoing, Settle, Stage
 from dlrm.embedding_comm.stats import CommStats
 from dlrm.process.instrument import embedding_collective, on_the_wire, payload_hooked
@@ -196,6 +196,8 @@ def _sample(s: _Sampled, payload: torch.Tensor, stats: CommStats) -> None:
     tables."""
     c, d, dc, blocks = s.c, s.c.direction, s.c.dc, s.c.blocks
     chunk, bounds, ids, widths = c.chunk, c.bounds, s.ids, list(blocks.widths)
+    if c.summed and ids is not None:  # what the codec sent: each id's rows summed (every row holds its sum)
+        chunk = sum_duplicates(chunk, ids, widths)
     decoded = c.held
     if decoded is None:  # our own payload, its head read as a receiver reads it
         prepared = _codec_prepared(dc, payload, ids, blocks)
@@ -203,7 +205,7 @@ def _sample(s: _Sampled, payload: torch.Tensor, stats: CommStats) -> None:
         decoded = dc.decode(
             payload, (chunk.shape[0], blocks.dim), ids, head=head, src=s.me, dst=s.me, features=blocks.features,
             tables=sorted({s.info.feature_tables.get(f, f) for f in blocks.features}), iteration=s.info.iteration,
-            where=f"{s.info.where}, sampling its own payload",
+            where=f"{s.info.where}, sampling its own payload", keep_first=False,
         )  # fmt: skip
     starts = [0, *itertools.accumulate(widths)]
     live = [k for k, w in enumerate(widths) if w] if chunk.shape[0] else []
@@ -317,6 +319,35 @@ def _send_raw(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: li
     return _Transfer(work, recv_buf, recv_sizes, like, raw=True)
 
 
+_NO_LIMIT = 2**62  # no stored form (a stage's payload, or one whose size the host knows)
+
+
+def _stored_size(c: Outgoing) -> int:
+    rows, cols = c.chunk.shape
+    return c.dc.stored_size((rows, cols), c.chunk.dtype)
+
+
+def _store(c: Outgoing) -> torch.Tensor:
+    """``c`` stored (:meth:`DirectionCodec.stored_size`): the rows as the codec would have sent
+    them (each id's sum where it sums them), which the peer then holds exactly."""
+    chunk = sum_duplicates(c.chunk, c.ids, c.blocks.widths) if c.summed and c.ids is not None else c.chunk
+    c.held = chunk
+    c.stats.add(f"{c.direction}/stored_chunks", 1)
+    return c.dc.store(chunk)
+
+
+def _store_larger(payloads: list[torch.Tensor | Deferred | None], coded: dict[int, Outgoing]) -> None:
+    """Store, in place, every coded payload whose size the host knows and that is no smaller than
+    its chunk's stored form (a payload sent to several peers is stored once)."""
+    stored: dict[int, torch.Tensor] = {}
+    for q, c in coded.items():
+        p = payloads[q]
+        if isinstance(p, torch.Tensor) and p.numel() >= _stored_size(c):
+            if id(p) not in stored:
+                stored[id(p)] = _store(c)
+            payloads[q] = stored[id(p)]
+
+
 def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[torch.Tensor]) -> _Transfer:
     """Encode a chunk per peer (through the call's stages), exchange sizes, launch the async byte
     all-to-all."""
@@ -355,6 +386,8 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
     policy: dict[int, list[float]] = {}
     sample, sample_s = info.sample, 0.0
     sampled: _Sampled | None = None
+    coded: dict[int, Outgoing] = {}  # the chunks the codec encoded, which may travel stored
+    memo_coded: dict[int, Outgoing] = {}
     for i in range(1, ws):
         peer = (me + i) % ws
         chunk, ids, single = chunks[peer], ids_per_peer[peer], send_flags[peer]
@@ -364,6 +397,8 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
         _count_raw(stats, d, chunk, blocks)
         if ids is None and id(chunk) in memo and reuse:
             payloads[peer] = memo[id(chunk)]
+            if id(chunk) in memo_coded:
+                coded[peer] = memo_coded[id(chunk)]
         else:
             key = id(blocks)
             if key not in policy:
@@ -382,10 +417,15 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
             )
             late: torch.Tensor | Deferred | None
             if not any(s.encode(c) for s in stages):
+                coded[peer] = c
                 if defer:  # (a stage may not defer a sampled chunk; the codec's is measured below)
-                    late = dc.encode_deferred(c.chunk, blocks.widths, bounds, ids, thresholds, blocks.features, single)
+                    late = dc.encode_deferred(
+                        c.chunk, blocks.widths, bounds, ids, thresholds, blocks.features, single, c.summed
+                    )
                 else:
-                    late = c.payload = dc.encode(c.chunk, blocks.widths, bounds, ids, thresholds, blocks.features)
+                    late = c.payload = dc.encode(
+                        c.chunk, blocks.widths, bounds, ids, thresholds, blocks.features, c.summed
+                    )
             else:
                 late = c.payload
                 if c.settle is not None:
@@ -400,9 +440,14 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
                 sample = False
             if ids is None:  # no ids, settled or pending
                 memo[id(chunks[peer])] = late
+                if peer in coded:
+                    memo_coded[id(chunks[peer])] = coded[peer]
             payloads[peer] = late
     if payload_hooked():  # a test's hook sees (and may cut) each payload: their bytes first
-        ready = settle(payloads)
+        payloads = settle(payloads)  # type: ignore[assignment]
+    _store_larger(payloads, coded)
+    if payload_hooked():
+        ready = cast(list[torch.Tensor | None], payloads)
         if sampled is not None:  # as encoded, before the hook
             sample_s += _timed(_sample, sampled, ready[sampled.c.peer], stats)
             sampled = None
@@ -415,11 +460,17 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
             for q, p in enumerate(ready)
         ]
     t1 = time.perf_counter()
-    sizes = torch.tensor([p.numel() if isinstance(p, torch.Tensor) else 0 for p in payloads], dtype=torch.int64)
-    sizes = sizes.to(device, non_blocking=True)
+    # the sizes; where a coded payload's length is still on the device, the smaller of it and its
+    # stored form's (the same upload, one op), the payload chosen once the sizes are read
+    limits = {q: _stored_size(coded[q]) for q, p in enumerate(payloads) if isinstance(p, Deferred) and q in coded}
+    host = [p.numel() if isinstance(p, torch.Tensor) else 0 for p in payloads]
+    upload = torch.tensor(host + [limits.get(q, _NO_LIMIT) for q in range(ws) if limits], dtype=torch.int64)
+    sizes = upload.to(device, non_blocking=True)
     for q, p in enumerate(payloads):
         if isinstance(p, Deferred):
             sizes[q] = p.length
+    if limits:
+        sizes = torch.minimum(sizes[:ws], sizes[ws:])
     recv_t = torch.empty(ws, dtype=torch.int64, device=device)
     with embedding_collective(d), named_collective(f"the size exchange of {_a2a_name(info, d)}"):
         dist.all_to_all_single(recv_t, sizes, group=pg)
@@ -434,6 +485,13 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
     for read in settles:
         read.then(both[at : at + read.values.numel()])
         at += read.values.numel()
+    stored: dict[int, torch.Tensor] = {}  # a payload sent to several peers is stored once
+    for q, limit in limits.items():
+        if send_sizes[q] == limit:
+            late = payloads[q]
+            if id(late) not in stored:
+                stored[id(late)] = _store(coded[q])
+            payloads[q] = stored[id(late)]
     sent = [
         p.take(n) if isinstance(p, Deferred) else p for p, n in zip(payloads, send_sizes, strict=True) if p is not None
     ]
@@ -451,7 +509,8 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
     t2 = time.perf_counter()
     late_s = 0.0
     if sampled is not None:  # while the bytes travel
-        own = sampled.late
+        own = payloads[sampled.c.peer]
+        assert own is not None
         own = own.take(send_sizes[sampled.c.peer]) if isinstance(own, Deferred) else own
         late_s = _timed(_sample, sampled, own, stats)
     stats.add(f"{d}/wire_bytes", sum(send_sizes) + 8 * (ws - 1))
@@ -472,8 +531,13 @@ def _read_heads(info: CompressedA2AInfo, d: str, incoming: list[Incoming]) -> No
     where the decoder reads for itself, e.g. on the CPU)."""
     todo: list[tuple[Incoming, Prepared]] = []
     for r in incoming:
+        if r.stored:  # decoded with its check, nothing read first
+            continue
         prepared: Prepared | None = next((p for s in info.stages if (p := s.prepare_decode(r)) is not None), None)
         if prepared is None and not any(s.decodes(r) for s in info.stages):
+            if r.dc.checks_in_decode(r.payload.device):  # its verdict is read after the decodes
+                r.checked_later = True
+                continue
             prepared = _codec_prepared(r.dc, r.payload, r.ids, r.blocks)
         if prepared is not None:
             todo.append((r, prepared))
@@ -498,25 +562,30 @@ def _read_prepared(payloads: list[torch.Tensor], prepared: list[Prepared]) -> li
     return heads
 
 
-def _decode(info: CompressedA2AInfo, r: Incoming) -> torch.Tensor:
-    """The first stage that decodes the payload, else the direction's codec."""
+def _decode(
+    info: CompressedA2AInfo, r: Incoming, dtype: torch.dtype, checked: list[tuple[torch.Tensor, str]]
+) -> torch.Tensor:
+    """The first stage that decodes the payload, else the direction's codec (a codec that checks
+    as it decodes leaves its verdict in ``checked``, read once the collective's decodes are done)."""
     for s in info.stages:
         part = s.decode(r)
         if part is not None:
             return part
-    return r.dc.decode(
-        r.payload,
-        r.shape,
-        r.ids,
+    naming: dict[str, Any] = dict(
         src=r.src,
         dst=r.dst,
         features=r.blocks.features,
         tables=sorted({info.feature_tables.get(f, f) for f in r.blocks.features}),
         iteration=r.iteration,
         where=r.where,
-        out=r.window,
-        head=r.head,
     )
+    if r.stored:
+        return r.dc.decode_stored(r.payload, r.shape, dtype, r.ids, r.blocks.widths, checked, out=r.window, **naming)
+    if r.checked_later:
+        out, verdict = r.dc.decode_checked(r.payload, r.shape, dtype, r.blocks.widths, out=r.window, **naming)
+        checked.append((verdict, r.dc._transfer(r.payload, **naming)))
+        return out
+    return r.dc.decode(r.payload, r.shape, r.ids, out=r.window, head=r.head, **naming)
 
 
 def _receive(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, tr: _Transfer) -> torch.Tensor:
@@ -577,14 +646,18 @@ def _receive(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, tr: _Transf
             info.iteration,
             info.where,
         )
+        # a chunk sent stored has its stored form's size, which no coded payload has
+        r.stored = n == dc.stored_size(shape, tr.self_part.dtype) and not any(s.decodes(r) for s in info.stages)
         parts.append(r)
     if not tr.raw:
         _read_heads(info, d, [p for p in parts if isinstance(p, Incoming)])
+    checked: list[tuple[torch.Tensor, str]] = []  # verdicts of payloads checked as they were decoded
     for i, p in enumerate(parts):
         if isinstance(p, Incoming):
-            parts[i] = decoded = _decode(info, p)
+            parts[i] = decoded = _decode(info, p, tr.self_part.dtype, checked)
             for s in info.stages:
                 s.after_decode(p, decoded)
+    raise_unless_sound(checked)  # (one host read, before any decoded value leaves)
     stats.add(f"{d}/comm_ms", 1e3 * (t1 - t0))
     stats.add(f"{d}/codec_ms", 1e3 * (time.perf_counter() - t1))
     if out is not None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dlrm.process.config_checks import MOVED, check_keys, flag, integer, one_of, plain_config
+from dlrm_compression.backend import CHOICES as BACKENDS
 
 KINDS = ("compressed", "qcomm")
 MODES = ("abs", "rel")
@@ -36,6 +37,7 @@ _TOP_KEYS = {
     "sharding_types",
     "strategy",
     "strategy_file",
+    "backend",
 }
 _DIR_KEYS = {"codec", "mode", "dedup", "params", "cache", "error_feedback"}
 _CACHE_KEYS = {"enabled", "capacity_rows"}
@@ -80,6 +82,9 @@ class CompressionSpec:
     strategy: Mapping[str, Any] = field(default_factory=dict)
     strategy_file: str | None = None
     input: str = "none"  # compression.input: none | ids | auto (the KJT all-to-all, coded losslessly)
+    # where the codecs' per-chunk stages run: auto (the host's shortcuts on a CPU, the device's
+    # code elsewhere) | host | device (e.g. the device code on a CPU, as the launch counts run it)
+    backend: str = "auto"
 
     @property
     def auto(self) -> bool:
@@ -170,12 +175,15 @@ def parse_compression_cfg(cfg: Mapping[str, Any]) -> CompressionSpec:
         raise ValueError(f"{where}.sharding_types: {bad} not in {list(ALL_SHARDING_TYPES)}")
     common = dict(name=name, kind=kind, sample_every=sample_every, sharding_types=tuple(types))
     common["input"] = one_of(cfg, "input", where, INPUT_CODECS, "none")
+    common["backend"] = one_of(cfg, "backend", where, BACKENDS, "auto")
     if kind == "qcomm" and common["input"] != "none":
         raise ValueError(
             f"{where}.input={common['input']} codes the input all-to-all of our compressed path (kind: compressed); "
             f"kind qcomm runs TorchRec's own input dist: set {where}.input=none or a compression of kind compressed"
         )
     cache_probe_rows = capacity if enabled else None
+    if kind == "qcomm" and common["backend"] != "auto":
+        raise ValueError(f"{where}.backend has no effect with kind qcomm (TorchRec's own collectives): drop it")
     if kind == "qcomm":
         if "forward" in cfg or "backward" in cfg:
             raise ValueError(

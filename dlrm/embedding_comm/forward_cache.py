@@ -49,6 +49,7 @@ from dlrm.embedding_comm.bounds import Bounds
 from dlrm.embedding_comm.codec import CompressedCommError, DirectionCodec
 from dlrm.embedding_comm.stage import Incoming, Outgoing, Settle, Stage
 from dlrm_compression import format as fmt
+from dlrm_compression.backend import backend_for
 from dlrm_compression.base import held_ids
 from dlrm_compression.dedup import plan_by_ids, plan_capacity
 from dlrm_compression.format import HostHead
@@ -65,13 +66,14 @@ class ForwardCache:
     ``deltas=False`` sends moved rows whole (flag 0), a scheme the probe measures beside the cache.
     """
 
-    def __init__(self, capacity_rows: int = 0, deltas: bool = True) -> None:
+    def __init__(self, capacity_rows: int = 0, deltas: bool = True, backend: str = "auto") -> None:
         if capacity_rows < 0:
             raise ValueError(
                 f"compression.forward.cache.capacity_rows must be >= 0 (0: unlimited), got {capacity_rows}"
             )
         self.capacity_rows = capacity_rows
         self.deltas = deltas
+        self.backend = backend  # where the caches' compactions run (compression.backend)
         self.caches: dict[tuple[str, int, str, int], RowCache] = {}
 
     @property
@@ -86,7 +88,10 @@ class ForwardCache:
         """Caches land on the saved rows' device; the first chunk moves them to its own."""
         self.caches = {}
         for role, peer, feature, k, saved in state.get("caches", []):
-            cache = RowCache(int(saved["dim"]), self.capacity_rows, saved["rows"].dtype, saved["rows"].device)
+            device = saved["rows"].device
+            cache = RowCache(
+                int(saved["dim"]), self.capacity_rows, saved["rows"].dtype, device, backend_for(device, self.backend)
+            )
             cache.load_state_dict(saved)
             self.caches[(str(role), int(peer), str(feature), int(k))] = cache
 
@@ -95,7 +100,8 @@ class ForwardCache:
     ) -> RowCache:
         cache = self.caches.get((role, peer, feature, k))
         if cache is None:
-            cache = self.caches[(role, peer, feature, k)] = RowCache(dim, self.capacity_rows, dtype, device)
+            cache = RowCache(dim, self.capacity_rows, dtype, device, backend_for(device, self.backend))
+            self.caches[(role, peer, feature, k)] = cache
         elif cache.device != device:  # restored from a checkpoint onto another device
             cache.to_(device)
         return cache
@@ -114,7 +120,7 @@ class ForwardCache:
         ``unique_rows``, ``held_rows``, ``hit_rows``, ``moved_rows`` sent as differences, each
         also per feature as ``<name>/<feature>``). ``bounds``: per block, floats or a tensor."""
         _check_fp32(chunk)
-        firsts, inverse, idn = _unpack(ids)
+        firsts, inverse, idn = _unpack(ids, backend_for(ids.device, self.backend).numpy_sorts)
         x = chunk.detach()
         looked, sums, largest, c = [], [], [], 0
         for k, (f, w) in enumerate(zip(features, widths, strict=True)):
@@ -145,7 +151,7 @@ class ForwardCache:
             delta = self.deltas and room > 0 and n_moved > 0
             step = b.step(n_held, n_moved, delta)
             flags.append(int(delta))
-            bits.append(compact(b.moved, b.held, n_held))
+            bits.append(compact(b.moved, b.held, n_held, b.cache.host))
             em = b.exact.index_select(0, step.moved_at)
             sends.append(
                 torch.cat(
@@ -183,7 +189,7 @@ class ForwardCache:
         """The chunk global rank ``src`` sent (into ``out`` if given), updating our caches alike."""
         if out is None:
             out = torch.empty(ids.shape[0], sum(widths), dtype=torch.float32, device=payload.device)
-        firsts, inverse, idn = _unpack(ids)
+        firsts, inverse, idn = _unpack(ids, backend_for(ids.device, self.backend).numpy_sorts)
         nb = len(widths)
         looked = []
         for k, (f, w) in enumerate(zip(features, widths, strict=True)):
@@ -201,7 +207,7 @@ class ForwardCache:
         inner = payload[nb + n_bytes :].clone()  # aligned (format.view_as fails on an empty misaligned section)
         at = 0
         for k, (b, h) in enumerate(zip(looked, held_counts, strict=True)):
-            held_at = positions(b.held, h)
+            held_at = positions(b.held, h, b.cache.host)
             looked[k] = b._replace(moved=torch.zeros_like(b.held).index_copy_(0, held_at, bits[at : at + h]))
             at += h
         moved_counts = torch.stack([b.moved.sum() for b in looked]).tolist() if looked else []
@@ -310,10 +316,10 @@ class ForwardCache:
             looked[k] = b.laid_out(b.held & bits.index_select(0, at))
         sent = torch.stack([b.sent(b.uid, -1) for b in looked], 1)
         assert isinstance(dc.codec, LossyCodec)  # on_device() says so
-        codec, codec_state = dc.codec.prepare_decode(payload, sent)
-        assert codec is not None  # sent ids: one row at least
+        codec, codec_state = dc.codec.prepare_decode(payload, sent) or (None, None)
+        assert codec is not None  # sent ids (one row at least) on the device backend
         values = torch.cat([codec, torch.stack([b.n_unique for b in looked]), held])
-        size = fmt.head_bytes(nb, _SECTIONS) + LossyCodec.head_size(nb)
+        size = fmt.head_bytes(nb, _SECTIONS) + dc.codec.head_size(nb)
         return size, values, (looked, inverse, sent, codec_state)
 
     def decode_on_device(
@@ -374,7 +380,7 @@ def on_device(dc: DirectionCodec, device: torch.device, n_blocks: int) -> bool:
     """Whether the cache takes its device path here: where the codec builds its own payloads on
     the device (the Adler-32 check, the lossy codec), as both sides decide alike; elsewhere (the
     CPU) the host reads the sizes, as the codec does there."""
-    return fmt._check_for(device) == "adler32" and isinstance(dc.codec, LossyCodec) and n_blocks > 0
+    return isinstance(dc.codec, LossyCodec) and not dc.codec.backend_for(device).reads_sizes and n_blocks > 0
 
 
 class CacheStage(Stage):
@@ -479,10 +485,10 @@ class Block(NamedTuple):
     exact: torch.Tensor
 
     def step(self, n_held: int, n_moved: int, delta: bool) -> Step:
-        fresh_at = positions(~self.held, self.uid.numel() - n_held)
-        return Step(
-            self.cache, self.uid, self.slots, n_held, fresh_at, positions(self.moved, n_moved), self.cached, delta
-        )
+        host = self.cache.host
+        fresh_at = positions(~self.held, self.uid.numel() - n_held, host)
+        moved_at = positions(self.moved, n_moved, host)
+        return Step(self.cache, self.uid, self.slots, n_held, fresh_at, moved_at, self.cached, delta)
 
 
 class Laid(NamedTuple):
@@ -604,10 +610,11 @@ def _check_fp32(chunk: torch.Tensor) -> None:
         )
 
 
-def _unpack(ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor]:
+def _unpack(ids: torch.Tensor, numpy: bool) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor]:
     """Each block's first rows of its unique ids (ascending ids: the dedup plan's canonical order;
-    the host reads the blocks' counts), the plan's inverse [n_blocks, rows] (None: identity), the ids."""
-    plan = plan_by_ids(ids)
+    the host reads the blocks' counts), the plan's inverse [n_blocks, rows] (None: identity), the
+    ids (``numpy``: the host backend's sorts)."""
+    plan = plan_by_ids(ids, numpy=numpy)
     firsts = list(plan.first.split(plan.counts.tolist()))
     return firsts, plan.inverse, ids
 

@@ -25,7 +25,8 @@ from typing import NamedTuple
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from dlrm_compression.dedup import first_at_capacity, known_plan, with_known_plan
+from dlrm_compression.backend import upload
+from dlrm_compression.dedup import first_at_capacity, id_plan, known_plan, with_known_plan
 from dlrm_compression.ids_codec import KeyPlans
 
 EMPTY_BAG = -1  # the id of an empty bag: its pooled row is zero, like every other empty bag's
@@ -150,17 +151,14 @@ def sum_duplicates(g: torch.Tensor, ids: torch.Tensor, widths: Sequence[int]) ->
     """Give every row of each block the sum of its block's rows with the same id (a new tensor).
 
     The codec (deduplicating by id) then sends each sum once; the owner keeps it on one row. Each
-    id's rows are summed in row order into the slot of its first row (no unique ids: no host wait).
+    id's rows are summed in row order, from the ids' plan (:func:`dlrm_compression.dedup.id_plan`:
+    one sort for every block, shared with the codec), by one scatter and one gather for every
+    block: no unique ids (no host wait), no loop over the tables.
     """
-    out, c = g.clone(), 0
-    first = first_rows(ids) if any(widths) else None
-    for k, w in enumerate(widths):
-        if w:
-            assert first is not None
-            sums = torch.zeros_like(g[:, c : c + w]).index_add_(0, first[k], g[:, c : c + w])
-            out[:, c : c + w] = sums[first[k]]
-        c += w
-    return out
+    if not any(widths):
+        return g.clone()
+    slot = _per_column(id_plan(ids).inverse, widths)  # [rows, cols]: each value's id slot
+    return torch.zeros_like(g).scatter_add_(0, slot, g).gather(0, slot)
 
 
 def first_rows(ids: torch.Tensor) -> torch.Tensor:
@@ -191,10 +189,13 @@ def keep_first_duplicates(g: torch.Tensor, ids: torch.Tensor, widths: Sequence[i
     """
     if not any(widths):
         return g
-    keep = first_rows(ids) == torch.arange(ids.shape[0], device=ids.device)  # [n_blocks, rows]
-    c = 0
-    for k, w in enumerate(widths):
-        if w:
-            g[:, c : c + w] = torch.where(keep[k, :, None], g[:, c : c + w], 0.0)  # not `*= mask`: inf * 0 is nan
-        c += w
-    return g
+    plan = id_plan(ids)
+    first = plan.first.gather(1, plan.inverse) == torch.arange(ids.shape[0], device=ids.device)  # [n_blocks, rows]
+    return g.masked_fill_(~_per_column(first, widths), 0.0)  # (not `*= mask`: inf * 0 is nan)
+
+
+def _per_column(per_block: torch.Tensor, widths: Sequence[int]) -> torch.Tensor:
+    """``per_block`` [n_blocks, rows] spread to every column of its block: [rows, cols] (a view of
+    one gather by a table of each column's block)."""
+    block_of = torch.tensor([b for b, w in enumerate(widths) for _ in range(w)])
+    return per_block.index_select(0, upload(block_of, per_block.device)).t()

@@ -74,8 +74,8 @@ def build_sharders(
             )
         ]
     assert spec.forward is not None and spec.backward is not None
-    forward = DirectionCodec(spec.forward, "forward", bound_fn_forward)
-    backward = DirectionCodec(spec.backward, "backward", bound_fn_backward)
+    forward = DirectionCodec(spec.forward, "forward", bound_fn_forward, spec.backend)
+    backward = DirectionCodec(spec.backward, "backward", bound_fn_backward, spec.backend)
     if backward.forward_positions and forward.keep is None:
         raise ValueError(
             "compression.backward.params.forward_positions sends gradients where the forward's threshold codec "
@@ -91,8 +91,8 @@ def build_sharders(
             "compression.stats.cache_probe measures the cache-free forward path: disable it or "
             "compression.forward.cache (which reports its own ratio)"
         )
-    probe = None if spec.cache_probe_rows is None else CacheProbe(spec.cache_probe_rows)
-    cache = None if spec.forward.cache_rows is None else ForwardCache(spec.forward.cache_rows)
+    probe = None if spec.cache_probe_rows is None else CacheProbe(spec.cache_probe_rows, backend=spec.backend)
+    cache = None if spec.forward.cache_rows is None else ForwardCache(spec.forward.cache_rows, backend=spec.backend)
     runtime = CompressionRuntime(
         forward=forward,
         backward=backward,
@@ -100,7 +100,7 @@ def build_sharders(
         name=spec.name,
         cache_probe=probe,
         forward_cache=cache,
-        input_codec=IdsCodec() if spec.input in ("ids", "auto") else None,
+        input_codec=IdsCodec(backend=spec.backend) if spec.input in ("ids", "auto") else None,
         input_switch=InputSwitch() if spec.input == "auto" else None,
     )
     return [

@@ -64,6 +64,8 @@ class Outgoing:
     # Where set, whether ``ids`` hold is not read yet: a 0-d bool on the device says (only
     # stages that do not :meth:`Stage.reads_ids` see it; the row cache chooses on the device)
     single: torch.Tensor | None = None
+    # each id's rows summed by the codec as it encodes (a gradient's; ``chunk`` keeps the rows)
+    summed: bool = False
 
 
 @dataclass
@@ -84,6 +86,10 @@ class Incoming:
     iteration: int
     where: str
     head: HostHead | None = None  # its head, check and a stage's prepared values, read with the collective's
+    # decoded with no head read first, its verdict read after the collective's every decode
+    # (DirectionCodec.checks_in_decode)
+    checked_later: bool = False
+    stored: bool = False  # the rows as they are (DirectionCodec.stored_size): no coder's payload
 
 
 class Stage:

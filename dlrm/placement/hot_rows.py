@@ -26,15 +26,20 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from dlrm.process.env import collective_device
 from dlrm.trainer.model import table_names
+from dlrm_compression.backend import backend_for
 from dlrm_compression.row_cache import compact
 
 HOT_SUFFIX = "@hot"
 
 
 class HotSplit:
-    """Splits each batch's replicated features into cold ids and hot replica slots."""
+    """Splits each batch's replicated features into cold ids and hot replica slots; ``backend``
+    (``compression.backend``: auto, host or device) chooses, from each batch's device, how the
+    ids are compacted (:func:`dlrm_compression.row_cache.compact`)."""
 
-    def __init__(self, hot_ids: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, hot_ids: Mapping[str, torch.Tensor], backend: str = "auto") -> None:
+        backend_for("cpu", backend)  # refuse an unknown choice here, not at the first batch
+        self.backend = backend
         self.features = list(hot_ids)  # feature -> int64 ids, hottest first (slot order)
         self.sorted_ids, self.slot_of_sorted = {}, {}
         for f, ids in hot_ids.items():
@@ -63,8 +68,9 @@ class HotSplit:
         all_lengths = [lengths[k] for k in keys] + [hot_lengths[k] for k in hot_keys]
         sizes = torch.stack([n.sum() for n in all_lengths]).tolist()  # the one host read
         size = dict(zip(keys, sizes, strict=False))
-        cold = [compact(values[k], ~hot[k], size[k]) if k in hot else values[k] for k in keys]
-        hot_values = [compact(slots[k], hot[k], m) for k, m in zip(hot_keys, sizes[len(keys) :], strict=True)]
+        host = backend_for(kjt.values().device, self.backend).host_compaction
+        cold = [compact(values[k], ~hot[k], size[k], host) if k in hot else values[k] for k in keys]
+        hot_values = [compact(slots[k], hot[k], m, host) for k, m in zip(hot_keys, sizes[len(keys) :], strict=True)]
         out = KeyedJaggedTensor(
             keys=keys + [k + HOT_SUFFIX for k in hot_keys],
             values=torch.cat(cold + hot_values),

@@ -34,6 +34,7 @@ from torchrec.optim.keyed import KeyedOptimizer
 from dlrm.placement.hot_wire import SyncWire, held_slots
 from dlrm.placement.traffic import ID_BYTES
 from dlrm.process.timeout import named_collective
+from dlrm_compression.backend import backend_for
 from dlrm_compression.format import Deferred
 from dlrm_compression.row_cache import compact, positions
 
@@ -50,7 +51,9 @@ class Gathered:
 
 
 class HotRowOptimizer(KeyedOptimizer):
-    """The optimizer of the replicated rows (``params``: name -> [H, D] weight with a sparse grad)."""
+    """The optimizer of the replicated rows (``params``: name -> [H, D] weight with a sparse grad);
+    ``backend`` (``compression.backend``: auto, host or device) chooses, from the replicas'
+    device, how touched rows are compacted (:func:`dlrm_compression.row_cache.compact`)."""
 
     def __init__(
         self,
@@ -60,6 +63,7 @@ class HotRowOptimizer(KeyedOptimizer):
         eps: float,
         sync_every: int,
         wire: SyncWire | None = None,
+        backend: str = "auto",
     ):
         if rule not in RULES:
             raise ValueError(f"hot-row replication supports optimizer.sparse.name in {RULES} (got {rule!r})")
@@ -72,6 +76,8 @@ class HotRowOptimizer(KeyedOptimizer):
         group = {"params": list(params.values()), "lr": lr, "eps": eps}
         super().__init__(dict(params), state, [group])
         self.rule, self.sync_every, self.wire = rule, int(sync_every), wire  # wire None: the exact sync
+        backend_for("cpu", backend)  # refuse an unknown choice here, not at the first sync
+        self.backend = backend
         self.names = list(params)
         self.pending = {n: torch.zeros_like(p) for n, p in params.items()}  # gradients not yet applied
         self.touched = {n: torch.zeros(p.shape[0], dtype=torch.bool, device=p.device) for n, p in params.items()}
@@ -109,8 +115,9 @@ class HotRowOptimizer(KeyedOptimizer):
             total.index_add_(0, s, r)
         lr, eps = self.param_groups[0]["lr"], self.param_groups[0]["eps"]
         hits = [gathered.hit[b : b + p.shape[0]] for p, b in zip(params, bases, strict=False)]
+        host = self._host(params[0].device)
         for name, p, b, h, k in zip(self.names, params, bases, hits, gathered.n_hit, strict=False):
-            sel = positions(h, k)
+            sel = positions(h, k, host)
             self._apply(p, sel, total[b + sel], lr, eps)
             self.pending[name].zero_()
             self.touched[name].zero_()
@@ -118,9 +125,14 @@ class HotRowOptimizer(KeyedOptimizer):
     def _touched_rows(self, n_touched: list[int], bases: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Each table's touched slots (global) and pending rows, given their counts as read."""
         touched = [self.touched[n] for n in self.names]
-        slots = [positions(t, k) + b for t, k, b in zip(touched, n_touched, bases, strict=False)]
-        rows = [compact(self.pending[n], t, k) for n, t, k in zip(self.names, touched, n_touched, strict=True)]
+        host = self._host(touched[0].device) if touched else False
+        slots = [positions(t, k, host) + b for t, k, b in zip(touched, n_touched, bases, strict=False)]
+        rows = [compact(self.pending[n], t, k, host) for n, t, k in zip(self.names, touched, n_touched, strict=True)]
         return slots, rows
+
+    def _host(self, device: torch.device) -> bool:
+        """Whether compactions on ``device`` take the host's ``nonzero`` (the backend's choice)."""
+        return backend_for(device, self.backend).host_compaction
 
     def _any_touched(self, name: str) -> torch.Tensor:
         """Table ``name``'s pending rows, each untouched one replaced by its first touched row."""

@@ -48,8 +48,8 @@ import torch
 
 from dlrm.embedding_comm.codec import DirectionCodec
 from dlrm_compression import format as fmt
+from dlrm_compression import ops
 from dlrm_compression.composite import PerBlockCodec
-from dlrm_compression.format import adler32
 from dlrm_compression.lossy import LossyCodec
 
 MAGIC = b"HRW1"
@@ -173,11 +173,11 @@ class SyncWire:
         counts = [sum(len(s) for s in p.slots) for p in parts.values()]
         table = b"".join(_PART.pack(n, int(p.numel())) for n, p in zip(counts, payloads, strict=True))
         body = torch.cat([ids.to(device).view(torch.uint8), _on(table, device), *(p.reshape(-1) for p in payloads)])
-        version = 2 if fmt._check_for(device) == "adler32" else VERSION  # the codec payloads' choice, by device
+        version = 2 if self.codec.backend_for(device).check == "adler32" else VERSION  # the codec payloads' choice
         check = zlib.crc32(body.numpy().data) if CHECKS[version] == "crc32" else 0  # .data: a buffer to every numpy
         out = torch.cat([_on(_PREFIX.pack(MAGIC, version, self.width, len(payloads), len(ids), check), device), body])
         if CHECKS[version] == "adler32":  # computed and written on the device
-            out[_CHECK_AT : _PREFIX.size] = adler32(body).reshape(1).view(torch.uint8)[:4]
+            ops.adler32_seal_(out, None, out.numel(), 0, _PREFIX.size, _CHECK_AT)
         return out
 
     def defers(self, device: torch.device) -> bool:
@@ -212,17 +212,13 @@ class SyncWire:
         pieces = [(s.to(self.slot_dtype).view(torch.uint8), k * self.width) for s, k in zip(slots, counts, strict=True)]
         row_counts = counts.view(torch.uint8).view(-1, 8)[:, :4].reshape(-1)  # u32: an int64's low 4 bytes
         pieces += [(row_counts, _on_int(row_counts.numel(), device)), (coded.buffer, coded.length)]
-        sizes = torch.stack([n.reshape(()) for _, n in pieces])
-        ends = _PREFIX.size + sizes.cumsum(0)
-        out = torch.zeros(_PREFIX.size + sum(p.numel() for p, _ in pieces) + 1, dtype=torch.uint8, device=device)
-        out[: _PREFIX.size] = _on(_PREFIX.pack(MAGIC, 2, self.width, len(rows), 0, 0), device)  # 2: Adler-32
-        for (piece, n), end in zip(pieces, ends, strict=True):
-            fmt.place(out, piece, n, end - n)
-        out, total = out[:-1], ends[-1]
-        out[8:_CHECK_AT] = counts.sum().reshape(1).view(torch.uint8)[:4]  # the rows: a device value
-        out[_CHECK_AT : _PREFIX.size] = (
-            adler32(out[_PREFIX.size :], total - _PREFIX.size).reshape(1).view(torch.uint8)[:4]
-        )
+        prefix = torch.frombuffer(bytearray(_PREFIX.pack(MAGIC, 2, self.width, len(rows), 0, 0)), dtype=torch.uint8)
+        rows_sent = counts.sum().reshape(1).view(torch.uint8)[:4]  # a device value, in the prefix (2: Adler-32)
+        out, total = ops.frame(
+            prefix, [rows_sent], [8], [p for p, _ in pieces], [n.reshape(()) for _, n in pieces],
+            [-1] * len(pieces), [0] * len(pieces), 1, 1, -1, -1,
+        )  # fmt: skip
+        ops.adler32_seal_(out, total, 0, 0, _PREFIX.size, _CHECK_AT)
         self._raw = self._raw + counts.sum() * self.dim * 4
         self._coded = self._coded + coded.length
         return fmt.Deferred(out, total)
@@ -251,10 +247,10 @@ class SyncWire:
         def fail(i: int, why: str) -> HotWireError:
             return HotWireError(f"hot-row sync payload from rank {srcs[i]} ({payloads[i].numel()} bytes): {why}")
 
-        on_device = bool(payloads) and fmt._check_for(payloads[0].device) == "adler32"  # (else the CPU's crc32)
+        on_device = bool(payloads) and self.codec.backend_for(payloads[0].device).check == "adler32"  # (else crc32)
         # where payloads are the device's (version 2), the codec's head is read here too
         codec_heads = on_device and self.defers(payloads[0].device)
-        head_size = LossyCodec.head_size(n_tables) if codec_heads else 0
+        head_size = (self.codec.head_size(n_tables) or 0) if codec_heads else 0
         pieces, slots, valid = [], [], []
         for i, payload in enumerate(payloads):
             size = payload.numel()
@@ -372,7 +368,7 @@ def held_slots(
 
 def _adler_ok(payload: torch.Tensor) -> torch.Tensor:
     """Whether a payload's Adler-32 check holds (0-d bool on its device)."""
-    return adler32(payload[_PREFIX.size :]) == _u32(payload, _CHECK_AT)
+    return ops.adler32_holds(payload, None, payload.numel(), 0, _PREFIX.size, _CHECK_AT).bool()
 
 
 def _u32(payload: torch.Tensor, at: int) -> torch.Tensor:

@@ -236,6 +236,8 @@ def setup_replication(
     if spec.sync_codec == "backward":
         assert backward_codec is not None  # checked above
         coded = SyncWire(backward_codec, list(replicas.weights), [len(w) for w in replicas.weights.values()], dim)
+    # where the split's and the sync's compactions run: the backward codec's backend (its own), else the run's
+    backend = backward_codec.codec.backend_choice if backward_codec is not None else compression.backend
     optimizer = HotRowOptimizer(
         {f"model.sparse_arch.hot.weights.{f}": w for f, w in replicas.weights.items()},  # as the model names them
         rule,
@@ -243,6 +245,7 @@ def setup_replication(
         eps=float(sparse.get("eps", 1e-8)),
         sync_every=spec.sync_every,
         wire=coded,
+        backend=backend,
     )
     replica_bytes = sum(sizes.values()) * row_bytes
     summary = {
@@ -254,4 +257,4 @@ def setup_replication(
     }
     if is_main():
         log.info("hot-row replication: %s", summary)
-    return Replication(hot_ids, HotSplit(hot_ids), optimizer, summary)
+    return Replication(hot_ids, HotSplit(hot_ids, backend), optimizer, summary)

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from data.layout import SPARSE_NAMES
 from dlrm.bench import host_syncs
-from dlrm_compression import base, dedup
-from dlrm_compression import format as fmt
+from dlrm_compression.backend import DEVICE, HOST, backend_for
 
 TOLIST = torch.Tensor.tolist
 
@@ -13,15 +13,26 @@ TOLIST = torch.Tensor.tolist
 def test_bench_counts_a_tiny_chunk_by_stage(capsys):
     assert host_syncs.main(["--rows", "64", "--tables", "3", "--dim", "8", "--trace"]) == 0
     out = capsys.readouterr().out
-    stages = ("forward/bounds", "forward/encode", "forward/decode", "backward/sum_duplicates", "backward/keep_first")
+    # (the codec sums the backward's duplicate-id rows and keeps their first itself: no stage of its own)
+    stages = ("forward/bounds", "forward/encode", "forward/decode", "backward/encode", "backward/decode")
     for stage in stages:
         assert f"\n{stage} " in out
     assert "W =  64: 63 peers" in out
     assert "compression/format.py:" in out  # --trace names the lines
     assert "dlrm.embedding_comm.ids:chunk_ids_of:" in out  # the static listing follows
-    assert dedup.HOST_NUMPY  # the CPU shortcut is restored, and the CPU check, and the tensor methods
-    assert fmt._check_for(torch.device("cpu")) == "crc32" and base.HOST_BOUNDS
-    assert torch.Tensor.tolist is TOLIST
+    assert torch.Tensor.tolist is TOLIST  # counted_reads restores the tensor methods
+
+
+def test_the_bench_counts_the_device_backend_on_cpu_tensors_and_changes_no_default():
+    cpu = torch.device("cpu")
+    assert backend_for(cpu) is HOST and backend_for(cpu, "device") is DEVICE  # a CPU's default: the host's
+    features = SPARSE_NAMES[:3]
+    for dc in host_syncs.codecs(features, 8).values():  # the bench's codecs: the device's code
+        assert dc.codec.backend_choice == "device" and dc.codec.backend_for(cpu) is DEVICE
+    for dc in host_syncs.codecs(features, 8, backend="auto").values():  # as the trainer builds them on a CPU
+        assert dc.codec.backend_for(cpu) is HOST
+    host_syncs.count_chunk(rows=32, tables=3, dim=4)
+    assert backend_for(cpu) is HOST  # nothing global flipped by a count
 
 
 @pytest.mark.parametrize("tables", [2, 5])
@@ -30,7 +41,7 @@ def test_bounds_and_duplicate_ids_take_no_host_sync(tables):
     assert {"forward/bounds", "backward/bounds"} <= set(c.labels)  # the stage ran, counted
     assert c.by_label["forward/bounds"] == c.by_label["backward/bounds"] == 0  # was 2 per table
     # duplicate-id gradients: one sort of every table's ids, no torch.unique (was one per table each)
-    assert c.by_label["backward/sum_duplicates"] == c.by_label["backward/keep_first"] == 0
+    assert "backward/sum_duplicates" not in c.labels and "backward/keep_first" not in c.labels  # in the codec
 
 
 def test_one_chunk_of_the_issue_syncs_by_stage_and_op():
@@ -44,7 +55,7 @@ def test_one_chunk_of_the_issue_syncs_by_stage_and_op():
         for stage in ("bounds", "encode", "decode"):
             assert c.by_label[f"{d}/{stage}"] == 0, (d, stage, c.counts)
         assert c.by_label[f"{d}/size_exchange"] == c.by_label[f"{d}/heads"] == 1
-    assert c.by_label["backward/sum_duplicates"] == c.by_label["backward/keep_first"] == 0
+    assert "backward/sum_duplicates" not in c.labels and "backward/keep_first" not in c.labels  # in the codec
 
 
 def test_syncs_per_collective_do_not_grow_with_the_peers():

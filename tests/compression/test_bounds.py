@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dlrm_compression as compression
-from dlrm_compression.synthetic import criteo_like_batch
+from dlrm.bench.criteo_like import criteo_like_batch
 
 
 def host_range_bounds(x: torch.Tensor, rel: list[float], widths: list[int]) -> list[float]:
@@ -59,21 +59,16 @@ def test_device_bounds_on_criteo_like_rows_and_one_shared_fraction():
     assert torch.equal(compression.relative_to_absolute(x, frac, [16] * 13), got)
 
 
-@pytest.fixture
-def device_code(monkeypatch):
-    """CPU tensors of bounds through the device code (on a CPU they are read on the host)."""
-    monkeypatch.setattr(compression.base, "HOST_BOUNDS", False)
-
-
 @pytest.mark.parametrize("entropy", [False, True])
 @pytest.mark.parametrize("with_ids", [False, True])
-def test_codec_takes_a_tensor_of_bounds_with_the_floats_payload(entropy, with_ids, device_code):
+def test_codec_takes_a_tensor_of_bounds_with_the_floats_payload(entropy, with_ids):
+    """CPU tensors of bounds through the device backend's code (the host's reads them as floats)."""
     batch = criteo_like_batch(rows=300, tables=4, dim=8, seed=5)
     x = torch.cat([t["values"] for t in batch.values()], 1)
     ids = torch.stack([t["ids"] for t in batch.values()], 1) if with_ids else None
     widths = [8, 8, 8, 8]
     eb = compression.relative_to_absolute(x, [0.01, 0.02, 1e-4, 0.5], widths)
-    codec = compression.get_codec("lossy", entropy=entropy)
+    codec = compression.get_codec("lossy", entropy=entropy, backend="device")
     payload = codec.encode(x, eb, ids, blocks=widths)
     assert torch.equal(payload, codec.encode(x, eb.tolist(), ids, blocks=widths))
     y = codec.decode(payload, ids)
@@ -84,8 +79,8 @@ def test_codec_takes_a_tensor_of_bounds_with_the_floats_payload(entropy, with_id
 
 
 @pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf])
-def test_a_bad_bound_tensor_is_refused(bad, device_code):
-    codec = compression.get_codec("lossy")
+def test_a_bad_bound_tensor_is_refused(bad):
+    codec = compression.get_codec("lossy", backend="device")
     with pytest.raises(RuntimeError, match="error bounds must be finite and >= 0"):
         codec.encode(torch.randn(4, 4), torch.tensor([0.1, bad], dtype=torch.float64), blocks=[2, 2])
     with pytest.raises(RuntimeError, match="relative bounds must be >= 0"):

@@ -1,5 +1,5 @@
 """The payload container: truncation, bit flips and foreign bytes always raise PayloadError, with
-either check (crc32, built on the CPU; Adler-32 on the device, forced here on CPU tensors)."""
+either check (crc32, the host backend's; Adler-32, the device backend's, run here on CPU tensors)."""
 
 import random
 import zlib
@@ -8,16 +8,17 @@ import pytest
 import torch
 
 import dlrm_compression as compression
-from dlrm_compression import PayloadError
+from dlrm_compression import PayloadError, ops
 from dlrm_compression import format as fmt
+from dlrm_compression.backend import DEVICE
 
 CHECKS = ["crc32", "adler32"]
+BACKEND_OF = {"crc32": "host", "adler32": "device"}  # the backend whose payloads carry each check
 
 
 @pytest.fixture(params=CHECKS)
-def check(request, monkeypatch):
-    """Which check the payloads built in the test carry (the device's choice, forced)."""
-    monkeypatch.setattr(fmt, "_check_for", lambda device: request.param)
+def check(request):
+    """Which check the payloads built in the test carry (their codec's backend's)."""
     return request.param
 
 
@@ -43,7 +44,7 @@ def _payload(key: str, check: str = "crc32") -> tuple:
     baseline without its kernels) skips the case, naming why, instead of vanishing from the list."""
     if (key, check) not in _CACHE:
         name, with_ids = key.removesuffix("+ids"), key.endswith("+ids")
-        codec = compression.get_codec(name)
+        codec = compression.get_codec(name, backend=BACKEND_OF[check])
         x, ids = _inputs()
         try:
             payload = codec.encode(x, 1e-3, ids if with_ids else None)
@@ -131,14 +132,12 @@ def test_an_empty_section_at_any_offset_reads_as_empty(offset):
         )
 
 
-def test_the_device_check_is_zlibs_adler32_and_either_check_decodes_anywhere(monkeypatch):
+def test_the_device_check_is_zlibs_adler32_and_either_check_decodes_anywhere():
     x, ids = _inputs()
-    codec = compression.get_codec("lossy", entropy=True)  # (entropy=auto follows the check: zstd only with crc32)
     by_check = {}
-    for c in CHECKS:
-        monkeypatch.setattr(fmt, "_check_for", lambda device, c=c: c)
-        by_check[c] = codec.encode(x, 1e-3, ids)
-    monkeypatch.undo()  # decoding reads the check from the flags, whatever the device
+    for c in CHECKS:  # (entropy=auto follows the backend: zstd only on the host's)
+        by_check[c] = compression.get_codec("lossy", entropy=True, backend=BACKEND_OF[c]).encode(x, 1e-3, ids)
+    codec = compression.get_codec("lossy", entropy=True)  # decoding reads the check from the flags
     for c, p in by_check.items():
         body = p[:20].numpy().tobytes() + p[24:].numpy().tobytes()  # all but the check field
         want = zlib.adler32(body) if c == "adler32" else zlib.crc32(body)
@@ -146,37 +145,38 @@ def test_the_device_check_is_zlibs_adler32_and_either_check_decodes_anywhere(mon
         assert torch.equal(codec.decode(p, ids), codec.decode(by_check["crc32"], ids))
     same = [p[torch.arange(p.numel()) // 4 != 5] for p in by_check.values()]  # only the check and flag differ
     assert torch.equal(same[0][torch.arange(same[0].numel()) != 7], same[1][torch.arange(same[1].numel()) != 7])
-    for n in (0, 1, 65521, 300_000):  # the mod-65521 sums, over and past a wrap, exact in int64
+    # the device's op against zlib: the mod-65521 sums over and past a wrap, more than one pass of
+    # the reference, a skipped field and an end on the device that stops short of the buffer
+    for n in (0, 1, 65521, 300_000, (1 << 22) + 4099):
         t = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
-        assert int(fmt.adler32(t)) == zlib.adler32(t.numpy().tobytes())
-    assert int(fmt.adler32(torch.full((1 << 20,), 255, dtype=torch.uint8))) == zlib.adler32(bytes([255]) * (1 << 20))
-    # over several slices, of parts taken one after another, and of the first n bytes only
-    t = torch.randint(0, 256, (3 * fmt._SLICE + 11,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
-    for n in (5, fmt._SLICE, 2 * fmt._SLICE + 7, t.numel()):
-        want = zlib.adler32(t[:n].numpy().tobytes())
-        assert int(fmt.adler32([t[:7], t[7 : fmt._SLICE + 1], t[fmt._SLICE + 1 :]], torch.tensor(n))) == want, n
-    assert int(fmt.adler32([t[:7], t[7:]])) == zlib.adler32(t.numpy().tobytes())
+        assert int(ops.adler32(t, None, n, 0, 0, 0)) == zlib.adler32(t.numpy().tobytes())
+        end = n * 2 // 3
+        if end >= 24:  # (a payload holds its check field)
+            want = zlib.adler32(t[:20].numpy().tobytes() + t[24:end].numpy().tobytes())
+            assert int(ops.adler32(t, torch.tensor(end), 0, 20, 4, 20)) == want, n
+    ones = torch.full((1 << 20,), 255, dtype=torch.uint8)
+    assert int(ops.adler32(ones, None, ones.numel(), 0, 0, 0)) == zlib.adler32(bytes([255]) * (1 << 20))
 
 
-def test_a_deferred_payload_of_many_slices_is_the_host_payload_byte_for_byte(monkeypatch):
-    """pack_deferred copies and checks in slices (small temporaries): pieces longer than a slice,
-    with capacity past their lengths, land as pack joins them."""
-    monkeypatch.setattr(fmt, "_check_for", lambda device: "adler32")
+def test_a_deferred_payload_is_the_host_payload_byte_for_byte():
+    """pack_deferred frames pieces whose lengths stay on the device in one gather: pieces longer
+    than a tile of it, with capacity past their lengths, land as pack joins them."""
     g = torch.Generator().manual_seed(4)
-    a, b = (torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in (2 * fmt._SLICE + 5, 3000))
+    a, b = (torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in (3 * 4096 + 5, 3000))
     header = fmt.Header(1, torch.float32, 4, 2, [2], [0.5])
     late = fmt.pack_deferred(header, [[(a, a.numel() - 9)], [(b, 17), (b, 2500)]], torch.device("cpu"))
-    host = fmt.pack(header, [a[:-9], torch.cat([b[:17], b[:2500]])])
-    assert torch.equal(late.take(int(late.length)), host) and not late.buffer[int(late.length) :].any()
+    host = fmt.pack(header, [a[:-9], torch.cat([b[:17], b[:2500]])], backend=DEVICE)
+    assert torch.equal(late.take(int(late.length)), host)
+    empty = fmt.pack_deferred(header, [[(a, 0)], [(b, torch.tensor(0))]], torch.device("cpu"))
+    assert torch.equal(empty.take(int(empty.length)), fmt.pack(header, [a[:0], b[:0]], backend=DEVICE))
 
 
 def test_the_device_check_reads_only_the_header_on_the_host(check, monkeypatch):
     """crc32 hands the host every byte of the payload; Adler-32 only its first kilobyte (prefix
     and header) with the verdict (seen by the bytes that reach numpy: on CPU tensors no
-    dispatcher op shows a host copy). The codec's device path: fixed-length coder, torch dedup."""
-    monkeypatch.setattr(compression.dedup, "HOST_NUMPY", False)
+    dispatcher op shows a host copy). The fixed-length coder, on each backend."""
     x, ids = torch.randn(2048, 16, generator=torch.Generator().manual_seed(2)), torch.arange(2048)
-    codec = compression.get_codec("lossy", entropy=False)
+    codec = compression.get_codec("lossy", entropy=False, backend=BACKEND_OF[check])
     seen: list[int] = []
     real = torch.Tensor.numpy
     monkeypatch.setattr(torch.Tensor, "numpy", lambda t, *a, **k: seen.append(t.numel()) or real(t, *a, **k))

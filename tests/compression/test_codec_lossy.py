@@ -1,7 +1,6 @@
 """The lossy codec: the error bound holds on every element, whatever the data, ids and blocks."""
 
 import math
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -9,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dlrm_compression as compression
-from dlrm_compression import PayloadError
+from dlrm_compression import PayloadError, ops
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SPECIALS = [float("nan"), float("inf"), -float("inf"), 1e-40, -1e-45, 3e30, -0.0]
@@ -81,11 +80,9 @@ def test_bound_holds_on_every_element(case, entropy, id_form):
     codec = compression.get_codec("lossy", entropy=entropy)
     payload = codec.encode(x, eb, ids, blocks=widths)
     # the bounds as a float64 tensor (relative_to_absolute's form), through the device code: same payload
-    compression.base.HOST_BOUNDS = False
-    try:
-        assert torch.equal(codec.encode(x, torch.tensor(eb, dtype=torch.float64), ids, blocks=widths), payload)
-    finally:
-        compression.base.HOST_BOUNDS = True
+    device = compression.get_codec("lossy", entropy=entropy, backend="device")
+    eb_t = torch.tensor(eb, dtype=torch.float64)
+    assert torch.equal(device.encode(x, eb_t, ids, blocks=widths), device.encode(x, eb, ids, blocks=widths))
     y = codec.decode(payload, ids)
     check_bound(x, y, widths, eb)
     # Into a caller's buffer: a strided column window of a wider tensor, the rest untouched.
@@ -121,17 +118,13 @@ def test_device_dedup_code_matches_the_host_fast_path(case):
     from dlrm_compression import dedup
 
     x, widths, eb, ids = case
-    codec = compression.get_codec("lossy")
     ints = {torch.float32: torch.int32}.get(x.dtype, torch.int16)
     outs = []
     for host in (True, False):
-        dedup.HOST_NUMPY = host
-        try:
-            for i in (ids, None):
-                plan = dedup.plan_by_ids(ids) if i is not None else dedup.plan_by_value(x, widths)
-                outs.append((plan.counts.tolist(), codec.decode(codec.encode(x, eb, i, blocks=widths), i)))
-        finally:
-            dedup.HOST_NUMPY = True
+        codec = compression.get_codec("lossy", entropy=True, backend="host" if host else "device")
+        for i in (ids, None):
+            plan = dedup.plan_by_ids(ids, numpy=host) if i is not None else dedup.plan_by_value(x, widths, numpy=host)
+            outs.append((plan.counts.tolist(), codec.decode(codec.encode(x, eb, i, blocks=widths), i)))
     assert outs[2][0] == outs[0][0] and outs[3][0] == outs[1][0]  # same unique rows either way
     for _, y in outs[1:]:
         assert torch.equal(y.view(ints), outs[0][1].view(ints))
@@ -201,7 +194,9 @@ def test_value_dedup_survives_hash_collisions(monkeypatch):
 
     g = torch.Generator().manual_seed(5)
     x = (torch.randn(8, 16, generator=g) * 0.01)[torch.randint(0, 8, (300,), generator=g)]
-    monkeypatch.setattr(dedup, "_row_hashes", lambda x, widths: torch.zeros(x.shape[0], len(widths), dtype=torch.int64))
+    monkeypatch.setattr(
+        dedup, "_row_hashes", lambda x, widths, host=False: torch.zeros(x.shape[0], len(widths), dtype=torch.int64)
+    )
     codec = compression.get_codec("lossy")
     y = codec.decode(codec.encode(x, [1e-3, 1e-3], blocks=[8, 8]))
     check_bound(x, y, [8, 8], [1e-3, 1e-3])  # every row "collides": dedup falls back per block
@@ -233,27 +228,11 @@ def test_verify_ids_catches_rows_that_break_the_id_contract():
 # -- the device framing: lengths left on the device, heads read once per collective --------------
 
 
-@contextmanager
-def _device_code():
-    """The code a CUDA tensor takes, on CPU tensors: torch's dedup, the bounds kept as a tensor,
-    the Adler-32 check (dlrm.bench.host_syncs.device_paths does the same for the benchmark)."""
-    from dlrm_compression import base, dedup
-    from dlrm_compression import format as fmt
-
-    saved = dedup.HOST_NUMPY, base.HOST_BOUNDS, fmt._check_for
-    dedup.HOST_NUMPY = base.HOST_BOUNDS = False
-    fmt._check_for = lambda device: "adler32"
-    try:
-        yield
-    finally:
-        dedup.HOST_NUMPY, base.HOST_BOUNDS, fmt._check_for = saved
-
-
 def _deferred_round_trip(codec, x, eb, ids, widths):
     """(the usual payload, the deferred one settled, its decode through a read head, the syncs
     of the deferred encode and of that decode)."""
+    from dlrm.telemetry.sync_counter import HostSyncCounter
     from dlrm_compression import format as fmt
-    from dlrm_compression.host_syncs import HostSyncCounter
 
     want = codec.encode(x, eb, ids, blocks=widths)
     enc, dec = HostSyncCounter(), HostSyncCounter()
@@ -272,20 +251,20 @@ def _deferred_round_trip(codec, x, eb, ids, widths):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases(), by=st.sampled_from(["ids", "value", "none"]))
 def test_device_framing_writes_the_same_payload_and_decodes_it_without_host_syncs(case, by):
+    from dlrm.telemetry.sync_counter import HostSyncCounter
     from dlrm_compression import dedup
-    from dlrm_compression.host_syncs import HostSyncCounter
 
     x, widths, eb, ids = case
     i = ids if by == "ids" else None
-    codec = compression.get_codec("lossy", entropy=False, dedup=by != "none")  # rows by id, by value, or as they are
-    with _device_code():
-        want, payload, y, enc_syncs, dec_syncs = _deferred_round_trip(
-            codec, x, torch.tensor(eb, dtype=torch.float64), i, widths
-        )
-        plain = codec.decode(want, i)
-        with HostSyncCounter() as c:  # what a sender knows its peer decodes, without the payload
-            held = codec.decoded(x, torch.tensor(eb, dtype=torch.float64), widths)
-            plan = None if i is None else dedup.plan_capacity(i)
+    # rows by id, by value, or as they are; the device backend's code on CPU tensors
+    codec = compression.get_codec("lossy", entropy=False, dedup=by != "none", backend="device")
+    want, payload, y, enc_syncs, dec_syncs = _deferred_round_trip(
+        codec, x, torch.tensor(eb, dtype=torch.float64), i, widths
+    )
+    plain = codec.decode(want, i)
+    with HostSyncCounter() as c:  # what a sender knows its peer decodes, without the payload
+        held = codec.decoded(x, torch.tensor(eb, dtype=torch.float64), widths)
+        plan = None if i is None else dedup.plan_capacity(i)
     assert torch.equal(payload, want)  # byte for byte: lengths, check and sections
     assert enc_syncs == dec_syncs == c.total == 0
     ints = {torch.float32: torch.int32}.get(x.dtype, torch.int16)
@@ -302,26 +281,25 @@ def test_device_framing_with_one_id_column_shared_by_every_block_and_a_corrupted
     ids = torch.randint(0, 9, (70, 1), generator=g)
     x = (torch.randn(9, 30, generator=g) * 0.1)[ids[:, 0]]
     x[ids[:, 0] == ids[0, 0], 5] = float("nan")  # an exception, the same in every row of that id
-    codec = compression.get_codec("lossy", entropy=False)
+    codec = compression.get_codec("lossy", entropy=False, backend="device")
     shared = ids.expand(70, 3)
-    with _device_code():
-        want, payload, y, enc_syncs, dec_syncs = _deferred_round_trip(codec, x, [1e-3, 1e-2, 0.0], shared, [10] * 3)
-        assert torch.equal(payload, want) and enc_syncs == dec_syncs == 0
-        assert torch.equal(y.view(torch.int32), codec.decode(want, shared).view(torch.int32))
-        bad = payload.clone()
-        bad[bad.numel() // 2] ^= 0x10
-        extra, state = codec.prepare_decode(bad, shared)
-        [head] = fmt.read_heads([bad], [extra])
-        head.state = state
-        with pytest.raises(fmt.PayloadError, match="checksum"):
-            codec.decode(bad, shared, head=head)
-        other = shared.clone()
-        other[0, :] += 1  # the receiver's ids differ from the sender's: caught from the read values
-        extra, state = codec.prepare_decode(payload, other)
-        [head] = fmt.read_heads([payload], [extra])
-        head.state = state
-        with pytest.raises(fmt.PayloadError, match="ids"):
-            codec.decode(payload, other, head=head)
+    want, payload, y, enc_syncs, dec_syncs = _deferred_round_trip(codec, x, [1e-3, 1e-2, 0.0], shared, [10] * 3)
+    assert torch.equal(payload, want) and enc_syncs == dec_syncs == 0
+    assert torch.equal(y.view(torch.int32), codec.decode(want, shared).view(torch.int32))
+    bad = payload.clone()
+    bad[bad.numel() // 2] ^= 0x10
+    extra, state = codec.prepare_decode(bad, shared)
+    [head] = fmt.read_heads([bad], [extra])
+    head.state = state
+    with pytest.raises(fmt.PayloadError, match="checksum"):
+        codec.decode(bad, shared, head=head)
+    other = shared.clone()
+    other[0, :] += 1  # the receiver's ids differ from the sender's: caught from the read values
+    extra, state = codec.prepare_decode(payload, other)
+    [head] = fmt.read_heads([payload], [extra])
+    head.state = state
+    with pytest.raises(fmt.PayloadError, match="ids"):
+        codec.decode(payload, other, head=head)
 
 
 @pytest.mark.parametrize("n_blocks", [1, 47, 120])
@@ -333,10 +311,9 @@ def test_device_framing_reads_whole_heads_of_many_blocks_and_keeps_bf16_nan_bits
     table = torch.randn(5, 4 * n_blocks, generator=g)
     x = torch.cat([table[ids[:, b], 4 * b : 4 * b + 4] for b in range(n_blocks)], 1).to(torch.bfloat16)
     x.view(torch.int16)[ids[:, 0] == ids[0, 0], 1] = 0x7FC1  # a NaN with a payload, in every row of that id
-    codec = compression.get_codec("lossy", entropy=False)
-    with _device_code():
-        want, payload, y, enc_syncs, dec_syncs = _deferred_round_trip(codec, x, [1e-2] * n_blocks, ids, [4] * n_blocks)
-        read = fmt.read_heads([payload], [None], [codec.head_size(n_blocks)])[0]
+    codec = compression.get_codec("lossy", entropy=False, backend="device")
+    want, payload, y, enc_syncs, dec_syncs = _deferred_round_trip(codec, x, [1e-2] * n_blocks, ids, [4] * n_blocks)
+    read = fmt.read_heads([payload], [None], [codec.head_size(n_blocks)])[0]
     assert torch.equal(payload, want) and enc_syncs == dec_syncs == 0
     assert torch.equal(y.view(torch.int16), codec.decode(want, ids).view(torch.int16))
     assert int(y.view(torch.int16)[0, 1]) == 0x7FC1  # the exception's bits, as sent
@@ -351,20 +328,17 @@ def test_a_forged_check_on_the_device_path_cannot_read_past_the_payload():
 
     ids = torch.arange(64)[:, None] % 7
     x = torch.randn(7, 8)[ids[:, 0]]
-    codec = compression.get_codec("lossy", entropy=False)
-    with _device_code():
-        payload = codec.encode(x, [1e-3], ids, blocks=[8])
-        header, _ = fmt.unpack(payload)
-        codes_at = header.offsets[2]
-        forged = payload.clone()
-        forged[codes_at : codes_at + 2] = 31  # two groups claim 31-bit codes
-        forged[fmt._CRC_AT : fmt._PREFIX.size] = (
-            fmt.adler32(fmt._checked_bytes(forged)).reshape(1).view(torch.uint8)[:4]
-        )
-        extra, state = codec.prepare_decode(forged, ids)
-        [head] = fmt.read_heads([forged], [extra], [codec.head_size(1)])
-        head.state = state
-        y = codec.decode(forged, ids, head=head)  # no IndexError, no read past the words
-        with pytest.raises(PayloadError, match="widths say"):
-            codec.decode(forged, ids)
+    codec = compression.get_codec("lossy", entropy=False, backend="device")
+    payload = codec.encode(x, [1e-3], ids, blocks=[8])
+    header, _ = fmt.unpack(payload)
+    codes_at = header.offsets[2]
+    forged = payload.clone()
+    forged[codes_at : codes_at + 2] = 31  # two groups claim 31-bit codes
+    ops.adler32_seal_(forged, None, forged.numel(), fmt._CRC_AT, 4, fmt._CRC_AT)  # a valid check
+    extra, state = codec.prepare_decode(forged, ids)
+    [head] = fmt.read_heads([forged], [extra], [codec.head_size(1)])
+    head.state = state
+    y = codec.decode(forged, ids, head=head)  # no IndexError, no read past the words
+    with pytest.raises(PayloadError, match="widths say"):
+        codec.decode(forged, ids)
     assert y.shape == x.shape

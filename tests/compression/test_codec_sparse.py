@@ -119,32 +119,24 @@ def test_many_non_finite_values_give_an_infinite_threshold_that_still_encodes():
 # --------------------------------------------------------------------------- the device coding
 
 
-@pytest.fixture
-def device_coding():
-    """The device coding of the positions (and the device payload check) on CPU tensors."""
-    from dlrm.bench.host_syncs import device_paths
-
-    with device_paths():
-        yield
-
-
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
 
 
 @pytest.mark.parametrize("values", ["none", "fp16", "bf16"])
 @pytest.mark.parametrize("keep", [0.0005, 0.005, 0.1, 0.5, 1.0])
-def test_the_device_coding_decodes_to_the_host_codings_values_bit_for_bit(device_coding, values, keep):
+def test_the_device_coding_decodes_to_the_host_codings_values_bit_for_bit(values, keep):
+    """The device backend's coding of the positions (and its payload check), on CPU tensors."""
     from dlrm_compression import sparse
 
     n = 40000
     x = gradients(n).view(1, -1).clone()
     x[0, :3] = torch.tensor([math.nan, math.inf, -0.0])  # non-finite travel; -0.0 keeps its sign at keep 1
-    codec = compression.get_codec("threshold", values=values)
     tau = sparse.kth_largest_abs_tensor(x, keep)
-    sparse.HOST_POSITIONS = True
-    host = codec.decode(codec.encode(x, thresholds=[float(tau)]))
-    sparse.HOST_POSITIONS = False
+    host = compression.get_codec("threshold", values=values).decode(
+        compression.get_codec("threshold", values=values).encode(x, thresholds=[float(tau)])
+    )
+    codec = compression.get_codec("threshold", values=values, backend="device")
     keep_mask = codec.mask(x, [n], [tau]).view(-1)
     count, width = int(keep_mask.sum()), int(sparse.delta_width(keep_mask))
     payload = codec.encode_known(x, keep_mask, count, width, [n])
@@ -159,12 +151,12 @@ def test_the_device_coding_decodes_to_the_host_codings_values_bit_for_bit(device
     assert sparse.positions_mode(n, count, width) == (sparse.PACKED if keep <= 0.1 else sparse.BITMAP)
 
 
-def test_device_positions_are_bit_packed_deltas_smaller_than_a_bitmap_at_dcts_keep(device_coding):
+def test_device_positions_are_bit_packed_deltas_smaller_than_a_bitmap_at_dcts_keep():
     from dlrm_compression import sparse
 
     n = 80000
     x = gradients(n).view(1, -1)
-    codec = compression.get_codec("threshold", threshold=kth_largest_abs(x, 0.005))
+    codec = compression.get_codec("threshold", threshold=kth_largest_abs(x, 0.005), backend="device")
     keep = codec.mask(x, [n]).view(-1)
     idx = keep.nonzero().view(-1)
     deltas = torch.diff(idx, prepend=idx.new_zeros(1))
@@ -175,12 +167,12 @@ def test_device_positions_are_bit_packed_deltas_smaller_than_a_bitmap_at_dcts_ke
     assert positions == math.ceil(idx.numel() * width / 8) < n // 8 // 4  # under a quarter of the bitmap
 
 
-def test_a_damaged_device_payload_fails_its_check_and_a_truncated_one_raises(device_coding):
+def test_a_damaged_device_payload_fails_its_check_and_a_truncated_one_raises():
     from dlrm_compression import sparse
 
     n = 20000
     x = gradients(n).view(1, -1)
-    codec = compression.get_codec("threshold", threshold=kth_largest_abs(x, 0.01))
+    codec = compression.get_codec("threshold", threshold=kth_largest_abs(x, 0.01), backend="device")
     keep = codec.mask(x, [n]).view(-1)
     count, width = int(keep.sum()), int(sparse.delta_width(keep))
     payload = codec.encode_known(x, keep, count, width, [n])
@@ -198,28 +190,27 @@ def test_a_damaged_device_payload_fails_its_check_and_a_truncated_one_raises(dev
 
 @pytest.mark.parametrize("values", ["none", "fp16", "bf16"])
 @pytest.mark.parametrize("keep", [0.0005, 0.005, 0.1, 0.5, 1.0])
-def test_the_deferred_payload_is_built_and_decoded_from_its_read_head_without_a_host_read(device_coding, values, keep):
-    from dlrm.bench.host_syncs import device_paths
+def test_the_deferred_payload_is_built_and_decoded_from_its_read_head_without_a_host_read(values, keep):
+    from dlrm.bench.host_syncs import counted_reads
+    from dlrm.telemetry.sync_counter import HostSyncCounter
     from dlrm_compression import format as fmt
     from dlrm_compression import sparse
-    from dlrm_compression.host_syncs import HostSyncCounter
 
     x = gradients(40000).view(100, 400).clone()
     x[0, :3] = torch.tensor([math.nan, math.inf, -0.0])
     blocks = [150, 250]
-    codec = compression.get_codec("threshold", values=values)
     taus = [sparse.kth_largest_abs_tensor(x[:, :150], keep), sparse.kth_largest_abs_tensor(x[:, 150:], keep * 2)]
-    sparse.HOST_POSITIONS = True  # the host coding (zstd deltas or numpy's bitmap, crc32): the reference
-    host = codec.decode(codec.encode(x, blocks=blocks, thresholds=[float(t) for t in taus]))
-    sparse.HOST_POSITIONS = False
+    on_host = compression.get_codec("threshold", values=values)  # zstd deltas or numpy's bitmap, crc32: the reference
+    host = on_host.decode(on_host.encode(x, blocks=blocks, thresholds=[float(t) for t in taus]))
+    codec = compression.get_codec("threshold", values=values, backend="device")
     counter = HostSyncCounter()
-    with device_paths(counter), counter:
+    with counted_reads(counter), counter:
         deferred = codec.encode_deferred(x, blocks=blocks, thresholds=taus)
     assert isinstance(deferred, fmt.Deferred) and counter.total == 0
     [payload] = fmt.settle([deferred])  # the transport's one read of every length
     assert torch.equal(payload, codec.encode(x, blocks=blocks, thresholds=taus))  # the device coding's bytes
     [head] = fmt.read_heads([payload], [None], [codec.head_size(len(blocks))])  # the receiver's one read
-    with device_paths(counter), counter:
+    with counted_reads(counter), counter:
         got = codec.decode(payload, head=head)
         where = codec.positions(payload, head)
     assert counter.total == 0

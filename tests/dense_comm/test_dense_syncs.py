@@ -1,7 +1,8 @@
-"""The DCT hook's device path on CPU tensors (:func:`dlrm.bench.host_syncs.device_paths`), on 2
-real gloo ranks (3 for the reduce-scatter): one host synchronisation per bucket (per phase of the
-reduce-scatter), the same gradients and residuals as the host path bit for bit, and a damaged
-payload still a named error."""
+"""The DCT hook's device path on CPU tensors (``dense_comm.backend=device``; the host path:
+``dense_comm.backend=host``; each ``.tolist()``/``.cpu()`` counted as a host read by
+:func:`dlrm.bench.host_syncs.counted_reads`), on 2 real gloo ranks (3 for the reduce-scatter):
+one host synchronisation per bucket (per phase of the reduce-scatter), the same gradients and
+residuals as the host path bit for bit, and a damaged payload still a named error."""
 
 from __future__ import annotations
 
@@ -48,10 +49,10 @@ def _inline_all_gather():
 
 
 def _buckets(rank: int, ws: int, values: str, iterations: int, aggregation: str = "allgather") -> dict:
-    from dlrm.bench.host_syncs import device_paths
+    from dlrm.bench.host_syncs import counted_reads
     from dlrm.dense_comm.config import parse_dense_comm_cfg
     from dlrm.dense_comm.hook import DenseComm
-    from dlrm_compression.host_syncs import HostSyncCounter
+    from dlrm.telemetry.sync_counter import HostSyncCounter
 
     original = _inline_all_gather()
     out: dict = {}
@@ -59,7 +60,8 @@ def _buckets(rank: int, ws: int, values: str, iterations: int, aggregation: str 
         for path in ("host", "device"):
             torch.manual_seed(rank)
             model = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.Linear(200, 8))
-            dense = DenseComm(parse_dense_comm_cfg({**DCT, "values": values, "aggregation": aggregation}))
+            cfg = {**DCT, "values": values, "aggregation": aggregation, "backend": path}
+            dense = DenseComm(parse_dense_comm_cfg(cfg))
             dense.prepare(model, dist.group.WORLD)
             grads, syncs, events = [], [], []
             for _ in range(iterations):
@@ -67,7 +69,7 @@ def _buckets(rank: int, ws: int, values: str, iterations: int, aggregation: str 
                     p.grad = torch.randn_like(p) * torch.rand_like(p) ** 3
                 counter = HostSyncCounter(trace=True)
                 if path == "device":
-                    with device_paths(counter), counter:
+                    with counted_reads(counter), counter:
                         grads.append(dense.hook(Bucket(list(model.parameters()))).wait().clone())
                 else:
                     grads.append(dense.hook(Bucket(list(model.parameters()))).wait().clone())
@@ -137,7 +139,6 @@ def test_the_reduce_scatter_on_the_device_makes_one_host_sync_per_phase(scattere
 
 
 def _damaged(rank: int, ws: int, aggregation: str) -> list[str]:
-    from dlrm.bench.host_syncs import device_paths
     from dlrm.dense_comm.config import parse_dense_comm_cfg
     from dlrm.dense_comm.hook import DenseComm, DenseCommError
     from dlrm.process.instrument import set_payload_hook
@@ -154,18 +155,17 @@ def _damaged(rank: int, ws: int, aggregation: str) -> list[str]:
     model = torch.nn.Linear(300, 200)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
-    with device_paths():
-        for raise_at in ("next bucket", "check"):
-            dense = DenseComm(parse_dense_comm_cfg({**DCT, "aggregation": aggregation}))
-            dense.prepare(model, dist.group.WORLD)
-            try:
-                for it in range(3):
-                    dense.hook(Bucket(list(model.parameters()), index=4)).wait()
-                    if it == 1 and raise_at == "check":
-                        dense.check()
-                errors.append("no error")
-            except DenseCommError as e:
-                errors.append(f"{raise_at}: {e}")
+    for raise_at in ("next bucket", "check"):
+        dense = DenseComm(parse_dense_comm_cfg({**DCT, "aggregation": aggregation, "backend": "device"}))
+        dense.prepare(model, dist.group.WORLD)
+        try:
+            for it in range(3):
+                dense.hook(Bucket(list(model.parameters()), index=4)).wait()
+                if it == 1 and raise_at == "check":
+                    dense.check()
+            errors.append("no error")
+        except DenseCommError as e:
+            errors.append(f"{raise_at}: {e}")
     return errors
 
 

@@ -1,8 +1,9 @@
 """The row cache, its probe and hot-row replication run on the tensors' own device: counted on the
-device code paths (dlrm.bench.host_syncs.device_paths: CPU shortcuts off, each .tolist()/.cpu()
-counted as a host read), their host waits are a fixed few per chunk, batch or sync (the sizes
-their layouts depend on, read for all blocks or tables at once), never per block or table, and
-their results are bit for bit those of the CPU shortcuts. The row cache's device payload waits
+device backend run on CPU tensors (each object built with ``backend="device"``: none of the host's
+shortcuts; dlrm.bench.host_syncs.counted_reads counts each .tolist()/.cpu() as a host read), their
+host waits are a fixed few per chunk, batch or sync (the sizes their layouts depend on, read for
+all blocks or tables at once), never per block or table, and their results are bit for bit those
+of the host backend (``backend="host"``: the CPU shortcuts). The row cache's device payload waits
 for nothing per chunk: it reads with its collective's size exchange and heads (below, and at real
 ranks in test_device_path.py). A static check pins their host copies."""
 
@@ -18,7 +19,7 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dlrm.bench.host_copies import HostCopy, host_copies
-from dlrm.bench.host_syncs import device_paths
+from dlrm.bench.host_syncs import counted_reads
 from dlrm.embedding_comm import fixed_bound
 from dlrm.embedding_comm import forward_cache as fc
 from dlrm.embedding_comm.cache_probe import CacheProbe
@@ -28,16 +29,19 @@ from dlrm.embedding_comm.stats import CommStats
 from dlrm.placement.hot_rows import HotSplit
 from dlrm.placement.hot_sync import HotRowOptimizer
 from dlrm.placement.hot_wire import SyncWire
+from dlrm.telemetry.sync_counter import HostSyncCounter
 from dlrm_compression import format as fmt
-from dlrm_compression.host_syncs import HostSyncCounter
+from dlrm_compression.backend import DEVICE
 from dlrm_compression.row_cache import RowCache
 
 EB, DIM = 0.01, 4
 
 
-def _codec(direction: str = "forward", mode: str = "abs") -> DirectionCodec:
-    spec = DirectionSpec("lossy", mode=mode, params={"entropy": False})  # the fixed-length coder, as on CUDA
-    return DirectionCodec(spec, direction, fixed_bound(EB))
+def _codec(direction: str = "forward", mode: str = "abs", backend: str = "device") -> DirectionCodec:
+    """The lossy codec of ``direction`` with the fixed-length coder (as on CUDA), its stages on
+    ``backend`` (the device's by default: the code a GPU runs, on CPU tensors)."""
+    spec = DirectionSpec("lossy", mode=mode, params={"entropy": False})
+    return DirectionCodec(spec, direction, fixed_bound(EB), backend)
 
 
 def _chunks(nb: int, steps: int = 3, rows: int = 64) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -75,11 +79,12 @@ def _labelled(counter: HostSyncCounter, obj: Any, names: list[str], label: str) 
 
 
 def test_row_cache_finds_and_gathers_without_a_wait_and_stores_with_at_most_one():
-    cache = RowCache(DIM, capacity_rows=50)
+    cache = RowCache(DIM, capacity_rows=50, backend=DEVICE)  # the device's compactions (no nonzero)
+    assert not cache.host
     cache.store(torch.arange(30), torch.randn(30, DIM))
     ids = torch.arange(20, 60)
     c = HostSyncCounter()
-    with device_paths(c), c:
+    with counted_reads(c), c:
         with c.label("find"):
             slots, _ = cache.find(ids)
             rows = cache.gather(slots)
@@ -95,10 +100,10 @@ def test_row_cache_finds_and_gathers_without_a_wait_and_stores_with_at_most_one(
 def test_forward_cache_waits_a_fixed_number_of_times_per_chunk_whatever_its_blocks(nb):
     dc = _codec()
     feats, widths, bounds = [f"f{k}" for k in range(nb)], [DIM] * nb, torch.full((nb,), EB, dtype=torch.float64)
-    sender, receiver = fc.ForwardCache(), fc.ForwardCache()
+    sender, receiver = fc.ForwardCache(backend="device"), fc.ForwardCache(backend="device")
     held, decoded = [], []
     c = HostSyncCounter()
-    with device_paths(c), c, _labelled(c, fc, ["_code", "_decode"], "codec"):
+    with counted_reads(c), c, _labelled(c, fc, ["_code", "_decode"], "codec"):
         for i, (chunk, ids) in enumerate(_chunks(nb)):
             with c.label(f"encode{i}"):
                 payload, h, counts = sender.encode(dc, chunk, ids, feats, widths, bounds, 1)
@@ -110,8 +115,9 @@ def test_forward_cache_waits_a_fixed_number_of_times_per_chunk_whatever_its_bloc
         # encode: the dedup plan (its unique ids), the blocks' sizes, their classification;
         # decode: the plan, the sizes, the held counts with the flags, the moved counts
         assert (c.by_label[f"encode{i}"], c.by_label[f"decode{i}"]) == (3, 4), c.counts
-    # the same rows as the CPU shortcuts (the payloads differ in their check: Adler-32 on a device)
-    sender, receiver = fc.ForwardCache(), fc.ForwardCache()
+    # the same rows as the host backend (the payloads differ in their check: Adler-32 on a device)
+    dc = _codec(backend="host")
+    sender, receiver = fc.ForwardCache(backend="host"), fc.ForwardCache(backend="host")
     for (chunk, ids), h, d in zip(_chunks(nb), held, decoded, strict=True):
         payload, mirror, _ = sender.encode(dc, chunk, ids, feats, widths, bounds, 1)
         assert torch.equal(mirror, h) and torch.equal(receiver.decode(dc, payload, ids, feats, widths, 0), d)
@@ -122,15 +128,15 @@ def test_forward_cache_waits_a_fixed_number_of_times_per_chunk_whatever_its_bloc
 def test_forward_cache_on_device_waits_only_in_the_reads_of_its_collective(nb):
     """The device payload: nothing waits per chunk; the host reads what it needs with the
     transport's two reads (the sizes with the blocks' counts, the heads with the held counts)."""
-    dc = _codec()
+    dc, host_dc = _codec(), _codec(backend="host")
     feats, widths, bounds = [f"f{k}" for k in range(nb)], [DIM] * nb, torch.full((nb,), EB, dtype=torch.float64)
-    host_sender, host_receiver = fc.ForwardCache(), fc.ForwardCache()
-    sender, receiver = fc.ForwardCache(), fc.ForwardCache()
+    host_sender, host_receiver = fc.ForwardCache(backend="host"), fc.ForwardCache(backend="host")
+    sender, receiver = fc.ForwardCache(backend="device"), fc.ForwardCache(backend="device")
     for i, (chunk, ids) in enumerate(_chunks(nb, steps=4)):
-        payload, held, counts = host_sender.encode(dc, chunk, ids, feats, widths, bounds, 1)
-        decoded = host_receiver.decode(dc, payload, ids, feats, widths, 0)
+        payload, held, counts = host_sender.encode(host_dc, chunk, ids, feats, widths, bounds, 1)
+        decoded = host_receiver.decode(host_dc, payload, ids, feats, widths, 0)
         c = HostSyncCounter()
-        with device_paths(c), c:
+        with counted_reads(c), c:
             with c.label("encode"):
                 late, mirror, values, store = sender.encode_on_device(dc, chunk, ids, feats, widths, bounds, 1)
             with c.label("sizes"):  # as comm_ops._send's one read
@@ -163,11 +169,12 @@ def test_forward_cache_on_device_with_ids_not_read_yet_picks_its_payload_or_the_
     nb = 3
     dc = _codec()
     feats, widths, bounds = [f"f{k}" for k in range(nb)], [DIM] * nb, torch.full((nb,), EB, dtype=torch.float64)
-    flagged, plain = fc.ForwardCache(), fc.ForwardCache()  # told by the flag; told nothing (the ids hold)
+    # told by the flag; told nothing (the ids hold)
+    flagged, plain = fc.ForwardCache(backend="device"), fc.ForwardCache(backend="device")
     for i, (chunk, ids) in enumerate(_chunks(nb, steps=5)):
         holds = i != 2  # a chunk of bags with two ids: its candidate ids do not identify its rows
         c = HostSyncCounter()
-        with device_paths(c), c:
+        with counted_reads(c), c:
             with c.label("encode"):
                 late, mirror, values, store = flagged.encode_on_device(
                     dc, chunk, ids, feats, widths, bounds, 1, single=torch.tensor(holds)
@@ -195,9 +202,9 @@ def test_forward_cache_on_device_with_ids_not_read_yet_picks_its_payload_or_the_
 def test_probe_waits_a_fixed_number_of_times_per_chunk_whatever_its_blocks(nb):
     dc = _codec()
     feats, widths, bounds = [f"f{k}" for k in range(nb)], [DIM] * nb, [EB] * nb
-    probe, stats = CacheProbe(), CommStats()
+    probe, stats = CacheProbe(backend="device"), CommStats()  # its shadow caches' compactions: the device's
     c = HostSyncCounter()
-    with device_paths(c), c, _labelled(c, fc, ["_code", "_decode"], "codec"):
+    with counted_reads(c), c, _labelled(c, fc, ["_code", "_decode"], "codec"):
         for i, (chunk, ids) in enumerate(_chunks(nb)):
             payload = dc.encode(chunk, widths, bounds, ids)
             with c.label(f"observe{i}"):
@@ -216,13 +223,14 @@ def _batch(nf: int, rows: int = 32) -> Batch:
 
 @pytest.mark.parametrize("nf", [2, 5])
 def test_hot_split_reads_every_keys_length_in_one_wait(nf):
-    split = HotSplit({f"f{k}": torch.tensor([3, 7, 1]) for k in range(nf)})
+    hot = {f"f{k}": torch.tensor([3, 7, 1]) for k in range(nf)}
+    split = HotSplit(hot, backend="device")  # the device's compactions (no nonzero)
     batch = _batch(nf)
     c = HostSyncCounter()
-    with device_paths(c), c:
+    with counted_reads(c), c:
         out = split(batch).sparse_features
     assert c.total == 1, c.counts
-    want = split(batch).sparse_features  # the CPU shortcuts' answer
+    want = HotSplit(hot, backend="host")(batch).sparse_features  # the host backend's answer
     assert out.keys() == want.keys() and torch.equal(out.values(), want.values())
     assert torch.equal(out.lengths(), want.lengths()) and out.length_per_key() == want.length_per_key()
 
@@ -237,19 +245,21 @@ def _touch(params: dict[str, torch.nn.Parameter], g: torch.Generator) -> None:
 @pytest.mark.parametrize("coded", [False, True])
 def test_hot_row_sync_waits_a_fixed_number_of_times_per_sync_whatever_its_tables(tables, coded):
     def run(count: bool) -> tuple[list[torch.Tensor], HostSyncCounter]:
+        """Counted on the device backend, else on the host's (the CPU shortcuts)."""
+        backend = "device" if count else "host"
         params = {
             f"w{k}": torch.nn.Parameter(torch.randn(16, DIM, generator=torch.Generator().manual_seed(k)))
             for k in range(tables)
         }
-        wire = SyncWire(_codec("backward", "rel"), list(params), [16] * tables, DIM) if coded else None
-        opt = HotRowOptimizer(params, "rowwise_adagrad", lr=0.1, eps=1e-8, sync_every=1, wire=wire)
+        wire = SyncWire(_codec("backward", "rel", backend), list(params), [16] * tables, DIM) if coded else None
+        opt = HotRowOptimizer(params, "rowwise_adagrad", lr=0.1, eps=1e-8, sync_every=1, wire=wire, backend=backend)
         g, c = torch.Generator().manual_seed(0), HostSyncCounter()
         for i in range(3):
             _touch(params, g)
             if not count:
                 opt.step()
                 continue
-            with device_paths(c), c, c.label(f"step{i}"):  # the codec's own waits counted too
+            with counted_reads(c), c, c.label(f"step{i}"):  # the codec's own waits counted too
                 opt.step()
         return [p.detach().clone() for p in params.values()], c
 
@@ -263,8 +273,9 @@ def test_hot_row_sync_waits_a_fixed_number_of_times_per_sync_whatever_its_tables
 
 
 def _synced_on_ranks(rank: int, ws: int, tables: int, coded: bool) -> dict:
-    """Three syncs of every rank's touched rows, on the CPU shortcuts, then on the device code
-    paths, counted: this rank's waits per sync (the codec's own included) and its collectives."""
+    """Three syncs of every rank's touched rows, on the host backend (the CPU shortcuts), then on
+    the device backend, counted: this rank's waits per sync (the codec's own included) and its
+    collectives."""
     import torch.distributed as dist
 
     from dlrm.placement import hot_sync
@@ -286,8 +297,8 @@ def _synced_on_ranks(rank: int, ws: int, tables: int, coded: bool) -> dict:
             f"w{k}": torch.nn.Parameter(torch.randn(16, DIM, generator=torch.Generator().manual_seed(k)))
             for k in range(tables)
         }
-        wire = SyncWire(_codec("backward", "rel"), list(params), [16] * tables, DIM) if coded else None
-        opt = HotRowOptimizer(params, "rowwise_adagrad", lr=0.1, eps=1e-8, sync_every=1, wire=wire)
+        wire = SyncWire(_codec("backward", "rel", path), list(params), [16] * tables, DIM) if coded else None
+        opt = HotRowOptimizer(params, "rowwise_adagrad", lr=0.1, eps=1e-8, sync_every=1, wire=wire, backend=path)
         g, c = torch.Generator().manual_seed(rank), HostSyncCounter()
         calls["n"] = 0
         for i in range(3):
@@ -295,7 +306,7 @@ def _synced_on_ranks(rank: int, ws: int, tables: int, coded: bool) -> dict:
             if path == "host":
                 opt.step()
                 continue
-            with device_paths(c), c, c.label(f"step{i}"):  # the codec's own waits counted too
+            with counted_reads(c), c, c.label(f"step{i}"):  # the codec's own waits counted too
                 opt.step()
         runs[path] = ([p.detach().clone() for p in params.values()], c, calls["n"] // 3)
     hot_sync.dist.all_gather, hot_sync.dist.all_to_all_single = gather, exchange  # type: ignore[attr-defined]

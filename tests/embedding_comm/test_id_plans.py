@@ -113,9 +113,8 @@ def test_a_key_with_an_empty_bag_takes_no_plan():
 
 @pytest.mark.parametrize("device_path", [False, True], ids=["host", "device"])
 def test_dedup_with_a_known_plan_sorts_nothing_and_gives_the_same_payloads(monkeypatch, device_path):
-    from contextlib import nullcontext
-
-    from dlrm.bench.host_syncs import device_paths
+    """On the host backend (numpy's sorts, crc32) and on the device's (torch's sorts, Adler-32)
+    run on CPU tensors."""
     from dlrm_compression.format import settle
 
     kjt = _single_id_kjt(1, stride=64)
@@ -127,31 +126,31 @@ def test_dedup_with_a_known_plan_sorts_nothing_and_gives_the_same_payloads(monke
     table = torch.randn(40, 3, 8)
     x = table[plain, torch.arange(3)].reshape(64, 24)  # rows of an id alike, per block (the contract)
     g = torch.randn(64, 24)
-    codec, bounds, widths = LossyCodec(entropy=False), [1e-2] * 3, [8, 8, 8]
+    codec = LossyCodec(entropy=False).with_backend("device" if device_path else "host")
+    numpy = codec.backend_for(x.device).numpy_sorts  # dedup's own calls below take the codec's sorts
+    assert numpy is not device_path
+    bounds, widths = [1e-2] * 3, [8, 8, 8]
     got, sorts = {}, {}
     for name, ids in (("plain", plain), ("known", known)):
-        with device_paths() if device_path else nullcontext():
-            counter = Sorts(monkeypatch)
-            payload = codec.encode(x, bounds, ids)
-            deferred = settle([codec.encode_deferred(x, bounds, ids)])[0]
-            counts, first, inverse = dedup.unique_per_block(ids)
-            cap_counts, cap_first, cap_inverse = dedup.plan_capacity(ids)
-            got[name] = [
-                payload,
-                deferred,
-                codec.decode(payload, ids),
-                sum_duplicates(g, ids, widths),
-                first_rows(ids),
-                counts,
-                inverse,
-                ids.t().reshape(-1)[
-                    first + torch.repeat_interleave(torch.arange(3) * 64, counts)
-                ],  # the ids of the sources
-                cap_counts,
-                cap_inverse,
-                ids.t().gather(1, cap_first),
-            ]
-            sorts[name] = counter.calls
+        counter = Sorts(monkeypatch)
+        payload = codec.encode(x, bounds, ids)
+        deferred = settle([codec.encode_deferred(x, bounds, ids)])[0]
+        counts, first, inverse = dedup.unique_per_block(ids, numpy=numpy)
+        cap_counts, cap_first, cap_inverse = dedup.plan_capacity(ids)
+        got[name] = [
+            payload,
+            deferred,
+            codec.decode(payload, ids),
+            sum_duplicates(g, ids, widths),
+            first_rows(ids),
+            counts,
+            inverse,
+            ids.t().reshape(-1)[first + torch.repeat_interleave(torch.arange(3) * 64, counts)],  # the sources' ids
+            cap_counts,
+            cap_inverse,
+            ids.t().gather(1, cap_first),
+        ]
+        sorts[name] = counter.calls
     for k, (a, b) in enumerate(zip(got["plain"], got["known"], strict=True)):
         assert a is not None and torch.equal(a, b), k
     want_counts, want_inverse = unique_plan(plain)

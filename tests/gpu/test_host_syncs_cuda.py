@@ -9,7 +9,8 @@ from collections import Counter
 import pytest
 import torch
 
-from dlrm.bench.host_syncs import count_chunk, report
+from dlrm.bench.host_syncs import RankCollective, count_chunk, report
+from dlrm.telemetry.sync_counter import HostSyncCounter
 
 NO_CUDA = "needs a CUDA device (torch.cuda.is_available() is False here); run `make test-gpu` on a GPU machine"
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)]
@@ -18,12 +19,16 @@ SYNC_WARNING = "called a synchronizing CUDA operation"
 
 def test_cuda_sync_debug_mode_confirms_the_counters_figure_for_one_chunk() -> None:
     count_chunk(rows=256, tables=2, dim=8, device="cuda")  # warm-up: kernels compiled, caches filled
+    collective = RankCollective(device="cuda")  # the chunks and the peers' payloads: made outside the count
+    ids = collective.fresh_ids()
     torch.cuda.synchronize()
+    counter = HostSyncCounter(count_cpu=False, trace=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            counter = count_chunk(device="cuda", trace=True)
+            with counter:
+                collective.run(ids, counter)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     seen = [w for w in caught if SYNC_WARNING in str(w.message)]

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from multiprocess import run_ranks
 
-from dlrm.bench.host_syncs import device_paths
+from dlrm.bench.host_syncs import counted_reads
 from dlrm.embedding_comm.bounds import fixed_bound
 from dlrm.embedding_comm.codec import DirectionCodec
 from dlrm.embedding_comm.config import CompressionSpec, DirectionSpec
@@ -19,16 +19,17 @@ from dlrm.placement.config import PlacementSpec, parse_placement_cfg
 from dlrm.placement.hot_sync import HotRowOptimizer
 from dlrm.placement.hot_wire import HotWireError, SyncWire, bound_class
 from dlrm.placement.replication import setup_replication
+from dlrm.telemetry.sync_counter import HostSyncCounter
 from dlrm_compression import format as fmt
-from dlrm_compression.host_syncs import HostSyncCounter
 
 EB = 0.01  # the backward policy's value: a fraction of each table's range (rel), as fixed.yaml's
 DIM = 8
 
 
-def _codec(mode: str = "rel") -> DirectionCodec:
+def _codec(mode: str = "rel", backend: str = "auto") -> DirectionCodec:
+    """The backward codec, its stages on ``backend`` (``"device"``: the device's code on CPU tensors)."""
     spec = DirectionSpec(codec="lossy", mode=mode, dedup=True, params={"entropy": "auto", "level": 1})
-    return DirectionCodec(spec, "backward", fixed_bound(EB))
+    return DirectionCodec(spec, "backward", fixed_bound(EB), backend)
 
 
 # --- one rank's payload ---------------------------------------------------------------------------
@@ -86,12 +87,12 @@ def test_a_damaged_payload_is_a_clear_error_naming_the_rank(damage, match):
 
 
 def _device_encoded(wire: SyncWire, slots: list[torch.Tensor], rows: list[torch.Tensor]) -> torch.Tensor:
-    """The payload :meth:`SyncWire.encode` builds on the device code paths (run on the CPU), its
-    length read as the size exchange reads it."""
-    with device_paths(HostSyncCounter()):
-        coded = wire.encode(slots, rows, 0)
-        assert isinstance(coded, fmt.Deferred)  # its length still on the device
-        return wire.settle(coded, int(coded.length))
+    """The payload :meth:`SyncWire.encode` builds on the device backend (its codec's, run on the
+    CPU), its length read as the size exchange reads it."""
+    assert wire.codec.backend_choice == "device"
+    coded = wire.encode(slots, rows, 0)
+    assert isinstance(coded, fmt.Deferred)  # its length still on the device
+    return wire.settle(coded, int(coded.length))
 
 
 def test_the_device_payload_decodes_to_the_cpu_payloads_rows_bit_for_bit_reading_nothing_per_part():
@@ -102,7 +103,7 @@ def test_the_device_payload_decodes_to_the_cpu_payloads_rows_bit_for_bit_reading
     # ranges apart (several bound classes), and repeated rows (value dedup)
     rows = [(torch.randn(7 + k, DIM, generator=g) * 4.0**k)[torch.arange(7 + k) // 2] for k in range(tables)]
     host_slots, host_rows = wire.decode(wire.encode(slots, rows, 0), src=0)
-    on_device = SyncWire(_codec(), wire.features, wire.sizes, DIM)
+    on_device = SyncWire(_codec(backend="device"), wire.features, wire.sizes, DIM)
     payload = _device_encoded(on_device, slots, rows)
     table_at = 16 + 2 * len(host_slots)  # version 2: each table's row count, then one codec payload
     assert int(payload[4]) == 2 and int(payload[6]) == tables
@@ -115,8 +116,8 @@ def test_the_device_payload_decodes_to_the_cpu_payloads_rows_bit_for_bit_reading
     assert header.bounds == [bound_class(b) for b in wire.bounds(rows, 0)[0]]
     assert len(set(header.bounds)) > 1  # several bound classes
     c = HostSyncCounter()
-    with device_paths(c), c:
-        (got,), _, _ = wire.decode_all([payload])
+    with counted_reads(c), c:
+        (got,), _, _ = on_device.decode_all([payload])
     assert sum(c.counts.values()) == 1, c.counts  # the heads, every part's codec head and the counts
     assert torch.equal(got[0], host_slots) and torch.equal(got[1], host_rows)
 
@@ -129,9 +130,9 @@ def test_the_device_payload_decodes_to_the_cpu_payloads_rows_bit_for_bit_reading
     ],
 )
 def test_a_damaged_device_payload_is_a_clear_error_naming_the_rank(damage, match):
-    wire = SyncWire(_codec(), ["a", "b"], [10, 10], DIM)
+    wire = SyncWire(_codec(backend="device"), ["a", "b"], [10, 10], DIM)
     payload = _device_encoded(wire, [torch.arange(3), torch.arange(10, 12)], [torch.randn(3, DIM), torch.randn(2, DIM)])
-    with device_paths(HostSyncCounter()), pytest.raises(HotWireError, match=rf"from rank 1 .*({match})"):
+    with pytest.raises(HotWireError, match=rf"from rank 1 .*({match})"):
         wire.decode(damage(payload), src=1)
 
 

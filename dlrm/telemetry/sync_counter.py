@@ -31,6 +31,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dlrm_compression import ops
+
 aten = torch.ops.aten
 
 # Ops that always wait for the device: a host value, or an output whose size is the data's.
@@ -74,6 +76,8 @@ class HostSyncCounter(TorchDispatchMode):
         self.counts: Counter[tuple[str, str]] = Counter()  # (label, op) -> syncs
         self.events: list[Sync] = []
         self.labels: list[str] = []  # every label entered, first entry first (with or without syncs)
+        self.launches: Counter[str] = Counter()  # label -> dispatcher ops that launch work (see launches_of)
+        self.launched: Counter[str] = Counter()  # aten op -> how many of them launched
         self._stack: list[str] = []
 
     @property
@@ -102,19 +106,38 @@ class HostSyncCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        n = _launches(func, args, kwargs)
+        if n and self._launch_on_device(args, kwargs):
+            self.launches["/".join(self._stack)] += n
+            self.launched[func.overloadpacket.__name__] += n
         op = self._sync(func, args, kwargs)
         if op is not None:
             self.note(op)
         return func(*args, **kwargs)
 
-    def note(self, op: str, where: str | None = None) -> None:
+    def note(self, op: str, where: str | None = None, launch: bool = False) -> None:
         """Count one sync of kind ``op`` under the active label (also for syncs the dispatcher
         cannot see, e.g. ``.tolist()`` of a CPU tensor standing for a device one, made at
-        ``where``: ``file:line``; default: the first caller outside torch and this module)."""
+        ``where``: ``file:line``; default: the first caller outside torch and this module), but
+        none inside a codec op (:mod:`compression.ops`: its CUDA kernels wait for nothing).
+        ``launch``: it is also a launch the dispatcher did not see (a copy to the host)."""
+        if ops.running():  # a codec op's CPU implementation: its CUDA kernels read nothing on the host
+            return
         label = "/".join(self._stack)
         self.counts[(label, op)] += 1
+        if launch:
+            self.launches[label] += 1
+            self.launched["to_host"] += 1
         if self.trace:
             self.events.append(Sync(op, label, where or _caller()))
+
+    def _launch_on_device(self, args: tuple, kwargs: dict) -> bool:
+        """Whether an op runs where it counts: on a tensor argument's device, or a factory's."""
+        tensors = list(_tensors(args, kwargs))
+        if tensors:
+            return any(self._on_device(t) for t in tensors)
+        device = kwargs.get("device")
+        return self.count_cpu or (device is not None and torch.device(device).type != "cpu")
 
     def _on_device(self, t: Any) -> bool:
         return isinstance(t, torch.Tensor) and (t.device.type != "cpu" or self.count_cpu)
@@ -145,6 +168,27 @@ class HostSyncCounter(TorchDispatchMode):
                 args[1].device, args[0].device, args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
             )
         return None
+
+
+# Ops that launch no kernel: memory handed out (the allocator), not written.
+_ALLOCATIONS = {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.new_empty_strided}
+
+
+def _launches(func: Any, args: tuple = (), kwargs: dict | None = None) -> int:
+    """The kernel launches ``func`` stands for: one per aten op but views (metadata alone) and
+    allocations; a codec op (:mod:`compression.ops`) as many as its CUDA implementation makes."""
+    if func.namespace == "dlrm_compression":
+        n = ops.LAUNCHES[func.overloadpacket.__name__]
+        return n(*args, **(kwargs or {})) if callable(n) else n
+    return 0 if func.is_view or func.overloadpacket in _ALLOCATIONS else 1
+
+
+def _tensors(args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from (t for t in a if isinstance(t, torch.Tensor))
 
 
 def _sum_by(counts: Counter[tuple[str, str]], key: int) -> Counter[str]:

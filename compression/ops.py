@@ -1,0 +1,287 @@
+"""The codec's device operations, each one dispatcher op: a torch reference for CPU tensors and
+Triton kernels for CUDA ones (:mod:`compression.kernels`, imported on first CUDA use).
+
+Why one op each: on a GPU every launch costs the host ~7 us, so a collective's codec work is a
+budget of launches, and the launches of the dispatcher's ops can be counted on a CPU (at the
+dispatcher, :class:`dlrm.telemetry.sync_counter.HostSyncCounter`). A fused operation hides its kernels
+behind one op; :data:`LAUNCHES` says how many its CUDA implementation makes, which the counter
+adds in its place (checked against the profiler by ``make test-gpu``).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+from collections.abc import Callable
+
+import torch
+from torch.library import custom_op
+
+from . import reference
+
+# op name -> kernel launches of its CUDA implementation (a number, or one from the op's arguments)
+LAUNCHES: dict[str, int | Callable[..., int]] = {}
+
+
+_RUNNING = contextvars.ContextVar("dlrm_compression_op_running", default=False)
+
+
+def running() -> bool:
+    """Whether a codec op's own CPU implementation is running: what it reads on the host stands
+    for what its CUDA kernels do on the device, so host-read counts leave it out."""
+    return _RUNNING.get()
+
+
+def _cpu(fn: Callable) -> Callable:
+    """An op's CPU implementation, marked as running (:func:`running`) while it runs."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        token = _RUNNING.set(True)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _RUNNING.reset(token)
+
+    return run
+
+
+def _kernels():
+    from . import kernels  # imports triton: only where a CUDA tensor needs it
+
+    return kernels
+
+
+# -- the payload check --------------------------------------------------------------------------
+
+
+def _adler(name: str, mode: int, mutates: tuple[str, ...] = ()):
+    """One Adler-32 op (:func:`reference.adler32`'s ``mode``) with its CUDA kernels."""
+
+    @custom_op(f"dlrm_compression::{name}", mutates_args=mutates)
+    @_cpu
+    def op(
+        data: torch.Tensor, end: torch.Tensor | None, size: int, skip_at: int, skip_len: int, check_at: int
+    ) -> torch.Tensor:
+        return reference.adler32(data, end, size, skip_at, skip_len, check_at, mode)
+
+    @op.register_kernel("cuda")
+    def _(data, end, size, skip_at, skip_len, check_at):
+        return _kernels().adler32(data, end, size, skip_at, skip_len, check_at, mode)
+
+    @op.register_fake
+    def _(data, end, size, skip_at, skip_len, check_at):
+        return data.new_empty((), dtype=torch.int64)
+
+    LAUNCHES[name] = 2
+    return op
+
+
+# Over ``data``'s first ``end`` bytes (an int64 0-d tensor on its device; None: ``size``) but the
+# ``skip_len`` at ``skip_at``: the check's value, whether the u32 stored at ``check_at`` equals it
+# (1/0), or the check written there (in place); an int64 0-d tensor on the device, no host wait.
+adler32 = _adler("adler32", reference.ADLER_VALUE)
+adler32_holds = _adler("adler32_holds", reference.ADLER_HOLDS)
+adler32_seal_ = _adler("adler32_seal_", reference.ADLER_SEAL, ("data",))
+
+
+# -- framing: a payload from pieces whose lengths are on the device -------------------------------
+
+
+@custom_op("dlrm_compression::frame", mutates_args=())
+@_cpu
+def frame(
+    head: torch.Tensor,
+    patches: list[torch.Tensor],
+    patch_at: list[int],
+    pieces: list[torch.Tensor],
+    lengths: list[torch.Tensor],
+    host_lengths: list[int],
+    section_of: list[int],
+    n_sections: int,
+    align: int,
+    lengths_at: int,
+    total_at: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`reference.frame`: (the payload at the front of a buffer on the pieces' device, its
+    length), no host wait; ``head`` (the host's header bytes) may be a CPU tensor."""
+    args = (head, patches, patch_at, pieces, lengths, host_lengths, section_of, n_sections, align, lengths_at, total_at)
+    return reference.frame(*args)
+
+
+@frame.register_kernel("cuda")
+def _(head, patches, patch_at, pieces, lengths, host_lengths, section_of, n_sections, align, lengths_at, total_at):
+    args = (head, patches, patch_at, pieces, lengths, host_lengths, section_of, n_sections, align, lengths_at, total_at)
+    return _kernels().frame(*args)
+
+
+@frame.register_fake
+def _(head, patches, patch_at, pieces, lengths, host_lengths, section_of, n_sections, align, lengths_at, total_at):
+    capacity = head.numel() + sum(p.numel() for p in pieces) + align * n_sections
+    device = pieces[0].device if pieces else head.device
+    return torch.empty(capacity, dtype=torch.uint8, device=device), torch.empty((), dtype=torch.int64, device=device)
+
+
+LAUNCHES["frame"] = 5  # device lengths stacked, the sources joined, the host's table up, layout, copy
+
+
+# -- the lossy codec's device path --------------------------------------------------------------
+
+
+@custom_op("dlrm_compression::lossy_pack", mutates_args=())
+@_cpu
+def lossy_pack(
+    x: torch.Tensor, src: torch.Tensor, counts: torch.Tensor, bounds: torch.Tensor, widths: list[int], summed: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`reference.lossy_pack`: a chunk's codes and exceptions at capacity, their lengths on
+    the device."""
+    return reference.lossy_pack(x, src, counts, bounds, widths, summed)
+
+
+@lossy_pack.register_kernel("cuda")
+def _(x, src, counts, bounds, widths, summed):
+    return _kernels().lossy_pack(x, src, counts, bounds, widths, summed)
+
+
+@lossy_pack.register_fake
+def _(x, src, counts, bounds, widths, summed):
+    n = x.numel()
+    groups = -(-n // 32)
+    return (
+        x.new_empty(groups + 4, dtype=torch.uint8),
+        x.new_empty(32 * groups, dtype=torch.int32),
+        x.new_empty(n, dtype=torch.int32),
+        x.new_empty(n),
+        x.new_empty(4, dtype=torch.int64),
+    )
+
+
+# the block table up, block offsets and steps, group widths and misses, their scan, pack and
+# exceptions; summed: also a table up, zeros, the index per column and the scatter that sums
+LAUNCHES["lossy_pack"] = lambda x, src, counts, bounds, widths, summed: 5 + 4 * summed
+
+
+@custom_op("dlrm_compression::lossy_unpack", mutates_args=("out",))
+@_cpu
+def lossy_unpack(
+    group_widths: torch.Tensor,
+    words: torch.Tensor,
+    positions: torch.Tensor,
+    raw: torch.Tensor,
+    counts: list[int],
+    bounds: list[float],
+    widths: list[int],
+    inverse: torch.Tensor | None,
+    first: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:
+    """:func:`reference.lossy_unpack`: a payload's codes and exceptions into ``out``."""
+    reference.lossy_unpack(group_widths, words, positions, raw, counts, bounds, widths, inverse, first, out)
+
+
+@lossy_unpack.register_kernel("cuda")
+def _(group_widths, words, positions, raw, counts, bounds, widths, inverse, first, out):
+    _kernels().lossy_unpack(group_widths, words, positions, raw, counts, bounds, widths, inverse, first, out)
+
+
+LAUNCHES["lossy_unpack"] = 5  # the host's tables up, word offsets, unpack and dequantise, exceptions, rows
+
+
+# -- relative error bounds ----------------------------------------------------------------------
+
+
+@custom_op("dlrm_compression::relative_bounds", mutates_args=())
+@_cpu
+def relative_bounds(x: torch.Tensor, rel: torch.Tensor, widths: list[int]) -> torch.Tensor:
+    """:func:`reference.relative_bounds`: float64 bounds per block, on ``x``'s device."""
+    return reference.relative_bounds(x, rel, widths)
+
+
+@relative_bounds.register_kernel("cuda")
+def _(x, rel, widths):
+    return _kernels().relative_bounds(x, rel, widths)
+
+
+@relative_bounds.register_fake
+def _(x, rel, widths):
+    return x.new_empty(len(widths), dtype=torch.float64)
+
+
+LAUNCHES["relative_bounds"] = 3  # the block table up, partial ranges, one program per block
+
+
+# -- dedup by id ----------------------------------------------------------------------------------
+
+
+@custom_op("dlrm_compression::id_runs", mutates_args=())
+@_cpu
+def id_runs(
+    sorted_ids: torch.Tensor, perm: torch.Tensor, keys: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`reference.id_runs`: the plan of a block's sorted ids and the ids' fingerprint."""
+    return reference.id_runs(sorted_ids, perm, keys)
+
+
+@id_runs.register_kernel("cuda")
+def _(sorted_ids, perm, keys):
+    return _kernels().id_runs(sorted_ids, perm, keys)
+
+
+@id_runs.register_fake
+def _(sorted_ids, perm, keys):
+    n, rows = sorted_ids.shape
+    return (
+        keys.new_empty(n, dtype=torch.int64),
+        keys.new_empty(n, rows, dtype=torch.int64),
+        keys.new_empty(n, rows, dtype=torch.int64),
+        keys.new_empty((), dtype=torch.int64),
+    )
+
+
+LAUNCHES["id_runs"] = 2  # the accumulator zeroed, one program per row of sorted ids
+
+
+# -- the casts (none, fp16, bf16): values, header and check in one pass -----------------------------
+
+
+@custom_op("dlrm_compression::cast_pack", mutates_args=())
+@_cpu
+def cast_pack(x: torch.Tensor, head: torch.Tensor, wire: int) -> torch.Tensor:
+    """:func:`reference.cast_pack`: a cast codec's payload, its check written, no host wait."""
+    return reference.cast_pack(x, head, wire)
+
+
+@cast_pack.register_kernel("cuda")
+def _(x, head, wire):
+    return _kernels().cast_pack(x, head, wire)
+
+
+@cast_pack.register_fake
+def _(x, head, wire):
+    item = (reference.WIRE_DTYPES[wire] or x.dtype).itemsize
+    total = head.numel() + x.numel() * item
+    return x.new_empty(total + (-total % 8), dtype=torch.uint8)
+
+
+LAUNCHES["cast_pack"] = 2  # values, header and sums; the check finished and written
+
+
+@custom_op("dlrm_compression::cast_unpack", mutates_args=("out",))
+@_cpu
+def cast_unpack(payload: torch.Tensor, head: torch.Tensor, wire: int, out: torch.Tensor) -> torch.Tensor:
+    """:func:`reference.cast_unpack`: the values into ``out`` and the payload's verdict (int64
+    [2], on the device: its check holds, its header is the expected one)."""
+    return reference.cast_unpack(payload, head, wire, out)
+
+
+@cast_unpack.register_kernel("cuda")
+def _(payload, head, wire, out):
+    return _kernels().cast_unpack(payload, head, wire, out)
+
+
+@cast_unpack.register_fake
+def _(payload, head, wire, out):
+    return payload.new_empty(2, dtype=torch.int64)
+
+
+LAUNCHES["cast_unpack"] = 2  # values, sums and the header's verdict; the check's verdict

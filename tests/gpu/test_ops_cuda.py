@@ -1,0 +1,115 @@
+"""The codec ops on CUDA (their Triton kernels) against their CPU implementation, bit for bit, and
+the launches each makes against what :data:`compression.ops.LAUNCHES` declares (the figure the
+launch budget counts on CPU), seen by the profiler; the GPU collective benchmark's table."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from dlrm.bench import gpu_collective
+from dlrm_compression import dedup, ops
+
+NO_CUDA = "needs a CUDA device (torch.cuda.is_available() is False here); run `make test-gpu` on a GPU machine"
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)]
+LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaMemcpyAsync")
+
+
+def launches(fn) -> int:
+    """Kernel launches and copies the CUDA runtime saw while ``fn()`` ran (after a warm-up call)."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.name in LAUNCH_EVENTS)
+
+
+def ints(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().cpu().contiguous()
+    return t.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()])
+
+
+def chunk(rows: int = 2048, nb: int = 13, dim: int = 64, dtype: torch.dtype = torch.float32):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 300, (rows, nb), generator=g)
+    table = torch.randn(300, nb * dim, generator=g) * 0.05
+    x = torch.cat([table[ids[:, b], b * dim : (b + 1) * dim] for b in range(nb)], 1).to(dtype)
+    x[ids[:, 0] == ids[0, 0], 0] = float("nan")
+    return x, ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_lossy_pack_and_unpack_on_cuda_are_the_cpu_ops(dtype: torch.dtype) -> None:
+    x, ids = chunk(dtype=dtype)
+    widths = [64] * 13
+    plan = dedup.id_plan(ids)
+    bounds = torch.tensor([10.0 ** -(1 + b % 3) for b in range(13)], dtype=torch.float64)
+    cpu = ops.lossy_pack(x, plan.first, plan.counts, bounds, widths, False)
+    gi = ids.cuda()
+    gplan = dedup.id_plan(gi)
+    for got, want in zip(gplan, plan, strict=True):
+        assert torch.equal(ints(got), ints(want))
+    cuda = ops.lossy_pack(x.cuda(), gplan.first, gplan.counts, bounds.cuda(), widths, False)
+    lengths = cpu[4].tolist()
+    assert cuda[4].tolist() == lengths
+    used = (lengths[0], lengths[1] // 4, lengths[2] // 4, lengths[3] // x.element_size())
+    for a, b, k in zip(cuda[:4], cpu[:4], used, strict=True):
+        assert torch.equal(ints(a)[:k], ints(b)[:k])
+    n = sum(int(c) * 64 for c in plan.counts)
+    sections = [t[:k] for t, k in zip(cpu[:4], (-(-n // 32), *used[1:]), strict=True)]
+    counts, eb = plan.counts.tolist(), bounds.tolist()
+    out = torch.empty_like(x)
+    ops.lossy_unpack(*sections, counts, eb, widths, plan.inverse, plan.first, out)
+    gout = torch.empty_like(x.cuda())
+    ops.lossy_unpack(*[t.cuda() for t in sections], counts, eb, widths, gplan.inverse, gplan.first, gout)
+    assert torch.equal(ints(gout), ints(out))
+
+
+@pytest.mark.parametrize("wire", [0, 1, 2])
+def test_the_fused_casts_on_cuda_are_the_cpu_ops(wire: int) -> None:
+    x, _ = chunk()
+    x[0, :3] = torch.tensor([7.0, float("inf"), -0.0])  # (NaN's bits are a device's own in a cast)
+    head = torch.randint(0, 256, (104,), dtype=torch.uint8)
+    head[20:24] = 0
+    cpu = ops.cast_pack(x, head, wire)
+    cuda = ops.cast_pack(x.cuda(), head.cuda(), wire)
+    assert torch.equal(cuda.cpu(), cpu)
+    out, gout = torch.empty_like(x), torch.empty_like(x.cuda())
+    assert ops.cast_unpack(cpu, head, wire, out).tolist() == [1, 1]
+    assert ops.cast_unpack(cuda, head.cuda(), wire, gout).tolist() == [1, 1]
+    assert torch.equal(ints(gout), ints(out))
+
+
+def test_each_codec_op_launches_what_it_declares() -> None:
+    x, ids = chunk()
+    x, ids = x.cuda(), ids.cuda()
+    widths = [64] * 13
+    rel = torch.full((13,), 0.01, dtype=torch.float64, device="cuda")
+    k = ids.t().contiguous()
+    s, perm = torch.sort(k, stable=True)
+    plan = dedup.id_plan(ids)
+    bounds = ops.relative_bounds(x, rel, widths)
+    payload = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda")
+    end = torch.tensor(700_000, device="cuda")
+    head = torch.zeros(104, dtype=torch.uint8, device="cuda")
+    cast = ops.cast_pack(x, head, 1)
+    out = torch.empty_like(x)
+    seen = {
+        "cast_pack": launches(lambda: ops.cast_pack(x, head, 1)),
+        "cast_unpack": launches(lambda: ops.cast_unpack(cast, head, 1, out)),
+        "relative_bounds": launches(lambda: ops.relative_bounds(x, rel, widths)),
+        "id_runs": launches(lambda: ops.id_runs(s, perm, ids)),
+        "lossy_pack": launches(lambda: ops.lossy_pack(x, plan.first, plan.counts, bounds, widths, False)),
+        "adler32_holds": launches(lambda: ops.adler32_holds(payload, end, 0, 20, 4, 20)),
+    }
+    declared = {name: ops.LAUNCHES[name] for name in seen if not callable(ops.LAUNCHES[name])}
+    declared["lossy_pack"] = ops.LAUNCHES["lossy_pack"](x, plan.first, plan.counts, bounds, widths, False)  # type: ignore[operator]
+    print("launches seen by the profiler / declared:", {n: (seen[n], declared[n]) for n in seen})
+    assert seen == declared
+
+
+def test_the_gpu_collective_benchmark_on_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    assert gpu_collective.main(["--device", "cuda", "--repeats", "5", "--warmup", "2"]) == 0
+    print(capsys.readouterr().out)
