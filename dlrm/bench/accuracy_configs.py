@@ -66,7 +66,6 @@ _plateau_dual = tuple(
 )
 CONFIGS.update(
     {
-        "lossy+ef": ("compression=lossy", "compression.backward.error_feedback=true"),
         "lossy+plateau": ("compression=lossy", "policy=plateau"),
         "lossy+dct+plateau": ("compression=lossy", "dense_comm=dct", "policy=plateau"),
         "lossy+row_cache+plateau": ("compression=lossy", "compression.forward.cache.enabled=true", "policy=plateau"),

@@ -12,7 +12,6 @@ from torch.distributed.checkpoint.stateful import Stateful
 from dlrm.embedding_comm import compression_runtime, make_sharders, parse_compression_cfg
 from dlrm.embedding_comm.config import excluded_sharding_types
 from dlrm.embedding_comm.dist import CompressionRuntime
-from dlrm.embedding_comm.error_feedback import ErrorFeedback
 from dlrm.embedding_comm.policy import TableStats, TrainingBound, policy_for_run
 from dlrm.trainer.component import Component, Sharding
 from dlrm.trainer.loop import StepObserver
@@ -31,7 +30,6 @@ class EmbeddingCompression(Component):
         fused_params: dict[str, Any] | None,
     ) -> None:
         self.cfg, self.sharding_cfg, self.fused_params = cfg, sharding_cfg, fused_params
-        self.num_embeddings = {t.feature: t.num_embeddings for t in tables}
         self.spec = parse_compression_cfg(cfg)
         self.policy = policy_for_run(policy_cfg, self.spec, tables)
         self.runtime: CompressionRuntime | None = None  # None on TorchRec's QComms path
@@ -48,8 +46,6 @@ class EmbeddingCompression(Component):
             self.cfg, bound_fn_forward=bound, bound_fn_backward=bound, fused_params=self.fused_params
         )
         self.runtime = compression_runtime(sharders)
-        if self.runtime is not None and self.spec.backward is not None and self.spec.backward.error_feedback:
-            self.runtime.error_feedback = ErrorFeedback(self.num_embeddings)
         check_supported(self.sharding_cfg, self.spec.sharding_types, excluded_sharding_types(self.spec))
         sharding.sharders.extend(sharders)
 

@@ -39,7 +39,7 @@ _TOP_KEYS = {
     "strategy_file",
     "backend",
 }
-_DIR_KEYS = {"codec", "mode", "dedup", "params", "cache", "error_feedback"}
+_DIR_KEYS = {"codec", "mode", "dedup", "params", "cache"}
 _CACHE_KEYS = {"enabled", "capacity_rows"}
 _STATS_KEYS = {"sample_every", "cache_probe"}
 _CACHE_PROBE_KEYS = {"enabled", "capacity_rows"}
@@ -57,7 +57,6 @@ class DirectionSpec:
     cache_rows: int | None = (
         None  # forward row cache (dlrm.embedding_comm.forward_cache): capacity (0: unlimited); None: off
     )
-    error_feedback: bool = False  # backward: each id's residual added to its next send (error_feedback.py)
 
 
 @dataclass(frozen=True)
@@ -108,29 +107,7 @@ def _direction(cfg: Any, where: str) -> DirectionSpec:
     params = cfg.get("params") or {}
     if not isinstance(params, Mapping):
         raise ValueError(f"{where}.params must be a mapping of codec keyword arguments, got {params!r}")
-    return DirectionSpec(
-        codec=cfg["codec"],
-        mode=mode,
-        dedup=dedup,
-        params=dict(params),
-        cache_rows=_cache(cfg, where),
-        error_feedback=_error_feedback(cfg, where),
-    )
-
-
-def _error_feedback(cfg: Mapping[str, Any], where: str) -> bool:
-    """``backward.error_feedback``: gradients by id through the error-bounded codec only."""
-    key = f"{where}.error_feedback"
-    if not flag(cfg, "error_feedback", where, False):
-        return False
-    if not where.endswith("backward"):
-        raise ValueError(f"{key}: error feedback applies to the backward all-to-all (gradients) only")
-    if cfg["codec"] != "lossy" or not cfg.get("dedup", True):
-        raise ValueError(
-            f"{key} needs the error-bounded codec by id ({where}.codec: lossy, {where}.dedup: true), "
-            f"got codec {cfg['codec']!r}, dedup {cfg.get('dedup', True)!r}"
-        )
-    return True
+    return DirectionSpec(codec=cfg["codec"], mode=mode, dedup=dedup, params=dict(params), cache_rows=_cache(cfg, where))
 
 
 def _cache(cfg: Mapping[str, Any], where: str) -> int | None:

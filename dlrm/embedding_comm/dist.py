@@ -37,7 +37,6 @@ from dlrm.embedding_comm.comm_ops import (
     ReduceScatterLayout,
     compressed_all_to_all,
 )
-from dlrm.embedding_comm.error_feedback import ErrorFeedback
 from dlrm.embedding_comm.forward_cache import CacheStage, ForwardCache
 from dlrm.embedding_comm.ids import PendingIds, Region, pending_ids
 from dlrm.embedding_comm.input_switch import InputSwitch
@@ -65,7 +64,6 @@ class CompressionRuntime(PerRank):
     forward_cache: ForwardCache | None = None  # compression.forward.cache (training forwards only)
     input_codec: IdsCodec | None = None  # compression.input: ids or auto (the KJT all-to-all coded losslessly)
     input_switch: InputSwitch | None = None  # compression.input: auto (the strategy says when to code)
-    error_feedback: ErrorFeedback | None = None  # compression.backward.error_feedback (training backwards)
 
     @property
     def codecs(self) -> dict[str, DirectionCodec]:
@@ -85,8 +83,6 @@ class CompressionRuntime(PerRank):
                 out.append(Calibration())
             if self.cache_probe is not None:
                 out.append(self.cache_probe)
-            if self.error_feedback is not None:  # after the duplicate-id sums
-                out.append(self.error_feedback)
         return out
 
     @property
@@ -108,13 +104,9 @@ class CompressionRuntime(PerRank):
             part.load_state_dict(state.get(name, {}))
 
     @property
-    def _caches(self) -> dict[str, ForwardCache | CacheProbe | ErrorFeedback]:
-        parts = {
-            "forward_cache": self.forward_cache,
-            "cache_probe": self.cache_probe,
-            "error_feedback": self.error_feedback,
-        }
-        return {name: part for name, part in parts.items() if part is not None}
+    def _caches(self) -> dict[str, ForwardCache | CacheProbe]:
+        both = {"forward_cache": self.forward_cache, "cache_probe": self.cache_probe}
+        return {name: part for name, part in both.items() if part is not None}
 
 
 class CompressedDist:
