@@ -65,7 +65,9 @@ class RowCaches:
         self.n_blocks, self.dim = len(self.widths), max(self.widths, default=0)
         self.bits = key_bits(self.n_blocks)
         empty = torch.empty(0, dtype=torch.int64, device=device)
-        self._index = empty.new_empty(2, 0)  # held keys, ascending, over the row of _rows holding each
+        # held keys, ascending, over the row of _rows holding each; then a key past every key (a
+        # search never runs off the end)
+        self._index = torch.tensor([[INF], [0]], dtype=torch.int64, device=device)
         self._rows = torch.zeros(1, self.dim, dtype=dtype, device=device)  # row 0: the spare
         self._ticks = empty.new_zeros(1)  # per row: the store() call that last used it (0: free)
         self._free = empty  # free rows (tick 0), taken from the end
@@ -111,20 +113,19 @@ class RowCaches:
             self._consts[device] = (torch.arange(self.n_blocks, dtype=torch.int64) << self.bits)[:, None].to(device)
         return self._consts[device]
 
-    def find(self, ids: torch.Tensor, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows int64 [n_blocks, q]: the row holding each id, 0 where not held or not ``valid``;
-        held bool [n_blocks, q]) of ``ids`` [n_blocks, q] (in ``[0, 2**key_bits - 1)``)."""
+    def find(
+        self, ids: torch.Tensor, valid: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rows int64 [n_blocks, q]: the row holding each of ``ids`` [n_blocks, q] (in ``[0,
+        2**key_bits - 1)``), 0 where not held or not ``valid``; held bool [n_blocks, q]; their
+        keys, for :meth:`store`)."""
         key = self.keys(ids)
-        n = self._index.shape[1]
-        if n == 0:
-            held = torch.zeros_like(key, dtype=torch.bool)
-            return torch.zeros_like(key), held
-        pos = torch.searchsorted(self._index[0], key.reshape(-1)).clamp_(max=n - 1)
-        got = self._index.index_select(1, pos).view(2, *key.shape)
+        got = self._index.index_select(1, torch.searchsorted(self._index[0], key.reshape(-1)))
+        got = got.view(2, *key.shape)
         held = got[0] == key
         if valid is not None:
             held &= valid
-        return got[1] * held, held
+        return got[1] * held, held, key
 
     def peek(self, rows: torch.Tensor) -> torch.Tensor:
         """The held rows at ``rows`` (from :meth:`find`), ``[*rows.shape, width]``; unspecified
@@ -133,7 +134,7 @@ class RowCaches:
 
     def store(
         self,
-        ids: torch.Tensor,
+        keys: torch.Tensor,
         values: torch.Tensor,
         rows: torch.Tensor,
         held: torch.Tensor,
@@ -141,11 +142,11 @@ class RowCaches:
         counts: Sequence[int],
         n_held: Sequence[int],
     ) -> None:
-        """Hold ``values`` [n_blocks, q, width] under ``ids`` [n_blocks, q] (block k's first
-        ``counts[k]``, ascending, where ``valid``), making them the most recent, then evict past
-        the capacity (module docstring). ``rows``, ``held``: :meth:`find`'s answer for these ids
-        (nothing changed the caches since); ``n_held``: how many each block holds. No host wait:
-        a fixed number of operations whatever the number of blocks."""
+        """Hold ``values`` [n_blocks, q, width] under the ids of ``keys`` [n_blocks, q] (block
+        k's first ``counts[k]``, ascending, where ``valid``), making them the most recent, then
+        evict past the capacity (module docstring). ``rows``, ``held``, ``keys``: :meth:`find`'s
+        answer for these ids (nothing changed the caches since); ``n_held``: how many each block
+        holds. No host wait: a fixed number of operations whatever the number of blocks."""
         if not sum(counts):
             return
         self._clock += 1
@@ -161,31 +162,30 @@ class RowCaches:
             # their rows are freed (tick 0) and, as the least recent, they go first
             over = [max(n - cap, 0) for n in counts]
             if any(over):
-                out = self._column(ids.shape[1], ids.device) < _on_int(over, ids.device)[:, None]
+                out = _columns(keys.shape[1], keys.device) < _on_int(over, keys.device)[:, None]
                 dropped, new = held & out, new & ~out
                 self._ticks.index_fill_(0, (rows * dropped).reshape(-1), 0)  # (the spare's too)
                 rows = rows * ~out
             self._ticks.index_fill_(0, rows.reshape(-1), clock)  # the call's held ids: the most recent
             older = [max(min(c + n - h - cap, c - h), 0) for c, n, h in zip(self._len, counts, n_held, strict=True)]
-            gone = _on_int(older, ids.device)
-            index = self._evict(index, gone + dropped.sum(1) if any(over) else gone)
-        if sum(n_new):
+            gone = _on_int(older, keys.device)
+            index = self._evict(index[:, :-1], gone + dropped.sum(1) if any(over) else gone)
+        if any(n_new):
             # free rows for the new ids (block after block, ascending): the free list's last first
             if evicts:  # rows freed by this call too: every free row, ascending (past the count: unread)
                 free = self._ticks[1:] == 0
                 take = torch.where(free, free.cumsum(0) - 1, free.numel())
-                rows_of = self._column(free.numel(), free.device)[0] + 1
+                rows_of = _columns(free.numel(), free.device)[0] + 1
                 take = self._ticks.new_empty(free.numel() + 1).index_copy_(0, take, rows_of)
-                at = new.reshape(-1).cumsum(0) - 1
+                at = (new.reshape(-1).cumsum(0) - 1).clamp_(min=0)
             else:
                 take, n_free = self._free, self._free.numel()
                 at = (n_free - new.reshape(-1).cumsum(0)).clamp_(min=n_free - sum(n_new), max=n_free - 1)
                 self._free = self._free[: n_free - sum(n_new)]
-            rows = rows + take.index_select(0, at.clamp_(min=0)).view_as(rows) * new
-            new_keys = self.keys(ids).masked_fill_(~new, INF)
-            index = torch.cat([index, torch.stack([new_keys, rows]).view(2, -1)], 1)
-        if index.shape[1] != sum(after) or any(n_new):  # the keys ascending, the gone ones past the end
-            index = index.index_select(1, torch.sort(index[0]).indices[: sum(after)])
+            rows = rows + take.index_select(0, at).view_as(rows) * new
+            index = torch.cat([index, torch.stack([keys.masked_fill(~new, INF), rows]).view(2, -1)], 1)
+        if index.shape[1] != sum(after) + 1 or any(n_new):  # the keys ascending, the gone ones (INF) past the end
+            index = index.index_select(1, torch.sort(index[0]).indices[: sum(after) + 1])
         self._ticks.index_fill_(0, rows.reshape(-1), clock)  # (and the spare's)
         self._rows.index_copy_(0, rows.reshape(-1), values.reshape(-1, self.dim).to(self._rows.dtype))
         self._index, self._len = index, after
@@ -202,7 +202,7 @@ class RowCaches:
         order = torch.sort((block << _TICK_BITS) | ticks, stable=True).indices
         starts = torch.searchsorted(index[0], self._block_keys(index.device).reshape(-1))
         block = block.index_select(0, order)
-        place = self._column(n, index.device)[0] - starts.index_select(0, block)  # within its block
+        place = _columns(n, index.device)[0] - starts.index_select(0, block)  # within its block
         go = place < gone.index_select(0, block)
         index = index.index_select(1, order)
         self._ticks.index_fill_(0, index[1] * go, 0)  # (the spare's too: 0 is its row)
@@ -213,9 +213,6 @@ class RowCaches:
         first)."""
         n = sum(self._alloc) - sum(self._len)
         return positions(self._ticks[1:] == 0, n, self.host).flip(0) + 1
-
-    def _column(self, q: int, device: torch.device) -> torch.Tensor:
-        return torch.arange(q, device=device)[None, :]
 
     def _grow(self, after: Sequence[int]) -> None:
         """Allocate rows for ``after`` ids per block, as a one-block cache grows its table."""
@@ -245,13 +242,8 @@ class RowCaches:
         """(bool [n]: held, rows [n, width]: block ``block``'s held rows of ``ids``, zeros where
         not held)."""
         q = torch.as_tensor(ids).reshape(-1).to(self.device, torch.int64)
-        keys = q | (block << self.bits)
-        index = self._index
-        if not index.shape[1] or not q.numel():
-            return torch.zeros_like(q, dtype=torch.bool), self._rows.new_zeros(q.numel(), self.widths[block])
-        pos = torch.searchsorted(index[0], keys).clamp_(max=index.shape[1] - 1)
-        got = index.index_select(1, pos)
-        held = got[0] == keys
+        got = self._index.index_select(1, torch.searchsorted(self._index[0], q | (block << self.bits)))
+        held = got[0] == q | (block << self.bits)
         rows = torch.where(held[:, None], self._rows.index_select(0, got[1] * held), 0)
         return held, rows[:, : self.widths[block]]
 
@@ -318,7 +310,8 @@ class RowCaches:
             self._ticks[1 : n + 1] = torch.cat(ticks)
         key = torch.cat(keys) if keys else held
         order = torch.argsort(key)
-        self._index = torch.stack([key.index_select(0, order), held.index_select(0, order)])
+        index = torch.stack([key.index_select(0, order), held.index_select(0, order)])
+        self._index = torch.cat([index, torch.tensor([[INF], [0]], device=self.device)], 1)
         self._free = self._free_rows()
 
 
@@ -365,7 +358,7 @@ class RowCache:
 
     def find(self, ids: torch.Tensor | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """(slots int64 [n]: the row holding each id, -1 where not held; held bool [n])."""
-        rows, held = self.caches.find(self._index(ids).view(1, -1))
+        rows, held, _ = self.caches.find(self._index(ids).view(1, -1))
         return rows.view(-1) - 1, held.view(-1)
 
     def gather(self, slots: torch.Tensor | np.ndarray) -> torch.Tensor:
@@ -399,7 +392,8 @@ class RowCache:
             n_held = int(held.sum())  # the host read: the index's new size depends on it
         values = rows.to(self.device).index_select(0, order)
         valid = torch.ones_like(held)
-        self.caches.store(q[None], values[None], (s + 1)[None], held[None], valid[None], [q.numel()], [n_held])
+        keys = self.caches.keys(q[None])
+        self.caches.store(keys, values[None], (s + 1)[None], held[None], valid[None], [q.numel()], [n_held])
 
     def lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(bool [n]: held, rows [n, dim]: the held rows, zeros where not held)."""
@@ -426,6 +420,19 @@ class RowCache:
         if isinstance(x, torch.Tensor) and x.dtype == torch.int64 and x.dim() == 1 and x.device == self.device:
             return x.detach()
         return torch.as_tensor(x).detach().reshape(-1).to(self.device, torch.int64)
+
+
+_COLUMNS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _columns(n: int, device: torch.device) -> torch.Tensor:
+    """[1, n]: 0..n-1 (int64) on ``device``, made once per size and device (the chunk's rows)."""
+    key = (n, torch.device(device))
+    if key not in _COLUMNS:
+        if len(_COLUMNS) > 64:  # a bounded memo: a few chunk sizes recur
+            _COLUMNS.clear()
+        _COLUMNS[key] = torch.arange(n, device=device)[None, :]
+    return _COLUMNS[key]
 
 
 def _on_int(values: Sequence[int], device: torch.device) -> torch.Tensor:

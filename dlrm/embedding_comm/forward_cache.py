@@ -40,6 +40,7 @@ chunk by value, and only the first touches the mirror.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -54,7 +55,7 @@ from dlrm_compression.base import held_ids
 from dlrm_compression.dedup import id_plan
 from dlrm_compression.format import HostHead
 from dlrm_compression.lossy import LossyCodec
-from dlrm_compression.row_cache import RowCaches
+from dlrm_compression.row_cache import RowCaches, _columns
 
 EPS = float(torch.finfo(torch.float32).eps)
 PAYLOAD_ID = 11  # the format's codec id of the device payload (the codecs' ids run from 1 to 10)
@@ -137,8 +138,8 @@ class ForwardCache:
         uid = keys.t().gather(1, first)
         valid = _column(first.shape[1], device) < counts[:, None]
         group = self._group(role, peer, features, widths, dtype, device)
-        rows, held = group.find(uid, valid)
-        return Look(group, Columns(widths), uid, valid, counts, first, inverse, rows, held)
+        rows, held, keys = group.find(uid, valid)
+        return Look(group, Columns(widths), uid, valid, counts, first, inverse, rows, held, keys)
 
     def _classify(self, look: Look, x: torch.Tensor, bounds_t: torch.Tensor) -> Classified:
         """The sender's view of a chunk ``x``: each unique row exact and held, which held rows
@@ -151,25 +152,25 @@ class ForwardCache:
         # in the rows' fp32, as a 0-d bound would be
         hit = look.held & (diff.abs() <= bounds_t.float()[:, None, None]).all(2)
         moved = look.held ^ hit
-        n_held, n_moved = look.held.sum(1), moved.sum(1)
+        n_held, n_hit = look.held.sum(1), hit.sum(1)
         if x.shape[0]:
             both = torch.maximum(exact.abs(), cached.abs()).masked_fill_(~moved[..., None], 0)
             largest = both.amax((1, 2)).double()  # (NaN kept)
         else:
             largest = bounds_t.new_zeros(bounds_t.shape)
         room = bounds_t - 4 * EPS * largest  # _delta_bound's, on the device
-        if self.deltas:
-            delta = (n_moved > 0) & room.isfinite() & (room > 0)
+        if self.deltas:  # some moved rows, and room left (finite: NaN and inf compare false)
+            delta = (n_held > n_hit) & (room > 0) & (room < math.inf)
         else:
-            delta = torch.zeros_like(n_moved, dtype=torch.bool)
+            delta = torch.zeros_like(n_hit, dtype=torch.bool)
         coded = torch.where(delta, room, bounds_t)
-        return Classified(exact, cached, diff, hit, moved, n_held, n_moved, delta, coded)
+        return Classified(exact, cached, diff, hit, moved, n_held, n_hit, delta, coded)
 
     def _sent(self, look: Look, c: Classified) -> tuple[Laid, torch.Tensor, torch.Tensor]:
         """The layout of every block's fresh then moved rows, and the payload's rows at capacity
         ([rows, columns], moved rows as differences where their block sends them so) with their
         ids [rows, blocks] (:func:`_code`'s padding)."""
-        laid = laid_out(look, c.moved, c.hit)
+        laid = laid_out(look, c.moved, c.hit, c.n_hit)
         rows = torch.where((c.moved & c.delta[:, None])[..., None], c.diff, c.exact)
         return laid, look.cols.chunk_of(laid.sent(rows, 0.0)), laid.sent(look.uid, -1).t()
 
@@ -195,7 +196,7 @@ class ForwardCache:
         c = self._classify(look, x, bounds_t)
         laid, cols, sent = self._sent(look, c)
         # the one host read of the blocks' classification: counts, and the bounds they are coded at
-        read = torch.cat([look.counts, c.n_held, c.n_held - c.n_moved, laid.n_sent, c.delta.long()])
+        read = torch.cat([look.counts, c.n_held, c.n_hit, laid.n_sent, c.delta.long()])
         host = torch.cat([read.double(), c.coded]).tolist()
         u, h, hits, n_sent, deltas = (host[i * nb : (i + 1) * nb] for i in range(5))
         n = int(max([1, *n_sent]))
@@ -206,7 +207,7 @@ class ForwardCache:
         decoded = _decode(dc, inner, _rows(sent, n, -1), widths)
         unique = _merged(look, laid, look.cols.blocks(_rows(decoded, x.shape[0])), c.cached, c.delta)
         out = look.cols.spread(unique, look.inverse)
-        look.group.store(look.uid, unique, look.rows, look.held, look.valid, _ints(u), _ints(h))
+        look.group.store(look.keys, unique, look.rows, look.held, look.valid, _ints(u), _ints(h))
         return payload, out, _counts(features, u, h, hits, deltas)
 
     def decode(
@@ -239,7 +240,7 @@ class ForwardCache:
         delta = torch.tensor(flags, dtype=torch.bool).to(out.device, non_blocking=True)
         unique = _merged(look, laid, look.cols.blocks(_rows(decoded, ids.shape[0])), look.group.peek(look.rows), delta)
         look.cols.spread(unique, look.inverse, out)
-        look.group.store(look.uid, unique, look.rows, look.held, look.valid, u, h)
+        look.group.store(look.keys, unique, look.rows, look.held, look.valid, u, h)
         return out
 
     def encode_on_device(
@@ -271,11 +272,11 @@ class ForwardCache:
             cols, coded = torch.where(single, cols, x), torch.where(single, coded, bounds_t)
         inner = dc.encode_deferred(cols, widths, coded, sent, single=single)
         assert isinstance(dc.codec, LossyCodec)  # on_device() says so
-        decoded = dc.codec.decoded(cols, coded, widths)
+        decoded = dc.codec.decoded(cols, coded, widths, checked=True)  # (the bounds encode_deferred checks)
         unique = _merged(look, laid, look.cols.blocks(decoded), c.cached, c.delta)
         out = look.cols.spread(unique, look.inverse)
         payload = _pack(x, widths, coded, inner, c.delta, _held_bits(look.held, c.moved))
-        counts = torch.cat([look.counts, c.n_held, c.n_held - c.n_moved, c.delta.long()])
+        counts = torch.cat([look.counts, c.n_held, c.n_hit, c.delta.long()])
         if single is not None:
             payload, out = fmt.pick(single, payload, inner), torch.where(single, out, decoded)
             counts = torch.cat([counts, single.long().reshape(1)])
@@ -284,7 +285,7 @@ class ForwardCache:
             if single is not None and not host[4 * nb]:
                 return None  # the codec's payload went: no cache touched
             u, h, hits, deltas = (host[i * nb : (i + 1) * nb] for i in range(4))
-            look.group.store(look.uid, unique, look.rows, look.held, look.valid, u, h)
+            look.group.store(look.keys, unique, look.rows, look.held, look.valid, u, h)
             return _counts(features, u, h, hits, deltas)
 
         return payload, out, counts, store
@@ -336,11 +337,11 @@ class ForwardCache:
         inner_head = HostHead(head.data[header.offsets[0] :], head.good, head.extra[: nb + 1], codec_state)
         assert isinstance(dc.codec, LossyCodec)  # on_device() says so
         decoded = dc.codec.decode(sections[0], sent, head=inner_head)
-        delta = sections[1].bool()
+        delta = sections[1].view(torch.bool)  # (0 or 1: the sender's flags, under the payload's check)
         unique = _merged(look, laid, look.cols.blocks(decoded), look.group.peek(look.rows), delta)
         out = look.cols.spread(unique, look.inverse, out)
         look.group.store(
-            look.uid,
+            look.keys,
             unique,
             look.rows,
             look.held,
@@ -521,21 +522,24 @@ class Columns:
 
     def blocks_of(self, x: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
         """[blocks, q, width]: block k's row ``first[k, u]`` of ``x`` at u."""
-        return self.padded(x)[first, _column(self.n, x.device)[0][:, None]]
+        return self.padded(x)[first, _column(self.n, x.device).t()]
 
     def chunk_of(self, b: torch.Tensor) -> torch.Tensor:
         """[blocks, rows, width] as [rows, columns]."""
-        x = b.transpose(0, 1).reshape(b.shape[1], self.n * self.width)
+        x = b.transpose(0, 1).contiguous().view(b.shape[1], self.n * self.width)
         return x if self.equal else x.index_select(1, self._map(b.device)[1])
 
     def spread(self, unique: torch.Tensor, inverse: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Each block's unique rows ``unique`` [blocks, q, width] over the chunk's rows (row r of
         block k: ``unique[k, inverse[k, r]]``), [rows, columns] (into ``out`` if given)."""
-        rows = unique[_column(self.n, unique.device)[0][None, :], inverse.t()]  # [rows, blocks, width]
-        got = rows.reshape(rows.shape[0], self.n * self.width)
+        rows = unique[_column(self.n, unique.device), inverse.t()]  # [rows, blocks, width]
         if not self.equal:
-            got = got.index_select(1, self._map(unique.device)[1])
-        return got if out is None else out.copy_(got)
+            got = rows.reshape(rows.shape[0], self.n * self.width).index_select(1, self._map(unique.device)[1])
+            return got if out is None else out.copy_(got)
+        if out is None:
+            return rows.contiguous().view(rows.shape[0], self.n * self.width)
+        out.view(rows.shape).copy_(rows)
+        return out
 
 
 class Look(NamedTuple):
@@ -551,6 +555,7 @@ class Look(NamedTuple):
     inverse: torch.Tensor  # each chunk row's unique id, per block
     rows: torch.Tensor  # the cache's row holding each (0: not held)
     held: torch.Tensor
+    keys: torch.Tensor  # their keys in the cache's index
 
 
 class Classified(NamedTuple):
@@ -563,7 +568,7 @@ class Classified(NamedTuple):
     hit: torch.Tensor
     moved: torch.Tensor
     n_held: torch.Tensor
-    n_moved: torch.Tensor
+    n_hit: torch.Tensor
     delta: torch.Tensor
     coded: torch.Tensor
 
@@ -577,28 +582,26 @@ class Laid(NamedTuple):
     place: torch.Tensor  # each unique id's row in the payload (past its block's sent rows: another)
     order: torch.Tensor  # the unique id of each payload row (past the block's sent rows: its first's)
     n_sent: torch.Tensor
+    empty: torch.Tensor  # blocks that send no row
 
     def sent(self, values: torch.Tensor, empty: float) -> torch.Tensor:
         """Per unique id ``values`` ([blocks, rows(, width)]) in payload order (:func:`_code`'s
         padding; ``empty`` for an empty block)."""
         index = self.order if values.dim() == 2 else self.order[..., None].expand(-1, -1, values.shape[2])
-        got = values.gather(1, index)
-        some = (self.n_sent > 0).view(-1, *(1,) * (values.dim() - 1))
-        return got.masked_fill_(~some, empty)
+        return values.gather(1, index).masked_fill_(self.empty.view(-1, *(1,) * (values.dim() - 1)), empty)
 
 
-def laid_out(look: Look, moved: torch.Tensor, hit: torch.Tensor) -> Laid:
+def laid_out(look: Look, moved: torch.Tensor, hit: torch.Tensor, n_hit: torch.Tensor | None = None) -> Laid:
     """Every block's payload rows: its fresh rows, then its ``moved`` ones, each in ascending id
     order (a stable sort of every block's rows by kind: fresh, moved or padding, hits)."""
     fresh = look.valid ^ look.held
     kind = (~fresh).to(torch.uint8) + hit  # fresh 0, moved (and the padding after them) 1, hits 2
     order = torch.sort(kind, dim=1, stable=True).indices
-    rows = order.shape[1]
-    column = _column(rows, order.device)
+    column = _column(order.shape[1], order.device)
     place = torch.empty_like(order).scatter_(1, order, column.expand_as(order))
-    n_sent = fresh.sum(1) + moved.sum(1)
+    n_sent = look.counts - (hit.sum(1) if n_hit is None else n_hit)
     order = torch.where(column < n_sent[:, None], order, order[:, :1])  # shorter blocks repeat their first row
-    return Laid(fresh, moved, place, order, n_sent)
+    return Laid(fresh, moved, place, order, n_sent, n_sent == 0)
 
 
 def _merged(look: Look, laid: Laid, decoded: torch.Tensor, cached: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
@@ -612,10 +615,8 @@ def _merged(look: Look, laid: Laid, decoded: torch.Tensor, cached: torch.Tensor,
 
 def _moved(held: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """Each held id's bit (1: moved), the blocks' held ids one after another in ``bits``."""
-    if not bits.numel():
-        return torch.zeros_like(held)
-    at = held.reshape(-1).cumsum(0) - 1
-    return bits.index_select(0, at.clamp_(0, bits.numel() - 1)).view_as(held) & held
+    at = held.reshape(-1).cumsum(0)  # a held id's rank (1-based): its bit after a leading 0
+    return torch.nn.functional.pad(bits, (1, 0)).index_select(0, at).view_as(held) & held
 
 
 def _held_bits(held: torch.Tensor, moved: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -654,8 +655,8 @@ def _rows(x: torch.Tensor, n: int, fill: float = 0.0) -> torch.Tensor:
 
 
 def _column(n: int, device: torch.device) -> torch.Tensor:
-    """[1, n]: 0..n-1 (int64)."""
-    return torch.arange(n, device=device)[None, :]
+    """[1, n]: 0..n-1 (int64), made once per size and device."""
+    return _columns(n, device)
 
 
 def _pack(
@@ -672,7 +673,7 @@ def _pack(
     rows: list[tuple[torch.Tensor, fmt.Length]] = (
         [(inner.buffer, inner.length)] if isinstance(inner, fmt.Deferred) else [(inner, inner.numel())]
     )
-    flags = delta.to(torch.uint8)
+    flags = delta.view(torch.uint8)
     return fmt.pack_deferred(header, [rows, [(flags, flags.numel())], [bits]], x.device)
 
 
@@ -704,6 +705,15 @@ def _shifts(device: torch.device) -> torch.Tensor:
     return _SHIFTS[device]
 
 
+_MASKS: dict[torch.device, torch.Tensor] = {}
+
+
+def _masks(device: torch.device) -> torch.Tensor:
+    if device not in _MASKS:
+        _MASKS[device] = torch.tensor([1 << b for b in _BITS], dtype=torch.uint8).to(device)
+    return _MASKS[device]
+
+
 def _packbits(bits: torch.Tensor) -> torch.Tensor:
     """``np.packbits`` of 0/1 uint8 (or bool) values, a multiple of 8 of them, on their device."""
     b = bits.view(torch.uint8).view(-1, 8)
@@ -712,7 +722,7 @@ def _packbits(bits: torch.Tensor) -> torch.Tensor:
 
 def _unpackbits(packed: torch.Tensor, count: int) -> torch.Tensor:
     """``np.unpackbits(packed, count=count)`` as bool, on its device."""
-    return ((packed.unsqueeze(1) >> _shifts(packed.device)) & 1).bool().reshape(-1)[:count]
+    return ((packed.unsqueeze(1) & _masks(packed.device)) != 0).reshape(-1)[:count]
 
 
 def _code(
