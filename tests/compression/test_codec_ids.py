@@ -7,8 +7,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dlrm.telemetry.sync_counter import HostSyncCounter
 from dlrm_compression import PayloadError
-from dlrm_compression.host_syncs import HostSyncCounter
 from dlrm_compression.ids_codec import PAYLOAD_BYTES, IdsCodec
 
 I64 = torch.iinfo(torch.int64)
