@@ -14,7 +14,7 @@ from dlrm.bench.host_syncs import RankCollective, counted_reads
 from dlrm.embedding_comm import fixed_bound
 from dlrm.embedding_comm.codec import DirectionCodec
 from dlrm.embedding_comm.config import DirectionSpec
-from dlrm_compression.host_syncs import HostSyncCounter
+from dlrm.telemetry.sync_counter import HostSyncCounter
 
 SMALL = [(2048, 13, 64), (2048, 26, 128), (8192, 26, 128)]
 
@@ -43,9 +43,6 @@ def test_lossy_keeps_its_launch_budget_at_65536_rows():
 def _codec_launches(size: tuple[int, int, int], config: str) -> int:
     """The codec's own launches of one collective (its encode, the size exchange, heads, decode and
     verdicts), not the transport's duplicate-id stage (the backward's sums and first rows)."""
-    from dlrm.bench.host_syncs import counted_reads
-    from dlrm.telemetry.sync_counter import HostSyncCounter
-
     collective = RankCollective(*size, overrides=gpu_collective.CONFIGS[config])
     ids, counter = collective.fresh_ids(), HostSyncCounter()
     with counted_reads(counter), counter:
