@@ -3,7 +3,7 @@ Triton kernels for CUDA ones (:mod:`compression.kernels`, imported on first CUDA
 
 Why one op each: on a GPU every launch costs the host ~7 us, so a collective's codec work is a
 budget of launches, and the launches of the dispatcher's ops can be counted on a CPU (at the
-dispatcher, :class:`compression.host_syncs.HostSyncCounter`). A fused operation hides its kernels
+dispatcher, :class:`dlrm.telemetry.sync_counter.HostSyncCounter`). A fused operation hides its kernels
 behind one op; :data:`LAUNCHES` says how many its CUDA implementation makes, which the counter
 adds in its place (checked against the profiler by ``make test-gpu``).
 """

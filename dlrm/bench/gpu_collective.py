@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 
+from dlrm.bench.criteo_like import criteo_like_batch
 from dlrm.bench.host_syncs import OVERRIDES, RankCollective, counted_reads
-from dlrm_compression.host_syncs import HostSyncCounter
+from dlrm.telemetry.sync_counter import HostSyncCounter
 from dlrm_compression.ids_codec import IdsCodec
-from dlrm_compression.synthetic import criteo_like_batch
 
 SIZES = ((2048, 13, 64), (2048, 26, 128), (8192, 26, 128), (65536, 26, 128))  # the chunks
 CONFIGS: dict[str, tuple[str, ...]] = {

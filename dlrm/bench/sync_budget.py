@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from dlrm.bench.host_syncs import counted_reads
-from dlrm_compression.host_syncs import HostSyncCounter
+from dlrm.telemetry.sync_counter import HostSyncCounter
 
 REPO = Path(__file__).resolve().parents[2]
 # Every run on the device code, as a GPU runs it (the codecs, the row cache, the hot-row sync, DCT)

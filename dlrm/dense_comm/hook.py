@@ -65,9 +65,9 @@ from torchrec.distributed.types import ShardingEnv
 import dlrm_compression as compression
 from dlrm.dense_comm.config import DenseCommSpec
 from dlrm.embedding_comm.stats import CommStats
+from dlrm.performance.network import cheaper_aggregation, ring_allreduce_bytes, sparse_aggregation_bytes
 from dlrm.process.instrument import on_the_wire
 from dlrm.trainer.state import CheckpointError, PerRank, numpy_rng_state, numpy_rng_tuple
-from dlrm_compression.cost_model import cheaper_aggregation, ring_allreduce_bytes, sparse_aggregation_bytes
 from dlrm_compression.format import PayloadError
 from dlrm_compression.sparse import ThresholdCodec, delta_width, kth_largest_abs, refresh_due
 from dlrm_compression.sparse import kth_largest_abs_tensor as kth_largest

@@ -55,7 +55,7 @@ def _codec_launches(size: tuple[int, int, int], config: str) -> int:
     """The codec's own launches of one collective (its encode, the size exchange, heads, decode and
     verdicts), not the transport's duplicate-id stage (the backward's sums and first rows)."""
     from dlrm.bench.host_syncs import counted_reads
-    from dlrm_compression.host_syncs import HostSyncCounter
+    from dlrm.telemetry.sync_counter import HostSyncCounter
 
     collective = RankCollective(*size, overrides=gpu_collective.CONFIGS[config])
     ids, counter = collective.fresh_ids(), HostSyncCounter()

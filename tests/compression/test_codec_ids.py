@@ -8,9 +8,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dlrm.telemetry.sync_counter import HostSyncCounter
 from dlrm_compression import PayloadError
 from dlrm_compression import format as fmt
-from dlrm_compression.host_syncs import HostSyncCounter
 from dlrm_compression.ids_codec import PAYLOAD_BYTES, STORED_BYTES, STORED_VERSION, IdsCodec, stored_bytes
 
 I64 = torch.iinfo(torch.int64)

@@ -52,7 +52,7 @@ def _buckets(rank: int, ws: int, values: str, iterations: int, aggregation: str 
     from dlrm.bench.host_syncs import counted_reads
     from dlrm.dense_comm.config import parse_dense_comm_cfg
     from dlrm.dense_comm.hook import DenseComm
-    from dlrm_compression.host_syncs import HostSyncCounter
+    from dlrm.telemetry.sync_counter import HostSyncCounter
 
     original = _inline_all_gather()
     out: dict = {}
