@@ -80,7 +80,7 @@ def _counted(rank: int, ws: int, plan: str, spec: str, hot: int | tuple[int, ...
     cfg, choice = RUNS[spec]
     # auto's per-table options (a header each) on a few rows code larger than the rows on the
     # device (the fixed-length coder where the host has zstd): stored there, exact; more rows
-    sizes = [48, 36, 28][:ws] if spec == "auto" else [12, 9, 7][:ws]
+    sizes = [72, 64, 56][:ws] if spec == "auto" else [12, 9, 7][:ws]
     for path in ("host", "device"):
         sharder = tc.ours({**cfg, "backend": path})  # compression.backend: every codec's stages, the row cache's
         assert sharder.runtime.backward.codec.backend_choice == path
