@@ -9,6 +9,10 @@ Exclusive prefix sums of the group widths are ``torch.cumsum`` between launches.
 
 On a CPU tensor these run only under ``TRITON_INTERPRET=1`` (set before triton is imported).
 Tile sizes are constexpr so tests can use big tiles (few interpreted programs) and GPUs their own.
+
+Over 500 lines because every kernel of the CUDA path lives here beside the rules above, each
+mirroring the function of the same name in ``reference.py``, so one file holds what must stay
+bit-identical to it.
 """
 
 from __future__ import annotations
@@ -549,6 +553,16 @@ LOSSY_GROUPS = 8  # groups of 32 values per program of the lossy pack kernels (t
 
 
 @triton.jit
+def _block_steps(eb):
+    """float32 bin width ``2 eb`` and margin ``ed`` (the largest float32 <= eb) of float64 bounds,
+    as :func:`reference.step_of` and :func:`reference.float32_at_most` round them."""
+    e = eb.to(tl.float32)
+    down = (e.to(tl.float64) > eb) & (e > 0)  # rounded up: one float32 step down
+    e = tl.where(down, (e.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True), e)
+    return (2.0 * eb).to(tl.float32), e
+
+
+@triton.jit
 def lossy_offsets_kernel(counts_ptr, table_ptr, bounds_ptr, n_blocks, off_ptr, step_ptr, ed_ptr, CHUNK: tl.constexpr):
     """One program: each block's first value in the flat order (the unique rows' values block
     after block, ``off[n_blocks]`` their number), and its float32 bin width ``2 eb`` and margin
@@ -560,13 +574,45 @@ def lossy_offsets_kernel(counts_ptr, table_ptr, bounds_ptr, n_blocks, off_ptr, s
         size = tl.load(counts_ptr + b, mask=m, other=0) * tl.load(table_ptr + n_blocks + b, mask=m, other=0)
         tl.store(off_ptr + b, carry + tl.cumsum(size, axis=0) - size, mask=m)
         carry += tl.sum(size, axis=0)
-        eb = tl.load(bounds_ptr + b, mask=m, other=0.0)
-        tl.store(step_ptr + b, (2.0 * eb).to(tl.float32), mask=m)
-        e = eb.to(tl.float32)
-        down = (e.to(tl.float64) > eb) & (e > 0)  # rounded up: one float32 step down
-        e = tl.where(down, (e.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True), e)
-        tl.store(ed_ptr + b, e, mask=m)
+        step, ed = _block_steps(tl.load(bounds_ptr + b, mask=m, other=0.0))
+        tl.store(step_ptr + b, step, mask=m)
+        tl.store(ed_ptr + b, ed, mask=m)
     tl.store(off_ptr + n_blocks, carry)
+
+
+@triton.jit
+def block_steps_kernel(bounds_ptr, n_blocks, step_ptr, ed_ptr, CHUNK: tl.constexpr):
+    """One program: every block's float32 bin width and margin (:func:`_block_steps`)."""
+    for k in range(0, n_blocks, CHUNK):
+        b = k + tl.arange(0, CHUNK)
+        m = b < n_blocks
+        step, ed = _block_steps(tl.load(bounds_ptr + b, mask=m, other=0.0))
+        tl.store(step_ptr + b, step, mask=m)
+        tl.store(ed_ptr + b, ed, mask=m)
+
+
+@triton.jit
+def roundtrip_kernel(
+    x_ptr, x_stride, out_ptr, out_stride, rows, cols, table_ptr, n_blocks, step_ptr, ed_ptr,
+    ROWS: tl.constexpr, COLS: tl.constexpr, STEPS: tl.constexpr,
+):  # fmt: skip
+    """Program (row tile, column tile): each float32 value quantised under its block's step and
+    margin and rebuilt (``q * step``), or kept where that misses (:func:`reference.lossy_roundtrip`)."""
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    c = tl.program_id(1).to(tl.int64) * COLS + tl.arange(0, COLS)
+    lo = tl.zeros(c.shape, dtype=tl.int64)  # the block of a column: the last b with start[b] <= c
+    hi = tl.zeros(c.shape, dtype=tl.int64) + n_blocks
+    for _ in tl.static_range(STEPS):
+        mid = (lo + hi) // 2
+        go = (mid < hi) & (tl.load(table_ptr + mid, mask=mid < n_blocks, other=0) <= c)
+        lo = tl.where(go, mid + 1, lo)
+        hi = tl.where(go, hi, mid)
+    b = tl.maximum(lo - 1, 0)
+    m = (r[:, None] < rows) & (c[None, :] < cols)
+    v = tl.load(x_ptr + r[:, None] * x_stride + c[None, :], mask=m, other=0.0)
+    step = tl.load(step_ptr + b, mask=c < cols, other=1.0)[None, :]
+    q, ok = _quantized(v, step, tl.load(ed_ptr + b, mask=c < cols, other=0.0)[None, :], 0)
+    tl.store(out_ptr + r[:, None] * out_stride + c[None, :], tl.where(ok, q.to(tl.float32) * step, v), mask=m)
 
 
 @triton.jit
@@ -706,6 +752,34 @@ def lossy_pack(
     ends = scan.cumsum(1, dtype=torch.int64)
     lossy_pack_kernel[grid](*args, ends, words, positions, raw, lengths, x.element_size(), **meta, **_LAUNCH)
     return widths_out, words, positions, raw, lengths
+
+
+TRIP_ROWS = 32  # rows per program of roundtrip_kernel
+TRIP_COLS = 128  # columns per program
+
+
+def lossy_roundtrip(
+    x: torch.Tensor, bounds: torch.Tensor, widths: list[int], rows_tile: int = TRIP_ROWS, cols_tile: int = TRIP_COLS
+) -> torch.Tensor:
+    """Kernel version of :func:`reference.lossy_roundtrip`: the block table up, the blocks' steps,
+    then every value in one pass (float32)."""
+    if x.dtype != torch.float32:
+        raise TypeError(f"lossy_roundtrip: float32 values, got {x.dtype}")
+    x = x.contiguous()
+    rows, cols = x.shape
+    nb = len(widths)
+    out = torch.empty_like(x)
+    step = torch.empty(max(nb, 1), dtype=torch.float32, device=x.device)
+    ed = torch.empty(max(nb, 1), dtype=torch.float32, device=x.device)
+    table = _table(widths, [], x.device)
+    block_steps_kernel[(1,)](bounds, nb, step, ed, CHUNK=1024, **_LAUNCH)
+    if rows and cols:
+        grid = (triton.cdiv(rows, rows_tile), triton.cdiv(cols, cols_tile))
+        roundtrip_kernel[grid](
+            x, x.stride(0), out, out.stride(0), rows, cols, table, nb, step, ed,
+            ROWS=rows_tile, COLS=cols_tile, STEPS=max(nb, 1).bit_length(), **_LAUNCH,
+        )  # fmt: skip
+    return out
 
 
 ROWS_TILE = 32  # output rows per program of lossy_rows_kernel
@@ -1007,6 +1081,154 @@ def cast_unpack(
         HAS_END=False, MODE=ADLER_HOLDS, CHUNK=1024, **_LAUNCH,
     )  # fmt: skip
     return verdict
+
+
+# -- bit streams and several payloads' checks (the ids codec) ---------------------------------------
+
+BITS_BLOCK = 1024  # values per program of the bit-stream kernels
+
+
+@triton.jit
+def bits_pack_kernel(values_ptr, v_stride, starts_ptr, s_stride, n, words_ptr, n_words, BLOCK: tl.constexpr):
+    """Each value ORed into the word its start falls in and, past its end, the next (two atomic
+    ORs: fields never overlap, so the order does not matter); zeros are not written. Shifts stay
+    in [0, 63]."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = i < n
+    v = tl.load(values_ptr + i * v_stride, mask=live, other=0).to(tl.int64)
+    s = tl.load(starts_ptr + i * s_stride, mask=live, other=0).to(tl.int64)
+    w = s >> 6
+    b = s & 63
+    low = v << b
+    spill = tl.where(b > 0, ((v >> 1) & 0x7FFFFFFFFFFFFFFF) >> tl.where(b > 0, 63 - b, 0), 0)  # logical shift
+    tl.atomic_or(words_ptr + w, low, mask=live & (low != 0) & (w < n_words))
+    tl.atomic_or(words_ptr + w + 1, spill, mask=live & (spill != 0) & (w + 1 < n_words))
+
+
+@triton.jit
+def bits_unpack_kernel(
+    words_ptr, n_words, starts_ptr, s_stride, widths_ptr, w_stride, n, out_ptr, BLOCK: tl.constexpr
+):  # fmt: skip
+    """Each value's bits from its word and the next, masked to its width (0..64); words past the
+    end read as zeros. Shifts stay in [0, 63]."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = i < n
+    s = tl.load(starts_ptr + i * s_stride, mask=live, other=0).to(tl.int64)
+    width = tl.load(widths_ptr + i * w_stride, mask=live, other=0).to(tl.int64)
+    w = s >> 6
+    b = s & 63
+    x = tl.load(words_ptr + w, mask=live & (w < n_words), other=0)
+    y = tl.load(words_ptr + w + 1, mask=live & (b > 0) & (w + 1 < n_words), other=0)
+    one = tl.full((BLOCK,), 1, dtype=tl.int64)
+    up = tl.where(b > 0, 64 - b, 1)  # (b = 0: unused)
+    low = tl.where(b > 0, (x >> b) & ((one << up) - 1), x)
+    high = tl.where(b > 0, y << up, 0)
+    v = low | high
+    keep = tl.where(width >= 64, -1, (one << tl.where(width >= 64, 0, width)) - 1)
+    tl.store(out_ptr + i, v & keep, mask=live)
+
+
+def bits_pack(values: torch.Tensor, starts: torch.Tensor, n_words: int, block: int = BITS_BLOCK) -> torch.Tensor:
+    """Kernel version of :func:`reference.bits_pack`: the words zeroed, then one kernel."""
+    words = torch.zeros(n_words, dtype=torch.int64, device=values.device)
+    n = values.numel()
+    if n:
+        bits_pack_kernel[(triton.cdiv(n, block),)](
+            values, values.stride(0), starts, starts.stride(0), n, words, n_words, BLOCK=block, **_LAUNCH
+        )
+    return words
+
+
+def bits_unpack(
+    words: torch.Tensor, starts: torch.Tensor, widths: torch.Tensor, block: int = BITS_BLOCK
+) -> torch.Tensor:
+    """Kernel version of :func:`reference.bits_unpack`: one kernel."""
+    n = starts.numel()
+    out = torch.empty(n, dtype=torch.int64, device=starts.device)
+    if n:
+        bits_unpack_kernel[(triton.cdiv(n, block),)](
+            words, words.numel(), starts, starts.stride(0), widths, widths.stride(0), n, out, BLOCK=block, **_LAUNCH
+        )
+    return out
+
+
+@triton.jit
+def adler_segments_partials_kernel(
+    data_ptr, table_ptr, n_segments, skip_at, skip_len, part_ptr, max_parts, BLOCK: tl.constexpr
+):  # fmt: skip
+    """Program (block, segment): :func:`adler_partials_kernel` over the segment's block (its own
+    offsets); programs past their segment's end write zeros at once."""
+    blk = tl.program_id(0).to(tl.int64)
+    seg = tl.program_id(1).to(tl.int64)
+    base = tl.load(table_ptr + seg)
+    size = tl.load(table_ptr + n_segments + seg)
+    a = tl.zeros((), dtype=tl.int64)
+    c = tl.zeros((), dtype=tl.int64)
+    if blk * BLOCK < size:
+        i = blk * BLOCK + tl.arange(0, BLOCK)
+        keep = (i < size) & ((i < skip_at) | (i >= skip_at + skip_len))
+        d = tl.load(data_ptr + base + i, mask=keep, other=0).to(tl.int64)
+        v = tl.where(i >= skip_at + skip_len, i - skip_len, i)
+        a = tl.sum(d, axis=0)
+        c = tl.sum(v * d, axis=0) % 65521
+    at = 2 * (seg * max_parts + blk)
+    tl.store(part_ptr + at, a)
+    tl.store(part_ptr + at + 1, c)
+
+
+@triton.jit
+def adler_segments_finish_kernel(
+    part_ptr, max_parts, table_ptr, n_segments, skip_len, check_at, data_ptr, out_ptr,
+    MODE: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """Program per segment: :func:`adler_finish_kernel` over its partial sums."""
+    seg = tl.program_id(0).to(tl.int64)
+    base = tl.load(table_ptr + seg)
+    size = tl.load(table_ptr + n_segments + seg)
+    n_parts = (size + BLOCK - 1) // BLOCK
+    a = tl.zeros((), dtype=tl.int64)
+    c = tl.zeros((), dtype=tl.int64)
+    for k in range(0, max_parts, CHUNK):
+        j = k + tl.arange(0, CHUNK)
+        m = j < n_parts
+        at = 2 * (seg * max_parts + j)
+        a += tl.sum(tl.load(part_ptr + at, mask=m, other=0), axis=0) % 65521
+        c += tl.sum(tl.load(part_ptr + at + 1, mask=m, other=0), axis=0)
+    a = a % 65521
+    lm = (size - skip_len) % 65521
+    b = ((lm + lm * a - c % 65521) % 65521 + 65521) % 65521
+    check = b * 65536 + (a + 1) % 65521
+    byte = tl.arange(0, 4)
+    if MODE == 0:
+        tl.store(out_ptr + seg, check)
+    if MODE == 1:
+        stored = tl.sum(tl.load(data_ptr + base + check_at + byte).to(tl.int64) << (8 * byte), axis=0)
+        tl.store(out_ptr + seg, (stored == check).to(tl.int64))
+    if MODE == 2:
+        tl.store(data_ptr + base + check_at + byte, ((check >> (8 * byte)) & 255).to(tl.uint8))
+        tl.store(out_ptr + seg, check)
+
+
+def adler32_segments(
+    data: torch.Tensor, starts: list[int], sizes: list[int], skip_at: int, skip_len: int, check_at: int, mode: int,
+    block: int = ADLER_BLOCK,
+) -> torch.Tensor:  # fmt: skip
+    """Kernel version of :func:`reference.adler32_segments`: the segments' table up, then two
+    launches for every segment at once."""
+    n = len(starts)
+    out = torch.empty(n, dtype=torch.int64, device=data.device)
+    if not n:
+        return out
+    table = torch.tensor([*starts, *sizes], dtype=torch.int64).to(data.device, non_blocking=True)
+    max_parts = max(triton.cdiv(max(sizes), block), 1)
+    parts = torch.empty(2 * n * max_parts, dtype=torch.int64, device=data.device)
+    adler_segments_partials_kernel[(max_parts, n)](
+        data, table, n, skip_at, skip_len, parts, max_parts, BLOCK=block, **_LAUNCH
+    )
+    adler_segments_finish_kernel[(n,)](
+        parts, max_parts, table, n, skip_len, check_at, data, out, MODE=mode, BLOCK=block, CHUNK=1024, **_LAUNCH
+    )
+    return out
 
 
 if QMAX != 1073741823:  # quantize_kernel spells the clamp as a literal
