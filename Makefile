@@ -51,7 +51,7 @@ lint: venv
 
 # Codec benchmark, then (as root, which the network namespace needs) the emulated-link benchmark.
 bench: venv
-	@$(PY) -m dlrm_compression.bench $(ARGS)
+	@$(PY) -m dlrm.bench.codec $(ARGS)
 	@if [ "$$(id -u)" = 0 ]; then bash scripts/bench_network.sh $(NETARGS); \
 	 else echo "network benchmark skipped: needs root (sudo make bench-network)"; fi
 

@@ -1,6 +1,6 @@
 """Error-bounded lossy compression of embedding tensors (no torchrec/dlrm imports).
 
-API (the contract in DESIGN.md "Public contracts")::
+API (docs/compression.md, "The compressor"; its layer: docs/architecture.md)::
 
     codec = compression.get_codec(name, **params)   # names: compression.available_codecs()
     payload = codec.encode(x, eb, ids=None, *, blocks=None)  # -> 1-D torch.uint8, self-describing
@@ -22,7 +22,7 @@ API (the contract in DESIGN.md "Public contracts")::
 - Codecs: ``lossy`` (bounded; params ``entropy=True|False|"auto"``, ``level``, ``dedup``,
   ``backend="auto"|"torch"|"triton"``, ``verify_ids``), and the unbounded baselines ``none``,
   ``fp16``, ``bf16``, ``int8`` (``row_dim``), ``fp8`` (``rowwise``, CUDA only), ``mx4``
-  (``group_size``). Benchmark: ``python -m dlrm_compression.bench --help``.
+  (``group_size``). Benchmark (in the trainer's package): ``python -m dlrm.bench.codec --help``.
 """
 
 from . import baselines as _baselines  # noqa: F401  (register codecs)

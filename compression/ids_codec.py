@@ -10,32 +10,64 @@ Criteo bags all have one id. Per key the payload carries
   among them at ceil(log2(distinct)) bits;
 * per-sample weights as they are.
 
-Every value is bit-packed by torch ops on the tensors' device; a key never costs a host
-synchronisation. :meth:`IdsCodec.encode` takes one for the whole call (the sizes of what it
-packs), :meth:`IdsCodec.decode` one for the plan and one for its consistency check. On a CPU
-tensor an optional zstd stage codes the packed bits when that is smaller. The payload is the
-checksummed container of :mod:`compression.format`: a corrupted or truncated one raises
-:class:`~compression.format.PayloadError`, never yields wrong ids.
+A payload that would code no smaller than its lengths, ids and weights as they are (small
+batches, where the per-key plan and the header outweigh what they save, or ids with nothing to
+share) is sent **stored**: those tensors' bytes behind a 24-byte header (:data:`STORED_BYTES`),
+checked like a coded one. A payload is never more than its raw bytes and that header (and a bag
+count per key where the keys' batch sizes differ).
+
+Every destination and every key is coded at once, on the tensors' device, in a number of
+dispatcher operations that depends neither on the batch, the keys nor the destinations (the
+launch budget of docs/gpu.md): segmented reductions over all keys after one sort by (key, id),
+one bit-packing op for every destination's stream, one concatenation that frames them all, one
+check op for all of them (:mod:`compression.ops`). :meth:`IdsCodec.encode` takes one host
+synchronisation for the whole call (the keys' sizes), :meth:`IdsCodec.decode_all` two for all the
+payloads of a collective (their heads and plans with their checks' verdicts, then the
+consistency of what they decode to). On a CPU tensor an optional zstd stage codes the packed bits
+when that is smaller. A coded payload is the checksummed container of :mod:`compression.format`
+(the same bytes as before stored payloads existed); a corrupted or truncated payload of either
+kind raises :class:`~compression.format.PayloadError`, never yields wrong ids.
+
+Over 500 lines because encode and decode share one layout (the per-key field table whose first
+bits the device's pack and unpack both compute, and the stored payload's header): kept in one
+module so that one reading checks both sides of it.
 """
 
 from __future__ import annotations
 
 import math
+import struct
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import zstandard
 
 from . import format as fmt
-from .backend import backend_for
+from . import ops
+from .backend import Backend, backend_for, upload
 from .format import PayloadError, view_as
 
 CODEC_ID = 10
 _FIELDS = 7  # per key: bags, ids, distinct, length base, length bits, gap bits, index bits
 _BAGS, _IDS, _DISTINCT, _LEN_BASE, _LEN_BITS, _GAP_BITS, _IDX_BITS = range(_FIELDS)
-_ZSTD, _WEIGHTS, _VALUES32, _LENGTHS64 = 1, 2, 4, 8  # flags in info[1]
+_ZSTD, _WEIGHTS, _VALUES32, _LENGTHS64 = 1, 2, 4, 8  # flags in info[1] (a stored payload: in its flags byte)
+_BAGS_VARY = 16  # a stored payload's flag: a bag count per key follows its header (else one for all)
 _INT_DTYPES = (torch.int32, torch.int64)
+
+# A stored payload: magic | version u8 (:data:`STORED_VERSION`) | codec id u8 | weights' dtype u8
+# | flags u8 (bit 0: the check is Adler-32, as the container's) | keys u32 | ids u32 | bags per
+# key u32 (0 where they vary) | check u32 (over every other byte, where the container has its)
+# | [bags u32 per key, padded to 8] | lengths | pad | ids | pad | weights | pad, as the sender's dtypes.
+STORED_VERSION = 2  # the version byte of a stored payload (a coded one is the container's, format.VERSION)
+# (the receiver tells the kinds apart by this byte: a bump of format.VERSION must move it too)
+_STORED = struct.Struct("<4sBBBBIIII")
+STORED_BYTES = _STORED.size
+_CHECK_AT = 20  # both kinds: the u32 check after the first 20 bytes
+_HEAD_READ = 4096  # bytes read per payload with its verdict when the caller gives no key count
+_BIG = 1 << 63
 
 
 KEY_BYTES = 4 * _FIELDS + 8  # per key: its plan (int32 words) and its first distinct id
@@ -83,7 +115,7 @@ class IdsPart:
     values: torch.Tensor
     bags_per_key: list[int]
     weights: torch.Tensor | None = None
-    plan: KeyPlans | None = None  # its keys' distinct ids as the decoder rebuilt them
+    plan: KeyPlans | None = None  # its keys' distinct ids as the decoder rebuilt them (a stored payload: none)
 
 
 def _key_plans(host: list[list[int]], distinct: torch.Tensor, index: torch.Tensor) -> KeyPlans:
@@ -92,58 +124,119 @@ def _key_plans(host: list[list[int]], distinct: torch.Tensor, index: torch.Tenso
     return KeyPlans([r[_IDS] for r in host], single, distinct, index)
 
 
-def bit_length(x: torch.Tensor) -> torch.Tensor:
-    """Bits needed for each int64 read as unsigned 64-bit (0 for 0, 64 for a negative)."""
-    powers = torch.ones(63, dtype=torch.int64, device=x.device).cumsum(0).sub_(1)  # 0..62
-    below = (x.unsqueeze(-1) >= torch.ones_like(powers).bitwise_left_shift(powers)).sum(-1)
-    return torch.where(x < 0, torch.full_like(below, 64), below)
+def stored_bytes(
+    bags_per_key: Sequence[int], ids: int, lengths_item: int, values_item: int, weights_item: int = 0
+) -> int:
+    """The bytes of a stored payload of these keys' bags, ``ids`` ids and the dtypes' item sizes
+    (``weights_item`` 0: no weights): the header, the bag counts where they vary, the tensors (each
+    aligned to its items: the wider first) and zeros to 8 bytes."""
+    vary = len(set(bags_per_key)) > 1
+    table = _pad8(4 * len(bags_per_key)) if vary else 0
+    return STORED_BYTES + table + _pad8(sum(bags_per_key) * lengths_item + ids * (values_item + weights_item))
 
 
-def _low_mask(bits: torch.Tensor) -> torch.Tensor:
-    """int64 with the low ``bits`` (0..64) set (64: all ones, as -1)."""
-    one = torch.ones_like(bits)
-    return torch.where(bits >= 64, -one, one.bitwise_left_shift(bits.clamp(max=63)) - 1)
+def _stored_order(items: Sequence[int]) -> list[int]:
+    """The order of a stored payload's tensors (lengths, ids, weights by their item sizes): the
+    wider first, so that each starts aligned to its items without padding between them."""
+    return sorted(range(len(items)), key=lambda i: -items[i])
 
 
-def _shift_right(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """Logical (unsigned) right shift of int64 ``x`` by ``s`` in 0..63."""
-    return x.bitwise_right_shift(s).bitwise_and_(_low_mask(64 - s))
+def _pad8(n: int) -> int:
+    return n + (-n % 8)
 
 
-def pack_bits(values: torch.Tensor, widths: torch.Tensor, total_bits: int) -> torch.Tensor:
-    """Concatenate the low ``widths[i]`` bits of each int64 ``values[i]`` (LSB first) into bytes:
-    each value lands in one or two 64-bit words (bits never overlap, so sums are ORs)."""
-    nbytes = -(-total_bits // 8)
-    words = torch.zeros(total_bits // 64 + 2, dtype=torch.int64, device=values.device)
-    if total_bits:
-        start = widths.cumsum(0) - widths
-        w, s = start.bitwise_right_shift(6), start.bitwise_and(63)
-        v = values.bitwise_and(_low_mask(widths))
-        spill = torch.where(s > 0, _shift_right(v, (64 - s).clamp(max=63)), torch.zeros_like(v))
-        words.index_add_(0, w, v.bitwise_left_shift(s)).index_add_(0, w + 1, spill)
-    return words.view(torch.uint8)[:nbytes]
+@dataclass
+class _Sorted:
+    """One encode's device work before its host read: every key's ids sorted by (key, id), and
+    per key the sizes the host reads (``stats``, a row each: ids less 2**63, ~min length, max
+    length, distinct ids up to the key's last, the largest gap with its top bit flipped, ~smallest
+    id; -2**63 where a key has no bags or no ids)."""
+
+    lens: torch.Tensor  # int64 [bags]
+    bag_key: torch.Tensor  # [bags]: each bag's key
+    key: torch.Tensor  # [ids] sorted: each sorted id's key
+    order: torch.Tensor  # [ids]: each sorted id's place in the batch
+    count: torch.Tensor  # [ids] sorted: distinct (key, id) pairs up to here, this one included
+    gap: torch.Tensor  # [ids] sorted: at each key's later distinct ids, the gap to the one before minus one; else 0
+    stats: torch.Tensor  # int64 [6, keys]
 
 
-def unpack_bits(data: torch.Tensor, widths: torch.Tensor, total_bits: int) -> torch.Tensor:
-    """Inverse of :func:`pack_bits`: ``widths.numel()`` int64 values (bit patterns, wrapping)."""
-    if total_bits == 0:
-        return torch.zeros(widths.numel(), dtype=torch.int64, device=data.device)
-    padded = torch.zeros((total_bits // 64 + 2) * 8, dtype=torch.uint8, device=data.device)
-    padded[: data.numel()] = data
-    words = padded.view(torch.int64)
-    start = widths.cumsum(0) - widths
-    w, s = start.bitwise_right_shift(6), start.bitwise_and(63)
-    high = torch.where(s > 0, words[w + 1].bitwise_left_shift((64 - s).clamp(max=63)), torch.zeros_like(s))
-    return (_shift_right(words[w], s) | high).bitwise_and_(_low_mask(widths))
+def _sort_by_key_and_id(lengths: torch.Tensor, values: torch.Tensor, bags_per_key: list[int]) -> _Sorted:
+    """Every key at once (segmented reductions over a sort by id, then a stable one by key)."""
+    dev = values.device
+    k, nb, ni = len(bags_per_key), lengths.numel(), values.numel()
+    bags = upload(torch.tensor(bags_per_key, dtype=torch.int64), dev)
+    bag_key = torch.repeat_interleave(bags, output_size=nb)
+    lens = lengths.to(torch.int64)
+    stats = torch.full((6, k), -_BIG, dtype=torch.int64, device=dev)  # (a row per figure: the CPU's fast layout)
+    ids = stats[0].index_add_(0, bag_key, lens)  # (from -2**63)
+    # the smallest length as the largest complement: one amax for both ends
+    spread = torch.stack([~lens, lens])
+    stats[1:3].scatter_reduce_(1, bag_key[None, :].expand(2, nb), spread, "amax")
+    id_key = torch.repeat_interleave(ids + _BIG, output_size=ni)  # a wrong length sum shows as a size error here
+    by_id, by_id_at = torch.sort(values.to(torch.int64), stable=True)
+    key, at = torch.sort(id_key[by_id_at], stable=True)
+    sv, order = by_id[at], by_id_at[at]
+    first = torch.empty(ni, dtype=torch.bool, device=dev)  # the first id of its key (in sorted order)
+    first[:1] = True
+    torch.ne(key[1:], key[:-1], out=first[1:])
+    step = torch.empty(ni, dtype=torch.int64, device=dev)  # (step[0] is never read: first[0] holds)
+    torch.sub(sv[1:], sv[:-1], out=step[1:])
+    moved = step != 0
+    count = (first | moved).cumsum(0)
+    gap = torch.add(step, moved, alpha=-1).masked_fill_(first, 0)  # wraps mod 2**64: a gap of 2**64-1 fits
+    # per key: distinct ids up to its last, the largest gap as unsigned (top bit flipped), the smallest id
+    tops = torch.stack([count, gap ^ -_BIG, ~sv])
+    stats[3:6].scatter_reduce_(1, key[None, :].expand(3, ni), tops, "amax")
+    return _Sorted(lens, bag_key, key, order, count, gap, stats)
 
 
-def _segments(counts: torch.Tensor, total: int) -> torch.Tensor:
-    """Segment index of each of ``total`` items, segment s holding ``counts[s]`` (no sync)."""
-    return torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts, output_size=total)
+def _plan_rows(stats: list[list[int]], bags_per_key: list[int]) -> tuple[list[list[int]], list[int]]:
+    """Each key's plan row (:data:`_FIELDS`) and first distinct id, from :class:`_Sorted`'s stats."""
+    rows, base, before = [], [], 0
+    for nbag, (total, low, high, upto, gap, least) in zip(bags_per_key, zip(*stats, strict=True), strict=True):
+        ids = total + _BIG
+        lo, hi = (~low, high) if nbag else (0, 0)
+        distinct = upto - before if ids else 0
+        before = upto if ids else before
+        gap_bits = (gap + _BIG).bit_length() if ids else 0
+        rows.append([nbag, ids, distinct, lo, (hi - lo).bit_length(), gap_bits, max(distinct - 1, 0).bit_length()])
+        base.append(~least if ids else 0)
+    return rows, base
 
 
-def _starts(counts: torch.Tensor) -> torch.Tensor:
-    return counts.cumsum(0) - counts
+def _stream_bits(rows: Sequence[Sequence[int]]) -> tuple[int, int, int]:
+    """Bits of the lengths, gaps and indices of these keys' stream."""
+    return (
+        sum(r[_BAGS] * r[_LEN_BITS] for r in rows),
+        sum(r[_DISTINCT] * r[_GAP_BITS] for r in rows),
+        sum(r[_IDS] * r[_IDX_BITS] for r in rows),
+    )
+
+
+def _u32(values: Sequence[int]) -> bytes:
+    """Little-endian u32 words (as the int32 tensor the plan was: wrapping)."""
+    return struct.pack(f"<{len(values)}I", *(v & 0xFFFFFFFF for v in values))
+
+
+def _i64(values: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(values)}q", *values)
+
+
+@dataclass
+class _Dest:
+    """One destination's share and how it travels."""
+
+    keys: range
+    bags: range  # its bags in the batch
+    ids: range  # its ids in the batch
+    rows: list[list[int]]  # its keys' plan rows
+    total: int  # bits of its stream
+    word: int  # where its stream starts in the packed words
+    stored: bool = False
+    head: bytes = b""  # its bytes before the device's: the container's header, plan and first ids, or the stored header
+    bits: bytes | None = None  # its bits zstd-coded (host payloads), if smaller
+    size: int = 0
 
 
 class IdsCodec:
@@ -181,118 +274,91 @@ class IdsCodec:
         weights: torch.Tensor | None = None,
         keys_per_dest: list[int] | None = None,
     ) -> tuple[list[torch.Tensor], KeyPlans]:
-        """:meth:`encode`'s payloads, and every key's distinct ids as it computed them."""
+        """:meth:`encode`'s payloads, and every key's distinct ids as it computed them. The
+        payloads are views of one buffer (every destination's, framed and checked at once)."""
         _check_inputs(lengths, values, bags_per_key, weights)
-        dev = values.device
+        bags_per_key = list(bags_per_key)
         keys_per_dest = [len(bags_per_key)] if keys_per_dest is None else list(keys_per_dest)
         if sum(keys_per_dest) != len(bags_per_key):
             raise ValueError(
                 f"keys_per_dest {keys_per_dest} sums to {sum(keys_per_dest)}, not {len(bags_per_key)} keys"
             )
-        k = len(bags_per_key)
-        bags = torch.tensor(bags_per_key, dtype=torch.int64, device=dev)
-        n_bags, n_ids = lengths.numel(), values.numel()
-        lens = lengths.to(torch.int64)
-        bag_key = _segments(bags, n_bags)
-        ids_per_key = torch.zeros(k, dtype=torch.int64, device=dev).index_add_(0, bag_key, lens)
-        big = torch.iinfo(torch.int64).max
-        lo = torch.full((k,), big, dtype=torch.int64, device=dev).scatter_reduce_(0, bag_key, lens, "amin")
-        hi = torch.zeros(k, dtype=torch.int64, device=dev).scatter_reduce_(0, bag_key, lens, "amax")
-        lo = torch.where(bags > 0, lo, torch.zeros_like(lo))
-        id_key = _segments(ids_per_key, n_ids)  # a wrong length sum shows as a size error here
-        # sort by (key, id): stable sort by id, then by key
-        vals = values.to(torch.int64)
-        by_id = torch.sort(vals, stable=True).indices
-        order = by_id[torch.sort(id_key[by_id], stable=True).indices]
-        sv, sk = vals[order], id_key[order]
-        new = torch.ones(n_ids, dtype=torch.bool, device=dev)
-        new[1:] = (sv[1:] != sv[:-1]) | (sk[1:] != sk[:-1])
-        rank = new.to(torch.int64).cumsum(0) - 1  # global distinct index of each sorted id
-        distinct = torch.zeros(k, dtype=torch.int64, device=dev).index_add_(0, sk, new.to(torch.int64))
-        first = _starts(distinct)
-        inverse = torch.empty(n_ids, dtype=torch.int64, device=dev)
-        inverse[order] = rank - first[sk]
-        uniq = torch.zeros(n_ids, dtype=torch.int64, device=dev).scatter_(0, rank, sv)  # first D_total used
-        uniq_key = torch.zeros(n_ids, dtype=torch.int64, device=dev).scatter_(0, rank, sk)
-        gaps = uniq - torch.cat([uniq[:1], uniq[:-1]]) - 1  # wraps mod 2**64: a gap of 2**64-1 fits
-        keep = (torch.arange(n_ids, device=dev) < distinct.sum()) & ~_firsts(first, distinct, n_ids)
-        gaps = torch.where(keep, gaps, torch.zeros_like(gaps))
-        gap_max = torch.zeros(k, dtype=torch.int64, device=dev)
-        if n_ids:  # unsigned max: a gap with its top bit set (negative as int64) needs all 64 bits
-            neg = gaps < 0
-            gap_max = gap_max.scatter_reduce_(0, uniq_key, torch.where(neg, 0, gaps), "amax")
-            any_neg = torch.zeros(k, dtype=torch.int64, device=dev).scatter_reduce_(0, uniq_key, neg.long(), "amax")
-            gap_max = torch.where(any_neg > 0, torch.full_like(gap_max, -1), gap_max)  # bit_length(-1) = 64
-        base = torch.zeros(k, dtype=torch.int64, device=dev)
-        if n_ids:
-            base = torch.where(distinct > 0, uniq[first.clamp(max=n_ids - 1)], base)
-        plan = torch.stack(
-            [
-                bags,
-                ids_per_key,
-                distinct,
-                lo,
-                bit_length(hi - lo),
-                bit_length(gap_max),
-                bit_length((distinct - 1).clamp(min=0)),
-            ],
-            1,
-        )
-        host = plan.tolist()  # the one host synchronisation: every size below comes from it
-        out, key0, id0, bag0, uniq0 = [], 0, 0, 0, 0
-        for nk in keys_per_dest:
-            rows = host[key0 : key0 + nk]
-            nb, ni, nd = (sum(r[f] for r in rows) for f in (_BAGS, _IDS, _DISTINCT))
-            part_plan = plan[key0 : key0 + nk]
-            bits_plan = [(r[_BAGS], r[_LEN_BITS], r[_DISTINCT], r[_GAP_BITS], r[_IDS], r[_IDX_BITS]) for r in rows]
-            stream_vals = torch.cat(
+        lengths, values = lengths.contiguous(), values.contiguous()
+        weights = None if weights is None else weights.contiguous()
+        dev = values.device
+        b = backend_for(dev, self.backend)
+        s = _sort_by_key_and_id(lengths, values, bags_per_key)
+        rows, base = _plan_rows(s.stats.tolist(), bags_per_key)  # the one host synchronisation
+        dests = _destinations(rows, keys_per_dest)
+        zstd = self.entropy and b.on_host and dev.type == "cpu"  # the bits' sizes known after packing
+        if not zstd:
+            for d in dests:
+                self._head(d, base, lengths, values, weights, b)
+        table = _pack_table(rows, dests)
+        heads = b"".join(d.head for d in dests)
+        up = upload(torch.frombuffer(bytearray(table + heads + bytes(8)), dtype=torch.uint8), dev)
+        k, n_words = len(rows), sum(-(-d.total // 64) for d in dests)
+        t = up[: 64 * k].view(torch.int64).view(k, 8)
+        distinct = up[64 * k : 72 * k].view(torch.int64)
+        # each field's value and first bit: bags by length, sorted ids by their distinct id's gap
+        # and by their own index (an id that repeats the one before adds nothing: 0 at its gap's place)
+        by_bag = t[:, 0:3].index_select(0, s.bag_key)
+        by_id = t[:, 3:8].index_select(0, s.key)
+        index = s.count - by_id[:, 4]
+        packed = ops.bits_pack(
+            torch.cat([s.lens - by_bag[:, 0], s.gap, index]),
+            torch.cat(
                 [
-                    lens[bag0 : bag0 + nb]
-                    - lo[key0 : key0 + nk].repeat_interleave(part_plan[:, _BAGS], output_size=nb),
-                    gaps[uniq0 : uniq0 + nd],
-                    inverse[id0 : id0 + ni],
+                    torch.addcmul(by_bag[:, 1], torch.arange(s.lens.numel(), device=dev), by_bag[:, 2]),
+                    torch.addcmul(by_id[:, 0], s.count, by_id[:, 1]),
+                    torch.addcmul(by_id[:, 2], s.order, by_id[:, 3]),
                 ]
+            ),
+            n_words,
+        ).view(torch.uint8)
+        inverse = torch.empty_like(index).index_put_((s.order,), index)
+        if zstd:
+            host = packed.numpy()
+            for d in dests:
+                n = -(-d.total // 8)
+                if n > 64:
+                    frame = zstandard.ZstdCompressor(level=self.level).compress(host[8 * d.word : 8 * d.word + n])
+                    d.bits = frame if len(frame) < n else None
+                self._head(d, base, lengths, values, weights, b)
+        up_heads = up[72 * k :] if not zstd else None
+        pieces, at, spans = [], 0, []
+        for d in dests:
+            head = (
+                up_heads[at : at + len(d.head)]
+                if up_heads is not None
+                else torch.frombuffer(bytearray(d.head), dtype=torch.uint8)
             )
-            widths, total = _stream_widths(part_plan, bits_plan, nb, nd, ni)
-            out.append(
-                self._frame(
-                    nk,
-                    nb,
-                    part_plan.to(torch.int32),
-                    base[key0 : key0 + nk],
-                    pack_bits(stream_vals, widths, total),
-                    total,
-                    lengths.dtype,
-                    values.dtype,
-                    None if weights is None else weights[id0 : id0 + ni],
-                )
-            )
-            key0, id0, bag0, uniq0 = key0 + nk, id0 + ni, bag0 + nb, uniq0 + nd
-        return out, _key_plans(host, distinct, inverse)
+            at += len(d.head)
+            pieces += [head, *self._body(d, packed, lengths, values, weights, up[-8:])]
+            spans.append(d.size)
+        out = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.uint8, device=dev)
+        starts = [sum(spans[:i]) for i in range(len(spans))]
+        _seal(out, starts, spans, b)
+        payloads = [out[a : a + n] for a, n in zip(starts, spans, strict=True)]
+        return payloads, _key_plans(rows, distinct, inverse)
 
-    def _frame(
+    def _head(
         self,
-        nk: int,
-        nb: int,
-        plan32: torch.Tensor,
-        base: torch.Tensor,
-        bits: torch.Tensor,
-        total: int,
-        len_dtype: torch.dtype,
-        val_dtype: torch.dtype,
+        d: _Dest,
+        base: list[int],
+        lengths: torch.Tensor,
+        values: torch.Tensor,
         weights: torch.Tensor | None,
-    ) -> torch.Tensor:
-        flags = (_VALUES32 if val_dtype == torch.int32 else 0) | (_LENGTHS64 if len_dtype == torch.int64 else 0)
-        b = backend_for(bits.device, self.backend)
-        if self.entropy and b.on_host and bits.device.type == "cpu" and bits.numel() > 64:
-            frame = zstandard.ZstdCompressor(level=self.level).compress(bits.numpy())  # type: ignore[arg-type]
-            if len(frame) < bits.numel():
-                bits, flags = torch.frombuffer(bytearray(frame), dtype=torch.uint8), flags | _ZSTD
-        sections = [plan32, base, bits]
-        if weights is not None:
-            sections.append(weights.contiguous())
-            flags |= _WEIGHTS
+        b: Backend,
+    ) -> None:
+        """Choose how ``d`` travels (stored where coding saves nothing) and write its header."""
+        nk, nb, ni = len(d.keys), len(d.bags), len(d.ids)
+        witem = 0 if weights is None else weights.element_size()
+        flags = (_VALUES32 if values.dtype == torch.int32 else 0) | (_LENGTHS64 if lengths.dtype == torch.int64 else 0)
+        flags |= 0 if weights is None else _WEIGHTS
         wdt = weights.dtype if weights is not None else torch.float32
+        nbits = len(d.bits) if d.bits is not None else -(-d.total // 8)
+        sections = [4 * _FIELDS * nk, 8 * nk, nbits, *([ni * witem] if weights is not None else [])]
         header = fmt.Header(
             codec_id=CODEC_ID,
             dtype=wdt,
@@ -300,107 +366,444 @@ class IdsCodec:
             cols=0,
             widths=[],
             bounds=[],
-            info=[nk, flags, total & 0xFFFFFFFF, total >> 32],
+            info=[nk, flags | (_ZSTD if d.bits is not None else 0), d.total & 0xFFFFFFFF, d.total >> 32],
         )
-        return fmt.pack(header, sections, device=base.device, backend=b)
+        coded = fmt.header_bytes(header, sections, b.check)
+        coded_size = len(coded) + sum(_pad8(n) for n in sections)
+        bags = [r[_BAGS] for r in d.rows]
+        stored_size = stored_bytes(bags, ni, lengths.element_size(), values.element_size(), witem)
+        d.stored = stored_size <= coded_size
+        if d.stored:
+            vary = len(set(bags)) > 1
+            flags |= (_BAGS_VARY if vary else 0) | (fmt.ADLER32 if b.check == "adler32" else 0)
+            d.bits, d.size = None, stored_size
+            table = _u32(bags) + bytes(-4 * nk % 8) if vary else b""
+            one = 0 if vary or not bags else bags[0]
+            d.head = _STORED.pack(fmt.MAGIC, STORED_VERSION, CODEC_ID, fmt.DTYPES[wdt], flags, nk, ni, one, 0) + table
+        else:
+            plan = [v for r in d.rows for v in r]
+            keys = base[d.keys.start : d.keys.stop]
+            d.head = coded + _u32(plan) + bytes(-4 * len(plan) % 8) + _i64(keys)
+            d.size = coded_size
+
+    @staticmethod
+    def _body(
+        d: _Dest,
+        packed: torch.Tensor,
+        lengths: torch.Tensor,
+        values: torch.Tensor,
+        weights: torch.Tensor | None,
+        zeros: torch.Tensor,
+    ) -> list[torch.Tensor]:
+        """``d``'s bytes after its header, as views where the device holds them (``zeros``: 8 zero
+        bytes there, for the padding)."""
+
+        def padded(t: torch.Tensor) -> list[torch.Tensor]:
+            raw = t.view(torch.uint8)
+            return [raw, zeros[: -raw.numel() % 8]] if raw.numel() % 8 else [raw]
+
+        ids = slice(d.ids.start, d.ids.stop)
+        out = []
+        if d.stored:
+            tensors = [lengths[d.bags.start : d.bags.stop], values[ids], *([] if weights is None else [weights[ids]])]
+            raw = [tensors[i].view(torch.uint8) for i in _stored_order([t.element_size() for t in tensors])]
+            size = sum(r.numel() for r in raw)
+            out += [*raw, zeros[: -size % 8]]
+        else:
+            if d.bits is not None:
+                out += padded(torch.frombuffer(bytearray(d.bits), dtype=torch.uint8))
+            else:
+                out.append(packed[8 * d.word : 8 * (d.word + -(-d.total // 64))])
+            if weights is not None:
+                out += padded(weights[ids])
+        return [p for p in out if p.numel()]
 
     # -- decode --------------------------------------------------------------------------------
 
-    def decode(self, payload: torch.Tensor, what: str = "ids payload") -> IdsPart:
+    def decode(self, payload: torch.Tensor, what: str = "ids payload", keys: int | None = None) -> IdsPart:
         """Rebuild one destination's lengths, values (and weights), in the sender's dtypes."""
-        header, sections = fmt.unpack(payload, backend=backend_for(payload.device, self.backend))
-        if header.codec_id != CODEC_ID:
-            raise PayloadError(f"{what}: codec id {header.codec_id}, the ids codec is {CODEC_ID}")
-        nk, flags, lo_bits, hi_bits = header.info
-        total = lo_bits | (hi_bits << 32)
-        want = 4 if flags & _WEIGHTS else 3
-        if len(sections) != want:
-            raise PayloadError(f"{what}: {len(sections)} sections, flags say {want}")
-        plan32 = view_as(sections[0], torch.int32, f"{what} plan")
-        base = view_as(sections[1], torch.int64, f"{what} first ids")
-        if plan32.numel() != nk * _FIELDS or base.numel() != nk:
-            raise PayloadError(f"{what}: plan of {plan32.numel()} words and {base.numel()} first ids for {nk} keys")
-        plan = plan32.view(nk, _FIELDS).to(torch.int64)
-        host = plan.tolist()  # sizes of everything below
-        if any(min(r) < 0 for r in host) or any(r[f] > 64 for r in host for f in (_LEN_BITS, _GAP_BITS, _IDX_BITS)):
-            raise PayloadError(f"{what}: negative count or a width over 64 bits in the plan")
-        nb, ni, nd = (sum(r[f] for r in host) for f in (_BAGS, _IDS, _DISTINCT))
-        if nb != header.rows:
-            raise PayloadError(f"{what}: plan holds {nb} bags, header says {header.rows}")
-        if any((r[_DISTINCT] > r[_IDS]) or (r[_IDS] > 0) != (r[_DISTINCT] > 0) for r in host):
-            raise PayloadError(f"{what}: a key's distinct ids exceed (or miss) its ids")
-        bits_plan = [(r[_BAGS], r[_LEN_BITS], r[_DISTINCT], r[_GAP_BITS], r[_IDS], r[_IDX_BITS]) for r in host]
-        widths, need = _stream_widths(plan, bits_plan, nb, nd, ni)
-        if need != total:
-            raise PayloadError(f"{what}: plan needs {need} bits, header says {total}")
-        data = sections[2]
-        if flags & _ZSTD:
-            data = _unzstd(data, -(-total // 8), what)
-        if data.numel() != -(-total // 8):
-            raise PayloadError(f"{what}: {data.numel()} bytes of packed bits, plan needs {-(-total // 8)}")
-        stream = unpack_bits(data, widths, total)
-        dev = payload.device
-        bags, ids, distinct = plan[:, _BAGS], plan[:, _IDS], plan[:, _DISTINCT]
-        lens = stream[:nb] + plan[:, _LEN_BASE].repeat_interleave(bags, output_size=nb)
-        gaps, idx = stream[nb : nb + nd], stream[nb + nd :]
-        uniq_key = _segments(distinct, nd)
-        first = _starts(distinct)
-        steps = torch.where(_firsts(first, distinct, nd), torch.zeros_like(gaps), gaps + 1)
-        uniq = steps.cumsum(0)  # wraps mod 2**64, as the gaps did
-        if nd:
-            uniq = uniq - uniq[first[uniq_key]] + base[uniq_key]
-        id_key = _segments(ids, ni)
-        bag_key = _segments(bags, nb)
-        sums = torch.zeros(nk, dtype=torch.int64, device=dev).index_add_(0, bag_key, lens)
-        bad = (sums != ids).any()
-        if ni:
-            bad = bad | (idx >= distinct[id_key]).any()
-        if bool(bad):  # one check per payload: only an encoder bug passes the checksum and fails it
-            raise PayloadError(f"{what}: lengths do not sum to the ids, or an index past its key's distinct ids")
-        values = uniq[first[id_key] + idx] if ni else torch.zeros(0, dtype=torch.int64, device=dev)
-        weights = None
-        if flags & _WEIGHTS:
-            weights = view_as(sections[3], header.dtype, f"{what} weights")
-            if weights.numel() != ni:
-                raise PayloadError(f"{what}: {weights.numel()} weights for {ni} ids")
-        return IdsPart(
-            lengths=lens.to(torch.int64 if flags & _LENGTHS64 else torch.int32),
-            values=values.to(torch.int32 if flags & _VALUES32 else torch.int64),
-            bags_per_key=[r[_BAGS] for r in host],
-            weights=weights,
-            plan=_key_plans(host, distinct, idx),
+        return self.decode_all([payload], what, keys)[0]
+
+    def decode_all(
+        self, payloads: Sequence[torch.Tensor], what: str | Sequence[str] = "ids payload", keys: int | None = None
+    ) -> list[IdsPart]:
+        """:meth:`decode` of every payload of a collective at once (``what``: each one's name in
+        errors; ``keys``: the most keys one holds, if known, so that their plans come back with
+        the first read). Two host synchronisations for all of them: every head, plan and check's
+        verdict; then whether what they decode to is consistent."""
+        names = [what] * len(payloads) if isinstance(what, str) else list(what)
+        if len(names) != len(payloads):
+            raise ValueError(f"{len(names)} names for {len(payloads)} payloads")
+        if not payloads:
+            return []
+        for p, name in zip(payloads, names, strict=True):
+            if not isinstance(p, torch.Tensor) or p.dtype != torch.uint8 or p.dim() != 1:
+                raise PayloadError(f"{name}: payload must be a 1-D torch.uint8 tensor")
+            if p.numel() < STORED_BYTES:
+                raise PayloadError(
+                    f"{name}: payload of {p.numel()} bytes is shorter than the {STORED_BYTES}-byte prefix "
+                    "(truncated or not a dlrm-compress payload)"
+                )
+        dev = payloads[0].device
+        if any(p.device != dev for p in payloads):
+            raise ValueError("payloads on several devices")
+        b = backend_for(dev, self.backend)
+        buf, starts = _joined(payloads)
+        sizes = [p.numel() for p in payloads]
+        read = _HEAD_READ if keys is None else fmt.head_bytes(0, 4) + _pad8(4 * _FIELDS * keys) + 8 * keys
+        heads = _read_heads(buf, starts, sizes, read, b)
+        parsed: list[_Stored | _Coded] = []
+        for p, (data, good), name in zip(payloads, heads, names, strict=True):
+            try:
+                if data[:4] == fmt.MAGIC and data[4] not in (fmt.VERSION, STORED_VERSION):
+                    raise PayloadError(
+                        f"payload format version {data[4]}: the ids codec reads versions {fmt.VERSION} "
+                        f"(coded) and {STORED_VERSION} (stored); the sender runs another release"
+                    )
+                if data[:4] == fmt.MAGIC and data[4] == STORED_VERSION:
+                    parsed.append(_parse_stored(p, data, good))
+                else:
+                    parsed.append(_parse_coded(p, data, good, b))
+            except PayloadError as e:
+                raise PayloadError(str(e) if name in str(e) else f"{name}: {e}") from None
+        coded = [(i, c) for i, c in enumerate(parsed) if isinstance(c, _Coded)]
+        decoded = _decode_coded(buf, [starts[i] for i, _ in coded], [c for _, c in coded], [names[i] for i, _ in coded])
+        out: list[IdsPart | None] = [None] * len(payloads)
+        for (i, _), part in zip(coded, decoded, strict=True):
+            out[i] = part
+        for i, c in enumerate(parsed):
+            if isinstance(c, _Stored):
+                out[i] = c.part
+        return [p for p in out if p is not None]
+
+
+# -- encode's layout ------------------------------------------------------------------------------
+
+
+def _destinations(rows: list[list[int]], keys_per_dest: list[int]) -> list[_Dest]:
+    """Each destination's keys, bags, ids and bits, its stream word-aligned in the packed words."""
+    dests, key0, bag0, id0, word = [], 0, 0, 0, 0
+    for nk in keys_per_dest:
+        mine = rows[key0 : key0 + nk]
+        nb, ni = sum(r[_BAGS] for r in mine), sum(r[_IDS] for r in mine)
+        total = sum(_stream_bits(mine))
+        dests.append(_Dest(range(key0, key0 + nk), range(bag0, bag0 + nb), range(id0, id0 + ni), mine, total, word))
+        key0, bag0, id0, word = key0 + nk, bag0 + nb, id0 + ni, word - (-total // 64)
+    return dests
+
+
+def _pack_table(rows: list[list[int]], dests: list[_Dest]) -> bytes:
+    """Per key, where its fields go (int64 [keys, 8]: lowest length, bags' first bit and width,
+    distinct ids' first bit and width, ids' first bit and width, its first distinct id's count),
+    then each key's distinct ids (int64 [keys]). A field's first bit is its key's, less the
+    width times the ordinal its first element has in the device's arrays (the bag, the count of
+    distinct ids so far, the id), so that first bit + ordinal x width places every element."""
+    table: list[int] = []
+    bag0 = id0 = seen = 0
+    for d in dests:
+        at = 64 * d.word
+        len_bits, gap_bits, _ = _stream_bits(d.rows)
+        lens_at, gaps_at, idx_at = at, at + len_bits, at + len_bits + gap_bits
+        for r in d.rows:
+            lb, gb, ib = r[_LEN_BITS], r[_GAP_BITS], r[_IDX_BITS]
+            table += [r[_LEN_BASE], lens_at - bag0 * lb, lb, gaps_at - (seen + 1) * gb, gb, idx_at - id0 * ib, ib]
+            table.append(seen + 1)
+            lens_at, gaps_at, idx_at = lens_at + r[_BAGS] * lb, gaps_at + r[_DISTINCT] * gb, idx_at + r[_IDS] * ib
+            bag0, id0, seen = bag0 + r[_BAGS], id0 + r[_IDS], seen + r[_DISTINCT]
+    return _i64(table) + _i64([r[_DISTINCT] for r in rows])
+
+
+def _seal(out: torch.Tensor, starts: list[int], sizes: list[int], b: Backend) -> None:
+    """Every payload's check written in place: Adler-32 on the device, all in one op; crc32 on the host."""
+    if not starts:
+        return
+    if b.check == "adler32":
+        ops.adler32_segments_seal_(out, starts, sizes, _CHECK_AT, 4, _CHECK_AT)
+        return
+    host = out.cpu().numpy() if out.device.type != "cpu" else out.numpy()
+    checks = [_crc32(host[a : a + n]) for a, n in zip(starts, sizes, strict=True)]
+    if out.device.type == "cpu":
+        for a, c in zip(starts, checks, strict=True):
+            host[a + _CHECK_AT : a + _CHECK_AT + 4] = list(struct.pack("<I", c))
+    else:
+        for a, c in zip(starts, checks, strict=True):
+            out[a + _CHECK_AT : a + _CHECK_AT + 4] = torch.frombuffer(
+                bytearray(struct.pack("<I", c)), dtype=torch.uint8
+            )
+
+
+def _crc32(payload: Any) -> int:
+    """zlib's crc32 of a payload's bytes but its check field (a uint8 numpy array)."""
+    return zlib.crc32(payload[_CHECK_AT + 4 :], zlib.crc32(payload[:_CHECK_AT]))
+
+
+# -- decode ---------------------------------------------------------------------------------------
+
+
+def _joined(payloads: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """One buffer holding every payload, and where each starts: a view where they already lie in
+    one tensor's memory (a received buffer split per source), else their concatenation."""
+    if len(payloads) == 1:
+        return payloads[0], [0]
+    storage = payloads[0].untyped_storage().data_ptr()
+    if all(p.is_contiguous() and p.untyped_storage().data_ptr() == storage for p in payloads):
+        at = [int(p.storage_offset()) for p in payloads]
+        lo, hi = min(at), max(a + p.numel() for a, p in zip(at, payloads, strict=True))
+        return payloads[0].as_strided((hi - lo,), (1,), lo), [a - lo for a in at]
+    sizes = [p.numel() for p in payloads]
+    return torch.cat(list(payloads)), [sum(sizes[:i]) for i in range(len(sizes))]
+
+
+def _read_heads(
+    buf: torch.Tensor, starts: list[int], sizes: list[int], read: int, b: Backend
+) -> list[tuple[bytes, bool | None]]:
+    """Each payload's first ``read`` bytes and, where the device checks, its Adler-32 verdict
+    (None: the host checks later), in one host synchronisation for all."""
+    n = [min(s, read) for s in sizes]
+    pieces = [buf[a : a + k] for a, k in zip(starts, n, strict=True)]
+    verdicts = None
+    if b.check == "adler32":
+        verdicts = ops.adler32_segments_holds(buf, starts, sizes, _CHECK_AT, 4, _CHECK_AT)
+        pieces.append(verdicts.view(torch.uint8))
+    if buf.device.type == "cpu" and verdicts is None:
+        host = buf.numpy()
+        return [(host[a : a + k].tobytes(), None) for a, k in zip(starts, n, strict=True)]
+    data = torch.cat(pieces).cpu().numpy().tobytes()
+    out, at = [], 0
+    good = struct.unpack_from(f"<{len(n)}q", data, sum(n)) if verdicts is not None else [None] * len(n)
+    for k, g in zip(n, good, strict=True):
+        out.append((data[at : at + k], None if g is None else g == 1))
+        at += k
+    return out
+
+
+def _verdict(payload: torch.Tensor, flags: int, good: bool | None) -> bool:
+    """Whether a payload's check holds: the device's verdict, else computed here."""
+    if flags & fmt.ADLER32:
+        if good is not None:
+            return good
+        return bool(ops.adler32_holds(payload, None, payload.numel(), _CHECK_AT, 4, _CHECK_AT))
+    raw = payload.cpu().numpy() if payload.device.type != "cpu" else payload.numpy()
+    return _crc32(raw) == int.from_bytes(raw[_CHECK_AT : _CHECK_AT + 4].tobytes(), "little")
+
+
+@dataclass
+class _Stored:
+    part: IdsPart
+
+
+def _parse_stored(payload: torch.Tensor, data: bytes, good: bool | None) -> _Stored:
+    """A stored payload's tensors, as views of its bytes: its size from its header first, then
+    its check, then what the check covers."""
+    _, _, codec, dtype_code, flags, nk, ni, one, _ = _STORED.unpack_from(data)
+    size = payload.numel()
+    vary = bool(flags & _BAGS_VARY)
+    at = STORED_BYTES + (_pad8(4 * nk) if vary else 0)
+    if at > size:
+        raise PayloadError(f"stored payload of {size} bytes cannot hold the bag counts of {nk} keys (truncated)")
+    if vary:
+        table = data if at <= len(data) else payload[:at].cpu().numpy().tobytes()
+        nb = sum(struct.unpack_from(f"<{nk}I", table, STORED_BYTES))
+    else:
+        nb = one * nk
+    litem, vitem = 8 if flags & _LENGTHS64 else 4, 4 if flags & _VALUES32 else 8
+    wdt = fmt._DTYPE_OF.get(dtype_code, torch.float32)
+    witem = wdt.itemsize if flags & _WEIGHTS else 0
+    sizes = (nb * litem, ni * vitem, ni * witem)
+    want = at + _pad8(sum(sizes))
+    if want != size:
+        raise PayloadError(
+            f"stored payload is {size} bytes but its header says {want} "
+            f"({'truncated' if size < want else 'trailing bytes'})"
         )
+    if not _verdict(payload, flags, good):
+        raise PayloadError(
+            f"checksum mismatch ({'adler32' if flags & fmt.ADLER32 else 'crc32'}): the payload is corrupted"
+        )
+    # The check covers everything below, so what follows only guards against encoder bugs.
+    if codec != CODEC_ID:
+        raise PayloadError(f"codec id {codec}, the ids codec is {CODEC_ID}")
+    if dtype_code not in fmt._DTYPE_OF:
+        raise PayloadError(f"unknown dtype code {dtype_code} in header")
+    bags = list(struct.unpack_from(f"<{nk}I", table, STORED_BYTES)) if vary else [one] * nk
+    dtypes = (torch.int64 if litem == 8 else torch.int32, torch.int32 if vitem == 4 else torch.int64, wdt)
+    parts: list[torch.Tensor | None] = [None, None, None]
+    for i in _stored_order((litem, vitem, witem or 1)):  # (no weights: an empty last one)
+        n = sizes[i]
+        parts[i] = view_as(payload[at : at + n], dtypes[i], ("stored lengths", "stored ids", "stored weights")[i])
+        at += n
+    assert parts[0] is not None and parts[1] is not None
+    weights = parts[2] if flags & _WEIGHTS else None
+    return _Stored(IdsPart(lengths=parts[0], values=parts[1], bags_per_key=bags, weights=weights, plan=None))
 
 
-def _firsts(first: torch.Tensor, distinct: torch.Tensor, n: int) -> torch.Tensor:
-    """Mask of the n positions where a key's distinct ids begin (keys without ids mark nothing)."""
-    if n == 0:
-        return torch.zeros(0, dtype=torch.bool, device=first.device)
-    marks = torch.zeros(n, dtype=torch.int64, device=first.device)
-    return marks.scatter_reduce_(0, first.clamp(max=n - 1), (distinct > 0).to(torch.int64), "amax").bool()
+@dataclass
+class _Coded:
+    """A coded payload as its header and plan say, before its stream is unpacked."""
+
+    header: fmt.Header
+    sections: list[torch.Tensor]
+    flags: int
+    total: int
+    rows: list[list[int]]
+    base: list[int]
+    bits: torch.Tensor | None = None  # its packed bits where zstd coded them (decoded here)
 
 
-def _stream_widths(
-    plan: torch.Tensor, bits_plan: Sequence[Sequence[int]], nb: int, nd: int, ni: int
-) -> tuple[torch.Tensor, int]:
-    """Per-element bit widths of one payload's stream (lengths | gaps | indices) and their sum."""
-    total = sum(b * lb + d * gb + i * ib for b, lb, d, gb, i, ib in bits_plan)
-    widths = torch.cat(
-        [
-            plan[:, _LEN_BITS].repeat_interleave(plan[:, _BAGS], output_size=nb),
-            plan[:, _GAP_BITS].repeat_interleave(plan[:, _DISTINCT], output_size=nd),
-            plan[:, _IDX_BITS].repeat_interleave(plan[:, _IDS], output_size=ni),
-        ]
-    ).to(torch.int64)
-    return widths, total
+def _parse_coded(payload: torch.Tensor, data: bytes, good: bool | None, b: Backend) -> _Coded:
+    """A coded payload's header (checked) and plan, read from the host's bytes where they came
+    with the head (else read here)."""
+    if good is None and len(data) >= 8 and data[7] & fmt.ADLER32:
+        good = _verdict(payload, data[7], None)
+    if good is None:
+        header, sections = fmt.unpack(payload, backend=b)  # crc32: on the host
+    else:
+        header, sections = fmt.unpack(payload, read=fmt.HostHead(data, good, []), backend=b)
+    if header.codec_id != CODEC_ID:
+        raise PayloadError(f"codec id {header.codec_id}, the ids codec is {CODEC_ID}")
+    nk, flags, lo_bits, hi_bits = header.info
+    total = lo_bits | (hi_bits << 32)
+    want = 4 if flags & _WEIGHTS else 3
+    if len(sections) != want:
+        raise PayloadError(f"{len(sections)} sections, flags say {want}")
+    if sections[0].numel() != 4 * _FIELDS * nk or sections[1].numel() != 8 * nk:
+        raise PayloadError(f"plan of {sections[0].numel()} bytes and {sections[1].numel()} of first ids for {nk} keys")
+    head = fmt.HostHead(data, True, [])
+    plan_bytes = head.section(header, 0, 4 * _FIELDS * nk)
+    base_bytes = head.section(header, 1, 8 * nk)
+    if plan_bytes is None or base_bytes is None:  # beyond the first read (many keys): read them now
+        plan_bytes = sections[0].cpu().numpy().tobytes()
+        base_bytes = sections[1].cpu().numpy().tobytes()
+    plan = struct.unpack(f"<{_FIELDS * nk}i", plan_bytes)
+    rows = [list(plan[_FIELDS * j : _FIELDS * (j + 1)]) for j in range(nk)]
+    base = list(struct.unpack(f"<{nk}q", base_bytes))
+    if any(min(r) < 0 for r in rows) or any(r[f] > 64 for r in rows for f in (_LEN_BITS, _GAP_BITS, _IDX_BITS)):
+        raise PayloadError("negative count or a width over 64 bits in the plan")
+    if sum(r[_BAGS] for r in rows) != header.rows:
+        raise PayloadError(f"plan holds {sum(r[_BAGS] for r in rows)} bags, header says {header.rows}")
+    if any((r[_DISTINCT] > r[_IDS]) or (r[_IDS] > 0) != (r[_DISTINCT] > 0) for r in rows):
+        raise PayloadError("a key's distinct ids exceed (or miss) its ids")
+    need = sum(_stream_bits(rows))
+    if need != total:
+        raise PayloadError(f"plan needs {need} bits, header says {total}")
+    bits = None
+    if flags & _ZSTD:
+        bits = _unzstd(sections[2], -(-total // 8))
+    n = sections[2].numel() if bits is None else bits.numel()
+    if n != -(-total // 8):
+        raise PayloadError(f"{n} bytes of packed bits, plan needs {-(-total // 8)}")
+    ni = sum(r[_IDS] for r in rows)
+    if flags & _WEIGHTS and sections[3].numel() != ni * header.dtype.itemsize:
+        raise PayloadError(f"{sections[3].numel()} bytes of weights for {ni} ids")
+    return _Coded(header, sections, flags, total, rows, base, bits)
 
 
-def _unzstd(section: torch.Tensor, n: int, what: str) -> torch.Tensor:
+def _decode_coded(buf: torch.Tensor, starts: list[int], coded: list[_Coded], names: list[str]) -> list[IdsPart]:
+    """Every coded payload's stream unpacked and rebuilt at once: one table of every key's
+    fields (lengths, gaps, indices: where each starts, its width, what it adds), one unpack."""
+    if not coded:
+        return []
+    dev = buf.device
+    words, bit0 = _words(buf, starts, coded)
+    rows = [r for c in coded for r in c.rows]
+    k = len(rows)
+    nl, nd, ni = (sum(r[f] for r in rows) for f in (_BAGS, _DISTINCT, _IDS))
+    table: list[list[list[int]]] = [[], [], []]  # per section: per key [first bit, width, addend, other]
+    bag0 = dist0 = id0 = 0
+    for c, at in zip(coded, bit0, strict=True):
+        len_bits, gap_bits, _ = _stream_bits(c.rows)
+        lens_at, gaps_at, idx_at = at, at + len_bits, at + len_bits + gap_bits
+        for r, first in zip(c.rows, c.base, strict=True):
+            lb, gb, ib = r[_LEN_BITS], r[_GAP_BITS], r[_IDX_BITS]
+            table[0].append([lens_at - bag0 * lb, lb, r[_LEN_BASE], 0])
+            table[1].append([gaps_at - (nl + dist0) * gb, gb, first, dist0])
+            table[2].append([idx_at - (nl + nd + id0) * ib, ib, dist0, r[_DISTINCT]])
+            lens_at, gaps_at, idx_at = lens_at + r[_BAGS] * lb, gaps_at + r[_DISTINCT] * gb, idx_at + r[_IDS] * ib
+            bag0, dist0, id0 = bag0 + r[_BAGS], dist0 + r[_DISTINCT], id0 + r[_IDS]
+    counts = [r[_BAGS] for r in rows] + [r[_DISTINCT] for r in rows] + [r[_IDS] for r in rows]
+    flat = [v for section in table for row in section for v in row]
+    blob = _i64([*flat, *counts, *(r[_IDS] for r in rows), 0])  # (never empty)
+    up = upload(torch.frombuffer(bytearray(blob), dtype=torch.int64), dev)
+    t, counts_t, ids_t = up[: 12 * k].view(3 * k, 4), up[12 * k : 15 * k], up[15 * k : 16 * k]
+    n = nl + nd + ni
+    seg = torch.repeat_interleave(counts_t, output_size=n)
+    field = t.index_select(0, seg)
+    first_bit = torch.addcmul(field[:, 0], torch.arange(n, device=dev), field[:, 1])
+    stream = ops.bits_unpack(words, first_bit, field[:, 1])
+    lens = stream[:nl] + field[:nl, 2]
+    gaps, idx = slice(nl, nl + nd), slice(nl + nd, n)
+    steps = (stream[gaps] + 1).cumsum(0)  # wraps mod 2**64, as the gaps did
+    uniq = steps - steps[field[gaps, 3]] + field[gaps, 2]  # each key's from its first distinct id
+    sums = torch.zeros(k, dtype=torch.int64, device=dev).index_add_(0, seg[:nl], lens)
+    bad = torch.cat([sums != ids_t, (stream[idx] >= field[idx, 3]).any().view(1)]).tolist()
+    if any(bad):  # one check for the collective: only an encoder bug passes the checksum and fails it
+        ends = [sum(len(c.rows) for c in coded[: i + 1]) for i in range(len(coded))]
+        culprits = [name for name, e, c in zip(names, ends, coded, strict=True) if any(bad[e - len(c.rows) : e])]
+        raise PayloadError(
+            f"{', '.join(culprits or names)}: lengths do not sum to the ids, or an index past its key's distinct ids"
+        )
+    values = uniq[stream[idx] + field[idx, 2]]
+    lens_out = _as_dtypes(lens, coded, lambda c: c.flags & _LENGTHS64, _BAGS)
+    vals_out = _as_dtypes(values, coded, lambda c: not c.flags & _VALUES32, _IDS)
+    out, key0, bag0, id0 = [], 0, 0, 0
+    for c, lens_c, vals_c in zip(coded, lens_out, vals_out, strict=True):
+        nk, ni_c = len(c.rows), sum(r[_IDS] for r in c.rows)
+        weights = view_as(c.sections[3], c.header.dtype, "weights") if c.flags & _WEIGHTS else None
+        distinct = t[2 * k + key0 : 2 * k + key0 + nk, 3]
+        out.append(
+            IdsPart(
+                lengths=lens_c,
+                values=vals_c,
+                bags_per_key=[r[_BAGS] for r in c.rows],
+                weights=weights,
+                plan=_key_plans(c.rows, distinct, stream[nl + nd + id0 : nl + nd + id0 + ni_c]),
+            )
+        )
+        key0, id0 = key0 + nk, id0 + ni_c
+    return out
+
+
+def _as_dtypes(x: torch.Tensor, coded: list[_Coded], wide: Any, field: int) -> list[torch.Tensor]:
+    """``x`` (int64, payload after payload) split per payload, each in its sender's dtype (int64
+    where ``wide(payload)``): one cast where they agree."""
+    dtypes = [torch.int64 if wide(c) else torch.int32 for c in coded]
+    sizes = [sum(r[field] for r in c.rows) for c in coded]
+    if len(set(dtypes)) == 1:
+        return list(torch.split(x.to(dtypes[0]), sizes))
+    return [part.to(dt) for part, dt in zip(torch.split(x, sizes), dtypes, strict=True)]
+
+
+def _words(buf: torch.Tensor, starts: list[int], coded: list[_Coded]) -> tuple[torch.Tensor, list[int]]:
+    """The coded payloads' packed bits as int64 words, and the bit each payload's stream starts
+    at: the buffer itself where every stream starts at a word of it, else their concatenation."""
+    at = [a + c.header.offsets[2] for a, c in zip(starts, coded, strict=True)]
+    if (
+        all(c.bits is None for c in coded)
+        and buf.data_ptr() % 8 == 0
+        and buf.numel() % 8 == 0
+        and all(a % 8 == 0 for a in at)
+    ):
+        return buf.view(torch.int64), [8 * a for a in at]
+    pieces, bit0, n = [], [], 0
+    for c in coded:
+        bits = c.bits if c.bits is not None else c.sections[2]
+        size = _pad8(bits.numel())
+        if c.bits is None:  # (the section's padding follows it in the payload)
+            bits = c.sections[2].as_strided((size,), (1,), c.sections[2].storage_offset())
+        elif size != bits.numel():
+            bits = torch.cat([bits, bits.new_zeros(size - bits.numel())])
+        pieces.append(bits)
+        bit0.append(8 * n)
+        n += size
+    return torch.cat(pieces).view(torch.int64) if pieces else buf.new_zeros(0, dtype=torch.int64), bit0
+
+
+def _unzstd(section: torch.Tensor, n: int) -> torch.Tensor:
     try:
         raw = zstandard.ZstdDecompressor().decompress(section.cpu().numpy(), max_output_size=n)  # type: ignore[arg-type]
     except zstandard.ZstdError as e:
-        raise PayloadError(f"{what}: zstd frame does not decode ({e})") from None
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(section.device)
+        raise PayloadError(f"zstd frame does not decode ({e})") from None
+    return upload(torch.frombuffer(bytearray(raw), dtype=torch.uint8), section.device)
 
 
 def _check_inputs(lengths: torch.Tensor, values: torch.Tensor, bags: list[int], weights: torch.Tensor | None) -> None:

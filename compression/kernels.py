@@ -9,6 +9,10 @@ Exclusive prefix sums of the group widths are ``torch.cumsum`` between launches.
 
 On a CPU tensor these run only under ``TRITON_INTERPRET=1`` (set before triton is imported).
 Tile sizes are constexpr so tests can use big tiles (few interpreted programs) and GPUs their own.
+
+Over 500 lines because every kernel of the CUDA path lives here beside the rules above, each
+mirroring the function of the same name in ``reference.py``, so one file holds what must stay
+bit-identical to it.
 """
 
 from __future__ import annotations
@@ -1007,6 +1011,154 @@ def cast_unpack(
         HAS_END=False, MODE=ADLER_HOLDS, CHUNK=1024, **_LAUNCH,
     )  # fmt: skip
     return verdict
+
+
+# -- bit streams and several payloads' checks (the ids codec) ---------------------------------------
+
+BITS_BLOCK = 1024  # values per program of the bit-stream kernels
+
+
+@triton.jit
+def bits_pack_kernel(values_ptr, v_stride, starts_ptr, s_stride, n, words_ptr, n_words, BLOCK: tl.constexpr):
+    """Each value ORed into the word its start falls in and, past its end, the next (two atomic
+    ORs: fields never overlap, so the order does not matter); zeros are not written. Shifts stay
+    in [0, 63]."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = i < n
+    v = tl.load(values_ptr + i * v_stride, mask=live, other=0).to(tl.int64)
+    s = tl.load(starts_ptr + i * s_stride, mask=live, other=0).to(tl.int64)
+    w = s >> 6
+    b = s & 63
+    low = v << b
+    spill = tl.where(b > 0, ((v >> 1) & 0x7FFFFFFFFFFFFFFF) >> tl.where(b > 0, 63 - b, 0), 0)  # logical shift
+    tl.atomic_or(words_ptr + w, low, mask=live & (low != 0) & (w < n_words))
+    tl.atomic_or(words_ptr + w + 1, spill, mask=live & (spill != 0) & (w + 1 < n_words))
+
+
+@triton.jit
+def bits_unpack_kernel(
+    words_ptr, n_words, starts_ptr, s_stride, widths_ptr, w_stride, n, out_ptr, BLOCK: tl.constexpr
+):  # fmt: skip
+    """Each value's bits from its word and the next, masked to its width (0..64); words past the
+    end read as zeros. Shifts stay in [0, 63]."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = i < n
+    s = tl.load(starts_ptr + i * s_stride, mask=live, other=0).to(tl.int64)
+    width = tl.load(widths_ptr + i * w_stride, mask=live, other=0).to(tl.int64)
+    w = s >> 6
+    b = s & 63
+    x = tl.load(words_ptr + w, mask=live & (w < n_words), other=0)
+    y = tl.load(words_ptr + w + 1, mask=live & (b > 0) & (w + 1 < n_words), other=0)
+    one = tl.full((BLOCK,), 1, dtype=tl.int64)
+    up = tl.where(b > 0, 64 - b, 1)  # (b = 0: unused)
+    low = tl.where(b > 0, (x >> b) & ((one << up) - 1), x)
+    high = tl.where(b > 0, y << up, 0)
+    v = low | high
+    keep = tl.where(width >= 64, -1, (one << tl.where(width >= 64, 0, width)) - 1)
+    tl.store(out_ptr + i, v & keep, mask=live)
+
+
+def bits_pack(values: torch.Tensor, starts: torch.Tensor, n_words: int, block: int = BITS_BLOCK) -> torch.Tensor:
+    """Kernel version of :func:`reference.bits_pack`: the words zeroed, then one kernel."""
+    words = torch.zeros(n_words, dtype=torch.int64, device=values.device)
+    n = values.numel()
+    if n:
+        bits_pack_kernel[(triton.cdiv(n, block),)](
+            values, values.stride(0), starts, starts.stride(0), n, words, n_words, BLOCK=block, **_LAUNCH
+        )
+    return words
+
+
+def bits_unpack(
+    words: torch.Tensor, starts: torch.Tensor, widths: torch.Tensor, block: int = BITS_BLOCK
+) -> torch.Tensor:
+    """Kernel version of :func:`reference.bits_unpack`: one kernel."""
+    n = starts.numel()
+    out = torch.empty(n, dtype=torch.int64, device=starts.device)
+    if n:
+        bits_unpack_kernel[(triton.cdiv(n, block),)](
+            words, words.numel(), starts, starts.stride(0), widths, widths.stride(0), n, out, BLOCK=block, **_LAUNCH
+        )
+    return out
+
+
+@triton.jit
+def adler_segments_partials_kernel(
+    data_ptr, table_ptr, n_segments, skip_at, skip_len, part_ptr, max_parts, BLOCK: tl.constexpr
+):  # fmt: skip
+    """Program (block, segment): :func:`adler_partials_kernel` over the segment's block (its own
+    offsets); programs past their segment's end write zeros at once."""
+    blk = tl.program_id(0).to(tl.int64)
+    seg = tl.program_id(1).to(tl.int64)
+    base = tl.load(table_ptr + seg)
+    size = tl.load(table_ptr + n_segments + seg)
+    a = tl.zeros((), dtype=tl.int64)
+    c = tl.zeros((), dtype=tl.int64)
+    if blk * BLOCK < size:
+        i = blk * BLOCK + tl.arange(0, BLOCK)
+        keep = (i < size) & ((i < skip_at) | (i >= skip_at + skip_len))
+        d = tl.load(data_ptr + base + i, mask=keep, other=0).to(tl.int64)
+        v = tl.where(i >= skip_at + skip_len, i - skip_len, i)
+        a = tl.sum(d, axis=0)
+        c = tl.sum(v * d, axis=0) % 65521
+    at = 2 * (seg * max_parts + blk)
+    tl.store(part_ptr + at, a)
+    tl.store(part_ptr + at + 1, c)
+
+
+@triton.jit
+def adler_segments_finish_kernel(
+    part_ptr, max_parts, table_ptr, n_segments, skip_len, check_at, data_ptr, out_ptr,
+    MODE: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """Program per segment: :func:`adler_finish_kernel` over its partial sums."""
+    seg = tl.program_id(0).to(tl.int64)
+    base = tl.load(table_ptr + seg)
+    size = tl.load(table_ptr + n_segments + seg)
+    n_parts = (size + BLOCK - 1) // BLOCK
+    a = tl.zeros((), dtype=tl.int64)
+    c = tl.zeros((), dtype=tl.int64)
+    for k in range(0, max_parts, CHUNK):
+        j = k + tl.arange(0, CHUNK)
+        m = j < n_parts
+        at = 2 * (seg * max_parts + j)
+        a += tl.sum(tl.load(part_ptr + at, mask=m, other=0), axis=0) % 65521
+        c += tl.sum(tl.load(part_ptr + at + 1, mask=m, other=0), axis=0)
+    a = a % 65521
+    lm = (size - skip_len) % 65521
+    b = ((lm + lm * a - c % 65521) % 65521 + 65521) % 65521
+    check = b * 65536 + (a + 1) % 65521
+    byte = tl.arange(0, 4)
+    if MODE == 0:
+        tl.store(out_ptr + seg, check)
+    if MODE == 1:
+        stored = tl.sum(tl.load(data_ptr + base + check_at + byte).to(tl.int64) << (8 * byte), axis=0)
+        tl.store(out_ptr + seg, (stored == check).to(tl.int64))
+    if MODE == 2:
+        tl.store(data_ptr + base + check_at + byte, ((check >> (8 * byte)) & 255).to(tl.uint8))
+        tl.store(out_ptr + seg, check)
+
+
+def adler32_segments(
+    data: torch.Tensor, starts: list[int], sizes: list[int], skip_at: int, skip_len: int, check_at: int, mode: int,
+    block: int = ADLER_BLOCK,
+) -> torch.Tensor:  # fmt: skip
+    """Kernel version of :func:`reference.adler32_segments`: the segments' table up, then two
+    launches for every segment at once."""
+    n = len(starts)
+    out = torch.empty(n, dtype=torch.int64, device=data.device)
+    if not n:
+        return out
+    table = torch.tensor([*starts, *sizes], dtype=torch.int64).to(data.device, non_blocking=True)
+    max_parts = max(triton.cdiv(max(sizes), block), 1)
+    parts = torch.empty(2 * n * max_parts, dtype=torch.int64, device=data.device)
+    adler_segments_partials_kernel[(max_parts, n)](
+        data, table, n, skip_at, skip_len, parts, max_parts, BLOCK=block, **_LAUNCH
+    )
+    adler_segments_finish_kernel[(n,)](
+        parts, max_parts, table, n, skip_len, check_at, data, out, MODE=mode, BLOCK=block, CHUNK=1024, **_LAUNCH
+    )
+    return out
 
 
 if QMAX != 1073741823:  # quantize_kernel spells the clamp as a literal

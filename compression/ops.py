@@ -3,7 +3,7 @@ Triton kernels for CUDA ones (:mod:`compression.kernels`, imported on first CUDA
 
 Why one op each: on a GPU every launch costs the host ~7 us, so a collective's codec work is a
 budget of launches, and the launches of the dispatcher's ops can be counted on a CPU (at the
-dispatcher, :class:`compression.host_syncs.HostSyncCounter`). A fused operation hides its kernels
+dispatcher, :class:`dlrm.telemetry.sync_counter.HostSyncCounter`). A fused operation hides its kernels
 behind one op; :data:`LAUNCHES` says how many its CUDA implementation makes, which the counter
 adds in its place (checked against the profiler by ``make test-gpu``).
 """
@@ -285,3 +285,78 @@ def _(payload, head, wire, out):
 
 
 LAUNCHES["cast_unpack"] = 2  # values, sums and the header's verdict; the check's verdict
+
+
+# -- the ids codec: bit streams, and every payload of a collective checked at once ------------------
+
+
+@custom_op("dlrm_compression::bits_pack", mutates_args=())
+@_cpu
+def bits_pack(values: torch.Tensor, starts: torch.Tensor, n_words: int) -> torch.Tensor:
+    """:func:`reference.bits_pack`: int64 values (each within its field) at their bit starts, in
+    ``n_words`` int64 words."""
+    return reference.bits_pack(values, starts, n_words)
+
+
+@bits_pack.register_kernel("cuda")
+def _(values, starts, n_words):
+    return _kernels().bits_pack(values, starts, n_words)
+
+
+@bits_pack.register_fake
+def _(values, starts, n_words):
+    return values.new_empty(n_words, dtype=torch.int64)
+
+
+LAUNCHES["bits_pack"] = 2  # the words zeroed; one program per 1,024 values, two atomic ORs each
+
+
+@custom_op("dlrm_compression::bits_unpack", mutates_args=())
+@_cpu
+def bits_unpack(words: torch.Tensor, starts: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
+    """:func:`reference.bits_unpack`: the field of each bit start and width, int64."""
+    return reference.bits_unpack(words, starts, widths)
+
+
+@bits_unpack.register_kernel("cuda")
+def _(words, starts, widths):
+    return _kernels().bits_unpack(words, starts, widths)
+
+
+@bits_unpack.register_fake
+def _(words, starts, widths):
+    return starts.new_empty(starts.numel(), dtype=torch.int64)
+
+
+LAUNCHES["bits_unpack"] = 1  # one program per 1,024 values
+
+
+def _adler_segments(name: str, mode: int, mutates: tuple[str, ...] = ()):
+    """:func:`_adler`'s op over several segments of one buffer (each its own payload), every one
+    in the same launches."""
+
+    @custom_op(f"dlrm_compression::{name}", mutates_args=mutates)
+    @_cpu
+    def op(
+        data: torch.Tensor, starts: list[int], sizes: list[int], skip_at: int, skip_len: int, check_at: int
+    ) -> torch.Tensor:
+        return reference.adler32_segments(data, starts, sizes, skip_at, skip_len, check_at, mode)
+
+    @op.register_kernel("cuda")
+    def _(data, starts, sizes, skip_at, skip_len, check_at):
+        return _kernels().adler32_segments(data, starts, sizes, skip_at, skip_len, check_at, mode)
+
+    @op.register_fake
+    def _(data, starts, sizes, skip_at, skip_len, check_at):
+        return data.new_empty(len(starts), dtype=torch.int64)
+
+    # the segments' table up, per-block sums of every segment, one program per segment to finish
+    LAUNCHES[name] = lambda data, starts, *rest: 3 if starts else 0
+    return op
+
+
+# Each segment ``data[starts[s] : starts[s] + sizes[s]]``'s check but the ``skip_len`` bytes at its
+# ``skip_at``: whether the u32 at its ``check_at`` equals it (1/0), or written there (in place),
+# int64 [segments] on the device, no host wait.
+adler32_segments_holds = _adler_segments("adler32_segments_holds", reference.ADLER_HOLDS)
+adler32_segments_seal_ = _adler_segments("adler32_segments_seal_", reference.ADLER_SEAL, ("data",))

@@ -384,3 +384,53 @@ def cast_unpack(payload: torch.Tensor, head: torch.Tensor, wire: int, out: torch
     holds = adler32(payload, None, payload.numel(), 20, 4, 20, ADLER_HOLDS)
     same = torch.equal(payload[:20], head[:20]) and torch.equal(payload[24:h], head[24:h])
     return torch.stack([holds, torch.tensor(int(same))])
+
+
+# -- bit streams and several payloads' checks (the ids codec) -----------------------------------
+
+_LOW63 = (1 << 63) - 1
+
+
+def bits_pack(values: torch.Tensor, starts: torch.Tensor, n_words: int) -> torch.Tensor:
+    """``n_words`` int64 words holding each int64 ``values[i]`` from bit ``starts[i]`` on (bit b
+    of a stream is bit b % 64 of word b // 64, least significant first; a value crosses at most
+    one word boundary). Each value already fits its field (no bits above its width) and fields
+    never overlap, so placing is summing; a value with nothing to place may start at the end.
+    The shifts in numpy's uint64 (logical, and vectorised where torch's int64 ones are not)."""
+    v, s = _u64(values), _u64(starts)
+    b = s & np.uint64(63)
+    low = torch.from_numpy((v << b).view(np.int64))
+    spill = torch.from_numpy(((v >> np.uint64(1)) >> (np.uint64(63) - b)).view(np.int64))  # none at b = 0
+    w = torch.from_numpy((s >> np.uint64(6)).view(np.int64))
+    words = torch.zeros(n_words + 2, dtype=torch.int64)
+    words.index_add_(0, w, low).index_add_(0, w + 1, spill)
+    return words[:n_words].to(values.device)
+
+
+def bits_unpack(words: torch.Tensor, starts: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`bits_pack`: the ``widths[i]`` (0..64) bits from bit ``starts[i]`` of
+    ``words``, as int64 (64 bits: the pattern, wrapping); bits past the words read as zeros."""
+    padded = _u64(torch.cat([words, words.new_zeros(2)]))
+    s, width = _u64(starts), _u64(widths)
+    w, b = (s >> np.uint64(6)).astype(np.int64), s & np.uint64(63)
+    low = padded[w] >> b
+    high = np.where(b > 0, padded[w + 1] << ((np.uint64(64) - b) & np.uint64(63)), np.uint64(0))
+    keep = np.where(width >= 64, ~np.uint64(0), (np.uint64(1) << (width & np.uint64(63))) - np.uint64(1))
+    return torch.from_numpy(((low | high) & keep).view(np.int64)).to(starts.device)
+
+
+def _u64(t: torch.Tensor) -> np.ndarray:
+    """An int64 tensor's values as a uint64 numpy array (the same bits; a copy where strided)."""
+    return np.ascontiguousarray(t.detach().cpu().numpy()).view(np.uint64)
+
+
+def adler32_segments(
+    data: torch.Tensor, starts: list[int], sizes: list[int], skip_at: int, skip_len: int, check_at: int, mode: int
+) -> torch.Tensor:
+    """:func:`adler32` of each segment ``data[starts[s] : starts[s] + sizes[s]]`` (its own
+    offsets ``skip_at``, ``check_at``), int64 [segments]: the values, the verdicts or the checks
+    written in place."""
+    out = [
+        adler32(data[a : a + n], None, n, skip_at, skip_len, check_at, mode) for a, n in zip(starts, sizes, strict=True)
+    ]
+    return torch.stack(out) if out else torch.zeros(0, dtype=torch.int64)

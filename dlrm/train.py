@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,7 +93,7 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
         return placement.split(data.batches(split, batch_size, *position))
 
     val_batches = lambda: batches("val", cfg.eval_batch_size)  # noqa: E731
-    validation = Validation(model, env, val_batches, cfg.limit_eval_batches, stopping, best, telemetry.tb.scalars)
+    validation = Validation(model, env, val_batches, cfg.limit_eval_batches, stopping, best, validated(components))
 
     def on_drained(s: TrainState) -> None:
         if loop.eval_due(s):
@@ -116,6 +116,16 @@ def run(cfg: DictConfig, run_dir: Path, observers: Sequence[StepObserver] = ()) 
         write_metrics_json(run_dir / "metrics.json", metrics)
     shutdown()
     return metrics
+
+
+def validated(components: Sequence[Component]) -> Callable[[Mapping[str, float | None], int], None]:
+    """A validation pass's metrics to every component (TensorBoard, the policy's plateau)."""
+
+    def report(values: Mapping[str, float | None], iteration: int) -> None:
+        for c in components:
+            c.validated(values, iteration)
+
+    return report
 
 
 def run_metrics(

@@ -1,5 +1,5 @@
-"""Imports point one way (DESIGN.md): no cycle among the project's modules, lazy imports included,
-and the codec package stands alone."""
+"""Imports point one way (docs/architecture.md, "The packages and their layers"): no cycle among the
+project's modules, lazy imports included, and the codec package stands alone."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ PACKAGES = ("dlrm", "dlrm_compression", "data")
 # warning filters of ``dlrm.process.quiet`` (TRAINER_INIT).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("dlrm.process",),
-    ("dlrm.trainer",),
+    ("dlrm.trainer", "dlrm.performance"),
     ("dlrm.embedding_comm",),
     ("dlrm.dense_comm",),
     ("dlrm.strategy",),
@@ -201,9 +201,20 @@ def test_config_targets_resolve_to_trainer_layers_never_to_the_benchmarks():
 
 def test_import_compression_loads_no_heavy_or_upward_dependency():
     code = (
-        "import sys, dlrm_compression, dlrm_compression.policies, dlrm_compression.cost_model; "
+        "import sys, dlrm_compression, dlrm_compression.policies; "
         "bad = [m for m in ('torchrec', 'dlrm', 'data', 'fbgemm_gpu', 'triton', 'omegaconf', 'hydra') "
         "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_performance_model_prices_without_torch():
+    # a notebook prices a configuration with the cost model and the search alone (link timing aside)
+    code = (
+        "import sys, dlrm.performance.cost_model, dlrm.performance.network, dlrm.performance.search; "
+        "bad = [m for m in ('torch', 'torchrec', 'numpy', 'dlrm_compression', 'dlrm.trainer') if m in sys.modules]; "
+        "print(bad); sys.exit(1 if bad else 0)"
     )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr

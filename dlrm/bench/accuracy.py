@@ -13,6 +13,11 @@ one resumes from its checkpoints, so the same command completes a partial benchm
 (:func:`report`): ``DIR/report.md``, ``DIR/report.json``, ``DIR/auc_vs_bytes.png`` and TensorBoard
 (``DIR/tensorboard``: per configuration its AUC at a step of its bytes per iteration, and HPARAMS),
 and the sweep summary's per-run table (``DIR/summary.md``, :mod:`dlrm.telemetry.sweep_summary`).
+Each configuration is compared with ``none`` seed by seed (its AUC minus ``none``'s at the same
+seed: runs are deterministic, so this isolates the configuration), and one with an adaptive bound
+gets its first seed's bound per table beside validation AUC (``DIR/bounds_<config>.png``, and the
+TensorBoard run ``<config>_bounds``). The configurations (:mod:`dlrm.bench.accuracy_configs`)
+include the diagnostics of where ``lossy``'s AUC goes and the mechanisms tried against it.
 Not part of ``make test``.
 """
 
@@ -31,47 +36,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from dlrm.bench.accuracy_configs import COMMON, CONFIGS, DATA, DEFAULT_CONFIGS
+from dlrm.performance.network import ring_allreduce_bytes
 from dlrm.telemetry.sweep_summary import summarize
-from dlrm_compression.cost_model import ring_allreduce_bytes
 
 REPO = Path(__file__).resolve().parents[2]
-# The issue's configurations: the baseline, TorchRec's QComms, ours with each dense option, the
-# automatic strategy, hot-row replication with the coded sync, the row cache, low precision.
-CONFIGS: dict[str, tuple[str, ...]] = {
-    "none": ("compression=none",),
-    "qcomm_fp16": ("compression=qcomm_fp16",),
-    "qcomm_mx4": ("compression=qcomm_mx4",),
-    "lossy": ("compression=lossy",),
-    "lossy+dct": ("compression=lossy", "dense_comm=dct"),
-    "lossy+powersgd": ("compression=lossy", "dense_comm=powersgd"),
-    "auto+auto": ("compression=auto", "dense_comm=auto"),
-    "lossy+hot_rows": ("compression=lossy", "placement.hot_rows=auto", "placement.sync_codec=backward"),
-    "lossy+row_cache": ("compression=lossy", "compression.forward.cache.enabled=true"),
-    "lossy+mixed": ("compression=lossy", "precision=mixed"),
-    # not in the default list: DCT's aggregation whose bytes per rank do not grow with the ranks
-    "lossy+dct_rs": ("compression=lossy", "dense_comm=dct", "dense_comm.aggregation=reduce_scatter"),
-}
-DEFAULT_CONFIGS = tuple(c for c in CONFIGS if c != "lossy+dct_rs")
-# Synthetic Criteo-like rows with the Terabyte MLPs (762,177 dense parameters), 2,048 rows per rank,
-# a validation pass every 30 iterations (~1/8 epoch at 1M rows); or the bundled real sample at the
-# default model, a pass every 10 of its 57 iterations per epoch.
-DATA: dict[str, tuple[str, ...]] = {
-    "synthetic": (
-        "data=synthetic",
-        "data.rows.dev=50000",
-        "data.rows.test=100000",
-        "model.embedding_dim=64",
-        "model.dense_arch_layer_sizes=[512,256,64]",
-        "model.over_arch_layer_sizes=[512,512,256,1]",
-        "batch_size=2048",
-        "eval_batch_size=8192",
-        "sharding=table_wise",
-        "eval_every=30",
-        "epochs=4",
-    ),
-    "sample": ("data=criteo_sample", "eval_every=10", "epochs=20"),
-}
-COMMON = ("progress_bar=false", "checkpoint.keep=1", "early_stopping.patience=3")
+# metrics.json keys of a policy whose bounds follow training (the plateau's final levels)
+ADAPTIVE = ("policy_forward_level", "policy_backward_level")
 # metrics.json's wire paths (allreduce: the data-parallel tables') and the MLPs' all-reduce (dense)
 PATHS = ("forward", "backward", "dense", "allreduce", "input", "replica_sync")
 
@@ -177,9 +148,11 @@ def report(out: Path, configs: Sequence[str], seeds: Sequence[int], lr: float, n
         raise ValueError(f"{out}: no finished `none` run at lr {lr:g}: the baseline every row is compared with")
     numel = dense_params(_config(runs["none"][0]["dir"]))
     none_auc = [r["auc"] for r in runs["none"]]
+    none_by_seed = {r["seed"]: r["auc"] for r in runs["none"]}
     rows: list[dict[str, Any]] = []
     for c, rs in runs.items():
         aucs = [r["auc"] for r in rs]
+        paired = [r["auc"] - none_by_seed[r["seed"]] for r in rs if r["seed"] in none_by_seed]
         paths = {p: statistics.fmean(bytes_by_path(r, runs["none"][0], numel)[p] for r in rs) for p in PATHS}
         rows.append(
             {
@@ -190,6 +163,9 @@ def report(out: Path, configs: Sequence[str], seeds: Sequence[int], lr: float, n
                 "auc_mean": statistics.fmean(aucs),
                 "auc_std": statistics.stdev(aucs) if len(aucs) > 1 else None,
                 "within_none_spread": _within(statistics.fmean(aucs), none_auc),
+                "delta_vs_none_same_seed": paired,  # this config's AUC minus `none`'s, seed by seed
+                "run_dirs": [str(r["dir"]) for r in rs],
+                "adaptive": any(k in rs[0] for k in ADAPTIVE),
                 "iterations": [r["iterations"] for r in rs],
                 "best_iteration": [r.get("best_iteration") for r in rs],
                 "stopped": [r.get("stopped_iteration") is not None for r in rs],
@@ -222,6 +198,9 @@ def report(out: Path, configs: Sequence[str], seeds: Sequence[int], lr: float, n
     (out / "report.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     (out / "report.md").write_text(markdown(result))
     plot(rows, out / "auc_vs_bytes.png")
+    for r in rows:
+        if r["adaptive"]:
+            plot_bounds(r["config"], bound_scalars(Path(r["run_dirs"][0])), out / f"bounds_{r['config']}.png")
     tensorboard(rows, out / "tensorboard", lr)
     summarize(out / "runs", out / "summary", title="Converged runs: AUC vs forward ratio")
     return result
@@ -245,6 +224,12 @@ def _within(mean: float, reference: Sequence[float]) -> str:
     return "yes" if lo <= mean <= hi else ("above" if mean > hi else "below")
 
 
+def _paired(deltas: Sequence[float]) -> str:
+    if not deltas:
+        return "-"
+    return f"{statistics.fmean(deltas):+.4f} ({min(deltas):+.4f}..{max(deltas):+.4f})"
+
+
 def _mb(v: float) -> str:
     return "-" if math.isnan(v) else f"{v / 1e6:.3g}"
 
@@ -254,18 +239,20 @@ def markdown(result: Mapping[str, Any]) -> str:
         f"Learning rate {result['lr']:g} (tables and MLPs); test AUC on each run's best validation step; "
         "bytes on the wire per iteration, all ranks, MB.",
         "",
-        "| config | seeds | test AUC mean ± std (min-max) | within `none`'s seed spread | iterations to stop "
-        "(best) | fwd / bwd / dense / DP tables / input / sync MB | total MB/iter | vs none | vs qcomm_mx4 |",
-        "| --- | --- | --- | --- | --- | --- | ---: | ---: | ---: |",
+        "| config | seeds | test AUC mean ± std (min-max) | within `none`'s seed spread | minus `none`, same seed: "
+        "mean (min..max) | iterations to stop (best) | fwd / bwd / dense / DP tables / input / sync MB | "
+        "total MB/iter | vs none | vs qcomm_mx4 |",
+        "| --- | --- | --- | --- | --- | --- | --- | ---: | ---: | ---: |",
     ]
     for r in result["rows"]:
         std = "" if r["auc_std"] is None else f" ± {r['auc_std']:.4f}"
         spread = f" ({min(r['auc']):.4f}-{max(r['auc']):.4f})" if len(r["auc"]) > 1 else ""
         its = ", ".join(f"{i} ({b})" for i, b in zip(r["iterations"], r["best_iteration"], strict=True))
         mx4 = f"{r['ratio_vs_qcomm_mx4']:.2f}x"
+        paths = " / ".join(_mb(r["bytes_by_path"][p]) for p in PATHS)
         lines.append(
             f"| {r['config']} | {len(r['seeds'])} | {r['auc_mean']:.4f}{std}{spread} | {r['within_none_spread']} | "
-            f"{its} | {' / '.join(_mb(r['bytes_by_path'][p]) for p in PATHS)} | {_mb(r['bytes_per_iteration'])} | "
+            f"{_paired(r['delta_vs_none_same_seed'])} | {its} | {paths} | {_mb(r['bytes_per_iteration'])} | "
             f"{r['ratio_vs_none']:.2f}x | {mx4} |"
         )
     if not result["qcomm_mx4_measured"]:
@@ -302,13 +289,57 @@ def plot(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def bound_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """A run's validation AUC and per-table bounds over its iterations, from its TensorBoard events."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0}).Reload()
+    tags = [t for t in acc.Tags()["scalars"] if t == "eval/auc" or t.split("/")[2:3] == ["eb"]]
+    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in tags}
+
+
+def plot_bounds(config: str, scalars: Mapping[str, Sequence[tuple[int, float]]], path: Path) -> None:
+    """Validation AUC above, each table's bound per direction below, over the iterations (one run)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bounds = {t: v for t, v in scalars.items() if t != "eval/auc"}
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    for ax, series in ((top, {"eval/auc": scalars.get("eval/auc", [])}), (bottom, bounds)):
+        for tag, points in series.items():
+            style = "--" if "/backward/" in tag else "-"
+            ax.plot([p[0] for p in points], [p[1] for p in points], style, linewidth=1)
+    top.set_ylabel("validation AUC")
+    bottom.set_ylabel("bound per table\n(forward solid, backward dashed)")
+    bottom.set_yscale("log")
+    bottom.set_xlabel("iteration")
+    top.set_title(f"{config}: the bound of every table beside validation AUC (first seed)")
+    for ax in (top, bottom):
+        ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def tensorboard(rows: Sequence[Mapping[str, Any]], log_dir: Path, lr: float) -> None:
     """Per configuration: ``accuracy/test_auc`` at step = KB per iteration (the scalars plot AUC
-    against bytes), and its hparams beside AUC and bytes (HPARAMS), as the sweep summary's runs."""
+    against bytes), and its hparams beside AUC and bytes (HPARAMS), as the sweep summary's runs.
+    A configuration with an adaptive bound also gets its first seed's validation AUC and bound per
+    table over the iterations (run ``<config>_bounds``, the custom-scalars layout of a training run)."""
     from torch.utils.tensorboard import SummaryWriter
+
+    from dlrm.telemetry.tb_layout import add_layout
 
     shutil.rmtree(log_dir, ignore_errors=True)
     for r in rows:
+        if r.get("adaptive"):
+            with SummaryWriter(str(log_dir / (r["config"].replace("+", "_") + "_bounds"))) as w:
+                add_layout(w)
+                for tag, points in bound_scalars(Path(r["run_dirs"][0])).items():
+                    for step, value in points:
+                        w.add_scalar(tag, value, step)
         with SummaryWriter(str(log_dir / r["config"].replace("+", "_"))) as w:
             step = round(r["bytes_per_iteration"] / 1e3)
             w.add_scalar("accuracy/test_auc", r["auc_mean"], step)
@@ -343,7 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=1_000_000, help="synthetic training rows")
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--lrs", default="0.005,0.01,0.02", help="lrs of the `none` sweep")
+    p.add_argument("--lrs", default="0.0025,0.005,0.01", help="lrs of the `none` sweep")
     p.add_argument("--lr", type=float, default=None, help="skip the sweep and train at this lr")
     p.add_argument("--ranks", type=int, default=2, help="processes per run (one host)")
     p.add_argument("--max-runs", type=int, default=None, help="train at most this many new runs, then report")

@@ -67,7 +67,8 @@ def summary(run_dir: Path) -> dict[str, float]:
     residual_sq = 0.0
     for rank_file in sorted(step.glob("state-rank*.pt")):
         dense = torch.load(rank_file, weights_only=True).get("dense_comm", {})
-        residual_sq += sum(float(r.double().norm() ** 2) for r in dense.get("residuals", {}).values())
+        for kind in ("residuals", "owner_residuals"):  # the reduce-scatter's owners hold residuals too
+            residual_sq += sum(float(r.double().norm() ** 2) for r in dense.get(kind, {}).values())
     out["residual_norm"] = residual_sq**0.5
     return out
 

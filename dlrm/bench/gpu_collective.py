@@ -1,7 +1,7 @@
 """The compressed all-to-all's codec work on a GPU, per collective, against the raw bytes' wire time.
 
     python -m dlrm.bench.gpu_collective [--device cuda|cpu] [--sizes 2048x13x64,...]
-        [--configs lossy,fp16,bf16,none] [--repeats 10] [--warmup 2] [--json OUT]
+        [--configs lossy,fp16,bf16,none,ids] [--repeats 10] [--warmup 2] [--json OUT]
 
 For each chunk size (rows x tables x dim) and configuration, one rank's collective with one peer,
 both directions, as the trainer runs it (:class:`dlrm.bench.host_syncs.RankCollective`: bounds,
@@ -14,6 +14,11 @@ each run so that no plan is reused), GB/s of raw chunk bytes, the raw bytes' tim
 Gbit/s links, a plain-torch quantise round trip of the same chunks as the floor, and FBGEMM's
 Triton MX4 (``fp32_to_mx4``/``mx4_to_fp32``, what TorchRec's MX4 QComms run) where importable.
 ``--device cpu`` prints the counts alone: CPU timings say nothing about a GPU.
+
+``ids`` is the input all-to-all's codec (``compression.input=ids``, :class:`IdsCollective`): the
+same rank's batch of ids (rows x tables, one id a bag, TorchRec's int32 lengths and int64 ids)
+coded for both ranks, and the peer's payload for this rank decoded; its raw bytes are the lengths
+and ids TorchRec's all-to-all would send the peer (the dim is not used).
 """
 
 from __future__ import annotations
@@ -24,13 +29,16 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from dlrm.bench.criteo_like import criteo_like_batch
 from dlrm.bench.host_syncs import OVERRIDES, RankCollective, counted_reads
-from dlrm_compression.host_syncs import HostSyncCounter
+from dlrm.telemetry.sync_counter import HostSyncCounter
+from dlrm_compression.ids_codec import IdsCodec
 
 SIZES = ((2048, 13, 64), (2048, 26, 128), (8192, 26, 128), (65536, 26, 128))  # the issue's chunks
 CONFIGS: dict[str, tuple[str, ...]] = {
@@ -38,12 +46,66 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     "fp16": ("compression=fp16",),
     "bf16": ("compression=bf16",),
     "none": ("compression=none",),
+    "ids": ("compression.input=ids",),  # the input all-to-all's codec (IdsCollective)
 }
-BUDGET = {"lossy": 100, "fp16": 10, "bf16": 10, "none": 10}  # launches per collective, both directions
+BUDGET = {"lossy": 100, "fp16": 10, "bf16": 10, "none": 10, "ids": 100}  # launches per collective, both directions
 LINKS_GBIT = (100, 400)
 
 
-def count(collective: RankCollective) -> tuple[int, int]:
+class IdsCollective:
+    """One rank's coded input all-to-all with one peer, as :class:`~dlrm.embedding_comm.input_dist.
+    CompressedKJTAllToAll` codes it: the rank's batch of ids (``rows`` per table, the tables split
+    between the two ranks) encoded for both destinations in one call, and the payload the peer
+    sent it decoded (every received payload in one call). :meth:`run` has :class:`RankCollective`'s
+    interface; it labels its stages ``ids/encode`` and ``ids/decode``. TorchRec's own splits
+    exchange, which the stock all-to-all makes too, is not the codec's and is not counted."""
+
+    def __init__(self, rows: int = 2048, tables: int = 26, seed: int = 0, device: str = "cpu") -> None:
+        self.codec = IdsCodec(entropy=False, backend="device")
+        self.bags = [rows] * tables
+        self.keys_per_dest = [tables // 2, tables - tables // 2]  # this rank's tables first, then the peer's
+
+        def batch(s: int) -> torch.Tensor:
+            b = criteo_like_batch(rows=rows, tables=tables, dim=1, seed=s)
+            return torch.cat([t["ids"] for t in b.values()]).to(device)
+
+        self.lengths = torch.ones(rows * tables, dtype=torch.int32, device=device)
+        self.values = batch(seed)
+        peer = self.codec.encode(self.lengths, batch(seed + 1), self.bags, keys_per_dest=self.keys_per_dest)
+        self.incoming = [peer[0].clone()]  # the peer's batch for this rank's tables
+        self.chunks: dict[str, list[torch.Tensor]] = {}  # (no float chunks: no quantise floor)
+
+    @property
+    def raw_bytes(self) -> int:
+        """Bytes TorchRec's all-to-all would send the peer: the lengths and ids of its tables."""
+        share = sum(self.bags[self.keys_per_dest[0] :])
+        return share * (self.lengths.element_size() + self.values.element_size())
+
+    def fresh_ids(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        return self.values.clone(), []
+
+    def run(self, batch_ids: tuple[torch.Tensor, list[torch.Tensor]], counter: HostSyncCounter | None = None) -> int:
+        """The rank's codec work for one input all-to-all; returns the bytes it sends the peer."""
+        label = counter.label if counter is not None else (lambda name: nullcontext())
+        with label("ids/encode"):
+            payloads = self.codec.encode(self.lengths, batch_ids[0], self.bags, keys_per_dest=self.keys_per_dest)
+        with label("ids/decode"):
+            self.codec.decode_all(self.incoming, keys=max(self.keys_per_dest))
+        return payloads[1].numel()
+
+
+Collective = RankCollective | IdsCollective
+
+
+def collective(size: tuple[int, int, int], config: str, device: str = "cpu") -> Collective:
+    """The collective a row of the table measures."""
+    rows, tables, dim = size
+    if config == "ids":
+        return IdsCollective(rows, tables, device=device)
+    return RankCollective(rows, tables, dim, device=device, overrides=CONFIGS[config])
+
+
+def count(collective: Collective) -> tuple[int, int]:
     """(launches, host syncs) of one collective on the device backend, counted on CPU tensors."""
     ids = collective.fresh_ids()
     counter = HostSyncCounter()
@@ -67,7 +129,7 @@ def timed(fn: Callable[..., Any], repeats: int, warmup: int, setup: Callable[[],
     return statistics.median(times)
 
 
-def floor_seconds(collective: RankCollective, repeats: int, warmup: int) -> float:
+def floor_seconds(collective: Collective, repeats: int, warmup: int) -> float:
     """A plain-torch quantise round trip of every chunk the rank sends: round(x / 2eb) to int16
     and back, four kernels a chunk; no dedup, no packing, no framing."""
     chunks = [c for cs in collective.chunks.values() for c in cs]
@@ -79,7 +141,7 @@ def floor_seconds(collective: RankCollective, repeats: int, warmup: int) -> floa
     return timed(run, repeats, warmup)
 
 
-def mx4_seconds(collective: RankCollective, repeats: int, warmup: int) -> float | None:
+def mx4_seconds(collective: Collective, repeats: int, warmup: int) -> float | None:
     """FBGEMM's Triton MX4 encode and decode of every chunk the rank sends (group 32), if importable."""
     try:
         from fbgemm_gpu.quantize_utils import fp32_to_mx4, mx4_to_fp32
@@ -97,10 +159,10 @@ def mx4_seconds(collective: RankCollective, repeats: int, warmup: int) -> float 
 def measure(size: tuple[int, int, int], config: str, device: str, repeats: int, warmup: int) -> dict[str, Any]:
     """One row: counts on CPU, and on a CUDA ``device`` the timings."""
     rows, tables, dim = size
-    cpu = RankCollective(rows, tables, dim, overrides=CONFIGS[config])
+    cpu = collective(size, config)
     launches, syncs = count(cpu)
     row: dict[str, Any] = {
-        "chunk": f"{rows}x{tables}x{dim}",
+        "chunk": f"{rows}x{tables}" if config == "ids" else f"{rows}x{tables}x{dim}",
         "config": config,
         "launches": launches,
         "budget": BUDGET[config],
@@ -112,13 +174,14 @@ def measure(size: tuple[int, int, int], config: str, device: str, repeats: int, 
         row[f"raw_ms_{gbit}g"] = 1e3 * cpu.raw_bytes * 8 / (gbit * 1e9)
     del cpu
     if torch.device(device).type == "cuda":
-        gpu = RankCollective(rows, tables, dim, device=device, overrides=CONFIGS[config])
+        gpu = collective(size, config, device)
         seconds = timed(gpu.run, repeats, warmup, setup=gpu.fresh_ids)
         row["codec_ms"] = 1e3 * seconds
         row["gb_per_s"] = gpu.raw_bytes / seconds / 1e9
-        row["floor_ms"] = 1e3 * floor_seconds(gpu, repeats, warmup)
-        mx4 = mx4_seconds(gpu, repeats, warmup)
-        row["fbgemm_mx4_ms"] = None if mx4 is None else 1e3 * mx4
+        if gpu.chunks:  # (the ids codec has no float chunks)
+            row["floor_ms"] = 1e3 * floor_seconds(gpu, repeats, warmup)
+            mx4 = mx4_seconds(gpu, repeats, warmup)
+            row["fbgemm_mx4_ms"] = None if mx4 is None else 1e3 * mx4
     return row
 
 

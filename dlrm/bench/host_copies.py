@@ -1,7 +1,7 @@
 """Where the per-chunk code copies to the host: its calls of ``.numpy()``, ``.tolist()``, ``.cpu()``.
 
 Why a static check: on CPU tensors these reach no dispatcher op, so the counter of
-:mod:`compression.host_syncs` cannot see them, yet on a GPU each one waits for the device and
+:mod:`dlrm.telemetry.sync_counter` cannot see them, yet on a GPU each one waits for the device and
 copies. :data:`PER_CHUNK` is the one list of the code that runs once per chunk (per peer and
 direction); the size exchange, one per collective (``comm_ops._send``), is left out on purpose.
 """

@@ -31,15 +31,15 @@ import torch
 import torch.distributed as dist
 
 from data.layout import SPARSE_NAMES
+from dlrm.bench.criteo_like import KAGGLE_CARDINALITIES, criteo_like_batch
 from dlrm.bench.host_copies import host_copies
 from dlrm.embedding_comm.codec import DirectionCodec, raise_unless_sound
 from dlrm.embedding_comm.config import parse_compression_cfg
 from dlrm.embedding_comm.ids import keep_first_duplicates, sum_duplicates
 from dlrm.embedding_comm.policy import build_policy, table_stats
+from dlrm.telemetry.sync_counter import HostSyncCounter
 from dlrm_compression import format as fmt
 from dlrm_compression import sparse
-from dlrm_compression.host_syncs import HostSyncCounter
-from dlrm_compression.synthetic import KAGGLE_CARDINALITIES, criteo_like_batch
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 OVERRIDES = [
@@ -165,8 +165,12 @@ class RankCollective:
                         chunk = sum_duplicates(chunk, ids, self.widths)
                 with label(f"{d}/encode"):
                     sent.append(dc.encode_deferred(chunk, self.widths, bounds, ids, summed=summed))
-            with label(f"{d}/size_exchange"):
-                sent_bytes += sum(p.numel() for p in fmt.settle(sent) if p is not None)
+            with label(f"{d}/size_exchange"):  # the lengths, at most their stored forms' (one op), read at once
+                first = self.chunks[d][0]
+                stored = dc.stored_size((first.shape[0], first.shape[1]), first.dtype)
+                late = [p.length for p in sent if isinstance(p, fmt.Deferred)]
+                known = [min(p.numel(), stored) for p in sent if isinstance(p, torch.Tensor)]
+                sent_bytes += sum(known) + (sum(torch.stack(late).clamp(max=stored).tolist()) if late else 0)
             payloads = self.incoming[d]
             later = dc.checks_in_decode(payloads[0].device)  # the verdicts read after the decodes
             with label(f"{d}/heads"):

@@ -24,12 +24,12 @@ from collections.abc import Sequence
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from dlrm.bench.criteo_like import criteo_like_batch
 from dlrm.embedding_comm.ids import Region, attach_plans, first_rows, keep_first_duplicates, pending_ids, sum_duplicates
 from dlrm_compression import dedup
 from dlrm_compression.format import settle
 from dlrm_compression.ids_codec import IdsCodec
 from dlrm_compression.lossy import LossyCodec
-from dlrm_compression.synthetic import criteo_like_batch
 
 TABLES, DIM, BOUND = 26, 64, 1e-3
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from dlrm_compression.cost_model import Workload
+from dlrm.performance.cost_model import Workload
 
 PATHS = ("forward", "backward", "input")  # the transport's meter (wire_bytes_by_path)
 

@@ -10,7 +10,7 @@ configurations (ABCDE ABCDE ...) so that drift from other work on the machine hi
 Every rank is timed in-process by :mod:`dlrm.bench.netprobe`; :mod:`dlrm.bench.netreport` prints per
 configuration the iteration time, throughput, speedup against ``none`` from the same repeat,
 the all-to-all share of the iteration, wire ratios per direction, codec time, test AUC, and the
-cost model's prediction (:mod:`compression.cost_model`), then projects the published 32-GPU setup.
+cost model's prediction (:mod:`dlrm.performance.cost_model`), then projects the published 32-GPU setup.
 
 Needs root (``ip netns add`` and ``tc``) and iproute2 (``apt-get install iproute2``). Talks only
 to 127.0.0.1 inside its own namespace; deletes the namespace when done, also on failure. The
@@ -37,7 +37,7 @@ from typing import Any
 from dlrm.bench import netns, netreport
 from dlrm.bench.netns import Namespace, NetnsError
 from dlrm.bench.netprobe import OUT_ENV
-from dlrm_compression import cost_model as cm
+from dlrm.performance import cost_model as cm
 
 REPO = Path(__file__).resolve().parents[2]
 # Compression configs, with `+D` for dense_comm=D: the baseline, stock TorchRec's best effort

@@ -4,7 +4,7 @@ A run directory is the trainer's Hydra run dir (``metrics.json``, ``.hydra/confi
 the probe's ``probe_rank<R>.json`` (:mod:`dlrm.bench.netprobe`). :func:`load_run` turns one into a
 :class:`RunResult`; :func:`summarize` groups repeats per (rate, configuration) and compares each
 with the baseline of the same repeat; :func:`validate_model` checks the cost model of
-:mod:`compression.cost_model` against the measurements; :func:`format_table` prints it all.
+:mod:`dlrm.performance.cost_model` against the measurements; :func:`format_table` prints it all.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from dlrm_compression import cost_model as cm
+from dlrm.performance import cost_model as cm
+from dlrm.performance.network import Link
 
 PASSES = ("forward", "backward")
 METRICS_KEYS = ("auc", "logloss", "iterations", "forward_ratio", "backward_ratio", "world_size")
@@ -306,7 +307,7 @@ def model_breakdown(
     throttled loopback, a tbf burst free per collective), its measured wire ratios and codec
     time (the all-to-alls' and the dense hook's), and ``compute_s``."""
     w = _workload(r)
-    link = cm.Link(rate_bytes_per_s(rate), shared=True, burst_bytes=burst_bytes)
+    link = Link(rate_bytes_per_s(rate), shared=True, burst_bytes=burst_bytes)
 
     def codec(ratio: float, ms: float, raw: float) -> cm.CodecCost:
         s = ms / 1e3  # measured encode + decode, folded into one throughput

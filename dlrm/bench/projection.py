@@ -1,5 +1,5 @@
 """Projections to 1,024 GPUs: bytes per rank and iteration time of every configuration, from the
-two-level cost model (:mod:`compression.topology`) with stated inputs and our measured ratios.
+two-level cost model (:mod:`dlrm.performance.network`) with stated inputs and our measured ratios.
 
 ``python -m dlrm.bench.projection`` prints the table (markdown) for each inter-node rate and, with
 ``--plot FILE``, draws iteration time against GPUs (matplotlib). Every input is a named constant
@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dlrm_compression.cost_model import NO_CODEC, Breakdown, CodecCost, Link, Workload, cheaper_aggregation
-from dlrm_compression.strategy import Option, Timeline, Unit, choose
-from dlrm_compression.topology import Collective, Topology, iteration_time, sparse_aggregation
+from dlrm.performance.cost_model import NO_CODEC, Breakdown, CodecCost, Workload, iteration_time
+from dlrm.performance.network import Collective, Link, Topology, cheaper_aggregation, sparse_aggregation
+from dlrm.performance.search import Option, Timeline, Unit, choose
 
 GB = 1e9
 GPUS = (8, 32, 64, 256, 1024)
@@ -157,7 +157,7 @@ def _plus_codec(b: Breakdown, seconds: float) -> Breakdown:
 
 
 def auto_choice(w: Workload, topo: Topology, lossy_tput: tuple[float, float] = LOSSY_TPUT) -> tuple[str, str, str]:
-    """What ``compression=auto dense_comm=auto``'s search (:func:`compression.strategy.choose`)
+    """What ``compression=auto dense_comm=auto``'s search (:func:`dlrm.performance.search.choose`)
     picks on this topology, from the options' stated ratios and throughputs."""
     raw = w.a2a_bytes()
     ring = 2 * (w.ranks - 1) / w.ranks * w.dense_params * w.value_bytes

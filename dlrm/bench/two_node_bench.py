@@ -9,7 +9,7 @@ codec time per iteration) through :func:`dlrm.bench.two_nodes.run` (2 nodes x 2 
 with the inter-node link unthrottled, then at each rate. The prediction at a rate is the same
 configuration's unthrottled iteration (its compute and codec time, calibrated) plus what the
 iteration's collectives add on a link of that rate (:func:`added_seconds`), each priced by the
-two-level model (:mod:`compression.topology`) on one veth per node shared by the node's ranks.
+two-level model (:mod:`dlrm.performance.network`) on one veth per node shared by the node's ranks.
 Three rules of the emulated link, each read off the per-collective times of quiet runs:
 
 - **tc's bucket refills only while the link idles.** A collective gets the shaper's burst at line
@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from dlrm.bench import netreport, two_nodes
-from dlrm_compression.cost_model import Link, Workload, ring_allreduce_bytes
-from dlrm_compression.topology import Collective, Topology
+from dlrm.performance.cost_model import Workload
+from dlrm.performance.network import Collective, Link, Topology, ring_allreduce_bytes
 
 CONFIGS = ("none+none", "qcomm_fp16+none", "lossy+none", "lossy+dct", "auto+auto")
 # the netbench's setup: Terabyte MLPs, dim 64, synthetic rows, table-wise

@@ -8,7 +8,7 @@ import time
 import torch
 
 from dlrm.dense_comm.dct.state import DCTState
-from dlrm_compression.cost_model import ring_allreduce_bytes, sparse_aggregation_bytes
+from dlrm.performance.network import ring_allreduce_bytes, sparse_aggregation_bytes
 from dlrm_compression.sparse import kth_largest_abs
 
 Sample = tuple[str, float, float, float, float]  # option, raw and wire bytes per rank, encode and decode s

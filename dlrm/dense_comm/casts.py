@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from dlrm.dense_comm.stats import DenseStats
-from dlrm_compression.cost_model import ring_allreduce_bytes
+from dlrm.performance.network import ring_allreduce_bytes
 
 Future = torch.futures.Future
 

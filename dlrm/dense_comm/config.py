@@ -51,10 +51,11 @@ class DenseCommSpec:
     min_numel: int = 256  # smaller buckets are all-reduced, smaller parameters sent whole
     values: str = "none"  # codec of the sent values: none (fp32) | fp16 | bf16 | lossy
     values_eb: float = 0.01  # lossy values: bound as a fraction of the largest sent |value|
-    # allgather: every rank's payload to every rank ((W-1) payloads received); reduce_scatter:
-    # segments summed by their owners, then their top entries all-gathered (~2 (W-1)/W payloads);
-    # auto: per bucket, the one with fewer bytes per rank (world size, bucket size, payload headers)
-    aggregation: str = "allgather"
+    # reduce_scatter (default): segments summed by their owners, then their top entries
+    # all-gathered (~2 (W-1)/W payloads: the dense ratio holds as W grows); allgather: every
+    # rank's payload to every rank ((W-1) payloads received); auto: per bucket, the one with fewer
+    # predicted bytes per rank (world size, bucket size, payload headers)
+    aggregation: str = "reduce_scatter"
     # auto: the option that travels while the strategy calibrates and measures (and before it)
     fallback: str = "none"
 

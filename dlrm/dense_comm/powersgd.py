@@ -14,8 +14,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 
 from dlrm.dense_comm.config import DenseCommSpec
 from dlrm.dense_comm.stats import DenseStats
+from dlrm.performance.network import ring_allreduce_bytes
 from dlrm.trainer.state import CheckpointError, numpy_rng_state, numpy_rng_tuple
-from dlrm_compression.cost_model import ring_allreduce_bytes
 
 Future = torch.futures.Future
 

@@ -17,8 +17,9 @@ import torch
 import dlrm_compression as compression
 from dlrm.embedding_comm.bounds import BoundFn, Bounds, absolute_bounds, host_bounds, policy_values
 from dlrm.embedding_comm.config import DirectionSpec
-from dlrm.embedding_comm.ids import sum_duplicates
+from dlrm.embedding_comm.ids import keep_first_duplicates, sum_duplicates
 from dlrm.process.config_checks import flag, integer
+from dlrm_compression import format as fmt
 from dlrm_compression.base import CodecContext
 from dlrm_compression.composite import PerBlockCodec, worst_case_error
 from dlrm_compression.format import Deferred, HostHead
@@ -71,6 +72,7 @@ class DirectionCodec:
             )
         self.bound_fn = bound_fn
         self.dedup = spec.dedup
+        self.exact = compression.get_codec("none", backend=backend)  # a stored chunk's (store)
         # compression=auto: the option of every feature (the per_block codec's choice; unset: its
         # fallback), and the calibration measurements not yet collected
         self.choice: dict[str, str] = {}
@@ -197,6 +199,48 @@ class DirectionCodec:
         keys = ids if self.dedup else None
         context = self._context(features, thresholds, single=None if keys is None else single, summed=summed)
         return self.codec.encode_deferred(chunk.contiguous(), bounds, keys, blocks=list(widths), context=context)
+
+    # Never more bytes than raw: a chunk whose payload is no smaller than its stored form travels
+    # stored, the ``none`` codec's payload of one block (the rows as they are, an 80-byte header,
+    # still checked). The receiver tells one by its size alone (a coded payload is always
+    # smaller), so nothing more is read. Where a stage encodes a chunk it is never stored.
+
+    def stored_size(self, shape: tuple[int, int], dtype: torch.dtype) -> int:
+        """Bytes of a stored chunk of ``shape``: every coded payload sent is smaller."""
+        rows, cols = shape
+        n = rows * cols * dtype.itemsize
+        return fmt.head_bytes(1, 1) + n + (-n % 8)
+
+    def store(self, chunk: torch.Tensor) -> torch.Tensor:
+        """The stored payload of ``chunk`` (the rows exactly as the peer is to decode them)."""
+        return self.exact.encode(chunk.contiguous(), blocks=[chunk.shape[1]])
+
+    def decode_stored(
+        self,
+        payload: torch.Tensor,
+        shape: tuple[int, int],
+        dtype: torch.dtype,
+        ids: torch.Tensor | None,
+        widths: Sequence[int],
+        checked: list[tuple[torch.Tensor, str]],
+        **naming: Any,
+    ) -> torch.Tensor:
+        """A stored chunk (into ``naming``'s ``out`` window if given), each id's sum kept on its
+        first row where the codec would have done so; a device verdict goes to ``checked`` (read
+        with the collective's, :func:`raise_unless_sound`)."""
+        out = naming.pop("out", None)
+        target = out if out is not None else torch.empty(shape, dtype=dtype, device=payload.device)
+        what = self._transfer(payload, **naming)
+        try:
+            if self.exact.checks_in_decode(payload.device):
+                checked.append((self.exact.decode_checked(payload, target, [shape[1]]), what))
+            else:
+                self.exact.decode(payload, out=target)
+        except Exception as e:  # any failure: name the transfer, keep the cause chained
+            raise CompressedCommError(f"{what}: {type(e).__name__}: {e}") from e
+        if ids is not None and self.dedup and self.merges_ids(payload.device):
+            keep_first_duplicates(target, ids, widths)
+        return target
 
     def picks_ids_on_device(self, device: torch.device) -> bool:
         """Whether :meth:`encode_deferred` can be told whether the ids hold by a device flag and

@@ -44,7 +44,9 @@ class ForwardPositions(Stage):
             c.chunk = torch.where(self.kept[c.peer], c.chunk, zero)
 
     def after_decode(self, r: Incoming, part: torch.Tensor) -> None:
-        if r.direction == "forward":
+        if r.direction == "forward" and r.stored:  # the rows as they are: every entry kept
+            self.kept[r.peer] = part.new_ones(r.shape, dtype=torch.bool)
+        elif r.direction == "forward":
             self.kept[r.peer] = r.dc.kept(r.payload, r.shape, r.head)
 
 

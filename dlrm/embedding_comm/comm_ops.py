@@ -319,6 +319,35 @@ def _send_raw(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: li
     return _Transfer(work, recv_buf, recv_sizes, like, raw=True)
 
 
+_NO_LIMIT = 2**62  # no stored form (a stage's payload, or one whose size the host knows)
+
+
+def _stored_size(c: Outgoing) -> int:
+    rows, cols = c.chunk.shape
+    return c.dc.stored_size((rows, cols), c.chunk.dtype)
+
+
+def _store(c: Outgoing) -> torch.Tensor:
+    """``c`` stored (:meth:`DirectionCodec.stored_size`): the rows as the codec would have sent
+    them (each id's sum where it sums them), which the peer then holds exactly."""
+    chunk = sum_duplicates(c.chunk, c.ids, c.blocks.widths) if c.summed and c.ids is not None else c.chunk
+    c.held = chunk
+    c.stats.add(f"{c.direction}/stored_chunks", 1)
+    return c.dc.store(chunk)
+
+
+def _store_larger(payloads: list[torch.Tensor | Deferred | None], coded: dict[int, Outgoing]) -> None:
+    """Store, in place, every coded payload whose size the host knows and that is no smaller than
+    its chunk's stored form (a payload sent to several peers is stored once)."""
+    stored: dict[int, torch.Tensor] = {}
+    for q, c in coded.items():
+        p = payloads[q]
+        if isinstance(p, torch.Tensor) and p.numel() >= _stored_size(c):
+            if id(p) not in stored:
+                stored[id(p)] = _store(c)
+            payloads[q] = stored[id(p)]
+
+
 def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[torch.Tensor]) -> _Transfer:
     """Encode a chunk per peer (through the call's stages), exchange sizes, launch the async byte
     all-to-all."""
@@ -357,6 +386,8 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
     policy: dict[int, list[float]] = {}
     sample, sample_s = info.sample, 0.0
     sampled: _Sampled | None = None
+    coded: dict[int, Outgoing] = {}  # the chunks the codec encoded, which may travel stored
+    memo_coded: dict[int, Outgoing] = {}
     for i in range(1, ws):
         peer = (me + i) % ws
         chunk, ids, single = chunks[peer], ids_per_peer[peer], send_flags[peer]
@@ -366,6 +397,8 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
         _count_raw(stats, d, chunk, blocks)
         if ids is None and id(chunk) in memo and reuse:
             payloads[peer] = memo[id(chunk)]
+            if id(chunk) in memo_coded:
+                coded[peer] = memo_coded[id(chunk)]
         else:
             key = id(blocks)
             if key not in policy:
@@ -384,6 +417,7 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
             )
             late: torch.Tensor | Deferred | None
             if not any(s.encode(c) for s in stages):
+                coded[peer] = c
                 if defer:  # (a stage may not defer a sampled chunk; the codec's is measured below)
                     late = dc.encode_deferred(
                         c.chunk, blocks.widths, bounds, ids, thresholds, blocks.features, single, c.summed
@@ -406,9 +440,14 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
                 sample = False
             if ids is None:  # no ids, settled or pending
                 memo[id(chunks[peer])] = late
+                if peer in coded:
+                    memo_coded[id(chunks[peer])] = coded[peer]
             payloads[peer] = late
     if payload_hooked():  # a test's hook sees (and may cut) each payload: their bytes first
-        ready = settle(payloads)
+        payloads = settle(payloads)  # type: ignore[assignment]
+    _store_larger(payloads, coded)
+    if payload_hooked():
+        ready = cast(list[torch.Tensor | None], payloads)
         if sampled is not None:  # as encoded, before the hook
             sample_s += _timed(_sample, sampled, ready[sampled.c.peer], stats)
             sampled = None
@@ -421,11 +460,17 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
             for q, p in enumerate(ready)
         ]
     t1 = time.perf_counter()
-    sizes = torch.tensor([p.numel() if isinstance(p, torch.Tensor) else 0 for p in payloads], dtype=torch.int64)
-    sizes = sizes.to(device, non_blocking=True)
+    # the sizes; where a coded payload's length is still on the device, the smaller of it and its
+    # stored form's (the same upload, one op), the payload chosen once the sizes are read
+    limits = {q: _stored_size(coded[q]) for q, p in enumerate(payloads) if isinstance(p, Deferred) and q in coded}
+    host = [p.numel() if isinstance(p, torch.Tensor) else 0 for p in payloads]
+    upload = torch.tensor(host + [limits.get(q, _NO_LIMIT) for q in range(ws) if limits], dtype=torch.int64)
+    sizes = upload.to(device, non_blocking=True)
     for q, p in enumerate(payloads):
         if isinstance(p, Deferred):
             sizes[q] = p.length
+    if limits:
+        sizes = torch.minimum(sizes[:ws], sizes[ws:])
     recv_t = torch.empty(ws, dtype=torch.int64, device=device)
     with embedding_collective(d), named_collective(f"the size exchange of {_a2a_name(info, d)}"):
         dist.all_to_all_single(recv_t, sizes, group=pg)
@@ -440,6 +485,13 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
     for read in settles:
         read.then(both[at : at + read.values.numel()])
         at += read.values.numel()
+    stored: dict[int, torch.Tensor] = {}  # a payload sent to several peers is stored once
+    for q, limit in limits.items():
+        if send_sizes[q] == limit:
+            late = payloads[q]
+            if id(late) not in stored:
+                stored[id(late)] = _store(coded[q])
+            payloads[q] = stored[id(late)]
     sent = [
         p.take(n) if isinstance(p, Deferred) else p for p, n in zip(payloads, send_sizes, strict=True) if p is not None
     ]
@@ -457,7 +509,8 @@ def _send(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, chunks: list[t
     t2 = time.perf_counter()
     late_s = 0.0
     if sampled is not None:  # while the bytes travel
-        own = sampled.late
+        own = payloads[sampled.c.peer]
+        assert own is not None
         own = own.take(send_sizes[sampled.c.peer]) if isinstance(own, Deferred) else own
         late_s = _timed(_sample, sampled, own, stats)
     stats.add(f"{d}/wire_bytes", sum(send_sizes) + 8 * (ws - 1))
@@ -478,6 +531,8 @@ def _read_heads(info: CompressedA2AInfo, d: str, incoming: list[Incoming]) -> No
     where the decoder reads for itself, e.g. on the CPU)."""
     todo: list[tuple[Incoming, Prepared]] = []
     for r in incoming:
+        if r.stored:  # decoded with its check, nothing read first
+            continue
         prepared: Prepared | None = next((p for s in info.stages if (p := s.prepare_decode(r)) is not None), None)
         if prepared is None and not any(s.decodes(r) for s in info.stages):
             if r.dc.checks_in_decode(r.payload.device):  # its verdict is read after the decodes
@@ -524,6 +579,8 @@ def _decode(
         iteration=r.iteration,
         where=r.where,
     )
+    if r.stored:
+        return r.dc.decode_stored(r.payload, r.shape, dtype, r.ids, r.blocks.widths, checked, out=r.window, **naming)
     if r.checked_later:
         out, verdict = r.dc.decode_checked(r.payload, r.shape, dtype, r.blocks.widths, out=r.window, **naming)
         checked.append((verdict, r.dc._transfer(r.payload, **naming)))
@@ -589,6 +646,8 @@ def _receive(pg: dist.ProcessGroup, info: CompressedA2AInfo, d: str, tr: _Transf
             info.iteration,
             info.where,
         )
+        # a chunk sent stored has its stored form's size, which no coded payload has
+        r.stored = n == dc.stored_size(shape, tr.self_part.dtype) and not any(s.decodes(r) for s in info.stages)
         parts.append(r)
     if not tr.raw:
         _read_heads(info, d, [p for p in parts if isinstance(p, Incoming)])

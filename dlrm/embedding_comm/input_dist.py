@@ -28,7 +28,7 @@ from dlrm.embedding_comm.ids import attach_plans
 from dlrm.embedding_comm.input_switch import InputSwitch
 from dlrm.embedding_comm.stats import CommStats
 from dlrm_compression.format import PayloadError
-from dlrm_compression.ids_codec import IdsCodec, KeyPlans
+from dlrm_compression.ids_codec import IdsCodec, IdsPart, KeyPlans
 
 
 def stock_input_bytes(pg: Any, splits: list[int], kjt: KeyedJaggedTensor) -> int:
@@ -168,17 +168,18 @@ class _CodedTensorsAwaitable(KJTAllToAllTensorsAwaitable):
     def _wait_impl(self) -> KeyedJaggedTensor:
         self._work.wait()
         me, req = self._pg.rank(), self._req
+        chunks = torch.split(self._buffer, self._sizes)
+        t0 = time.perf_counter()
+        decoded = iter(self._decode_all([(src, c) for src, c in enumerate(chunks) if src != me]))
+        req.module.stats.add("input/codec_ms", 1e3 * (time.perf_counter() - t0))
         parts: list[list[torch.Tensor]] = [[] for _ in self._labels]
-        for src, chunk in enumerate(torch.split(self._buffer, self._sizes)):
+        for src in range(len(chunks)):
             if src == me:
-                own = [t[sum(s[:me]) : sum(s[: me + 1])] for t, s in zip(req.tensors, req.input_splits, strict=True)]
-                for out, t in zip(parts, own, strict=True):
-                    out.append(t)
-                continue
-            t0 = time.perf_counter()
-            for out, t in zip(parts, self._decode(chunk, src), strict=True):
+                got = [t[sum(s[:me]) : sum(s[: me + 1])] for t, s in zip(req.tensors, req.input_splits, strict=True)]
+            else:
+                got = next(decoded)
+            for out, t in zip(parts, got, strict=True):
                 out.append(t)
-            req.module.stats.add("input/codec_ms", 1e3 * (time.perf_counter() - t0))
         tensors = [torch.cat(p) for p in parts]
         out = type(self._input).dist_init(
             keys=self._keys,
@@ -202,25 +203,35 @@ class _CodedTensorsAwaitable(KJTAllToAllTensorsAwaitable):
             if all(n == stride[src] for n in self._bags[src]):
                 attach_plans(out, plans, 0, [sum(stride[:src])] * len(self._keys))
 
-    def _decode(self, chunk: torch.Tensor, src: int) -> list[torch.Tensor]:
-        """One peer's share as TorchRec's tensors, in its labels' order."""
-        module = self._req.module
-        where = (
+    def _where(self, src: int) -> str:
+        return (
             f"input all-to-all payload from rank {src} to rank {self._pg.rank()} "
-            f"(keys {self._keys}, call {module.calls})"
+            f"(keys {self._keys}, call {self._req.module.calls})"
         )
+
+    def _decode_all(self, chunks: list[tuple[int, torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """Every peer's share as TorchRec's tensors, in its labels' order: their payloads decoded
+        together (one head read and one consistency check for all of them)."""
+        wheres = [self._where(src) for src, _ in chunks]
         try:
-            part = module.codec.decode(chunk, where)
+            parts = self._req.module.codec.decode_all([c for _, c in chunks], wheres, keys=len(self._keys))
         except PayloadError as e:
-            raise PayloadError(str(e) if where in str(e) else f"{where}: {e}") from None
+            named = any(w in str(e) for w in wheres)
+            raise PayloadError(str(e) if named or len(wheres) != 1 else f"{wheres[0]}: {e}") from None
+        return [self._taken(part, src) for (src, _), part in zip(chunks, parts, strict=True)]
+
+    def _taken(self, part: IdsPart, src: int) -> list[torch.Tensor]:
+        """One peer's decoded share as TorchRec's tensors, checked against the splits exchanged."""
+        where = self._where(src)
         if part.plan is not None and len(part.bags_per_key) == len(self._keys):
             self._plans[src], self._bags[src] = part.plan, part.bags_per_key
         by_label = {"lengths": part.lengths, "values": part.values, "weights": part.weights}
-        by_label["strides"] = torch.tensor(part.bags_per_key, dtype=torch.int64, device=chunk.device)
+        if "strides" in self._labels:  # (variable strides per key)
+            by_label["strides"] = torch.tensor(part.bags_per_key, dtype=torch.int64, device=part.lengths.device)
         expect = {label: self._output_splits[label][src] for label in self._labels}
         out = []
         for label in self._labels:
-            t = by_label[label]
+            t = by_label.get(label)
             if t is None or t.numel() != expect[label]:
                 raise PayloadError(
                     f"{where}: {label} holds {None if t is None else t.numel()}, splits say {expect[label]}"

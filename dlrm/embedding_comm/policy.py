@@ -11,6 +11,8 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
+
 import dlrm_compression as compression
 from data.layout import SPARSE_NAMES
 from dlrm.embedding_comm.config import CompressionSpec
@@ -29,6 +31,7 @@ from dlrm_compression.policies import (
     SCHEDULES,
     Control,
     DirectionRule,
+    Plateau,
     Policy,
     Schedule,
     TableStats,
@@ -38,10 +41,13 @@ from dlrm_compression.policies import (
 
 log = logging.getLogger(__name__)
 
-_RULE_KEYS = {"kind", "eb", "bounds", "classes", "schedule", "scale", "control"}
+_RULE_KEYS = {"kind", "eb", "bounds", "classes", "schedule", "scale", "control", "plateau", "window", "evaluation"}
 _CLASS_KEYS = {"source", "dataset", "rank_by", "split", "tight", "loose"}
 _SCHEDULE_KEYS = {"kind", "early_stage", "c"}
 _CONTROL_KEYS = {"target", "min", "max", "gain", "max_step"}
+_PLATEAU_KEYS = {"factor", "min_delta", "patience", "floor"}
+_WINDOW_KEYS = {"start", "end"}
+EVALUATIONS = ("train", "exact")
 # which keys each kind requires / forbids (closed_loop takes any base)
 _NEEDS = {
     "fixed": {"eb"},
@@ -131,6 +137,46 @@ def _control(cfg: Any, where: str) -> Control:
         raise ValueError(f"{where}: {e}") from None
 
 
+def _plateau(cfg: Any, where: str) -> Plateau:
+    if not isinstance(cfg, Mapping):
+        raise ValueError(f"{where} must be a mapping {{factor, min_delta, patience, floor}}, got {cfg!r}")
+    check_keys(cfg, _PLATEAU_KEYS, where)
+    d = Plateau()
+    try:
+        return Plateau(
+            factor=number(cfg, "factor", where, d.factor, positive=True),
+            min_delta=number(cfg, "min_delta", where, d.min_delta),
+            patience=integer(cfg, "patience", where, d.patience, minimum=1),
+            floor=number(cfg, "floor", where, d.floor, positive=True),
+        )
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def _window(cfg: Any, where: str) -> tuple[int, int | None]:
+    if not isinstance(cfg, Mapping):
+        raise ValueError(f"{where} must be a mapping {{start, end}} of iterations, got {cfg!r}")
+    check_keys(cfg, _WINDOW_KEYS, where)
+    start = integer(cfg, "start", where, 0)
+    end = None if cfg.get("end") is None else integer(cfg, "end", where, minimum=start + 1)
+    return start, end
+
+
+def _extras(cfg: Mapping[str, Any], present: set[str], where: str) -> dict[str, Any]:
+    """The keys every kind may take: plateau, window, evaluation (forward only)."""
+    out: dict[str, Any] = {}
+    if "plateau" in present:
+        if "control" in present:
+            raise ValueError(f"{where}.plateau: the closed loop ({where}.control) sets its own levels; use one")
+        out["plateau"] = _plateau(cfg["plateau"], f"{where}.plateau")
+    if "window" in present:
+        out["window"] = _window(cfg["window"], f"{where}.window")
+    out["evaluation"] = one_of(cfg, "evaluation", where, EVALUATIONS) if "evaluation" in present else "train"
+    if out["evaluation"] != "train" and where.endswith("backward"):
+        raise ValueError(f"{where}.evaluation: evaluation passes send no gradients (forward only)")
+    return out
+
+
 def _rule(cfg: Any, tables: Sequence[TableStats], where: str) -> DirectionRule:
     if not isinstance(cfg, Mapping):
         raise ValueError(f"{where} must be a mapping with a `kind` ({', '.join(KINDS)}), got {cfg!r}")
@@ -155,6 +201,7 @@ def _rule(cfg: Any, tables: Sequence[TableStats], where: str) -> DirectionRule:
     scale = number(cfg, "scale", where, 1.0, positive=True)
     schedule = _schedule(cfg["schedule"], f"{where}.schedule") if "schedule" in present else None
     control = _control(cfg["control"], f"{where}.control") if "control" in present else None
+    extras = _extras(cfg, present, where)
     if "classes" in present:
         bounds_cfg = cfg.get("bounds") or PUBLISHED_BOUNDS
         if not isinstance(bounds_cfg, Mapping):
@@ -171,11 +218,12 @@ def _rule(cfg: Any, tables: Sequence[TableStats], where: str) -> DirectionRule:
             schedule,
             control,
             nominal=values["base"],
+            **extras,
         )
     if "eb" not in present:
         raise ValueError(f"{where}: give eb (one bound) or classes (+ bounds)")
     eb = number(cfg, "eb", where)
-    return DirectionRule(kind, eb, {t.feature: eb for t in tables}, {}, scale, schedule, control, nominal=eb)
+    return DirectionRule(kind, eb, {t.feature: eb for t in tables}, {}, scale, schedule, control, nominal=eb, **extras)
 
 
 def build_policy(
@@ -227,6 +275,30 @@ def policy_for_run(cfg: Mapping[str, Any], spec: CompressionSpec, tables: Sequen
             "sampled errors, but compression.stats.sample_every is 0; set it > 0"
         )
     return policy
+
+
+class TrainingBound:
+    """A policy as the dists' ``bound_fn``, and a step observer of the training loop: a forward
+    outside a training segment (an evaluation pass, the test pass) asks for the policy's
+    evaluation bound. (Not grad mode: the all-to-all runs inside an autograd function's forward,
+    where grad mode is off in training too.) A class, not a closure: the sharders holding it are
+    pickled."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self.training = True  # outside the loop (before it starts) as in training
+
+    def __call__(self, feature: str, direction: str, iteration: int) -> float:
+        return self.policy.bound(feature, direction, iteration, self.training or direction == "backward")
+
+    def segment_start(self, model: torch.nn.Module) -> None:
+        self.training = True
+
+    def step_end(self, model: torch.nn.Module) -> None:
+        return
+
+    def segment_end(self, model: torch.nn.Module) -> None:
+        self.training = False  # evaluation passes and checkpoints happen between segments
 
 
 class PolicyFeedback:

@@ -89,6 +89,7 @@ class Incoming:
     # decoded with no head read first, its verdict read after the collective's every decode
     # (DirectionCodec.checks_in_decode)
     checked_later: bool = False
+    stored: bool = False  # the rows as they are (DirectionCodec.stored_size): no coder's payload
 
 
 class Stage:

@@ -28,13 +28,13 @@ from torchrec.distributed.types import ModuleSharder
 
 from data.frequency import FeatureFrequency
 from dlrm.embedding_comm.config import CompressionSpec
+from dlrm.performance.link_timing import calibrate_link
+from dlrm.performance.network import Link
 from dlrm.placement.config import PlacementSpec
 from dlrm.placement.traffic import FP32, PATHS, Direction, Shard, TablePlacement, TrafficModel
 from dlrm.process.env import DistEnv
-from dlrm.strategy.controller import calibrate_link
 from dlrm.trainer.model import table_names
 from dlrm.trainer.sharding import kernel_for, topology_args
-from dlrm_compression.cost_model import Link
 
 log = logging.getLogger("dlrm.placement.comm_aware")
 CHOICES = ("data_parallel", "table_wise", "row_wise", "column_wise")

@@ -39,7 +39,7 @@ from statistics import NormalDist
 import numpy as np
 
 from data.frequency import FeatureFrequency, seen_probability
-from dlrm_compression.cost_model import ring_allreduce_bytes
+from dlrm.performance.network import ring_allreduce_bytes
 from dlrm_compression.ids_codec import PAYLOAD_BYTES, expected_bytes
 
 PATHS = ("input", "forward", "backward", "allreduce", "replica_sync")

@@ -13,7 +13,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 from dlrm.dense_comm.component import DenseCommunication
 from dlrm.embedding_comm.component import EmbeddingCompression
 from dlrm.process.env import DistEnv
-from dlrm.strategy.controller import StrategyController, parse_strategy_cfg
+from dlrm.strategy.config import parse_strategy_cfg
+from dlrm.strategy.controller import StrategyController
 from dlrm.trainer.component import Component
 from dlrm.trainer.loop import TrainState
 

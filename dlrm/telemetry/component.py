@@ -6,6 +6,7 @@ synchronisations per iteration."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -98,6 +99,9 @@ class Telemetry(Component):
     @property
     def observers(self) -> list[StepObserver]:
         return [self.meter, self.syncs]
+
+    def validated(self, values: Mapping[str, float | None], iteration: int) -> None:
+        self.tb.scalars(values, iteration)
 
     def close(self) -> None:
         if self.progress is not None:

@@ -2,7 +2,7 @@
 
 A :class:`~dlrm.trainer.loop.StepObserver`: after ``skip`` training iterations (the pipeline's
 fill, the first calibration) it counts the next ``window`` whole iterations, each from the end of
-one optimizer step to the end of the next, with :class:`~dlrm_compression.host_syncs.HostSyncCounter`
+one optimizer step to the end of the next, with :class:`~dlrm.telemetry.sync_counter.HostSyncCounter`
 (a dispatch mode: every op of a counted iteration goes through Python, so only a few are counted).
 An iteration cut by the end of a training segment (evaluation, a checkpoint) is not counted.
 
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dlrm_compression.host_syncs import HostSyncCounter
+from dlrm.telemetry.sync_counter import HostSyncCounter
 
 
 class HostSyncMeter:

@@ -44,7 +44,9 @@ def custom_scalars_layout(directions: Sequence[str] = DIRECTIONS) -> dict[str, d
     """The layout for ``SummaryWriter.add_custom_scalars``: {category: {chart: ["Multiline", [regex]]}}.
 
     First category: eval/test AUC and the compression ratios side by side (plus loss and the
-    worst error/bound); then one category per direction with every table's bound, ratio and error.
+    worst error/bound), then each direction's bound per table (an adaptive policy's bounds over
+    the iterations, beside the validation AUC that moves them); then one category per direction
+    with every table's bound, ratio and error.
     """
     layout: dict[str, dict[str, list[Any]]] = {
         "accuracy vs compression": {
@@ -55,6 +57,7 @@ def custom_scalars_layout(directions: Sequence[str] = DIRECTIONS) -> dict[str, d
             ],
             "log loss": ["Multiline", [_exact("train/loss"), _exact("eval/logloss")]],
             "max error / bound (<= 1)": ["Multiline", [_exact(f"comm/{d}/max_error_over_bound") for d in directions]],
+            **{f"{d} bound per table (policy)": ["Multiline", [_per_table(d, "eb")]] for d in directions},
         },
     }
     layout["dense gradients"] = {

@@ -22,10 +22,10 @@ from torchrec.distributed import DistributedModelParallel
 
 from data.frequency import FeatureFrequency
 from dlrm.embedding_comm.config import CompressionSpec
+from dlrm.performance.network import ring_allreduce_bytes
 from dlrm.placement.traffic import PATHS, Direction, ReplicaSync, Shard, TablePlacement, TrafficModel, by_path
 from dlrm.telemetry.comm_stats import run_sums_all_ranks, run_totals
 from dlrm.trainer.model import table_names
-from dlrm_compression.cost_model import ring_allreduce_bytes
 
 _A2A_KEYS = {"input": "input/wire_bytes", "forward": "forward/wire_bytes", "backward": "backward/wire_bytes"}
 _SYNC_KEY = "replica_sync/wire_bytes"

@@ -41,8 +41,9 @@ class Sharding:
 class Component:
     """A feature of the run. ``shard``: what it adds at sharding time; ``parts``: its checkpoint
     state (named Stateful objects; a component with nothing to save has none); ``observers``: it
-    watches training steps; ``metrics``: its metrics.json keys, asked once on every rank at the end
-    (a collective allowed); ``close``: training is over."""
+    watches training steps; ``validated``: a validation pass's metrics (``eval/<key>``, the same on
+    every rank); ``metrics``: its metrics.json keys, asked once on every rank at the end (a
+    collective allowed); ``close``: training is over."""
 
     def shard(self, sharding: Sharding) -> None:
         return
@@ -54,6 +55,9 @@ class Component:
     @property
     def observers(self) -> list[StepObserver]:
         return []
+
+    def validated(self, values: Mapping[str, float | None], iteration: int) -> None:
+        return
 
     def metrics(self, model: torch.nn.Module, state: TrainState) -> dict[str, Any]:
         return {}

@@ -71,3 +71,43 @@ def test_ranks_sets_the_processes_of_every_run(tmp_path):
     # the same --out at another world size would mix them in one report: refused, nothing trained
     with pytest.raises(SystemExit):
         accuracy.main([*argv[:-1], "2", "--", *SMALL, f"data.cache_dir={tmp_path / 'cache'}"])
+
+
+def _fake_run(out, config: str, seed: int, auc: float, level: float | None = None) -> None:
+    """A finished run as the driver leaves it: metrics.json, the resolved config, TensorBoard."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    d = accuracy.run_dir(out, config, 0.005, seed)
+    (d / ".hydra").mkdir(parents=True)
+    model = {"embedding_dim": 4, "dense_arch_layer_sizes": [8, 4], "over_arch_layer_sizes": [8, 1]}
+    (d / ".hydra" / "config.yaml").write_text(json.dumps({"model": model}))
+    metrics = {"auc": auc, "iterations": 90, "forward_ratio": 1.0, "backward_ratio": 1.0, "world_size": 2}
+    metrics["wire_bytes_by_path"] = dict.fromkeys(("forward", "backward", "allreduce", "input"), 1000.0)
+    if level is not None:
+        metrics["policy_forward_level"] = level
+    (d / "metrics.json").write_text(json.dumps(metrics))
+    with SummaryWriter(str(d / "tensorboard")) as w:
+        for it in (30, 60, 90):
+            w.add_scalar("eval/auc", auc - 0.01 / it, it)
+            w.add_scalar("comm/forward/eb/cat_0", 0.02 * it / (30 + seed), it)  # this run's own bounds
+            w.add_scalar("train/loss", 0.5, it)
+
+
+def test_report_compares_seed_by_seed_and_shows_an_adaptive_bound_beside_validation_auc(tmp_path):
+    out = tmp_path / "bench"
+    aucs = {"none": [0.80, 0.81], "lossy+plateau": [0.7996, 0.8110]}
+    for config, values in aucs.items():
+        for seed, auc in enumerate(values):
+            _fake_run(out, config, seed, auc, level=0.25 if config != "none" else None)
+    result = accuracy.report(out, list(aucs), [0, 1], 0.005)
+    rows = {r["config"]: r for r in result["rows"]}
+    assert rows["lossy+plateau"]["delta_vs_none_same_seed"] == pytest.approx([-0.0004, 0.001])
+    assert "| +0.0003 (-0.0004..+0.0010) |" in (out / "report.md").read_text()
+    assert rows["lossy+plateau"]["adaptive"] and not rows["none"]["adaptive"]
+    runs = sorted(p.name for p in (out / "tensorboard").iterdir())
+    assert runs == ["lossy_plateau", "lossy_plateau_bounds", "none"]
+    events = EventAccumulator(str(out / "tensorboard" / "lossy_plateau_bounds")).Reload()
+    assert set(events.Tags()["scalars"]) == {"eval/auc", "comm/forward/eb/cat_0"}  # the first seed's
+    bound = [(e.step, e.value) for e in events.Scalars("comm/forward/eb/cat_0")]
+    assert bound == [(it, pytest.approx(0.02 * it / 30)) for it in (30, 60, 90)]
+    assert (out / "bounds_lossy+plateau.png").stat().st_size > 0 and not (out / "bounds_none.png").exists()

@@ -34,11 +34,28 @@ def test_lossy_keeps_its_launch_budget_at_65536_rows():
     assert launches <= gpu_collective.BUDGET["lossy"] and syncs == 4
 
 
+def test_the_input_codec_keeps_its_launch_budget_whatever_the_batch():
+    """compression.input=ids (the ``ids`` row): the rank's ids coded for both ranks in one call and
+    the peer's payload decoded, at most 100 launches and 3 host syncs (one to encode, two to decode
+    every payload received), the same at every size (the first count, at 2,048 and 8,192 x 26 ids
+    and two destinations both decoded: 207 + 178 launches and 7 syncs, more with every destination)."""
+    counts = {size: gpu_collective.count(gpu_collective.collective(size, "ids")) for size in SMALL}
+    assert len(set(counts.values())) == 1, counts
+    launches, syncs = counts[SMALL[0]]
+    assert launches <= gpu_collective.BUDGET["ids"] and syncs == 3, counts
+
+
+@pytest.mark.scale
+def test_the_input_codec_keeps_its_launch_budget_at_65536_rows():
+    launches, syncs = gpu_collective.count(gpu_collective.collective((65536, 26, 128), "ids"))
+    assert launches <= gpu_collective.BUDGET["ids"] and syncs == 3
+
+
 def _codec_launches(size: tuple[int, int, int], config: str) -> int:
     """The codec's own launches of one collective (its encode, the size exchange, heads, decode and
     verdicts), not the transport's duplicate-id stage (the backward's sums and first rows)."""
     from dlrm.bench.host_syncs import counted_reads
-    from dlrm_compression.host_syncs import HostSyncCounter
+    from dlrm.telemetry.sync_counter import HostSyncCounter
 
     collective = RankCollective(*size, overrides=gpu_collective.CONFIGS[config])
     ids, counter = collective.fresh_ids(), HostSyncCounter()
@@ -69,12 +86,13 @@ def test_16_bit_casts_keep_the_budget_of_ten_with_their_duplicate_id_stage(confi
 def test_the_benchmark_prints_counts_on_cpu(capsys, tmp_path):
     out = tmp_path / "rows.json"
     assert (
-        gpu_collective.main(["--device", "cpu", "--sizes", "64x3x8", "--configs", "lossy,none", "--json", str(out)])
+        gpu_collective.main(["--device", "cpu", "--sizes", "64x3x8", "--configs", "lossy,none,ids", "--json", str(out)])
         == 0
     )
     text = capsys.readouterr().out
-    assert "| 64x3x8 | lossy |" in text and "| 64x3x8 | none |" in text
+    assert "| 64x3x8 | lossy |" in text and "| 64x3x8 | none |" in text and "| 64x3 | ids |" in text
     assert "timings need a GPU" in text and "launch budget: held everywhere" in text
     rows = json.loads(out.read_text())["rows"]
     assert rows[0]["sent_bytes"] < rows[0]["raw_bytes"] <= rows[1]["sent_bytes"]  # none: the rows and a header
     assert "codec_ms" not in rows[0]  # no CPU timing
+    assert rows[2]["config"] == "ids" and 0 < rows[2]["sent_bytes"] < rows[2]["raw_bytes"]

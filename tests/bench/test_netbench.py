@@ -15,7 +15,7 @@ from multiprocess import free_port
 from trainer_runs import REPO
 
 from dlrm.bench import netbench, netns, netreport
-from dlrm_compression import cost_model as cm
+from dlrm.performance import cost_model as cm
 
 TINY = [
     "compression=none",

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from dlrm.bench import projection as pj
-from dlrm_compression import cost_model as cm
+from dlrm.performance import cost_model as cm
+from dlrm.performance import network as net
 
 
 def _row(rows: list[pj.Row], config: str, gpus: int) -> pj.Row:
@@ -15,7 +16,7 @@ def _row(rows: list[pj.Row], config: str, gpus: int) -> pj.Row:
 
 def test_one_node_of_8_is_the_one_level_model_on_nvlink():
     rows = pj.project(gpus=(8,), inter_gbit=100)
-    link = cm.Link(pj.INTRA_BYTES_PER_S["a100"], latency_s=pj.LATENCY_S["intra"])
+    link = net.Link(pj.INTRA_BYTES_PER_S["a100"], latency_s=pj.LATENCY_S["intra"])
     w = cm.Workload(**{**pj.WORKLOAD.__dict__, "ranks": 8})
     none = cm.iteration_time(w, link)
     assert _row(rows, "none", 8).breakdown.as_dict() == pytest.approx(none.as_dict(), rel=1e-12)
@@ -28,12 +29,12 @@ def test_one_node_of_8_is_the_one_level_model_on_nvlink():
 @pytest.mark.parametrize("gpus", [8, 32, 1024])
 def test_uncompressed_bytes_per_rank_are_the_collectives_counts(gpus):
     w = cm.Workload(**{**pj.WORKLOAD.__dict__, "ranks": gpus})
-    expected = 2 * w.a2a_bytes() + w.input_dist_bytes() + cm.ring_allreduce_bytes(w.dense_params, gpus)
+    expected = 2 * w.a2a_bytes() + w.input_dist_bytes() + net.ring_allreduce_bytes(w.dense_params, gpus)
     row = _row(pj.project(gpus=(gpus,)), "none", gpus)
     assert row.bytes_per_rank == pytest.approx(expected, rel=1e-12)
     # across nodes: 8 of every rank's peers share its node (the all-to-alls), one hop in 8 (the ring)
     peers_across = 0 if gpus == 8 else (gpus - 8) / (gpus - 1)
-    ring_across = 0 if gpus == 8 else cm.ring_allreduce_bytes(w.dense_params, gpus) / 8
+    ring_across = 0 if gpus == 8 else net.ring_allreduce_bytes(w.dense_params, gpus) / 8
     across = (2 * w.a2a_bytes() + w.input_dist_bytes()) * peers_across + ring_across
     assert row.inter_bytes_per_rank == pytest.approx(across, rel=1e-12)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dlrm_compression as compression
-from dlrm_compression.synthetic import criteo_like_batch
+from dlrm.bench.criteo_like import criteo_like_batch
 
 
 def host_range_bounds(x: torch.Tensor, rel: list[float], widths: list[int]) -> list[float]:

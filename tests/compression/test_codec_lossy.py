@@ -231,8 +231,8 @@ def test_verify_ids_catches_rows_that_break_the_id_contract():
 def _deferred_round_trip(codec, x, eb, ids, widths):
     """(the usual payload, the deferred one settled, its decode through a read head, the syncs
     of the deferred encode and of that decode)."""
+    from dlrm.telemetry.sync_counter import HostSyncCounter
     from dlrm_compression import format as fmt
-    from dlrm_compression.host_syncs import HostSyncCounter
 
     want = codec.encode(x, eb, ids, blocks=widths)
     enc, dec = HostSyncCounter(), HostSyncCounter()
@@ -251,8 +251,8 @@ def _deferred_round_trip(codec, x, eb, ids, widths):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases(), by=st.sampled_from(["ids", "value", "none"]))
 def test_device_framing_writes_the_same_payload_and_decodes_it_without_host_syncs(case, by):
+    from dlrm.telemetry.sync_counter import HostSyncCounter
     from dlrm_compression import dedup
-    from dlrm_compression.host_syncs import HostSyncCounter
 
     x, widths, eb, ids = case
     i = ids if by == "ids" else None

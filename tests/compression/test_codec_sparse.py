@@ -192,9 +192,9 @@ def test_a_damaged_device_payload_fails_its_check_and_a_truncated_one_raises():
 @pytest.mark.parametrize("keep", [0.0005, 0.005, 0.1, 0.5, 1.0])
 def test_the_deferred_payload_is_built_and_decoded_from_its_read_head_without_a_host_read(values, keep):
     from dlrm.bench.host_syncs import counted_reads
+    from dlrm.telemetry.sync_counter import HostSyncCounter
     from dlrm_compression import format as fmt
     from dlrm_compression import sparse
-    from dlrm_compression.host_syncs import HostSyncCounter
 
     x = gradients(40000).view(100, 400).clone()
     x[0, :3] = torch.tensor([math.nan, math.inf, -0.0])

@@ -253,6 +253,38 @@ def _check_interpret() -> None:
                 same(outs[0].view(ints), outs[1].view(ints), f"cast_unpack {dtype} wire {wire} flip {flip}")
     print("cast pack/unpack OK")
 
+    # the ids codec's bit streams and every payload's check at once
+    i64 = torch.iinfo(torch.int64)
+    for n in (0, 1, 700, 5000):
+        widths = torch.randint(0, 65, (n,), generator=g)
+        widths[: min(n, 3)] = torch.tensor([64, 0, 1])[: min(n, 3)]
+        raw = torch.randint(i64.min, i64.max, (n,), generator=g)
+        keep = torch.where(widths >= 64, -1, (1 << widths.clamp(max=63)) - 1)
+        vals = raw & keep  # (each within its width)
+        starts = 5 + widths.cumsum(0) - widths
+        perm = torch.randperm(n, generator=g)  # the kernel places values in any order
+        words = (int(starts[-1] + widths[-1]) if n else 5) // 64 + 1
+        packed = K.bits_pack(vals[perm], starts[perm], words, block=256)
+        same(packed, R.bits_pack(vals[perm], starts[perm], words), f"bits_pack n={n}")
+        stride = torch.stack([starts, widths], 1)  # strided inputs, as the codec passes them
+        got = K.bits_unpack(packed, stride[:, 0], stride[:, 1], block=256)
+        same(got, R.bits_unpack(packed, stride[:, 0], stride[:, 1]), f"bits_unpack n={n}")
+        same(got, vals, f"bits round trip n={n}")
+    print("bits pack/unpack OK")
+    data = torch.randint(0, 256, (30000,), generator=g, dtype=torch.uint8)
+    starts, sizes = [0, 24, 5000, 9000], [24, 4976, 3000, 20999]
+    for mode in (R.ADLER_VALUE, R.ADLER_HOLDS):
+        got = K.adler32_segments(data, starts, sizes, 20, 4, 20, mode, block=1024)
+        assert got.tolist() == R.adler32_segments(data, starts, sizes, 20, 4, 20, mode).tolist(), mode
+    k1, r1 = data.clone(), data.clone()
+    K.adler32_segments(k1, starts, sizes, 20, 4, 20, R.ADLER_SEAL, block=1024)
+    R.adler32_segments(r1, starts, sizes, 20, 4, 20, R.ADLER_SEAL)
+    same(k1, r1, "adler32_segments sealed")
+    assert K.adler32_segments(k1, starts, sizes, 20, 4, 20, R.ADLER_HOLDS, block=1024).tolist() == [1, 1, 1, 1]
+    k1[9000 + 20999 - 1] ^= 8
+    assert K.adler32_segments(k1, starts, sizes, 20, 4, 20, R.ADLER_HOLDS, block=1024).tolist() == [1, 1, 1, 0]
+    print("adler32 segments OK")
+
 
 def _aot_specs():
     from dlrm_compression import kernels as K
@@ -397,6 +429,23 @@ def _aot_specs():
         "s1": "i64", "cols": "i64", "part_ptr": "*i64", "verdict_ptr": "*i64", "ITEM": "constexpr",
         "WIRE": "constexpr", "BLOCK": "constexpr",
     }  # fmt: skip
+    bits_pack = {"values_ptr": "*i64", "v_stride": "i64", "starts_ptr": "*i64", "s_stride": "i64", "n": "i64",
+                 "words_ptr": "*i64", "n_words": "i64", "BLOCK": "constexpr"}  # fmt: skip
+    bits_unpack = {"words_ptr": "*i64", "n_words": "i64", "starts_ptr": "*i64", "s_stride": "i64",
+                   "widths_ptr": "*i64", "w_stride": "i64", "n": "i64", "out_ptr": "*i64",
+                   "BLOCK": "constexpr"}  # fmt: skip
+    seg_parts = {"data_ptr": "*u8", "table_ptr": "*i64", "n_segments": "i64", "skip_at": "i64", "skip_len": "i64",
+                 "part_ptr": "*i64", "max_parts": "i64", "BLOCK": "constexpr"}  # fmt: skip
+    seg_finish = {"part_ptr": "*i64", "max_parts": "i64", "table_ptr": "*i64", "n_segments": "i64", "skip_len": "i64",
+                  "check_at": "i64", "data_ptr": "*u8", "out_ptr": "*i64", "MODE": "constexpr", "BLOCK": "constexpr",
+                  "CHUNK": "constexpr"}  # fmt: skip
+    specs += [
+        (K.bits_pack_kernel, bits_pack, {"BLOCK": K.BITS_BLOCK}),
+        (K.bits_unpack_kernel, bits_unpack, {"BLOCK": K.BITS_BLOCK}),
+        (K.adler_segments_partials_kernel, seg_parts, {"BLOCK": K.ADLER_BLOCK}),
+        *[(K.adler_segments_finish_kernel, seg_finish, {"MODE": m, "BLOCK": K.ADLER_BLOCK, "CHUNK": 1024})
+          for m in (0, 1, 2)],
+    ]  # fmt: skip
     for item, wire in ((4, 0), (4, 1), (4, 2)):
         specs.append((K.cast_pack_kernel, cast_pack, {"ITEM": item if wire == 0 else 2, "WIRE": wire, "BLOCK": 4096}))
         specs.append(

@@ -294,7 +294,7 @@ def test_aggregation_is_a_dct_key_checked_by_name():
     from dlrm.dense_comm.config import parse_dense_comm_cfg
     from dlrm.dense_comm.hook import DenseComm
 
-    assert parse_dense_comm_cfg({"name": "dct"}).aggregation == "allgather"  # today's, bit for bit
+    assert parse_dense_comm_cfg({"name": "dct"}).aggregation == "reduce_scatter"  # its ratio holds as W grows
     with pytest.raises(ValueError, match=r"dense_comm\.aggregation must be one of allgather, reduce_scatter, auto"):
         parse_dense_comm_cfg({"name": "dct", "aggregation": "ring"})
     with pytest.raises(ValueError, match="aggregation"):

@@ -169,6 +169,9 @@ DCT = {
     "refresh_warmup": False,
     "min_numel": 100,
     "bucket_cap_mb": 0.0005,
+    # the all-gather's invariants (its residuals alone hold what was not sent); the default
+    # reduce-scatter's, owner residuals included: test_dense_aggregation.py
+    "aggregation": "allgather",
 }
 
 

@@ -54,7 +54,7 @@ def _buckets(rank: int, ws: int, values: str, iterations: int, aggregation: str 
     from dlrm.bench.host_syncs import counted_reads
     from dlrm.dense_comm.config import parse_dense_comm_cfg
     from dlrm.dense_comm.hook import DenseComm
-    from dlrm_compression.host_syncs import HostSyncCounter
+    from dlrm.telemetry.sync_counter import HostSyncCounter
 
     original = _inline_all_gather()
     out: dict = {}
@@ -243,13 +243,13 @@ def test_a_damaged_payload_fails_the_backward_before_any_parameter_moves(aggrega
 
 def _launches(rank: int, ws: int) -> dict[str, list[int]]:
     """Dispatcher ops that launch work in each of 4 buckets of one 1024 x 1024 linear layer (DCT's
-    device path, keep 0.005, thresholds refreshed at iterations 0, 1 and 2), per cast of the
+    device path, all-gathered, keep 0.005, thresholds refreshed at iterations 0, 1 and 2), per cast of the
     values: the hook, the decode of every other rank's payload and the reads
     (:func:`_inline_all_gather`)."""
     from dlrm.bench.host_syncs import counted_reads
     from dlrm.dense_comm.config import parse_dense_comm_cfg
     from dlrm.dense_comm.hook import DenseComm
-    from dlrm_compression.host_syncs import HostSyncCounter
+    from dlrm.telemetry.sync_counter import HostSyncCounter
 
     original = _inline_all_gather()
     out: dict[str, list[int]] = {}
@@ -257,7 +257,8 @@ def _launches(rank: int, ws: int) -> dict[str, list[int]]:
         for values in ("none", "fp16"):
             torch.manual_seed(rank)
             layer = torch.nn.Linear(1024, 1024)
-            dense = DenseComm(parse_dense_comm_cfg({**DCT, "keep": 0.005, "values": values, "backend": "device"}))
+            cfg = {**DCT, "keep": 0.005, "values": values, "aggregation": "allgather", "backend": "device"}
+            dense = DenseComm(parse_dense_comm_cfg(cfg))
             dense.prepare(layer, dist.group.WORLD)
             out[values] = []
             for _ in range(4):

@@ -29,9 +29,9 @@ from dlrm.embedding_comm.stats import CommStats
 from dlrm.placement.hot_rows import HotSplit
 from dlrm.placement.hot_sync import HotRowOptimizer
 from dlrm.placement.hot_wire import SyncWire
+from dlrm.telemetry.sync_counter import HostSyncCounter
 from dlrm_compression import format as fmt
 from dlrm_compression.backend import DEVICE
-from dlrm_compression.host_syncs import HostSyncCounter
 from dlrm_compression.row_cache import RowCache
 
 EB, DIM = 0.01, 4

@@ -185,7 +185,7 @@ def test_duplicate_id_gradients_sum_to_the_same_per_id_totals_with_inf():
 def test_duplicate_id_sums_and_first_rows_match_a_row_by_row_reference_bit_for_bit():
     """Zipf ids (many duplicates, empty bags), unequal and empty blocks: each id's rows summed in
     row order in float32, the first row per id kept, as a plain loop over the rows does it."""
-    from dlrm_compression.synthetic import criteo_like_batch
+    from dlrm.bench.criteo_like import criteo_like_batch
 
     batch = criteo_like_batch(rows=300, tables=4, dim=3, seed=7)
     ids = torch.stack([t["ids"] for t in batch.values()], 1)

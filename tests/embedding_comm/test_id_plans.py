@@ -205,8 +205,9 @@ def _pipelined_reuse(rank: int, ws: int) -> dict:
 def test_the_pipelined_output_dist_reuses_the_input_plans_of_its_own_batch_2_ranks():
     for s in run_ranks(_pipelined_reuse, 2):
         on, off, plain = s["ids"], s["ids_sorted"], s["lossy"]
-        # the mixed plan's table/column-wise chunks: every one, both sides, takes its batch's plan
+        # the mixed plan's table/column-wise chunks, both sides, take their batch's plan where its
+        # input payload was coded (a stored one, which these small batches can make, carries none)
         assert on["comm/ids/plans"] == off["comm/ids/plans"] == plain["comm/ids/plans"] > 0
-        assert on["comm/ids/plans_reused"] == on["comm/ids/plans"] == on["checked"]
+        assert 0 < on["comm/ids/plans_reused"] == on["checked"] <= on["comm/ids/plans"]
         assert off["comm/ids/plans_reused"] == plain["comm/ids/plans_reused"] == 0 == off["checked"]
         assert on["sorts"] < off["sorts"], (on["sorts"], off["sorts"])

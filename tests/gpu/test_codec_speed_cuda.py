@@ -1,4 +1,4 @@
-"""Codec throughput on the GPU printed beside the CPU's (``dlrm_compression.bench`` on one batch)."""
+"""Codec throughput on the GPU printed beside the CPU's (``dlrm.bench.codec`` on one batch)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from dlrm_compression import bench
-from dlrm_compression.synthetic import criteo_like_batch
+from dlrm.bench import codec as bench
+from dlrm.bench.criteo_like import criteo_like_batch
 
 NO_CUDA = "needs a CUDA device (torch.cuda.is_available() is False here); run `make test-gpu` on a GPU machine"
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)]

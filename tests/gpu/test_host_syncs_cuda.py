@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dlrm.bench.host_syncs import RankCollective, count_chunk, report
-from dlrm_compression.host_syncs import HostSyncCounter
+from dlrm.telemetry.sync_counter import HostSyncCounter
 
 NO_CUDA = "needs a CUDA device (torch.cuda.is_available() is False here); run `make test-gpu` on a GPU machine"
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)]

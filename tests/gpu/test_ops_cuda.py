@@ -96,6 +96,11 @@ def test_each_codec_op_launches_what_it_declares() -> None:
     head = torch.zeros(104, dtype=torch.uint8, device="cuda")
     cast = ops.cast_pack(x, head, 1)
     out = torch.empty_like(x)
+    widths_t = torch.arange(1000, device="cuda") % 13
+    starts = widths_t.cumsum(0) - widths_t
+    values = torch.zeros(1000, dtype=torch.int64, device="cuda")
+    words = ops.bits_pack(values, starts, 200)
+    segments = ([0, 100_000, 500_000], [100_000, 400_000, 24], 20, 4, 20)
     seen = {
         "cast_pack": launches(lambda: ops.cast_pack(x, head, 1)),
         "cast_unpack": launches(lambda: ops.cast_unpack(cast, head, 1, out)),
@@ -103,11 +108,46 @@ def test_each_codec_op_launches_what_it_declares() -> None:
         "id_runs": launches(lambda: ops.id_runs(s, perm, ids)),
         "lossy_pack": launches(lambda: ops.lossy_pack(x, plan.first, plan.counts, bounds, widths, False)),
         "adler32_holds": launches(lambda: ops.adler32_holds(payload, end, 0, 20, 4, 20)),
+        "bits_pack": launches(lambda: ops.bits_pack(values, starts, 200)),
+        "bits_unpack": launches(lambda: ops.bits_unpack(words, starts, widths_t)),
+        "adler32_segments_holds": launches(lambda: ops.adler32_segments_holds(payload, *segments)),
     }
     declared = {name: ops.LAUNCHES[name] for name in seen if not callable(ops.LAUNCHES[name])}
     declared["lossy_pack"] = ops.LAUNCHES["lossy_pack"](x, plan.first, plan.counts, bounds, widths, False)  # type: ignore[operator]
+    declared["adler32_segments_holds"] = ops.LAUNCHES["adler32_segments_holds"](payload, *segments)  # type: ignore[operator]
     print("launches seen by the profiler / declared:", {n: (seen[n], declared[n]) for n in seen})
     assert seen == declared
+
+
+def test_the_ids_codec_on_cuda_writes_and_reads_the_cpu_payloads() -> None:
+    """The input codec's device path on CUDA (its bit-packing and check kernels) writes the bytes the
+    same code writes on CPU tensors, coded and stored, and decodes a collective's payloads (one
+    received buffer) to the same ids; a damaged one is refused."""
+    from dlrm_compression.format import PayloadError
+    from dlrm_compression.ids_codec import STORED_VERSION, IdsCodec
+
+    g = torch.Generator().manual_seed(3)
+    bags = [300, 300, 0, 7, 2]
+    lengths = torch.randint(0, 4, (sum(bags),), generator=g, dtype=torch.int32)
+    n = int(lengths.sum())
+    values = torch.randint(0, 5000, (n,), generator=g)
+    values[:5] = torch.tensor([-(2**63), 2**63 - 1, -1, 0, 1])
+    weights = torch.rand(n, generator=g)
+    codec = IdsCodec(backend="device")
+    for keys_per_dest in ([5], [2, 1, 1, 1], [1, 0, 4]):
+        cpu = codec.encode(lengths, values, bags, weights, keys_per_dest)
+        gpu = codec.encode(lengths.cuda(), values.cuda(), bags, weights.cuda(), keys_per_dest)
+        assert [p.numel() for p in cpu] == [p.numel() for p in gpu]
+        assert all(torch.equal(a, b.cpu()) for a, b in zip(cpu, gpu, strict=True))
+        assert any(int(p[4]) == STORED_VERSION for p in cpu) or keys_per_dest == [5]
+        received = list(torch.split(torch.cat(gpu), [p.numel() for p in gpu]))
+        for a, b in zip(codec.decode_all(cpu), codec.decode_all(received), strict=True):
+            assert torch.equal(a.lengths, b.lengths.cpu()) and torch.equal(a.values, b.values.cpu())
+            assert torch.equal(a.weights, b.weights.cpu()) and a.bags_per_key == b.bags_per_key
+        bad = torch.cat(gpu)
+        bad[bad.numel() - 3] ^= 1
+        with pytest.raises(PayloadError, match="checksum"):
+            codec.decode_all(list(torch.split(bad, [p.numel() for p in gpu])))
 
 
 def test_the_gpu_collective_benchmark_on_cuda(capsys: pytest.CaptureFixture[str]) -> None:

@@ -19,8 +19,8 @@ from dlrm.placement.config import PlacementSpec, parse_placement_cfg
 from dlrm.placement.hot_sync import HotRowOptimizer
 from dlrm.placement.hot_wire import HotWireError, SyncWire, bound_class
 from dlrm.placement.replication import setup_replication
+from dlrm.telemetry.sync_counter import HostSyncCounter
 from dlrm_compression import format as fmt
-from dlrm_compression.host_syncs import HostSyncCounter
 
 EB = 0.01  # the backward policy's value: a fraction of each table's range (rel), as fixed.yaml's
 DIM = 8

@@ -22,11 +22,11 @@ from data.frequency import FeatureFrequency, estimate_from_batches
 from data.loader import criteo_batches
 from data.preprocess import prepare_sample
 from dlrm.embedding_comm import fixed_bound, make_sharders
+from dlrm.performance.network import Link
 from dlrm.placement.comm_aware import CHOICES, comm_aware_planner
 from dlrm.placement.config import parse_placement_cfg
 from dlrm.placement.traffic import Direction, TrafficModel
 from dlrm.trainer.datasets import RunData
-from dlrm_compression.cost_model import Link
 
 SYNTHETIC = [
     "data=synthetic",

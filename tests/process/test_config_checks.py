@@ -10,7 +10,7 @@ from dlrm.embedding_comm import build_sharders
 from dlrm.embedding_comm.config import parse_compression_cfg
 from dlrm.embedding_comm.policy import build_policy
 from dlrm.placement.config import parse_placement_cfg
-from dlrm.strategy.controller import parse_strategy_cfg
+from dlrm.strategy.config import parse_strategy_cfg
 
 LOSSY = {"name": "lossy", "forward": {"codec": "lossy"}, "backward": {"codec": "lossy"}}
 DCT_MP = {"name": "dct_mp", "forward": {"codec": "threshold", "dedup": False}, "backward": {"codec": "none"}}

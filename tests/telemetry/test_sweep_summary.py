@@ -242,6 +242,8 @@ def test_custom_scalars_layout_reads_back_and_matches_the_comm_and_policy_tags(t
         "comm/backward/ratio",
     }
     for d in ("forward", "backward"):
+        # an adaptive bound per table beside the validation AUC that moves it
+        assert shown(("accuracy vs compression", f"{d} bound per table (policy)")) == {eb_tag(d, f) for f in features}
         assert shown((f"{d} per table", "error bound (policy)")) == {eb_tag(d, f) for f in features}
         assert shown((f"{d} per table", "compression ratio (sampled)")) == {ratio_tag(d, f) for f in features}
         assert shown((f"{d} per table", "max abs error (sampled)")) == {f"comm/{d}/max_abs_error/{f}" for f in features}

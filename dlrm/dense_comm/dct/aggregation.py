@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 from dlrm.dense_comm.dct.payload import Coding, segments
 from dlrm.dense_comm.dct.state import Accumulated, DCTState, DenseCommError, cannot_decode
+from dlrm.performance.network import ring_allreduce_bytes
 from dlrm.process.instrument import on_the_wire
-from dlrm_compression.cost_model import ring_allreduce_bytes
 from dlrm_compression.format import PayloadError
 
 Future = torch.futures.Future

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from dlrm.dense_comm.config import DenseCommSpec
 from dlrm.dense_comm.stats import DenseStats
-from dlrm_compression.cost_model import cheaper_aggregation
+from dlrm.performance.network import cheaper_aggregation
 from dlrm_compression.sparse import ThresholdCodec, refresh_due
 from dlrm_compression.sparse import kth_largest_abs_tensor as kth_largest
 

@@ -1,21 +1,19 @@
 """Two-level pricing: each collective on the links it crosses, checked against transfers counted hop
-by hop and hand-worked cases; one node is the one-level model."""
+by hop and hand-worked cases (one node as the one-level model: test_iteration_time.py)."""
 
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from dlrm_compression import cost_model as cm
-from dlrm_compression import topology as tp
+from dlrm.performance import cost_model as cm
+from dlrm.performance import network as net
 
 
 def _node(rank: int, g: int) -> int:
     return rank // g
 
 
-def _time(transfers: list[tuple[int, int, float]], g: int, intra: cm.Link, inter: cm.Link) -> float:
+def _time(transfers: list[tuple[int, int, float]], g: int, intra: net.Link, inter: net.Link) -> float:
     """Seconds of concurrent transfers (src, dst, bytes): each medium (a rank's own link, or the
     node's shared one) carries what its senders put on it; the slowest medium sets the time."""
     load: dict[tuple, float] = {}
@@ -30,8 +28,8 @@ def _time(transfers: list[tuple[int, int, float]], g: int, intra: cm.Link, inter
     return max(times, default=0.0)
 
 
-LINKS = [cm.Link(8e6), cm.Link(8e6, shared=True)]
-SLOW = [cm.Link(1e5), cm.Link(1e5, shared=True)]
+LINKS = [net.Link(8e6), net.Link(8e6, shared=True)]
+SLOW = [net.Link(1e5), net.Link(1e5, shared=True)]
 
 
 @pytest.mark.parametrize("intra", LINKS)
@@ -40,9 +38,9 @@ SLOW = [cm.Link(1e5), cm.Link(1e5, shared=True)]
 def test_an_all_to_all_matches_its_transfers_peer_by_peer(world, g, intra, inter):
     per_rank = 4200.0 * (world - 1)
     transfers = [(s, d, per_rank / (world - 1)) for s in range(world) for d in range(world) if s != d]
-    topo = tp.Topology(g, intra, inter)
-    assert topo.seconds(tp.Collective("pairwise", per_rank), world) == pytest.approx(_time(transfers, g, intra, inter))
-    inside, across = topo.crossing(tp.Collective("pairwise", per_rank), world)
+    topo = net.Topology(g, intra, inter)
+    assert topo.seconds(net.Collective("pairwise", per_rank), world) == pytest.approx(_time(transfers, g, intra, inter))
+    inside, across = topo.crossing(net.Collective("pairwise", per_rank), world)
     counted_across = sum(b for s, d, b in transfers if _node(s, g) != _node(d, g)) / world
     assert (inside + across, across) == pytest.approx((per_rank, counted_across))
 
@@ -53,18 +51,18 @@ def test_an_all_to_all_matches_its_transfers_peer_by_peer(world, g, intra, inter
 def test_a_ring_step_waits_for_its_one_crossing_per_node(world, g, intra, inter):
     sent = 5000.0  # every rank sends this to its successor (rank order, nodes contiguous)
     transfers = [(r, (r + 1) % world, sent) for r in range(world)]
-    topo = tp.Topology(g, intra, inter)
-    assert topo.seconds(tp.Collective("ring", sent), world) == pytest.approx(_time(transfers, g, intra, inter))
+    topo = net.Topology(g, intra, inter)
+    assert topo.seconds(net.Collective("ring", sent), world) == pytest.approx(_time(transfers, g, intra, inter))
 
 
 def test_the_emulated_two_nodes_by_hand():
     # 2 nodes x 2 ranks, a veth of 1e6 B/s per direction per node; loopback 1e9 shared.
     # all-to-all of 3,000 B per rank: 1,000 to the node's other rank, 2,000 to the other node;
     # node 0's veth carries 2 ranks x 2,000 = 4,000 B: 4 ms (the loopback's 2,000 B: 2 us).
-    topo = tp.Topology(2, cm.Link(1e9, shared=True), cm.Link(1e6, shared=True))
-    assert topo.seconds(tp.Collective("pairwise", 3000), 4) == pytest.approx(4e-3)
+    topo = net.Topology(2, net.Link(1e9, shared=True), net.Link(1e6, shared=True))
+    assert topo.seconds(net.Collective("pairwise", 3000), 4) == pytest.approx(4e-3)
     # ring all-reduce of 1,000 fp32 values: 2 x 3/4 x 4,000 = 6,000 B per rank, one crosser per node
-    assert topo.seconds(tp.Collective("ring", cm.ring_allreduce_bytes(1000, 4)), 4) == pytest.approx(6e-3)
+    assert topo.seconds(net.Collective("ring", net.ring_allreduce_bytes(1000, 4)), 4) == pytest.approx(6e-3)
 
 
 def test_a_hierarchical_all_reduce_by_hand():
@@ -72,61 +70,33 @@ def test_a_hierarchical_all_reduce_by_hand():
     # 6,000 B on its own 6e6 B/s link: 1 ms, and the all-gather again 1 ms. Across 2 nodes each
     # rank all-reduces its 2,000 B shard: a 2-rank ring sends 2 x 1/2 x 2,000 = 2,000 B; 4 ranks on
     # the node's 1e6 B/s NIC: 8,000 B, 8 ms. Total 10 ms.
-    topo = tp.Topology(4, cm.Link(6e6), cm.Link(1e6, shared=True))
-    assert topo.seconds(tp.Collective("hierarchical", 8000), 8) == pytest.approx(10e-3)
-    assert topo.crossing(tp.Collective("hierarchical", 8000), 8) == pytest.approx((12000, 2000))
+    topo = net.Topology(4, net.Link(6e6), net.Link(1e6, shared=True))
+    assert topo.seconds(net.Collective("hierarchical", 8000), 8) == pytest.approx(10e-3)
+    assert topo.crossing(net.Collective("hierarchical", 8000), 8) == pytest.approx((12000, 2000))
 
 
 def test_a_hierarchical_all_reduce_crosses_less_than_a_ring_on_a_nic_per_rank():
-    topo = tp.Topology(8, cm.Link(300e9), cm.Link(25e9))
+    topo = net.Topology(8, net.Link(300e9), net.Link(25e9))
     values = 3e6
-    ring = topo.seconds(tp.Collective("ring", cm.ring_allreduce_bytes(values, 64, 1.0)), 64)
-    hier = topo.seconds(tp.Collective("hierarchical", values), 64)
+    ring = topo.seconds(net.Collective("ring", net.ring_allreduce_bytes(values, 64, 1.0)), 64)
+    hier = topo.seconds(net.Collective("hierarchical", values), 64)
     assert hier < ring / 4
-
-
-workloads = st.builds(
-    cm.Workload,
-    ranks=st.integers(1, 16),
-    batch_per_rank=st.integers(1, 4096),
-    dims=st.lists(st.sampled_from([8, 16, 64, 128]), min_size=1, max_size=30).map(tuple),
-    dense_params=st.integers(0, 10**6),
-    compute_s=st.floats(0, 1),
-)
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    w=workloads,
-    shared=st.booleans(),
-    gbps=st.floats(0.01, 100),
-    latency=st.floats(0, 1e-3),
-    ratio=st.floats(1, 300),
-)
-def test_one_node_is_the_one_level_model(w, shared, gbps, latency, ratio):
-    link = cm.Link(gbps * 1e9 / 8, latency_s=latency, shared=shared)
-    codec = cm.CodecCost(ratio, 300e9, 500e9)
-    one = cm.iteration_time(w, link, codec, codec, codec)
-    # one node of exactly W ranks, or a bigger node whose other link is never used
-    for topo in (tp.Topology.one_level(link, w.ranks), tp.Topology(w.ranks + 3, link, cm.Link(1.0))):
-        two = tp.iteration_time(w, topo, codec, codec, codec)
-        assert two.as_dict() == pytest.approx(one.as_dict(), rel=1e-12, abs=1e-15)
 
 
 @pytest.mark.parametrize("aggregation", ["allgather", "reduce_scatter"])
 @pytest.mark.parametrize("world", [2, 3, 8, 64])
 def test_sparse_aggregation_sends_the_cost_models_bytes(aggregation, world):
-    parts = tp.sparse_aggregation(10_000, world, aggregation, header=88)
+    parts = net.sparse_aggregation(10_000, world, aggregation, header=88)
     assert sum(c.bytes_per_rank for c in parts) == pytest.approx(
-        cm.sparse_aggregation_bytes(10_000, world, aggregation, header=88)
+        net.sparse_aggregation_bytes(10_000, world, aggregation, header=88)
     )
 
 
 def test_two_levels_slow_only_what_crosses():
     w = cm.Workload(16, 2048, (64,) * 26, dense_params=760_000)
-    fast = cm.Link(300e9)
-    flat = tp.iteration_time(w, tp.Topology.one_level(fast, 16))
-    split = tp.iteration_time(w, tp.Topology(8, fast, cm.Link(12.5e9)))
+    fast = net.Link(300e9)
+    flat = cm.iteration_time(w, net.Topology.one_level(fast, 16))
+    split = cm.iteration_time(w, net.Topology(8, fast, net.Link(12.5e9)))
     assert split.a2a_forward > flat.a2a_forward and split.allreduce > flat.allreduce
     assert split.compute == flat.compute and split.codec_forward == flat.codec_forward
 
@@ -134,10 +104,10 @@ def test_two_levels_slow_only_what_crosses():
 @pytest.mark.parametrize(
     "bad,match",
     [
-        (lambda: tp.Topology(0, cm.Link(1), cm.Link(1)), "ranks_per_node"),
-        (lambda: tp.Topology(4, cm.Link(1), cm.Link(1)).seconds(tp.Collective("ring", 1), 6), "whole number"),
-        (lambda: tp.Topology(4, cm.Link(1), cm.Link(1)).seconds(tp.Collective("tree", 1), 8), "pattern"),
-        (lambda: tp.sparse_aggregation(1, 4, "gather"), "aggregation"),
+        (lambda: net.Topology(0, net.Link(1), net.Link(1)), "ranks_per_node"),
+        (lambda: net.Topology(4, net.Link(1), net.Link(1)).seconds(net.Collective("ring", 1), 6), "whole number"),
+        (lambda: net.Topology(4, net.Link(1), net.Link(1)).seconds(net.Collective("tree", 1), 8), "pattern"),
+        (lambda: net.sparse_aggregation(1, 4, "gather"), "aggregation"),
     ],
 )
 def test_bad_inputs_say_what_is_wrong(bad, match):

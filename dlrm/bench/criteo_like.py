@@ -1,4 +1,4 @@
-"""Criteo-like pooled-embedding batches for the benchmark and tests (no import of ``data``).
+"""Criteo-like pooled-embedding batches for the codec benchmarks and tests: what a rank sends per table.
 
 Criteo features are single-hot, so a pooled row is one table row and a repeated id repeats the
 row bit for bit. Ids of table t follow a Zipf(a_t) law truncated to the table's cardinality,

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import dlrm_compression as compression
-from dlrm_compression.host_syncs import HostSyncCounter
-from dlrm_compression.synthetic import criteo_like_batch
+from dlrm.bench.criteo_like import criteo_like_batch
+from dlrm.telemetry.sync_counter import HostSyncCounter
 
 
 def test_each_kind_of_sync_counts_once_per_call():
@@ -107,7 +107,7 @@ def test_trace_names_the_calling_line():
         line = sys._getframe().f_lineno + 1
         x.nonzero()
     assert [(e.op, e.label) for e in c.events] == [("nonzero", "here")]
-    assert c.events[0].where.endswith(f"test_host_syncs.py:{line}")
+    assert c.events[0].where.endswith(f"test_sync_counter.py:{line}")
 
 
 def test_counting_leaves_the_codec_bit_identical():

@@ -1,6 +1,6 @@
 """Codec benchmark: ratio, max error, bound held and MB/s of every codec on one embedding batch.
 
-    python -m dlrm_compression.bench [--input FILE.pt] [--nodup] [--repeats 5] [--threads 1] [--json PATH]
+    python -m dlrm.bench.codec [--input FILE.pt] [--nodup] [--repeats 5] [--threads 1] [--json PATH]
 
 One payload per table (as the all-to-all sends per table and destination), at absolute bounds
 1e-2, 1e-3, 1e-4 and at the same numbers relative to each table's value range. Throughput is
@@ -10,7 +10,7 @@ Decompression is timed twice: into fresh tensors, and into the caller's output b
 (``decode(..., out=)``, reused across repeats, as the all-to-all decodes into its output; on CPU a
 fresh 1 MB tensor per table costs page faults that can exceed the decoding itself).
 ``--input`` takes a ``torch.save``d dict: table name -> {"values": float [rows, dim], "ids":
-optional int [rows]}; without it a Criteo-like batch is generated (see ``synthetic``).
+optional int [rows]}; without it a Criteo-like batch is generated (:mod:`dlrm.bench.criteo_like`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import TypeVar
 import torch
 
 import dlrm_compression as compression
-from dlrm_compression.synthetic import criteo_like_batch
+from dlrm.bench.criteo_like import criteo_like_batch
 
 BOUNDS = [1e-2, 1e-3, 1e-4]
 
@@ -230,7 +230,7 @@ def format_table(rows: list[Row]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
-    p = argparse.ArgumentParser(prog="python -m dlrm_compression.bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m dlrm.bench.codec", description=__doc__.split("\n")[0])
     p.add_argument("--input", help="torch.save'd dict: table -> {'values': [rows, dim], 'ids': [rows]}")
     p.add_argument("--nodup", action="store_true", help="generated ids all distinct (no duplicate rows)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (median)")

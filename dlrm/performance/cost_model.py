@@ -1,9 +1,10 @@
 """Iteration-time cost model of table-wise sharded DLRM training with compressed all-to-alls.
 
-Pure arithmetic (no torch, TorchRec or dlrm import), so that the trainer, the benchmarks and a
+Pure arithmetic (no torch, TorchRec or trainer import), so that the trainer, the benchmarks and a
 user's notebook can price a configuration before running it. Seconds, bytes and bytes/s throughout.
 
-One training iteration on ``N`` ranks, each with ``b`` samples and a balanced share of tables::
+One training iteration on ``N`` ranks, each with ``b`` samples and a balanced share of tables, on
+one node whose link gives each rank ``B`` bytes/s::
 
     T = compute + a2a_fwd + a2a_bwd + allreduce + input_dist + codec_fwd + codec_bwd
     a2a_d   = latency + bytes_a2a / (ratio_d * B)          bytes_a2a = (N-1)/N * b * sum(dims) * 4
@@ -11,14 +12,14 @@ One training iteration on ``N`` ranks, each with ``b`` samples and a balanced sh
                                                             decodes as much as it receives)
     allreduce = latency + 2 (N-1)/N * dense_params * 4 / B (ring all-reduce of the dense MLPs)
 
-``B`` is the bandwidth a rank gets: a cluster NIC per rank (``Link(shared=False)``), or one medium
-that every rank's traffic crosses, like the emulated loopback of ``scripts/bench_network.sh``
-(``Link(shared=True)``: the bytes of all ``N`` ranks queue on it; its token-bucket shaper also lets
-a burst through at once at the start of each collective, ``Link.burst_bytes``). Nothing overlaps
-in :func:`iteration_time`, so it is an upper bound where TorchRec overlaps communication with
+The network (:mod:`dlrm.performance.network`) is a :class:`~dlrm.performance.network.Link` (one
+node) or a :class:`~dlrm.performance.network.Topology` (nodes of ``g`` ranks, each collective
+priced on the intra- and inter-node links it crosses); :func:`iteration_time` is one builder for
+both, a single node being the two-level model with one node. Nothing overlaps in
+:func:`iteration_time`, so it is an upper bound where TorchRec overlaps communication with
 compute. :class:`Breakdown` is the one iteration-time model of the project: everything in
 sequence except the dense all-reduce, which overlaps the compute after the backward all-to-all
-(``compute_overlapped``, as DDP's buckets do); the strategy search (:mod:`compression.strategy`)
+(``compute_overlapped``, as DDP's buckets do); the strategy search (:mod:`dlrm.performance.search`)
 prices its timeline with it, and the no-overlap model here is its case ``compute_overlapped=0``.
 
 For one table or one payload the model reduces to the published per-table speedup of Feng et al.
@@ -29,83 +30,16 @@ raw byte costs.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import NamedTuple, TypeVar
 
-INF = math.inf
+from .network import INF, Collective, Link, Topology, positive, ring_allreduce_bytes
 
 # Feng et al. (SC'24) time breakdown of uncompressed training, 32 A100s, `paper_script/stack_bar.py`
 # (notes/papers.md §1.4): the all-to-alls are 62.6% of the iteration.
 PUBLISHED_BREAKDOWN = {"a2a_forward": 0.313, "a2a_backward": 0.313, "allreduce": 0.229, "compute": 0.145}
 PUBLISHED_SPEEDUP = 1.38  # the paper's headline, forward all-to-all compressed only (Terabyte)
-
-
-def _positive(name: str, value: float, allow_inf: bool = False) -> float:
-    """``value`` as a float, or a ValueError naming ``name`` if it is not > 0 (and finite)."""
-    v = float(value)
-    if not v > 0 or (v == INF and not allow_inf):
-        raise ValueError(f"{name} must be a positive{'' if allow_inf else ' finite'} number, got {value!r}")
-    return v
-
-
-@dataclass(frozen=True)
-class Link:
-    """A network link: bandwidth, per-collective latency, and whether all ranks share it."""
-
-    bytes_per_s: float
-    latency_s: float = 0.0
-    shared: bool = False  # True: one medium carries every rank's bytes (the emulated loopback)
-    # A token-bucket shaper (tc tbf) lets this many bytes through at once after an idle spell:
-    # each collective that follows compute starts with a full bucket. 0 for a plain link.
-    burst_bytes: float = 0.0
-
-    def __post_init__(self) -> None:
-        _positive("Link.bytes_per_s", self.bytes_per_s, allow_inf=True)
-        if not self.latency_s >= 0 or not self.burst_bytes >= 0:
-            raise ValueError(
-                f"Link.latency_s and burst_bytes must be >= 0, got {self.latency_s!r}, {self.burst_bytes!r}"
-            )
-
-    def per_rank_bytes_per_s(self, ranks: int) -> float:
-        """The bandwidth one rank sees while all ``ranks`` send at once."""
-        return self.bytes_per_s / ranks if self.shared else self.bytes_per_s
-
-    def seconds(self, bytes_per_rank: float, ranks: int) -> float:
-        """Time of a collective in which each of ``ranks`` ranks sends ``bytes_per_rank``."""
-        if bytes_per_rank <= 0:
-            return 0.0
-        on_link = bytes_per_rank * ranks if self.shared else bytes_per_rank
-        return self.latency_s + max(0.0, on_link - self.burst_bytes) / self.bytes_per_s
-
-
-def ring_allreduce_bytes(numel: float, world_size: int, bytes_per_value: float = 4.0) -> float:
-    """What one rank sends in a ring all-reduce of ``numel`` values (DDP's and gloo's algorithm: a
-    reduce-scatter and an all-gather, each ``N-1`` steps of ``1/N`` of the values). The one formula
-    of the project: the dense hooks' counters, the wire meter and the traffic model use it."""
-    return 2 * (world_size - 1) / world_size * bytes_per_value * numel
-
-
-def sparse_aggregation_bytes(body: float, world_size: int, aggregation: str, header: float = 0.0) -> float:
-    """What one rank sends to sum every rank's sparse selection (DCT's) of ``body`` bytes of
-    positions and values, each payload with a ``header`` and behind an 8-byte size word.
-    ``allgather``: its whole payload to every other rank. ``reduce_scatter`` (SparCML's split
-    all-gather): the 1/W of it in each other rank's segment, then its own segment's summed top
-    entries (again ~1/W of a body) to every other rank: ~2 (W-1)/W bodies instead of (W-1), but
-    twice the headers, which decide on small buckets."""
-    if aggregation == "allgather":
-        return (world_size - 1) * (8 + header + body)
-    if aggregation == "reduce_scatter":
-        return 2 * (world_size - 1) * (8 + header + body / world_size)
-    raise ValueError(f"aggregation must be allgather or reduce_scatter, got {aggregation!r}")
-
-
-def cheaper_aggregation(body: float, world_size: int, header: float = 0.0) -> str:
-    """The aggregation of :func:`sparse_aggregation_bytes` that sends fewer bytes per rank (the
-    all-gather on ties: one collective fewer; at W = 2 it never sends more)."""
-    both = {a: sparse_aggregation_bytes(body, world_size, a, header) for a in ("allgather", "reduce_scatter")}
-    return "reduce_scatter" if both["reduce_scatter"] < both["allgather"] else "allgather"
 
 
 @dataclass(frozen=True)
@@ -157,9 +91,9 @@ class CodecCost:
     decode_bytes_per_s: float = INF
 
     def __post_init__(self) -> None:
-        _positive("CodecCost.ratio", self.ratio)
-        _positive("CodecCost.encode_bytes_per_s", self.encode_bytes_per_s, allow_inf=True)
-        _positive("CodecCost.decode_bytes_per_s", self.decode_bytes_per_s, allow_inf=True)
+        positive("CodecCost.ratio", self.ratio)
+        positive("CodecCost.encode_bytes_per_s", self.encode_bytes_per_s, allow_inf=True)
+        positive("CodecCost.decode_bytes_per_s", self.decode_bytes_per_s, allow_inf=True)
 
     def codec_seconds(self, raw_bytes: float) -> float:
         """Encode plus decode time of ``raw_bytes``."""
@@ -220,23 +154,35 @@ _OVERLAPPING = ("allreduce", "compute_overlapped")
 
 def iteration_time(
     w: Workload,
-    link: Link,
+    network: Link | Topology,
     forward: CodecCost = NO_CODEC,
     backward: CodecCost = NO_CODEC,
     dense: CodecCost = NO_CODEC,
+    allreduce: str = "ring",
+    dense_collectives: tuple[Collective, ...] | None = None,
+    input_ratio: float = 1.0,
 ) -> Breakdown:
-    """The modelled iteration of workload ``w`` on ``link`` with these codecs, from first principles.
+    """The modelled iteration of workload ``w`` on ``network`` with these codecs, from first principles.
 
-    ``dense`` compresses the all-reduce of the dense gradients: its ratio divides the ring
-    all-reduce's bytes, its throughput applies to the fp32 gradients (``4 * dense_params`` bytes).
+    ``network``: a :class:`Link` (every rank in one node on it: ``Topology.one_level``) or a
+    :class:`Topology`. The all-to-alls (and the input dist, its bytes divided by ``input_ratio``)
+    are pairwise; the dense all-reduce is ``allreduce`` (``ring`` or ``hierarchical``) with its
+    bytes divided by ``dense``'s ratio, or, given ``dense_collectives`` (e.g.
+    :func:`~dlrm.performance.network.sparse_aggregation`), those instead. ``dense``'s throughput
+    applies to the fp32 gradients (``4 * dense_params`` bytes).
     """
-    raw = w.a2a_bytes()
+    topo = network if isinstance(network, Topology) else Topology.one_level(network, w.ranks)
+    raw, ws = w.a2a_bytes(), w.ranks
+    if dense_collectives is None:
+        values = w.dense_params * w.value_bytes / dense.ratio
+        size = values if allreduce == "hierarchical" else ring_allreduce_bytes(values, ws, 1.0)
+        dense_collectives = (Collective(allreduce, size),)
     return Breakdown(
         compute=w.compute_s,
-        a2a_forward=link.seconds(raw / forward.ratio, w.ranks),
-        a2a_backward=link.seconds(raw / backward.ratio, w.ranks),
-        allreduce=link.seconds(w.allreduce_bytes() / dense.ratio, w.ranks),
-        input_dist=link.seconds(w.input_dist_bytes(), w.ranks),
+        a2a_forward=topo.seconds(Collective("pairwise", raw / forward.ratio), ws),
+        a2a_backward=topo.seconds(Collective("pairwise", raw / backward.ratio), ws),
+        allreduce=sum(topo.seconds(c, ws) for c in dense_collectives),
+        input_dist=topo.seconds(Collective("pairwise", w.input_dist_bytes() / input_ratio), ws),
         codec_forward=forward.codec_seconds(raw),
         codec_backward=backward.codec_seconds(raw),
         codec_dense=dense.codec_seconds(w.dense_params * w.value_bytes),
@@ -322,7 +268,7 @@ def project_published(
     then compressed forward only (what Feng et al. did), in both directions (what we do), and
     with ``dense`` also the dense all-reduce (``all``; its codec time on ``4 * w.dense_params``)."""
     raw = w.a2a_bytes()
-    base = from_shares(shares, raw / _positive("link_bytes_per_s", link_bytes_per_s))
+    base = from_shares(shares, raw / positive("link_bytes_per_s", link_bytes_per_s))
     out = {
         "uncompressed": base,
         "forward_only": with_codecs(base, raw, forward, NO_CODEC),
@@ -337,7 +283,7 @@ def project_input(iteration: Breakdown, w: Workload, link_bytes_per_s: float, co
     """``iteration`` (a projection without its input dist) with ``w``'s input all-to-all added,
     pipelined (:func:`with_input`) on ``link_bytes_per_s`` per rank: ``raw`` as TorchRec sends it,
     and ``coded`` at ``coded.ratio`` with ``coded``'s throughput on the raw input bytes."""
-    raw, link = w.input_dist_bytes(), _positive("link_bytes_per_s", link_bytes_per_s, allow_inf=True)
+    raw, link = w.input_dist_bytes(), positive("link_bytes_per_s", link_bytes_per_s, allow_inf=True)
     return {
         "raw": with_input(iteration, raw / link),
         "coded": with_input(iteration, raw / coded.ratio / link, coded.codec_seconds(raw)),
@@ -372,7 +318,7 @@ def amdahl_limit(share: float) -> float:
 def table_speedup(ratio: float, link_bytes_per_s: float, encode_bytes_per_s: float, decode_bytes_per_s: float) -> float:
     """Feng et al.'s per-table speedup of one transfer: ``1 / (1/CR + B (1/Tc + 1/Td))``."""
     c = CodecCost(ratio, encode_bytes_per_s, decode_bytes_per_s)
-    return 1.0 / (c.seconds_per_byte(_positive("link_bytes_per_s", link_bytes_per_s)) * link_bytes_per_s)
+    return 1.0 / (c.seconds_per_byte(positive("link_bytes_per_s", link_bytes_per_s)) * link_bytes_per_s)
 
 
 class Stages(NamedTuple):
@@ -401,7 +347,7 @@ def choose_stages(
     favour the stronger ratio (entropy on), fast links the faster codec. Ties go to the candidate
     with fewer stages switched on, then to the first given.
     """
-    link = _positive("link_bytes_per_s", link_bytes_per_s, allow_inf=True)
+    link = positive("link_bytes_per_s", link_bytes_per_s, allow_inf=True)
     if not ratio_by_stage:
         raise ValueError("choose_stages needs at least one candidate")
     missing = [k for k in ratio_by_stage if k not in throughput_by_stage]
@@ -449,4 +395,4 @@ def harmonic_ratio(raw_bytes: Sequence[float], ratios: Sequence[float]) -> float
     """Aggregate ratio of several tables: total raw bytes over total wire bytes."""
     if len(raw_bytes) != len(ratios) or not raw_bytes:
         raise ValueError("harmonic_ratio needs one ratio per raw byte count")
-    return sum(raw_bytes) / sum(r / _positive("ratio", c) for r, c in zip(raw_bytes, ratios, strict=True))
+    return sum(raw_bytes) / sum(r / positive("ratio", c) for r, c in zip(raw_bytes, ratios, strict=True))

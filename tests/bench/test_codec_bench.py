@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import dlrm_compression as compression
-from dlrm_compression import bench
-from dlrm_compression.synthetic import criteo_like_batch
+from dlrm.bench import codec as bench
+from dlrm.bench.criteo_like import criteo_like_batch
 
 FIELDS = {
     "codec",

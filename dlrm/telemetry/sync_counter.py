@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import ops
+from dlrm_compression import ops
 
 aten = torch.ops.aten
 

@@ -21,14 +21,14 @@ and scattering them back (``regroup_s_per_byte``, measured), so mixing codecs mu
 
 The input all-to-all of the next batch runs a batch ahead (TorchRec's pipeline): its coding sits
 on the compute path, and its link time counts only where the other collectives leave the link no
-room (:func:`compression.cost_model.exposed_input_dist`); the spans below leave it out.
+room (:func:`dlrm.performance.cost_model.exposed_input_dist`); the spans below leave it out.
 
 The forward all-to-all starts when its units are encoded, and the model waits for it (TorchRec
 needs the pooled rows to go on); so does the backward. The dense all-reduce starts when the
 dense gradients are ready (their encode done) and overlaps the ``after`` compute (the end of the
 backward, the optimizer), as DDP's buckets do; the iteration ends when both are done. The link
 serves one collective at a time. The iteration's seconds are the cost model's
-(:class:`compression.cost_model.Breakdown` with ``compute_overlapped=after``): one model for the
+(:class:`dlrm.performance.cost_model.Breakdown` with ``compute_overlapped=after``): one model for the
 cost model and the search.
 
 :func:`choose` is Espresso's greedy search: units in descending size, each takes the option that
@@ -41,8 +41,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .cost_model import Breakdown, Link, with_input
-from .topology import Collective, Topology
+from .cost_model import Breakdown, with_input
+from .network import Collective, Link, Topology
 
 STAGES = ("forward", "backward", "dense", "input")
 
@@ -109,11 +109,11 @@ class Timeline:
 
     def seconds(self, stage: str, wire_bytes: float) -> float:
         """A stage's collective of ``wire_bytes`` per rank: the all-to-alls pairwise, the dense
-        gradients' ring (gloo's all-reduce and all-gather), each on the links it crosses."""
-        if self.topology is None:
-            return self.link.seconds(wire_bytes, self.ranks)
+        gradients' ring (gloo's all-reduce and all-gather), each on the links it crosses (one
+        node: every collective on ``link``)."""
+        network = self.topology or Topology.one_level(self.link, self.ranks)
         pattern = "ring" if stage == "dense" else "pairwise"
-        return self.topology.seconds(Collective(pattern, wire_bytes), self.ranks)
+        return network.seconds(Collective(pattern, wire_bytes), self.ranks)
 
 
 @dataclass

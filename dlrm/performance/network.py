@@ -1,7 +1,16 @@
-"""Two levels of network: ranks grouped in nodes, a fast link inside a node, a slower one across.
+"""The network of a job: links, the bytes each collective sends, and its seconds on one level or two.
 
-Pure arithmetic, like :mod:`compression.cost_model`, whose :class:`~compression.cost_model.Link`
-describes each level. A collective is priced on the links it crosses, by its pattern:
+Pure arithmetic (no torch, TorchRec or trainer import), like :mod:`dlrm.performance.cost_model`,
+which prices an iteration on it. Seconds, bytes and bytes/s throughout.
+
+A :class:`Link` is the bandwidth a rank gets and a per-collective latency: a cluster NIC per rank
+(``Link(shared=False)``), or one medium that every rank's traffic crosses, like the emulated
+loopback of ``scripts/bench_network.sh`` (``Link(shared=True)``: the bytes of all ``N`` ranks queue
+on it; its token-bucket shaper also lets a burst through at once at the start of each collective,
+``Link.burst_bytes``).
+
+A :class:`Topology` groups the ranks in nodes: a fast link inside a node, a slower one across. A
+collective is priced on the links it crosses, by its pattern:
 
 ``pairwise`` (an all-to-all: the pooled embeddings, their gradients, the input dist, the first
 phase of DCT's reduce-scatter): a rank's bytes go evenly to its ``W-1`` peers, ``g-1`` of them in
@@ -23,16 +32,84 @@ once, all-gather inside the node), for ``V`` bytes of values (not bytes sent)::
 
 A level's ``Link.shared`` says whether its medium is shared by the node's ranks (the inter-node
 NIC of a node, or the veth pair of the emulated nodes) or each rank has its own (a NIC per GPU).
-With every rank in one node (``W <= g``) each pattern is the one-level model's
-``link.seconds(S, W)`` on the intra-node link, so :func:`Topology.one_level` reproduces it.
+With every rank in one node (``W <= g``) each pattern is ``link.seconds(S, W)`` on the intra-node
+link: one node (:meth:`Topology.one_level`) is the one-level network.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .cost_model import NO_CODEC, Breakdown, CodecCost, Link, Workload, ring_allreduce_bytes
+INF = math.inf
+
+
+def positive(name: str, value: float, allow_inf: bool = False) -> float:
+    """``value`` as a float, or a ValueError naming ``name`` if it is not > 0 (and finite)."""
+    v = float(value)
+    if not v > 0 or (v == INF and not allow_inf):
+        raise ValueError(f"{name} must be a positive{'' if allow_inf else ' finite'} number, got {value!r}")
+    return v
+
+
+@dataclass(frozen=True)
+class Link:
+    """A network link: bandwidth, per-collective latency, and whether all ranks share it."""
+
+    bytes_per_s: float
+    latency_s: float = 0.0
+    shared: bool = False  # True: one medium carries every rank's bytes (the emulated loopback)
+    # A token-bucket shaper (tc tbf) lets this many bytes through at once after an idle spell:
+    # each collective that follows compute starts with a full bucket. 0 for a plain link.
+    burst_bytes: float = 0.0
+
+    def __post_init__(self) -> None:
+        positive("Link.bytes_per_s", self.bytes_per_s, allow_inf=True)
+        if not self.latency_s >= 0 or not self.burst_bytes >= 0:
+            raise ValueError(
+                f"Link.latency_s and burst_bytes must be >= 0, got {self.latency_s!r}, {self.burst_bytes!r}"
+            )
+
+    def per_rank_bytes_per_s(self, ranks: int) -> float:
+        """The bandwidth one rank sees while all ``ranks`` send at once."""
+        return self.bytes_per_s / ranks if self.shared else self.bytes_per_s
+
+    def seconds(self, bytes_per_rank: float, ranks: int) -> float:
+        """Time of a collective in which each of ``ranks`` ranks sends ``bytes_per_rank``."""
+        if bytes_per_rank <= 0:
+            return 0.0
+        on_link = bytes_per_rank * ranks if self.shared else bytes_per_rank
+        return self.latency_s + max(0.0, on_link - self.burst_bytes) / self.bytes_per_s
+
+
+def ring_allreduce_bytes(numel: float, world_size: int, bytes_per_value: float = 4.0) -> float:
+    """What one rank sends in a ring all-reduce of ``numel`` values (DDP's and gloo's algorithm: a
+    reduce-scatter and an all-gather, each ``N-1`` steps of ``1/N`` of the values). The one formula
+    of the project: the dense hooks' counters, the wire meter and the traffic model use it."""
+    return 2 * (world_size - 1) / world_size * bytes_per_value * numel
+
+
+def sparse_aggregation_bytes(body: float, world_size: int, aggregation: str, header: float = 0.0) -> float:
+    """What one rank sends to sum every rank's sparse selection (DCT's) of ``body`` bytes of
+    positions and values, each payload with a ``header`` and behind an 8-byte size word.
+    ``allgather``: its whole payload to every other rank. ``reduce_scatter`` (SparCML's split
+    all-gather): the 1/W of it in each other rank's segment, then its own segment's summed top
+    entries (again ~1/W of a body) to every other rank: ~2 (W-1)/W bodies instead of (W-1), but
+    twice the headers, which decide on small buckets."""
+    if aggregation == "allgather":
+        return (world_size - 1) * (8 + header + body)
+    if aggregation == "reduce_scatter":
+        return 2 * (world_size - 1) * (8 + header + body / world_size)
+    raise ValueError(f"aggregation must be allgather or reduce_scatter, got {aggregation!r}")
+
+
+def cheaper_aggregation(body: float, world_size: int, header: float = 0.0) -> str:
+    """The aggregation of :func:`sparse_aggregation_bytes` that sends fewer bytes per rank (the
+    all-gather on ties: one collective fewer; at W = 2 it never sends more)."""
+    both = {a: sparse_aggregation_bytes(body, world_size, a, header) for a in ("allgather", "reduce_scatter")}
+    return "reduce_scatter" if both["reduce_scatter"] < both["allgather"] else "allgather"
+
 
 PATTERNS = ("pairwise", "ring", "hierarchical")
 
@@ -60,7 +137,7 @@ class Topology:
 
     @classmethod
     def one_level(cls, link: Link, ranks: int) -> Topology:
-        """Every rank in one node on ``link``: the one-level model of :mod:`compression.cost_model`."""
+        """Every rank in one node on ``link``: the one-level network."""
         return cls(max(int(ranks), 1), link, link)
 
     def nodes(self, world: int) -> int:
@@ -112,7 +189,7 @@ def _check(c: Collective) -> None:
 
 
 def sparse_aggregation(body: float, world: int, aggregation: str, header: float = 0.0) -> tuple[Collective, ...]:
-    """The collectives of :func:`compression.cost_model.sparse_aggregation_bytes` (DCT's sum of
+    """The collectives of :func:`sparse_aggregation_bytes` (DCT's sum of
     sparse payloads): ``allgather`` is one ring all-gather of every rank's payload; ``reduce_scatter``
     an all-to-all of the segments, then a ring all-gather of each owner's summed segment."""
     payload = 8 + header
@@ -122,34 +199,3 @@ def sparse_aggregation(body: float, world: int, aggregation: str, header: float 
         part = (world - 1) * (payload + body / world)
         return Collective("pairwise", part), Collective("ring", part)
     raise ValueError(f"aggregation must be allgather or reduce_scatter, got {aggregation!r}")
-
-
-def iteration_time(
-    w: Workload,
-    topo: Topology,
-    forward: CodecCost = NO_CODEC,
-    backward: CodecCost = NO_CODEC,
-    dense: CodecCost = NO_CODEC,
-    allreduce: str = "ring",
-    dense_collectives: tuple[Collective, ...] | None = None,
-    input_ratio: float = 1.0,
-) -> Breakdown:
-    """:func:`compression.cost_model.iteration_time` on two levels: the all-to-alls (and the input
-    dist, its bytes divided by ``input_ratio``) pairwise, the dense all-reduce as ``allreduce``
-    (``ring`` or ``hierarchical``) with its bytes divided by ``dense``'s ratio, or, given
-    ``dense_collectives`` (e.g. :func:`sparse_aggregation`), those instead."""
-    raw, ws = w.a2a_bytes(), w.ranks
-    if dense_collectives is None:
-        values = w.dense_params * w.value_bytes / dense.ratio
-        size = values if allreduce == "hierarchical" else ring_allreduce_bytes(values, ws, 1.0)
-        dense_collectives = (Collective(allreduce, size),)
-    return Breakdown(
-        compute=w.compute_s,
-        a2a_forward=topo.seconds(Collective("pairwise", raw / forward.ratio), ws),
-        a2a_backward=topo.seconds(Collective("pairwise", raw / backward.ratio), ws),
-        allreduce=sum(topo.seconds(c, ws) for c in dense_collectives),
-        input_dist=topo.seconds(Collective("pairwise", w.input_dist_bytes() / input_ratio), ws),
-        codec_forward=forward.codec_seconds(raw),
-        codec_backward=backward.codec_seconds(raw),
-        codec_dense=dense.codec_seconds(w.dense_params * w.value_bytes),
-    )

@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from trainer_runs import REPO
 
-from dlrm_compression import cost_model as cm
+from dlrm.performance import cost_model as cm
+from dlrm.performance import network as net
 
 GB = 1e9
 
@@ -46,18 +47,18 @@ def test_published_terabyte_setup_sends_13_2_mb_per_rank_and_direction():
 def test_shared_link_carries_every_ranks_bytes():
     # 4 ranks send 1 MB each. On a link per rank at 100 MB/s that takes 1e6 / 1e8 = 10 ms; on one
     # shared 100 MB/s medium all 4 MB queue: 40 ms, and each rank sees 100 / 4 = 25 MB/s.
-    assert cm.Link(1e8, shared=False).seconds(1e6, 4) == pytest.approx(0.010)
-    assert cm.Link(1e8, shared=True).seconds(1e6, 4) == pytest.approx(0.040)
-    assert cm.Link(1e8, shared=True).per_rank_bytes_per_s(4) == pytest.approx(25e6)
+    assert net.Link(1e8, shared=False).seconds(1e6, 4) == pytest.approx(0.010)
+    assert net.Link(1e8, shared=True).seconds(1e6, 4) == pytest.approx(0.040)
+    assert net.Link(1e8, shared=True).per_rank_bytes_per_s(4) == pytest.approx(25e6)
 
 
 def test_a_shaper_burst_passes_free_at_the_start_of_each_collective():
-    link = cm.Link(1e7, shared=True, burst_bytes=2**20)
+    link = net.Link(1e7, shared=True, burst_bytes=2**20)
     # 2 ranks x 3 MB = 6,000,000 B on the medium; the 1 MiB bucket (1,048,576 B) passes at once,
     # the other 4,951,424 B drain at 10 MB/s: 0.4951424 s.
     assert link.seconds(3e6, 2) == pytest.approx(0.4951424)
     assert link.seconds(4e5, 2) == 0.0  # 2 x 400 kB = 800,000 B fits in the 1,048,576 B bucket
-    assert cm.Link(1e7, latency_s=0.01, burst_bytes=2**20).seconds(1.0, 2) == pytest.approx(0.01)
+    assert net.Link(1e7, latency_s=0.01, burst_bytes=2**20).seconds(1.0, 2) == pytest.approx(0.01)
 
 
 def _ring_allreduce_sent(ranks: int, params: int, value_bytes: int = 4) -> float:
@@ -93,7 +94,7 @@ def _workload(compute_s: float = 0.05) -> cm.Workload:
 @settings(max_examples=60, deadline=None)
 @given(ratio=st.floats(1.0, 1e4), enc=st.floats(1e8, 1e12), dec=st.floats(1e8, 1e12), gbps=st.floats(0.01, 100.0))
 def test_speedup_never_exceeds_the_amdahl_limit(ratio, enc, dec, gbps):
-    w, link = _workload(), cm.Link(gbps * GB)
+    w, link = _workload(), net.Link(gbps * GB)
     base = cm.iteration_time(w, link)
     codec = cm.CodecCost(ratio, enc, dec)
     new = cm.iteration_time(w, link, codec, codec)
@@ -101,7 +102,7 @@ def test_speedup_never_exceeds_the_amdahl_limit(ratio, enc, dec, gbps):
 
 
 def test_a_free_infinite_ratio_codec_reaches_the_amdahl_limit():
-    w, link = _workload(), cm.Link(1 * GB)
+    w, link = _workload(), net.Link(1 * GB)
     base = cm.iteration_time(w, link)
     near_free = cm.CodecCost(1e12, 1e30, 1e30)
     s = cm.speedup(base, cm.iteration_time(w, link, near_free, near_free))
@@ -124,11 +125,11 @@ def test_faster_links_shorten_iterations_and_shrink_the_gain(b1, b2, ratio, tput
     lo, hi = sorted((b1, b2))
     w = _workload()
     codec = cm.CodecCost(ratio, tput * GB, tput * GB)
-    t_lo = cm.iteration_time(w, cm.Link(lo * GB), codec, codec).total
-    t_hi = cm.iteration_time(w, cm.Link(hi * GB), codec, codec).total
+    t_lo = cm.iteration_time(w, net.Link(lo * GB), codec, codec).total
+    t_hi = cm.iteration_time(w, net.Link(hi * GB), codec, codec).total
     assert t_hi <= t_lo
-    s_lo = cm.speedup(cm.iteration_time(w, cm.Link(lo * GB)), cm.iteration_time(w, cm.Link(lo * GB), codec, codec))
-    s_hi = cm.speedup(cm.iteration_time(w, cm.Link(hi * GB)), cm.iteration_time(w, cm.Link(hi * GB), codec, codec))
+    s_lo = cm.speedup(cm.iteration_time(w, net.Link(lo * GB)), cm.iteration_time(w, net.Link(lo * GB), codec, codec))
+    s_hi = cm.speedup(cm.iteration_time(w, net.Link(hi * GB)), cm.iteration_time(w, net.Link(hi * GB), codec, codec))
     assert s_hi <= s_lo + 1e-12
 
 
@@ -205,7 +206,7 @@ def _measured_setup():
     # Terabyte MLPs: bottom 13-512-256-64: 13x512+512 + 512x256+256 + 256x64+64 = 154,944 parameters;
     # top from 64 + 27x26/2 = 415 inputs, 415-512-512-256-1: 212,992 + 262,656 + 131,328 + 257 = 607,233.
     w = cm.Workload(ranks=2, batch_per_rank=2048, dims=(64,) * 26, dense_params=154_944 + 607_233)
-    link = cm.Link(100e6 / 8, shared=True, burst_bytes=2**20)  # both ranks on one 12.5 MB/s loopback
+    link = net.Link(100e6 / 8, shared=True, burst_bytes=2**20)  # both ranks on one 12.5 MB/s loopback
     return w, link
 
 
@@ -246,7 +247,7 @@ def test_codec_time_is_added_per_direction():
     # 2 ranks, 1,000 samples each, one table of dim 125: a rank sends 1/2 x 1,000 x 125 x 4 = 250,000 B
     # per direction. Forward: encode at 100 MB/s 2.5 ms + decode at 50 MB/s 5 ms = 7.5 ms;
     # backward: 0.25 ms + 0.25 ms at 1 GB/s each; an infinitely fast link adds no wire time.
-    w, link = cm.Workload(2, 1000, (125,)), cm.Link(math.inf)
+    w, link = cm.Workload(2, 1000, (125,)), net.Link(math.inf)
     fwd = cm.CodecCost(ratio=5.0, encode_bytes_per_s=100e6, decode_bytes_per_s=50e6)
     bwd = cm.CodecCost(ratio=3.0, encode_bytes_per_s=1 * GB, decode_bytes_per_s=1 * GB)
     b = cm.iteration_time(w, link, fwd, bwd)
@@ -256,7 +257,7 @@ def test_codec_time_is_added_per_direction():
 
 
 def test_calibrated_compute_reproduces_the_measurement_and_rejects_impossible_ones():
-    modelled = cm.iteration_time(_workload(compute_s=0.0), cm.Link(1 * GB))
+    modelled = cm.iteration_time(_workload(compute_s=0.0), net.Link(1 * GB))
     cal = cm.calibrate_compute(modelled.total + 0.123, modelled)
     assert cal.compute == pytest.approx(0.123)
     assert cal.total == pytest.approx(modelled.total + 0.123)
@@ -313,8 +314,8 @@ def test_stage_choice_ties_go_to_fewer_stages():
 @pytest.mark.parametrize(
     "bad",
     [
-        lambda: cm.Link(0),
-        lambda: cm.Link(1e9, burst_bytes=-1),
+        lambda: net.Link(0),
+        lambda: net.Link(1e9, burst_bytes=-1),
         lambda: cm.CodecCost(ratio=0),
         lambda: cm.CodecCost(ratio=2, encode_bytes_per_s=-1),
         lambda: cm.Workload(0, 1, (4,)),
@@ -339,7 +340,7 @@ def test_a_compressed_all_reduce_shrinks_by_its_ratio_and_pays_its_codec():
     # sends 2 (2-1)/2 x 1,000 x 4 = 4,000 bytes per rank, 4 s; at a dense ratio of 4, 1 s. The
     # codec encodes the 4,000 fp32 bytes at 4,000 B/s (1 s) and decodes for free.
     w = cm.Workload(ranks=2, batch_per_rank=1, dims=(1,), dense_params=1000)
-    link = cm.Link(1000.0)
+    link = net.Link(1000.0)
     plain = cm.iteration_time(w, link)
     dense = cm.iteration_time(w, link, dense=cm.CodecCost(4.0, 4000.0))
     assert plain.allreduce == pytest.approx(4.0) and plain.codec_dense == 0.0
