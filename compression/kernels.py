@@ -553,6 +553,16 @@ LOSSY_GROUPS = 8  # groups of 32 values per program of the lossy pack kernels (t
 
 
 @triton.jit
+def _block_steps(eb):
+    """float32 bin width ``2 eb`` and margin ``ed`` (the largest float32 <= eb) of float64 bounds,
+    as :func:`reference.step_of` and :func:`reference.float32_at_most` round them."""
+    e = eb.to(tl.float32)
+    down = (e.to(tl.float64) > eb) & (e > 0)  # rounded up: one float32 step down
+    e = tl.where(down, (e.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True), e)
+    return (2.0 * eb).to(tl.float32), e
+
+
+@triton.jit
 def lossy_offsets_kernel(counts_ptr, table_ptr, bounds_ptr, n_blocks, off_ptr, step_ptr, ed_ptr, CHUNK: tl.constexpr):
     """One program: each block's first value in the flat order (the unique rows' values block
     after block, ``off[n_blocks]`` their number), and its float32 bin width ``2 eb`` and margin
@@ -564,13 +574,45 @@ def lossy_offsets_kernel(counts_ptr, table_ptr, bounds_ptr, n_blocks, off_ptr, s
         size = tl.load(counts_ptr + b, mask=m, other=0) * tl.load(table_ptr + n_blocks + b, mask=m, other=0)
         tl.store(off_ptr + b, carry + tl.cumsum(size, axis=0) - size, mask=m)
         carry += tl.sum(size, axis=0)
-        eb = tl.load(bounds_ptr + b, mask=m, other=0.0)
-        tl.store(step_ptr + b, (2.0 * eb).to(tl.float32), mask=m)
-        e = eb.to(tl.float32)
-        down = (e.to(tl.float64) > eb) & (e > 0)  # rounded up: one float32 step down
-        e = tl.where(down, (e.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True), e)
-        tl.store(ed_ptr + b, e, mask=m)
+        step, ed = _block_steps(tl.load(bounds_ptr + b, mask=m, other=0.0))
+        tl.store(step_ptr + b, step, mask=m)
+        tl.store(ed_ptr + b, ed, mask=m)
     tl.store(off_ptr + n_blocks, carry)
+
+
+@triton.jit
+def block_steps_kernel(bounds_ptr, n_blocks, step_ptr, ed_ptr, CHUNK: tl.constexpr):
+    """One program: every block's float32 bin width and margin (:func:`_block_steps`)."""
+    for k in range(0, n_blocks, CHUNK):
+        b = k + tl.arange(0, CHUNK)
+        m = b < n_blocks
+        step, ed = _block_steps(tl.load(bounds_ptr + b, mask=m, other=0.0))
+        tl.store(step_ptr + b, step, mask=m)
+        tl.store(ed_ptr + b, ed, mask=m)
+
+
+@triton.jit
+def roundtrip_kernel(
+    x_ptr, x_stride, out_ptr, out_stride, rows, cols, table_ptr, n_blocks, step_ptr, ed_ptr,
+    ROWS: tl.constexpr, COLS: tl.constexpr, STEPS: tl.constexpr,
+):  # fmt: skip
+    """Program (row tile, column tile): each float32 value quantised under its block's step and
+    margin and rebuilt (``q * step``), or kept where that misses (:func:`reference.lossy_roundtrip`)."""
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    c = tl.program_id(1).to(tl.int64) * COLS + tl.arange(0, COLS)
+    lo = tl.zeros(c.shape, dtype=tl.int64)  # the block of a column: the last b with start[b] <= c
+    hi = tl.zeros(c.shape, dtype=tl.int64) + n_blocks
+    for _ in tl.static_range(STEPS):
+        mid = (lo + hi) // 2
+        go = (mid < hi) & (tl.load(table_ptr + mid, mask=mid < n_blocks, other=0) <= c)
+        lo = tl.where(go, mid + 1, lo)
+        hi = tl.where(go, hi, mid)
+    b = tl.maximum(lo - 1, 0)
+    m = (r[:, None] < rows) & (c[None, :] < cols)
+    v = tl.load(x_ptr + r[:, None] * x_stride + c[None, :], mask=m, other=0.0)
+    step = tl.load(step_ptr + b, mask=c < cols, other=1.0)[None, :]
+    q, ok = _quantized(v, step, tl.load(ed_ptr + b, mask=c < cols, other=0.0)[None, :], 0)
+    tl.store(out_ptr + r[:, None] * out_stride + c[None, :], tl.where(ok, q.to(tl.float32) * step, v), mask=m)
 
 
 @triton.jit
@@ -710,6 +752,34 @@ def lossy_pack(
     ends = scan.cumsum(1, dtype=torch.int64)
     lossy_pack_kernel[grid](*args, ends, words, positions, raw, lengths, x.element_size(), **meta, **_LAUNCH)
     return widths_out, words, positions, raw, lengths
+
+
+TRIP_ROWS = 32  # rows per program of roundtrip_kernel
+TRIP_COLS = 128  # columns per program
+
+
+def lossy_roundtrip(
+    x: torch.Tensor, bounds: torch.Tensor, widths: list[int], rows_tile: int = TRIP_ROWS, cols_tile: int = TRIP_COLS
+) -> torch.Tensor:
+    """Kernel version of :func:`reference.lossy_roundtrip`: the block table up, the blocks' steps,
+    then every value in one pass (float32)."""
+    if x.dtype != torch.float32:
+        raise TypeError(f"lossy_roundtrip: float32 values, got {x.dtype}")
+    x = x.contiguous()
+    rows, cols = x.shape
+    nb = len(widths)
+    out = torch.empty_like(x)
+    step = torch.empty(max(nb, 1), dtype=torch.float32, device=x.device)
+    ed = torch.empty(max(nb, 1), dtype=torch.float32, device=x.device)
+    table = _table(widths, [], x.device)
+    block_steps_kernel[(1,)](bounds, nb, step, ed, CHUNK=1024, **_LAUNCH)
+    if rows and cols:
+        grid = (triton.cdiv(rows, rows_tile), triton.cdiv(cols, cols_tile))
+        roundtrip_kernel[grid](
+            x, x.stride(0), out, out.stride(0), rows, cols, table, nb, step, ed,
+            ROWS=rows_tile, COLS=cols_tile, STEPS=max(nb, 1).bit_length(), **_LAUNCH,
+        )  # fmt: skip
+    return out
 
 
 ROWS_TILE = 32  # output rows per program of lossy_rows_kernel

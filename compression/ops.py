@@ -187,6 +187,27 @@ def _(group_widths, words, positions, raw, counts, bounds, widths, inverse, firs
 LAUNCHES["lossy_unpack"] = 5  # the host's tables up, word offsets, unpack and dequantise, exceptions, rows
 
 
+@custom_op("dlrm_compression::lossy_roundtrip", mutates_args=())
+@_cpu
+def lossy_roundtrip(x: torch.Tensor, bounds: torch.Tensor, widths: list[int]) -> torch.Tensor:
+    """:func:`reference.lossy_roundtrip`: what the lossy codec's decode returns for float32 ``x``
+    coded under per-block ``bounds`` (float64, on its device), no payload made."""
+    return reference.lossy_roundtrip(x, bounds, widths)
+
+
+@lossy_roundtrip.register_kernel("cuda")
+def _(x, bounds, widths):
+    return _kernels().lossy_roundtrip(x, bounds, widths)
+
+
+@lossy_roundtrip.register_fake
+def _(x, bounds, widths):
+    return torch.empty_like(x)
+
+
+LAUNCHES["lossy_roundtrip"] = 3  # the block table up, the blocks' steps, every value
+
+
 # -- relative error bounds ----------------------------------------------------------------------
 
 

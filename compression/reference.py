@@ -264,6 +264,22 @@ def lossy_pack(
     return out_widths, out_words, out_pos, out_raw, lengths
 
 
+def lossy_roundtrip(x: torch.Tensor, bounds: torch.Tensor, widths: list[int]) -> torch.Tensor:
+    """What the lossy codec's decode returns for every value of ``x`` [rows, cols] (column blocks
+    ``widths``, float32) coded under its block's bound ``bounds[b]`` (float64): ``q * step``
+    where the reconstruction holds (:func:`quantize`), the value itself where it misses (an
+    exception). Neither codes nor payload are made: a sender's view of what its peer decodes."""
+    out = torch.empty_like(x)
+    c = 0
+    for w, eb in zip(widths, bounds.tolist(), strict=True):
+        block = x[:, c : c + w]
+        step, ed = _block_steps(eb)
+        q, miss = quantize(block.float(), step, ed, x.dtype)
+        out[:, c : c + w] = torch.where(miss, block, _dequantize(q, step).to(x.dtype))
+        c += w
+    return out
+
+
 def lossy_unpack(
     group_widths: torch.Tensor,
     words: torch.Tensor,

@@ -20,25 +20,26 @@ training forwards use the caches (evaluation sends as today); each rank's caches
 checkpoint (:meth:`ForwardCache.state_dict`), so saving changes nothing and a resumed run matches
 an uninterrupted one bit for bit.
 
-Each block is classified, merged and stored in a few whole-tensor operations on the chunk's own
-device. On the CPU (:meth:`ForwardCache.encode` / :meth:`~ForwardCache.decode`) the host reads the
-sizes the payload's layout depends on, all blocks at once: per chunk, encode reads the blocks'
-unique-id counts and then their held, hit and moved counts with the delta bounds' magnitudes;
-decode the counts, then the held counts with the flags, then the moved counts (the codec's own
-reads aside). On a device (:func:`on_device`: where the codec builds its payloads there) nothing
-waits per chunk: every block is laid out at its capacity (the chunk's rows), the payload is a
-format payload (sections: the lossy payload, the flags, the bits; the same rows, bit for bit)
-with its length on the device, the sender takes what its peer decodes from the quantiser, and
-what the host needs (the counts for the stores) comes with the collective's reads: the sender's
-with the size exchange (:class:`~dlrm.embedding_comm.stage.Settle`), the receiver's with the
-payloads' heads (:meth:`CacheStage.prepare_decode`). Whether a chunk's ids hold at all may come
-with the size exchange too (``Outgoing.single``): the device then picks this payload or the
-codec's of the chunk by value, and only the first touches the mirror.
+A chunk's blocks are one structure (:class:`compression.row_cache.RowCaches`, per role and peer:
+every block's held ids in one index, their rows in one table) and are looked up, classified,
+laid out, merged and stored together, each block at its capacity (the chunk's rows, ``[blocks,
+rows]``): a fixed number of whole-tensor operations on the chunk's own device whatever its
+number of blocks. On the CPU (:meth:`ForwardCache.encode` / :meth:`~ForwardCache.decode`) the
+host reads the sizes the payload's layout depends on, all blocks at once: encode reads the
+blocks' counts with their coded bounds; decode the held counts with the flags, then the moved
+counts (the codec's own reads aside). On a device (:func:`on_device`: where the codec builds its
+payloads there) nothing waits per chunk: the payload is a format payload (sections: the lossy
+payload, the flags, the bits; the same rows, bit for bit) with its length on the device, the
+sender takes what its peer decodes from the quantiser, and what the host needs (the counts for
+the stores) comes with the collective's reads: the sender's with the size exchange
+(:class:`~dlrm.embedding_comm.stage.Settle`), the receiver's with the payloads' heads
+(:meth:`CacheStage.prepare_decode`). Whether a chunk's ids hold at all may come with the size
+exchange too (``Outgoing.single``): the device then picks this payload or the codec's of the
+chunk by value, and only the first touches the mirror.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -51,17 +52,20 @@ from dlrm.embedding_comm.stage import Incoming, Outgoing, Settle, Stage
 from dlrm_compression import format as fmt
 from dlrm_compression.backend import backend_for
 from dlrm_compression.base import held_ids
-from dlrm_compression.dedup import plan_by_ids, plan_capacity
+from dlrm_compression.dedup import id_plan
 from dlrm_compression.format import HostHead
 from dlrm_compression.lossy import LossyCodec
-from dlrm_compression.row_cache import RowCache, compact, positions
+from dlrm_compression.row_cache import RowCaches, _columns
 
 EPS = float(torch.finfo(torch.float32).eps)
 PAYLOAD_ID = 11  # the format's codec id of the device payload (the codecs' ids run from 1 to 10)
+COUNTS = ("unique_rows", "held_rows", "hit_rows", "moved_rows")
 
 
 class ForwardCache:
-    """Every cache of one rank: (role, peer global rank, feature, block) -> rows.
+    """Every cache of one rank: per role (``send``: mirrors, ``recv``: what it holds), peer global
+    rank and the chunk's blocks (features), one :class:`RowCaches`. ``caches`` shows them per
+    (role, peer, feature, block) as before.
 
     ``deltas=False`` sends moved rows whole (flag 0), a scheme the probe measures beside the cache.
     """
@@ -74,37 +78,101 @@ class ForwardCache:
         self.capacity_rows = capacity_rows
         self.deltas = deltas
         self.backend = backend  # where the caches' compactions run (compression.backend)
-        self.caches: dict[tuple[str, int, str, int], RowCache] = {}
+        self.groups: dict[tuple[str, int, tuple[str, ...]], RowCaches] = {}
+        self._saved: dict[tuple[str, int, str, int], Mapping[str, Any]] = {}  # restored, not yet met
+
+    @property
+    def caches(self) -> dict[tuple[str, int, str, int], Block | SavedBlock]:
+        """Every block's cache by (role, peer, feature, block)."""
+        out = {(role, peer, f, k): Block(g, k) for (role, peer, fs), g in self.groups.items() for k, f in enumerate(fs)}
+        return out | {key: SavedBlock(state) for key, state in self._saved.items()}
 
     @property
     def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.caches.values())
+        return sum(g.nbytes for g in self.groups.values()) + sum(SavedBlock(s).nbytes for s in self._saved.values())
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's caches, as [role, peer, feature, block, cache state] (for its checkpoint)."""
         return {"capacity_rows": self.capacity_rows, "caches": [[*k, c.state_dict()] for k, c in self.caches.items()]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Caches land on the saved rows' device; the first chunk moves them to its own."""
-        self.caches = {}
-        for role, peer, feature, k, saved in state.get("caches", []):
-            device = saved["rows"].device
-            cache = RowCache(
-                int(saved["dim"]), self.capacity_rows, saved["rows"].dtype, device, backend_for(device, self.backend)
-            )
-            cache.load_state_dict(saved)
-            self.caches[(str(role), int(peer), str(feature), int(k))] = cache
+        """The saved caches are taken up by the first chunk of their role, peer and blocks, on
+        its device."""
+        self.groups = {}
+        self._saved = {(str(r), int(p), str(f), int(k)): s for r, p, f, k, s in state.get("caches", [])}
 
-    def _cache(
-        self, role: str, peer: int, feature: str, k: int, dim: int, dtype: torch.dtype, device: torch.device
-    ) -> RowCache:
-        cache = self.caches.get((role, peer, feature, k))
-        if cache is None:
-            cache = RowCache(dim, self.capacity_rows, dtype, device, backend_for(device, self.backend))
-            self.caches[(role, peer, feature, k)] = cache
-        elif cache.device != device:  # restored from a checkpoint onto another device
-            cache.to_(device)
-        return cache
+    def _group(
+        self,
+        role: str,
+        peer: int,
+        features: Sequence[str],
+        widths: Sequence[int],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> RowCaches:
+        key = (role, peer, tuple(features))
+        group = self.groups.get(key)
+        if group is None:
+            group = RowCaches(widths, self.capacity_rows, dtype, device, backend_for(device, self.backend))
+            saved = [self._saved.pop((role, peer, f, k), None) for k, f in enumerate(features)]
+            if any(s is not None for s in saved):
+                group.load_blocks(saved)
+            self.groups[key] = group
+        elif group.device != device:  # restored from a checkpoint onto another device
+            group.to_(device)
+        return group
+
+    def _look(
+        self,
+        role: str,
+        peer: int,
+        ids: torch.Tensor,
+        features: Sequence[str],
+        widths: Sequence[int],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> Look:
+        """Every block's unique ids at capacity (ascending, then padding) looked up in its cache."""
+        keys = ids.to(device)
+        counts, first, inverse, _ = id_plan(keys)
+        uid = keys.t().gather(1, first)
+        valid = _column(first.shape[1], device) < counts[:, None]
+        group = self._group(role, peer, features, widths, dtype, device)
+        rows, held, keys = group.find(uid, valid)
+        return Look(group, Columns(widths), uid, valid, counts, first, inverse, rows, held, keys)
+
+    def _classify(self, look: Look, x: torch.Tensor, bounds_t: torch.Tensor) -> Classified:
+        """The sender's view of a chunk ``x``: each unique row exact and held, which held rows
+        are hits (within the block's bound of the held value) and which moved, and each block's
+        bound for its payload (its differences' where they travel as such)."""
+        exact = look.cols.blocks_of(x, look.first)
+        cached = look.group.peek(look.rows)  # rows not held are replaced, never read
+        diff = exact - cached
+        # NaN compares false: a row with a NaN (exact or held) is never a hit; the bound compared
+        # in the rows' fp32, as a 0-d bound would be
+        hit = look.held & (diff.abs() <= bounds_t.float()[:, None, None]).all(2)
+        moved = look.held ^ hit
+        n_held, n_hit = look.held.sum(1), hit.sum(1)
+        if x.shape[0]:
+            both = torch.maximum(exact.abs(), cached.abs()).masked_fill_(~moved[..., None], 0)
+            largest = both.amax((1, 2)).double()  # (NaN kept)
+        else:
+            largest = bounds_t.new_zeros(bounds_t.shape)
+        room = bounds_t - 4 * EPS * largest  # _delta_bound's, on the device
+        if self.deltas:  # some moved rows, and room left (finite: NaN and inf compare false)
+            delta = (n_held > n_hit) & (room > 0) & (room < math.inf)
+        else:
+            delta = torch.zeros_like(n_hit, dtype=torch.bool)
+        coded = torch.where(delta, room, bounds_t)
+        return Classified(exact, cached, diff, hit, moved, n_held, n_hit, delta, coded)
+
+    def _sent(self, look: Look, c: Classified) -> tuple[Laid, torch.Tensor, torch.Tensor]:
+        """The layout of every block's fresh then moved rows, and the payload's rows at capacity
+        ([rows, columns], moved rows as differences where their block sends them so) with their
+        ids [rows, blocks] (:func:`_code`'s padding)."""
+        laid = laid_out(look, c.moved, c.hit, c.n_hit)
+        rows = torch.where((c.moved & c.delta[:, None])[..., None], c.diff, c.exact)
+        return laid, look.cols.chunk_of(laid.sent(rows, 0.0)), laid.sent(look.uid, -1).t()
 
     def encode(
         self,
@@ -120,61 +188,27 @@ class ForwardCache:
         ``unique_rows``, ``held_rows``, ``hit_rows``, ``moved_rows`` sent as differences, each
         also per feature as ``<name>/<feature>``). ``bounds``: per block, floats or a tensor."""
         _check_fp32(chunk)
-        firsts, inverse, idn = _unpack(ids, backend_for(ids.device, self.backend).numpy_sorts)
-        x = chunk.detach()
-        looked, sums, largest, c = [], [], [], 0
-        for k, (f, w) in enumerate(zip(features, widths, strict=True)):
-            rows = firsts[k]
-            uid = idn[:, k].index_select(0, rows)
-            cache = self._cache("send", dst, f, k, w, chunk.dtype, x.device)
-            slots, held = cache.find(uid)
-            cached = cache.peek(slots)  # rows not held are overwritten (_finish), never read
-            exact = x[:, c : c + w].index_select(0, rows)
-            # NaN compares false: a row with a NaN (exact or held) is never a hit
-            hit = held & ((exact - cached).abs() <= bounds[k]).all(dim=1)
-            moved = held & ~hit
-            looked.append(Block(cache, uid, slots, held, moved, cached, exact))
-            sums += [held.sum(), hit.sum()]
-            largest.append(_largest(exact, cached, moved))
-            c += w
-        # the one host read of the blocks' classification: counts, and the bounds they need
-        if looked:
-            bounds_t = torch.as_tensor(bounds, dtype=torch.float64, device=x.device)
-            read = torch.cat([torch.stack(sums).double(), torch.stack(largest).double(), bounds_t]).tolist()
-        nb = len(looked)
-        flags, bits, sends, sent_ids, coded_bounds, steps = [], [], [], [], [], []
-        counts = dict.fromkeys(("unique_rows", "held_rows", "hit_rows", "moved_rows"), 0)
-        for k, (f, b) in enumerate(zip(features, looked, strict=True)):
-            n_held, n_hit, m, bound = int(read[2 * k]), int(read[2 * k + 1]), read[2 * nb + k], read[3 * nb + k]
-            n_moved = n_held - n_hit
-            room = _delta_bound(m, n_moved * b.exact.shape[1], bound)
-            delta = self.deltas and room > 0 and n_moved > 0
-            step = b.step(n_held, n_moved, delta)
-            flags.append(int(delta))
-            bits.append(compact(b.moved, b.held, n_held, b.cache.host))
-            em = b.exact.index_select(0, step.moved_at)
-            sends.append(
-                torch.cat(
-                    [
-                        b.exact.index_select(0, step.fresh_at),
-                        em - b.cached.index_select(0, step.moved_at) if delta else em,
-                    ]
-                )
-            )
-            sent_ids.append(torch.cat([b.uid.index_select(0, step.fresh_at), b.uid.index_select(0, step.moved_at)]))
-            coded_bounds.append(room if delta else bound)
-            steps.append(step)
-            block = {"unique_rows": b.uid.numel(), "held_rows": n_held, "hit_rows": n_hit}
-            block["moved_rows"] = n_moved if delta else 0
-            for name, n in block.items():
-                counts[name] += n
-                counts[f"{name}/{f}"] = counts.get(f"{name}/{f}", 0) + n
-        inner = _code(dc, sends, sent_ids, widths, coded_bounds, x)
-        out = torch.empty_like(x)
-        _finish(steps, _decode(dc, inner, sent_ids, widths), inverse, widths, out)
-        head = torch.tensor(flags, dtype=torch.uint8).to(x.device, non_blocking=True)
-        packed = _packbits(torch.cat(bits)) if bits else head[:0]
-        return torch.cat([head, packed, inner]), out, counts
+        x, nb = chunk.detach(), len(widths)
+        if not nb:
+            return dc.encode(x, [], [], ids), x.clone(), dict.fromkeys(COUNTS, 0)
+        bounds_t = _on(bounds, x.device)
+        look = self._look("send", dst, ids, features, widths, x.dtype, x.device)
+        c = self._classify(look, x, bounds_t)
+        laid, cols, sent = self._sent(look, c)
+        # the one host read of the blocks' classification: counts, and the bounds they are coded at
+        read = torch.cat([look.counts, c.n_held, c.n_hit, laid.n_sent, c.delta.long()])
+        host = torch.cat([read.double(), c.coded]).tolist()
+        u, h, hits, n_sent, deltas = (host[i * nb : (i + 1) * nb] for i in range(5))
+        n = int(max([1, *n_sent]))
+        inner = _code(dc, _rows(cols, n), _rows(sent, n, -1), widths, host[5 * nb :])
+        head = torch.tensor([int(d) for d in deltas], dtype=torch.uint8).to(x.device, non_blocking=True)
+        bits = _held_bits(look.held, c.moved)[0][: (sum(_ints(h)) + 7) // 8]
+        payload = torch.cat([head, bits, inner])
+        decoded = _decode(dc, inner, _rows(sent, n, -1), widths)
+        unique = _merged(look, laid, look.cols.blocks(_rows(decoded, x.shape[0])), c.cached, c.delta)
+        out = look.cols.spread(unique, look.inverse)
+        look.group.store(look.keys, unique, look.rows, look.held, look.valid, _ints(u), _ints(h))
+        return payload, out, _counts(features, u, h, hits, deltas)
 
     def decode(
         self,
@@ -187,36 +221,26 @@ class ForwardCache:
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The chunk global rank ``src`` sent (into ``out`` if given), updating our caches alike."""
+        nb = len(widths)
         if out is None:
             out = torch.empty(ids.shape[0], sum(widths), dtype=torch.float32, device=payload.device)
-        firsts, inverse, idn = _unpack(ids, backend_for(ids.device, self.backend).numpy_sorts)
-        nb = len(widths)
-        looked = []
-        for k, (f, w) in enumerate(zip(features, widths, strict=True)):
-            uid = idn[:, k].index_select(0, firsts[k])
-            cache = self._cache("recv", src, f, k, w, out.dtype, out.device)
-            slots, held = cache.find(uid)
-            looked.append(Block(cache, uid, slots, held, held, cache.peek(slots), out[:0]))
-        # host reads: the held counts with the flags (the bitmap's length), then the moved counts
-        first = [torch.stack([b.held.sum() for b in looked]), payload[:nb].long()] if looked else []
-        read = torch.cat(first).tolist() if looked else []
-        held_counts, flags = read[:nb], read[nb:]
-        n_held = sum(held_counts)
-        n_bytes = (n_held + 7) // 8
-        bits = _unpackbits(payload[nb : nb + n_bytes], n_held)
+        if not nb:
+            return out.copy_(dc.codec.decode(payload, ids))
+        look = self._look("recv", src, ids, features, widths, out.dtype, out.device)
+        # host reads: the held counts with the flags (the bitmap's length), then the sent counts
+        read = torch.cat([look.counts, look.held.sum(1), payload[:nb].long()]).tolist()
+        u, h, flags = read[:nb], read[nb : 2 * nb], read[2 * nb :]
+        n_bytes = (sum(h) + 7) // 8
+        moved = _moved(look.held, _unpackbits(payload[nb : nb + n_bytes], sum(h)))
+        laid = laid_out(look, moved, look.held ^ moved)
+        n = max([1, *laid.n_sent.tolist()])
         inner = payload[nb + n_bytes :].clone()  # aligned (format.view_as fails on an empty misaligned section)
-        at = 0
-        for k, (b, h) in enumerate(zip(looked, held_counts, strict=True)):
-            held_at = positions(b.held, h, b.cache.host)
-            looked[k] = b._replace(moved=torch.zeros_like(b.held).index_copy_(0, held_at, bits[at : at + h]))
-            at += h
-        moved_counts = torch.stack([b.moved.sum() for b in looked]).tolist() if looked else []
-        sent_ids, steps = [], []
-        for b, h, n_moved, flag in zip(looked, held_counts, moved_counts, flags, strict=True):
-            step = b.step(h, n_moved, bool(flag))
-            sent_ids.append(torch.cat([b.uid.index_select(0, step.fresh_at), b.uid.index_select(0, step.moved_at)]))
-            steps.append(step)
-        _finish(steps, _decode(dc, inner, sent_ids, widths), inverse, widths, out)
+        sent = laid.sent(look.uid, -1).t()
+        decoded = _decode(dc, inner, _rows(sent, n, -1), widths)
+        delta = torch.tensor(flags, dtype=torch.bool).to(out.device, non_blocking=True)
+        unique = _merged(look, laid, look.cols.blocks(_rows(decoded, ids.shape[0])), look.group.peek(look.rows), delta)
+        look.cols.spread(unique, look.inverse, out)
+        look.group.store(look.keys, unique, look.rows, look.held, look.valid, u, h)
         return out
 
     def encode_on_device(
@@ -238,40 +262,21 @@ class ForwardCache:
         yet); where they do not, the payload is the codec's of the chunk (by value, as sent
         without the cache), chosen on the device, and the mirror is left as it was (None)."""
         _check_fp32(chunk)
-        x, nb, rows = chunk.detach(), len(widths), chunk.shape[0]
+        x, nb = chunk.detach(), len(widths)
         bounds_t = _on(bounds, x.device)
-        looked, inverse = self._look("send", dst, ids, features, widths, x.dtype, x.device)
-        exact, cached, hit, c = [], [], [], 0
-        for k, (b, w) in enumerate(zip(looked, widths, strict=True)):
-            exact.append(x[:, c : c + w].index_select(0, b.first))
-            cached.append(b.cache.peek(b.slots))  # rows not held are replaced, never read
-            # NaN compares false: a row with a NaN (exact or held) is never a hit
-            hit.append(b.held & ((exact[k] - cached[k]).abs() <= bounds_t[k]).all(dim=1))
-            c += w
-        moved = [b.held & ~h for b, h in zip(looked, hit, strict=True)]
-        n_held = torch.stack([b.held.sum() for b in looked])
-        n_moved = torch.stack([m.sum() for m in moved])
-        largest = torch.stack([_largest(e, h, m) for e, h, m in zip(exact, cached, moved, strict=True)]).double()
-        room = bounds_t - 4 * EPS * largest  # _delta_bound's, on the device
-        delta = (n_moved > 0) & room.isfinite() & (room > 0) & self.deltas
-        coded = torch.where(delta, room, bounds_t)
-        sends, sent_ids = [], []
-        for k, b in enumerate(looked):
-            b = looked[k] = b.laid_out(moved[k])
-            diff = torch.where((moved[k] & delta[k]).unsqueeze(1), exact[k] - cached[k], exact[k])
-            sends.append(b.sent(diff, 0.0))
-            sent_ids.append(b.sent(b.uid, -1))
-        cols, sent = torch.cat(sends, 1), torch.stack(sent_ids, 1)
+        look = self._look("send", dst, ids, features, widths, x.dtype, x.device)
+        c = self._classify(look, x, bounds_t)
+        laid, cols, sent = self._sent(look, c)
+        coded = c.coded
         if single is not None:  # the codec encodes the chunk itself where the ids do not hold
             cols, coded = torch.where(single, cols, x), torch.where(single, coded, bounds_t)
         inner = dc.encode_deferred(cols, widths, coded, sent, single=single)
         assert isinstance(dc.codec, LossyCodec)  # on_device() says so
-        decoded = dc.codec.decoded(cols, coded, widths)
-        unique = _merged(looked, decoded, cached, delta, widths)
-        out = torch.empty_like(x)
-        _spread(unique, inverse, widths, out)
-        payload = _pack(x, widths, coded, inner, delta, _held_bits(looked, moved, rows))
-        counts = torch.cat([torch.stack([b.n_unique for b in looked]), n_held, n_held - n_moved, delta.long()])
+        decoded = dc.codec.decoded(cols, coded, widths, checked=True)  # (the bounds encode_deferred checks)
+        unique = _merged(look, laid, look.cols.blocks(decoded), c.cached, c.delta)
+        out = look.cols.spread(unique, look.inverse)
+        payload = _pack(x, widths, coded, inner, c.delta, _held_bits(look.held, c.moved))
+        counts = torch.cat([look.counts, c.n_held, c.n_hit, c.delta.long()])
         if single is not None:
             payload, out = fmt.pick(single, payload, inner), torch.where(single, out, decoded)
             counts = torch.cat([counts, single.long().reshape(1)])
@@ -280,15 +285,8 @@ class ForwardCache:
             if single is not None and not host[4 * nb]:
                 return None  # the codec's payload went: no cache touched
             u, h, hits, deltas = (host[i * nb : (i + 1) * nb] for i in range(4))
-            _store(looked, unique, u, h)
-            out = dict.fromkeys(("unique_rows", "held_rows", "hit_rows", "moved_rows"), 0)
-            for k, f in enumerate(features):
-                block = {"unique_rows": u[k], "held_rows": h[k], "hit_rows": hits[k]}
-                block["moved_rows"] = h[k] - hits[k] if deltas[k] else 0
-                for name, n in block.items():
-                    out[name] += n
-                    out[f"{name}/{f}"] = out.get(f"{name}/{f}", 0) + n
-            return out
+            look.group.store(look.keys, unique, look.rows, look.held, look.valid, u, h)
+            return _counts(features, u, h, hits, deltas)
 
         return payload, out, counts, store
 
@@ -305,22 +303,18 @@ class ForwardCache:
         ``src`` (its head, the rows each block holds), found without a host wait: (bytes of the
         payload's head, int64 device values, state)."""
         nb, rows = len(widths), ids.shape[0]
-        looked, inverse = self._look("recv", src, ids, features, widths, torch.float32, payload.device)
+        look = self._look("recv", src, ids, features, widths, torch.float32, payload.device)
         flags = nb + -nb % 8  # the flags' bytes, aligned: the held bits follow them
         tail = fmt.section_bytes(payload, nb, _SECTIONS, 1, flags + (nb * rows + 7) // 8)
-        bits = _unpackbits(tail[flags:], nb * rows)
-        held = torch.stack([b.held.sum() for b in looked])
-        before = held.cumsum(0) - held
-        for k, b in enumerate(looked):  # each held id's bit: the blocks' held ids follow one another
-            at = (before[k] + b.held.cumsum(0) - 1).clamp_(0, nb * rows - 1)
-            looked[k] = b.laid_out(b.held & bits.index_select(0, at))
-        sent = torch.stack([b.sent(b.uid, -1) for b in looked], 1)
+        moved = _moved(look.held, _unpackbits(tail[flags:], nb * rows))
+        laid = laid_out(look, moved, look.held ^ moved)
+        sent = laid.sent(look.uid, -1).t()
         assert isinstance(dc.codec, LossyCodec)  # on_device() says so
         codec, codec_state = dc.codec.prepare_decode(payload, sent) or (None, None)
         assert codec is not None  # sent ids (one row at least) on the device backend
-        values = torch.cat([codec, torch.stack([b.n_unique for b in looked]), held])
+        values = torch.cat([codec, look.counts, look.held.sum(1)])
         size = fmt.head_bytes(nb, _SECTIONS) + dc.codec.head_size(nb)
-        return size, values, (looked, inverse, sent, codec_state)
+        return size, values, (look, laid, sent, codec_state)
 
     def decode_on_device(
         self,
@@ -332,7 +326,7 @@ class ForwardCache:
     ) -> torch.Tensor:
         """:meth:`decode` of the device payload, its head and :meth:`prepare_on_device`'s values
         read: no host wait."""
-        looked, inverse, sent, codec_state = head.state
+        look, laid, sent, codec_state = head.state
         nb, rows = len(widths), sent.shape[0]
         header, sections = fmt.unpack(payload, head)
         if (header.codec_id, header.rows, header.widths, len(sections)) != (PAYLOAD_ID, rows, list(widths), _SECTIONS):
@@ -343,37 +337,19 @@ class ForwardCache:
         inner_head = HostHead(head.data[header.offsets[0] :], head.good, head.extra[: nb + 1], codec_state)
         assert isinstance(dc.codec, LossyCodec)  # on_device() says so
         decoded = dc.codec.decode(sections[0], sent, head=inner_head)
-        delta = sections[1].bool()
-        cached = [b.cache.peek(b.slots) for b in looked]
-        unique = _merged(looked, decoded, cached, delta, widths)
-        if out is None:
-            out = torch.empty(rows, sum(widths), dtype=torch.float32, device=payload.device)
-        _spread(unique, inverse, widths, out)
-        _store(looked, unique, head.extra[nb + 1 : 2 * nb + 1], head.extra[2 * nb + 1 :])
+        delta = sections[1].view(torch.bool)  # (0 or 1: the sender's flags, under the payload's check)
+        unique = _merged(look, laid, look.cols.blocks(decoded), look.group.peek(look.rows), delta)
+        out = look.cols.spread(unique, look.inverse, out)
+        look.group.store(
+            look.keys,
+            unique,
+            look.rows,
+            look.held,
+            look.valid,
+            head.extra[nb + 1 : 2 * nb + 1],
+            head.extra[2 * nb + 1 :],
+        )
         return out
-
-    def _look(
-        self,
-        role: str,
-        peer: int,
-        ids: torch.Tensor,
-        features: Sequence[str],
-        widths: Sequence[int],
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> tuple[list[Laid], torch.Tensor]:
-        """Each block's unique ids at capacity (in ascending order, then padding) looked up in its
-        cache, and the plan's inverse [n_blocks, rows]."""
-        counts, first, inverse = plan_capacity(ids.to(device))
-        live = torch.arange(ids.shape[0], device=device)
-        out = []
-        for k, (f, w) in enumerate(zip(features, widths, strict=True)):
-            uid = ids[:, k].to(device).index_select(0, first[k])
-            cache = self._cache(role, peer, f, k, w, dtype, device)
-            slots, held = cache.find(uid)
-            valid = live < counts[k]
-            out.append(Laid(cache, uid, slots, held & valid, valid, counts[k], first[k]))
-        return out, inverse
 
 
 def on_device(dc: DirectionCodec, device: torch.device, n_blocks: int) -> bool:
@@ -459,119 +435,228 @@ class CacheStage(Stage):
         return part
 
 
-class Step(NamedTuple):
-    """One block's unique rows, as both sides rebuild them: where the fresh and the moved rows
-    are among the block's unique ids, and whether moved rows travel as differences."""
+class Block:
+    """One block's cache in its chunk's :class:`RowCaches` (the per-block view the tests and the
+    checkpoint see)."""
 
-    cache: RowCache
+    def __init__(self, group: RowCaches, k: int) -> None:
+        self.group, self.k = group, k
+
+    def ids(self) -> list[int]:
+        """Held ids, least recent first."""
+        return self.group.ids(self.k)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.group.rows(self.k, ids)
+
+    def lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(held bool [n], rows: the held rows, zeros where not held)."""
+        return self.group.lookup(self.k, ids)
+
+    def __len__(self) -> int:
+        return self.group.lengths()[self.k]
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.group.block_state(self.k)
+
+
+class SavedBlock:
+    """A restored block's cache state, not yet taken up by a chunk."""
+
+    def __init__(self, state: Mapping[str, Any]) -> None:
+        self.state = state
+
+    def _caches(self) -> RowCaches:
+        caches = RowCaches([int(self.state["dim"])], int(self.state["capacity"]), self.state["rows"].dtype)
+        caches.load_blocks([self.state])
+        return caches
+
+    def ids(self) -> list[int]:
+        return self._caches().ids(0)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._caches().rows(0, ids)
+
+    @property
+    def nbytes(self) -> int:
+        return self._caches().nbytes
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.state)
+
+
+class Columns:
+    """A chunk's column blocks (``widths``) as ``[blocks, rows, width]`` (narrower blocks padded
+    with zeros to the widest), and back: views where every block has the same width."""
+
+    def __init__(self, widths: Sequence[int]) -> None:
+        self.widths = [int(w) for w in widths]
+        self.n, self.width = len(self.widths), max(self.widths, default=0)
+        self.equal = len(set(self.widths)) <= 1
+        self._maps: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _map(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each padded column's source column, the spare past the chunk's for padding; each
+        chunk column's padded column)."""
+        if device not in self._maps:
+            total, c = sum(self.widths), 0
+            src: list[int] = []
+            back: list[int] = []
+            for k, w in enumerate(self.widths):
+                src += [*range(c, c + w), *[total] * (self.width - w)]
+                back += range(k * self.width, k * self.width + w)
+                c += w
+            self._maps[device] = (torch.tensor(src).to(device), torch.tensor(back).to(device))
+        return self._maps[device]
+
+    def padded(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [rows, columns] as [rows, blocks, width]."""
+        if self.equal:
+            return x.view(x.shape[0], self.n, self.width)
+        src, _ = self._map(x.device)
+        return torch.nn.functional.pad(x, (0, 1)).index_select(1, src).view(x.shape[0], self.n, self.width)
+
+    def blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [rows, columns] as [blocks, rows, width] (a view where the widths are equal)."""
+        return self.padded(x).transpose(0, 1)
+
+    def blocks_of(self, x: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+        """[blocks, q, width]: block k's row ``first[k, u]`` of ``x`` at u."""
+        return self.padded(x)[first, _column(self.n, x.device).t()]
+
+    def chunk_of(self, b: torch.Tensor) -> torch.Tensor:
+        """[blocks, rows, width] as [rows, columns]."""
+        x = b.transpose(0, 1).contiguous().view(b.shape[1], self.n * self.width)
+        return x if self.equal else x.index_select(1, self._map(b.device)[1])
+
+    def spread(self, unique: torch.Tensor, inverse: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Each block's unique rows ``unique`` [blocks, q, width] over the chunk's rows (row r of
+        block k: ``unique[k, inverse[k, r]]``), [rows, columns] (into ``out`` if given)."""
+        rows = unique[_column(self.n, unique.device), inverse.t()]  # [rows, blocks, width]
+        if not self.equal:
+            got = rows.reshape(rows.shape[0], self.n * self.width).index_select(1, self._map(unique.device)[1])
+            return got if out is None else out.copy_(got)
+        if out is None:
+            return rows.contiguous().view(rows.shape[0], self.n * self.width)
+        out.view(rows.shape).copy_(rows)
+        return out
+
+
+class Look(NamedTuple):
+    """Every block of a chunk at capacity (its unique ids ascending, then padding), looked up in
+    its cache: [blocks, rows] each."""
+
+    group: RowCaches
+    cols: Columns
     uid: torch.Tensor
-    slots: torch.Tensor
-    n_held: int
-    fresh_at: torch.Tensor
-    moved_at: torch.Tensor
-    unique: torch.Tensor  # the held rows gathered for this call (zeros where not held), then the result
-    delta: bool
-
-
-class Block(NamedTuple):
-    """One block of a chunk as looked up in its cache (``exact``: its exact rows, sender only)."""
-
-    cache: RowCache
-    uid: torch.Tensor
-    slots: torch.Tensor
+    valid: torch.Tensor  # the blocks' unique ids (not padding)
+    counts: torch.Tensor  # how many per block (int64 [blocks])
+    first: torch.Tensor  # a row of the chunk holding each
+    inverse: torch.Tensor  # each chunk row's unique id, per block
+    rows: torch.Tensor  # the cache's row holding each (0: not held)
     held: torch.Tensor
-    moved: torch.Tensor
-    cached: torch.Tensor
-    exact: torch.Tensor
+    keys: torch.Tensor  # their keys in the cache's index
 
-    def step(self, n_held: int, n_moved: int, delta: bool) -> Step:
-        host = self.cache.host
-        fresh_at = positions(~self.held, self.uid.numel() - n_held, host)
-        moved_at = positions(self.moved, n_moved, host)
-        return Step(self.cache, self.uid, self.slots, n_held, fresh_at, moved_at, self.cached, delta)
+
+class Classified(NamedTuple):
+    """The sender's classification of a chunk's unique rows ([blocks, rows(, width)]), and per
+    block its counts, whether moved rows travel as differences, and its payload's bound."""
+
+    exact: torch.Tensor
+    cached: torch.Tensor
+    diff: torch.Tensor
+    hit: torch.Tensor
+    moved: torch.Tensor
+    n_held: torch.Tensor
+    n_hit: torch.Tensor
+    delta: torch.Tensor
+    coded: torch.Tensor
 
 
 class Laid(NamedTuple):
-    """One block of a chunk at capacity (its unique ids first, then padding), looked up in its
-    cache; once :meth:`laid_out`, where its fresh then moved rows go in the payload."""
+    """Where every block's fresh rows, then its moved ones, go in the payload (both sides
+    rebuild it from the held ids and the moved bits)."""
 
-    cache: RowCache
-    uid: torch.Tensor
-    slots: torch.Tensor
-    held: torch.Tensor
-    valid: torch.Tensor  # the block's unique ids (not padding)
-    n_unique: torch.Tensor  # how many (int64 0-d)
-    first: torch.Tensor  # a row of the chunk holding each
-    fresh: torch.Tensor | None = None
-    moved: torch.Tensor | None = None
-    place: torch.Tensor | None = None  # each unique id's row in the payload (fresh, moved; others past it)
-    order: torch.Tensor | None = None  # the unique id of each payload row (padding: the first's)
-    n_sent: torch.Tensor | None = None
-
-    def laid_out(self, moved: torch.Tensor) -> Laid:
-        """The block's fresh rows, then its ``moved`` ones, as :func:`_code` sends them."""
-        rows = self.uid.numel()
-        fresh = self.valid & ~self.held
-        n_fresh = fresh.sum()
-        place = torch.where(fresh, fresh.cumsum(0) - 1, torch.where(moved, n_fresh + moved.cumsum(0) - 1, rows))
-        at = torch.arange(rows, device=place.device)
-        order = at.new_zeros(rows + 1).index_copy_(0, place, at)[:rows]
-        n_sent = n_fresh + moved.sum()
-        order = torch.where(at < n_sent, order, order[:1])  # shorter blocks repeat their first row
-        return self._replace(fresh=fresh, moved=moved, place=place, order=order, n_sent=n_sent)
+    fresh: torch.Tensor
+    moved: torch.Tensor
+    place: torch.Tensor  # each unique id's row in the payload (past its block's sent rows: another)
+    order: torch.Tensor  # the unique id of each payload row (past the block's sent rows: its first's)
+    n_sent: torch.Tensor
+    empty: torch.Tensor  # blocks that send no row
 
     def sent(self, values: torch.Tensor, empty: float) -> torch.Tensor:
-        """Per unique id ``values`` in payload order (:func:`_code`'s padding; ``empty`` for an
-        empty block)."""
-        assert self.order is not None and self.n_sent is not None
-        rows = values.index_select(0, self.order)
-        return torch.where((self.n_sent > 0).reshape((1,) * rows.dim()), rows, empty)
+        """Per unique id ``values`` ([blocks, rows(, width)]) in payload order (:func:`_code`'s
+        padding; ``empty`` for an empty block)."""
+        index = self.order if values.dim() == 2 else self.order[..., None].expand(-1, -1, values.shape[2])
+        return values.gather(1, index).masked_fill_(self.empty.view(-1, *(1,) * (values.dim() - 1)), empty)
 
 
-def _merged(
-    looked: Sequence[Laid],
-    decoded: torch.Tensor,
-    cached: Sequence[torch.Tensor],
-    delta: torch.Tensor,
-    widths: Sequence[int],
-) -> list[torch.Tensor]:
-    """Per block, its unique rows as both sides hold them (:func:`_finish`'s, at capacity): held
-    for hits, decoded for fresh, held + decoded difference for moved (whole where not ``delta``)."""
-    out, c = [], 0
-    for k, (b, w) in enumerate(zip(looked, widths, strict=True)):
-        assert b.place is not None and b.fresh is not None and b.moved is not None
-        got = decoded[:, c : c + w].index_select(0, b.place.clamp(max=b.uid.numel() - 1))
-        moved = torch.where(delta[k], cached[k] + got, got)
-        out.append(torch.where(b.fresh.unsqueeze(1), got, torch.where(b.moved.unsqueeze(1), moved, cached[k])))
-        c += w
+def laid_out(look: Look, moved: torch.Tensor, hit: torch.Tensor, n_hit: torch.Tensor | None = None) -> Laid:
+    """Every block's payload rows: its fresh rows, then its ``moved`` ones, each in ascending id
+    order (a stable sort of every block's rows by kind: fresh, moved or padding, hits)."""
+    fresh = look.valid ^ look.held
+    kind = (~fresh).to(torch.uint8) + hit  # fresh 0, moved (and the padding after them) 1, hits 2
+    order = torch.sort(kind, dim=1, stable=True).indices
+    column = _column(order.shape[1], order.device)
+    place = torch.empty_like(order).scatter_(1, order, column.expand_as(order))
+    n_sent = look.counts - (hit.sum(1) if n_hit is None else n_hit)
+    order = torch.where(column < n_sent[:, None], order, order[:, :1])  # shorter blocks repeat their first row
+    return Laid(fresh, moved, place, order, n_sent, n_sent == 0)
+
+
+def _merged(look: Look, laid: Laid, decoded: torch.Tensor, cached: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """Every block's unique rows as both sides hold them, at capacity: held for hits, decoded
+    for fresh, held + decoded difference for moved (whole where not ``delta``); ``decoded``:
+    the payload's rows, [blocks, rows, width]."""
+    got = decoded.gather(1, laid.place[..., None].expand(-1, -1, decoded.shape[2]))
+    moved = torch.where(delta[:, None, None], cached + got, got)
+    return torch.where(laid.fresh[..., None], got, torch.where(laid.moved[..., None], moved, cached))
+
+
+def _moved(held: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """Each held id's bit (1: moved), the blocks' held ids one after another in ``bits``."""
+    at = held.reshape(-1).cumsum(0)  # a held id's rank (1-based): its bit after a leading 0
+    return torch.nn.functional.pad(bits, (1, 0)).index_select(0, at).view_as(held) & held
+
+
+def _held_bits(held: torch.Tensor, moved: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every block's bits of its held ids (1: moved), one block after another, packed at
+    capacity, and their byte count (int64 0-d): the host path's bits, with no host wait."""
+    n = held.numel()
+    at = held.reshape(-1).cumsum(0)  # a held id's bit at its rank (1-based); the rest add nothing
+    bits = torch.zeros(n + 8, dtype=torch.uint8, device=held.device)
+    bits.scatter_add_(0, at, moved.reshape(-1).view(torch.uint8))
+    return _packbits(bits[1 : 1 + n + -n % 8]), (at[-1] + 7) // 8 if n else at.new_zeros(())
+
+
+def _counts(
+    features: Sequence[str], u: Sequence[int], h: Sequence[int], hits: Sequence[int], deltas: Sequence[int]
+) -> dict[str, int]:
+    """:meth:`ForwardCache.encode`'s row counts from the blocks' counts read on the host."""
+    out = dict.fromkeys(COUNTS, 0)
+    for k, f in enumerate(features):
+        block = {"unique_rows": int(u[k]), "held_rows": int(h[k]), "hit_rows": int(hits[k])}
+        block["moved_rows"] = int(h[k] - hits[k]) if deltas[k] else 0
+        for name, n in block.items():
+            out[name] += n
+            out[f"{name}/{f}"] = out.get(f"{name}/{f}", 0) + n
     return out
 
 
-def _spread(unique: Sequence[torch.Tensor], inverse: torch.Tensor, widths: Sequence[int], out: torch.Tensor) -> None:
-    """Each block's unique rows over the chunk's rows, into ``out``."""
-    c = 0
-    for k, (u, w) in enumerate(zip(unique, widths, strict=True)):
-        out[:, c : c + w] = u.index_select(0, inverse[k])
-        c += w
+def _ints(values: Sequence[float]) -> list[int]:
+    return [int(v) for v in values]
 
 
-def _store(looked: Sequence[Laid], unique: Sequence[torch.Tensor], counts: Sequence[int], held: Sequence[int]) -> None:
-    """Every block's unique rows into its cache, their counts now on the host (no wait)."""
-    for b, u, n, h in zip(looked, unique, counts, held, strict=True):
-        b.cache.store(b.uid[:n], u[:n], b.slots[:n], n_held=h)
+def _rows(x: torch.Tensor, n: int, fill: float = 0.0) -> torch.Tensor:
+    """``x``'s first ``n`` rows, padded with ``fill`` rows where it has fewer."""
+    if x.shape[0] >= n:
+        return x[:n]
+    return torch.cat([x, x.new_full((n - x.shape[0], *x.shape[1:]), fill)])
 
 
-def _held_bits(looked: Sequence[Laid], moved: Sequence[torch.Tensor], rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every block's bits of its held ids (1: moved), one block after another, packed at
-    capacity, and their byte count (int64 0-d): the host path's bits, with no host wait."""
-    n = len(looked) * rows
-    bits = torch.zeros(n + 1, dtype=torch.bool, device=moved[0].device)
-    ahead = torch.zeros((), dtype=torch.int64, device=bits.device)
-    for b, m in zip(looked, moved, strict=True):
-        at = torch.where(b.held, ahead + b.held.cumsum(0) - 1, n)
-        bits.scatter_(0, at, m)
-        ahead = ahead + b.held.sum()
-    return _packbits(bits[:n]), (ahead + 7) // 8
+def _column(n: int, device: torch.device) -> torch.Tensor:
+    """[1, n]: 0..n-1 (int64), made once per size and device."""
+    return _columns(n, device)
 
 
 def _pack(
@@ -588,7 +673,7 @@ def _pack(
     rows: list[tuple[torch.Tensor, fmt.Length]] = (
         [(inner.buffer, inner.length)] if isinstance(inner, fmt.Deferred) else [(inner, inner.numel())]
     )
-    flags = delta.to(torch.uint8)
+    flags = delta.view(torch.uint8)
     return fmt.pack_deferred(header, [rows, [(flags, flags.numel())], [bits]], x.device)
 
 
@@ -610,114 +695,45 @@ def _check_fp32(chunk: torch.Tensor) -> None:
         )
 
 
-def _unpack(ids: torch.Tensor, numpy: bool) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor]:
-    """Each block's first rows of its unique ids (ascending ids: the dedup plan's canonical order;
-    the host reads the blocks' counts), the plan's inverse [n_blocks, rows] (None: identity), the
-    ids (``numpy``: the host backend's sorts)."""
-    plan = plan_by_ids(ids, numpy=numpy)
-    firsts = list(plan.first.split(plan.counts.tolist()))
-    return firsts, plan.inverse, ids
-
-
-def _largest(exact: torch.Tensor, held: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:
-    """The largest magnitude of the moved rows' exact and held values (0-d; NaN kept)."""
-    if exact.numel() == 0:
-        return exact.new_zeros(())
-    both = torch.maximum(exact.abs(), held.abs())
-    return torch.where(moved.unsqueeze(1), both, 0).amax()
-
-
-def _delta_bound(largest: float, n_values: int, bound: float) -> float:
-    """The bound for the differences ``exact - held`` of moved rows (``n_values`` values whose
-    largest magnitude is ``largest``): ``bound`` less what fp32 rounding of ``exact - held`` and of
-    ``held + decoded`` can add (at most ~2.5 eps x the largest magnitude; 4 taken). Negative (send
-    whole) where any value is non-finite: a NaN or inf difference cannot restore the exact value."""
-    if n_values == 0:
-        return bound
-    room = bound - 4 * EPS * largest
-    return room if math.isfinite(room) else -1.0
-
-
-def _finish(
-    steps: Sequence[Step],
-    values: Sequence[torch.Tensor],
-    inverse: torch.Tensor | None,
-    widths: Sequence[int],
-    out: torch.Tensor,
-) -> None:
-    """Per block: the unique rows as decoded (held for hits, decoded for fresh, held +
-    difference for moved), stored the same way on both sides (which makes every id of the batch
-    the most recent), then spread over the chunk's rows into ``out``."""
-    c = 0
-    for k, s in enumerate(steps):
-        n_fresh, n_moved = s.fresh_at.numel(), s.moved_at.numel()
-        unique = s.unique
-        if n_fresh:
-            unique.index_copy_(0, s.fresh_at, values[k][:n_fresh])
-        if n_moved:
-            moved_rows = values[k][n_fresh : n_fresh + n_moved]
-            unique.index_copy_(
-                0, s.moved_at, unique.index_select(0, s.moved_at) + moved_rows if s.delta else moved_rows
-            )
-        s.cache.store(s.uid, unique, s.slots, n_held=s.n_held)
-        w = widths[k]
-        out[:, c : c + w] = unique.index_select(0, inverse[k]) if inverse is not None else unique
-        c += w
-
-
 _BITS = (7, 6, 5, 4, 3, 2, 1, 0)  # np.packbits' order: the first bit is the most significant
+_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _shifts(device: torch.device) -> torch.Tensor:
+    if device not in _SHIFTS:
+        _SHIFTS[device] = torch.tensor(_BITS, dtype=torch.uint8).to(device)
+    return _SHIFTS[device]
+
+
+_MASKS: dict[torch.device, torch.Tensor] = {}
+
+
+def _masks(device: torch.device) -> torch.Tensor:
+    if device not in _MASKS:
+        _MASKS[device] = torch.tensor([1 << b for b in _BITS], dtype=torch.uint8).to(device)
+    return _MASKS[device]
 
 
 def _packbits(bits: torch.Tensor) -> torch.Tensor:
-    """``np.packbits`` of a bool tensor, on its device."""
-    pad = -bits.numel() % 8
-    b = torch.cat([bits, bits.new_zeros(pad)]).view(-1, 8).long()
-    return (b << torch.tensor(_BITS, device=bits.device)).sum(1).to(torch.uint8)
+    """``np.packbits`` of 0/1 uint8 (or bool) values, a multiple of 8 of them, on their device."""
+    b = bits.view(torch.uint8).view(-1, 8)
+    return (b << _shifts(b.device)).sum(1, dtype=torch.uint8)
 
 
 def _unpackbits(packed: torch.Tensor, count: int) -> torch.Tensor:
     """``np.unpackbits(packed, count=count)`` as bool, on its device."""
-    shifts = torch.tensor(_BITS, dtype=torch.uint8, device=packed.device)
-    return ((packed.unsqueeze(1) >> shifts) & 1).bool().reshape(-1)[:count]
-
-
-def _padded_ids(sent_ids: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """[n, n_blocks] ids: shorter blocks repeat their first id, an empty block has id -1."""
-    n = max([1, *(i.numel() for i in sent_ids)])
-    out = torch.full((n, len(sent_ids)), -1, dtype=torch.int64, device=device)
-    for k, i in enumerate(sent_ids):
-        out[: i.numel(), k] = i
-        if i.numel():
-            out[i.numel() :, k] = i[:1]
-    return out
+    return ((packed.unsqueeze(1) & _masks(packed.device)) != 0).reshape(-1)[:count]
 
 
 def _code(
-    dc: DirectionCodec,
-    sends: Sequence[torch.Tensor],
-    sent_ids: Sequence[torch.Tensor],
-    widths: Sequence[int],
-    bounds: Sequence[float],
-    like: torch.Tensor,
+    dc: DirectionCodec, cols: torch.Tensor, ids: torch.Tensor, widths: Sequence[int], bounds: Sequence[float]
 ) -> torch.Tensor:
-    """One lossy payload of each block's rows ``sends[k]`` under ids ``sent_ids[k]``. Shorter
-    blocks repeat their first row under its id (dedup sends it once); an empty block carries one
-    zero row under id -1."""
-    ids = _padded_ids(sent_ids, like.device)
-    cols = like.new_zeros(ids.shape[0], sum(widths))
-    c = 0
-    for s, w in zip(sends, widths, strict=True):
-        cols[: s.shape[0], c : c + w] = s
-        if s.shape[0]:
-            cols[s.shape[0] :, c : c + w] = s[:1]
-        c += w
-    return dc.encode(cols, widths, list(bounds), ids)
+    """One lossy payload of the blocks' payload rows ``cols`` [n, columns] under ``ids`` [n,
+    blocks]: shorter blocks repeat their first row under its id (dedup sends it once); an empty
+    block carries one zero row under id -1."""
+    return dc.encode(cols, list(widths), list(bounds), ids)
 
 
-def _decode(
-    dc: DirectionCodec, inner: torch.Tensor, sent_ids: Sequence[torch.Tensor], widths: Sequence[int]
-) -> list[torch.Tensor]:
-    """Each block's decoded rows of :func:`_code`'s payload (both sides rebuild the same ids)."""
-    rows = dc.codec.decode(inner, _padded_ids(sent_ids, inner.device))
-    starts = list(itertools.accumulate(widths, initial=0))
-    return [rows[:, a:b] for a, b in itertools.pairwise(starts)]
+def _decode(dc: DirectionCodec, inner: torch.Tensor, ids: torch.Tensor, widths: Sequence[int]) -> torch.Tensor:
+    """The payload rows of :func:`_code`'s payload (both sides rebuild the same ids), [n, columns]."""
+    return dc.codec.decode(inner, ids)

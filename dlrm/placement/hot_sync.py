@@ -17,12 +17,18 @@ the exact sum.
 With ``sync_every=k > 1`` the gradients of k iterations are accumulated and applied together:
 replicas stay identical, but lookups see rows up to k-1 updates old (bounded staleness, a change
 of the optimisation math that a user opts into).
+
+Every table's rows are one flat buffer (slots ``0..N-1``, table after table): the replicas'
+weights (each parameter a view of it), their optimizer state, the pending gradients and the
+touched rows, so a sync's work is a fixed number of operations over all tables at once, none per
+table. Only the gradients' own coalescing stays per table (per step, before the sync): the order
+in which it sums a row's duplicate lookups is the device's sort's, which one sort of every table's
+lookups together would not keep on a CPU (its sort is not stable).
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,12 +37,12 @@ import torch.distributed as dist
 from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec.optim.keyed import KeyedOptimizer
 
-from dlrm.placement.hot_wire import SyncWire, held_slots
+from dlrm.placement.hot_wire import SyncWire, TableLayout, held_slots
 from dlrm.placement.traffic import ID_BYTES
 from dlrm.process.timeout import named_collective
 from dlrm_compression.backend import backend_for
 from dlrm_compression.format import Deferred
-from dlrm_compression.row_cache import compact, positions
+from dlrm_compression.row_cache import positions
 
 RULES = ("sgd", "adagrad", "rowwise_adagrad")
 
@@ -53,7 +59,11 @@ class Gathered:
 class HotRowOptimizer(KeyedOptimizer):
     """The optimizer of the replicated rows (``params``: name -> [H, D] weight with a sparse grad);
     ``backend`` (``compression.backend``: auto, host or device) chooses, from the replicas'
-    device, how touched rows are compacted (:func:`dlrm_compression.row_cache.compact`)."""
+    device, how touched rows are compacted (:func:`dlrm_compression.row_cache.compact`).
+
+    The parameters become views of one flat buffer of every table's rows (their values kept;
+    checked at every sync, and joined again if something gave a parameter storage of its own),
+    and so do their optimizer state, pending gradients and touched flags (module docstring)."""
 
     def __init__(
         self,
@@ -67,37 +77,73 @@ class HotRowOptimizer(KeyedOptimizer):
     ):
         if rule not in RULES:
             raise ValueError(f"hot-row replication supports optimizer.sparse.name in {RULES} (got {rule!r})")
+        plist = list(params.values())
+        if not plist or len({p.shape[1:] for p in plist}) != 1 or len({(p.device, p.dtype) for p in plist}) != 1:
+            raise ValueError("hot-row replication needs [H, D] replicas of one width, device and dtype")
+        self.layout = TableLayout([p.shape[0] for p in plist])
+        n, dim, like = self.layout.n_slots, plist[0].shape[1], plist[0]
+        self._weights = like.new_empty(n, dim)
+        self._join(plist)  # the parameters: views of the flat weights, their values kept
+        self._momentum: torch.Tensor | None = None
         state: dict[Any, Any] = {}
-        for p in params.values():
-            if rule == "adagrad":
-                state[p] = {"momentum": torch.zeros_like(p)}
-            elif rule == "rowwise_adagrad":
-                state[p] = {"momentum": torch.zeros(p.shape[0], dtype=p.dtype, device=p.device)}
-        group = {"params": list(params.values()), "lr": lr, "eps": eps}
+        if rule in ("adagrad", "rowwise_adagrad"):
+            self._momentum = like.new_zeros(n, dim) if rule == "adagrad" else like.new_zeros(n)
+            for p, m in zip(plist, self.layout.split(self._momentum), strict=True):
+                state[p] = {"momentum": m}
+        group = {"params": plist, "lr": lr, "eps": eps}
         super().__init__(dict(params), state, [group])
         self.rule, self.sync_every, self.wire = rule, int(sync_every), wire  # wire None: the exact sync
         backend_for("cpu", backend)  # refuse an unknown choice here, not at the first sync
         self.backend = backend
         self.names = list(params)
-        self.pending = {n: torch.zeros_like(p) for n, p in params.items()}  # gradients not yet applied
-        self.touched = {n: torch.zeros(p.shape[0], dtype=torch.bool, device=p.device) for n, p in params.items()}
+        self._pending = like.new_zeros(n, dim)  # gradients not yet applied, every table's rows
+        self._touched = torch.zeros(n, dtype=torch.bool, device=like.device)
+        self.pending = dict(zip(self.names, self.layout.split(self._pending), strict=True))  # views
+        self.touched = dict(zip(self.names, self.layout.split(self._touched), strict=True))
         self.steps = 0  # optimizer steps since the start (or the resumed checkpoint's count)
         self.sent_bytes = 0  # this rank's bytes on the wire for synchronisation
 
     def init_state(self) -> None:  # state is created eagerly; no dummy step (it would be a collective)
         return
 
+    def _replicas(self) -> list[torch.nn.Parameter]:
+        return list(self.params.values())
+
+    def _join(self, plist: list[torch.nn.Parameter]) -> None:
+        """Make every parameter a view of the flat weights, keeping its values (one copy)."""
+        with torch.no_grad():
+            torch.cat([p.detach() for p in plist], out=self._weights)
+        for p, view in zip(plist, self.layout.split(self._weights), strict=True):
+            p.data = view
+
+    def _flat(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The flat weights and momentum, the parameters and their state still views of them:
+        checked on the host by their addresses (no device work), joined again (one copy) where
+        something gave one storage of its own (a parameter moved, a state tensor replaced)."""
+        plist = self._replicas()
+        if not _views_of(self._weights, plist, self.layout.bases):
+            self._join(plist)
+        m = self._momentum
+        if m is not None and not _views_of(m, [self.state[p]["momentum"] for p in plist], self.layout.bases):
+            with torch.no_grad():
+                torch.cat([self.state[p]["momentum"].detach() for p in plist], out=m)
+            for p, view in zip(plist, self.layout.split(m), strict=True):
+                self.state[p]["momentum"] = view
+        return self._weights, m
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
-        for name, p in self.params.items():
-            if p.grad is None:
-                continue
-            g = p.grad.coalesce() if p.grad.is_sparse else p.grad.to_sparse(1).coalesce()
-            rows, values = g.indices()[0], g.values()
+        grads = [(k, p.grad) for k, p in enumerate(self._replicas()) if p.grad is not None]
+        if grads:
+            # each table's gradient coalesced on its own (its duplicate lookups summed in the
+            # device's order), then every table's rows added and flagged at once
+            parts = [_coalesced(g) for _, g in grads]
+            rows, values = torch.cat([r for r, _ in parts]), torch.cat([v for _, v in parts])
+            rows = rows + self.layout.offsets([k for k, _ in grads], [len(r) for r, _ in parts], rows.device)
             if get_gradient_division():  # as TorchRec's backward all-to-all: the mean over ranks
                 values = values / (dist.get_world_size() if dist.is_initialized() else 1)
-            self.pending[name].index_add_(0, rows, values)
-            self.touched[name][rows] = True
+            self._pending.index_add_(0, rows, values)
+            self._touched.index_fill_(0, rows, True)
         self.steps += 1
         if self.steps % self.sync_every == 0:
             self._sync_and_apply()
@@ -106,70 +152,53 @@ class HotRowOptimizer(KeyedOptimizer):
         """All-gather every rank's touched rows (slots across all tables), sum in rank order, update.
         On the replicas' device; the host reads, for each collective, what it needs after it: the
         sizes with this rank's touched counts, then the hit counts (with the heads, coded)."""
-        params = [self.params[n] for n in self.names]
-        bases = list(itertools.accumulate((p.shape[0] for p in params), initial=0))
-        touched = torch.stack([self.touched[n].sum() for n in self.names])  # per table, on the device
-        gathered = self._gather(touched, bases) if self.wire is None else self._gather_coded(touched, bases)
-        total = params[0].new_zeros(bases[-1], params[0].shape[1])
+        weights, momentum = self._flat()
+        touched = self.layout.sums(self._touched)  # per table, on the device
+        gathered = self._gather(touched) if self.wire is None else self._gather_coded(touched)
+        total = torch.zeros_like(self._pending)
         for s, r in gathered.parts:
             total.index_add_(0, s, r)
         lr, eps = self.param_groups[0]["lr"], self.param_groups[0]["eps"]
-        hits = [gathered.hit[b : b + p.shape[0]] for p, b in zip(params, bases, strict=False)]
-        host = self._host(params[0].device)
-        for name, p, b, h, k in zip(self.names, params, bases, hits, gathered.n_hit, strict=False):
-            sel = positions(h, k, host)
-            self._apply(p, sel, total[b + sel], lr, eps)
-            self.pending[name].zero_()
-            self.touched[name].zero_()
+        sel = positions(gathered.hit, sum(gathered.n_hit), self._host(weights.device))
+        self._apply(weights, momentum, sel, total.index_select(0, sel), lr, eps)
+        self._pending.zero_()
+        self._touched.zero_()
 
-    def _touched_rows(self, n_touched: list[int], bases: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Each table's touched slots (global) and pending rows, given their counts as read."""
-        touched = [self.touched[n] for n in self.names]
-        host = self._host(touched[0].device) if touched else False
-        slots = [positions(t, k, host) + b for t, k, b in zip(touched, n_touched, bases, strict=False)]
-        rows = [compact(self.pending[n], t, k, host) for n, t, k in zip(self.names, touched, n_touched, strict=True)]
-        return slots, rows
+    def _touched_rows(self, n_touched: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every table's touched slots (ascending: table after table) and pending rows, given
+        how many there are as read."""
+        slots = positions(self._touched, n_touched, self._host(self._touched.device))
+        return slots, self._pending.index_select(0, slots)
 
     def _host(self, device: torch.device) -> bool:
         """Whether compactions on ``device`` take the host's ``nonzero`` (the backend's choice)."""
         return backend_for(device, self.backend).host_compaction
 
-    def _any_touched(self, name: str) -> torch.Tensor:
-        """Table ``name``'s pending rows, each untouched one replaced by its first touched row."""
-        t = self.touched[name]
-        if not t.numel():
-            return self.pending[name]
-        rows = torch.arange(t.numel(), device=t.device)
-        return self.pending[name].index_select(0, torch.where(t, rows, t.to(torch.uint8).argmax()))
+    def _at_capacity(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each table's slots (global) at its capacity, [tables, largest table], its touched ones
+        first in slot order (``counts`` of them), the rest repeating its first touched one (a
+        table shorter than the largest: its last slot), and their pending rows as one block per
+        table, [largest table, tables x D] (the same value range, deduplicated away): on the
+        device, without the touched counts on the host."""
+        touched = self.layout.padded(self._touched)
+        order = torch.argsort(touched.to(torch.uint8), dim=1, descending=True, stable=True)
+        pick = torch.where(self.layout.column(touched.device) < counts[:, None], order, order[:, :1])
+        slots = self.layout.globalise(pick)
+        return slots, self._pending[slots.t()].reshape(slots.shape[1], -1)
 
-    def _at_capacity(self, bases: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Each table's slots (global), its touched ones first in slot order, and its pending rows
-        in that order, each untouched one replaced by its first touched row (the same value range,
-        deduplicated away): on the device, without the touched counts on the host."""
-        slots, rows = [], []
-        for name, base in zip(self.names, bases, strict=False):
-            t = self.touched[name]
-            order = torch.argsort(t.logical_not().to(torch.uint8), stable=True)
-            pick = torch.where(torch.arange(t.numel(), device=t.device) < t.sum(), order, order[:1])
-            slots.append(pick + base)
-            rows.append(self.pending[name].index_select(0, pick))
-        return slots, rows
-
-    def _gather(self, touched: torch.Tensor, bases: list[int]) -> Gathered:
+    def _gather(self, touched: torch.Tensor) -> Gathered:
         """Every rank's (slots, rows), in rank order; rows of each rank padded to the largest count.
         Tensors on the rows' device (the process group's: NCCL takes CUDA tensors, gloo CPU ones)."""
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world == 1:
-            mine = self._touched_rows(touched.tolist(), bases)
-            return self._hits([(torch.cat(mine[0]), torch.cat(mine[1]))])
+            return self._hits([self._touched_rows(sum(touched.tolist()))])
         dev = touched.device
         with named_collective("the hot-row gradient all-gather (placement.hot_rows)"):
             counts = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
             dist.all_gather(counts, touched.sum().reshape(1))
             read = torch.cat([touched, *counts]).tolist()  # the size exchange, with this rank's touched counts
-            n_touched, sizes = read[: len(bases) - 1], read[len(bases) - 1 :]
-            per_table = self._touched_rows(n_touched, bases)
-            slots, rows = torch.cat(per_table[0]), torch.cat(per_table[1])
+            n_touched, sizes = read[: len(touched)], read[len(touched) :]
+            slots, rows = self._touched_rows(sum(n_touched))
             dim, n = rows.shape[1], max(sizes)
             packed = torch.zeros(n, dim + 2, dtype=torch.float32, device=dev)  # int64 slot as two float32 words
             packed[: len(slots), :2] = slots.to(torch.int64).view(-1, 1).view(torch.float32).view(-1, 2)
@@ -182,21 +211,24 @@ class HotRowOptimizer(KeyedOptimizer):
         ]
         return self._hits(parts)  # the rows' all-gather's read: the hit counts
 
-    def _gather_coded(self, touched: torch.Tensor, bases: list[int]) -> Gathered:
+    def _gather_coded(self, touched: torch.Tensor) -> Gathered:
         """Every rank's decoded (slots, rows), in rank order, this rank's own payload decoded too:
         the sizes all-gathered, then each rank's bytes to every rank unpadded (all_to_all_single of
         the payload repeated per destination: a variable-size all-gather)."""
         assert self.wire is not None
         iteration = self.steps - 1  # the iteration of the last step synced
         coded: torch.Tensor | Deferred
+        slots, rows = self._at_capacity(touched)
         if self.wire.defers(touched.device):  # built at the tables' capacity: its length read with the sizes
-            coded = self.wire.encode_capacity(*self._at_capacity(bases), touched, iteration)
+            coded = self.wire.encode_capacity(slots, rows, touched, iteration)
         else:
-            # The bounds from each table's rows at capacity (untouched rows replaced by a touched one: the
-            # same value range), read with the touched counts the rows are then compacted by
-            bounds, n_touched = self.wire.bounds([self._any_touched(n) for n in self.names], iteration, touched)
-            slots, rows = self._touched_rows(n_touched, bases)
-            coded = self.wire.encode(slots, rows, iteration, bounds)
+            # The bounds from each table's rows at capacity (the touched rows' value range), read
+            # with the touched counts the rows are then compacted by
+            bounds, n_touched = self.wire.bounds(rows, iteration, touched)
+            flat_slots, flat_rows = self._touched_rows(sum(n_touched))
+            coded = self.wire.encode(
+                list(flat_slots.split(n_touched)), list(flat_rows.split(n_touched)), iteration, bounds
+            )
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return self._decoded([self.wire.settle(coded, int(coded.length) if isinstance(coded, Deferred) else 0)])
         length = coded.length if isinstance(coded, Deferred) else torch.tensor(coded.numel())
@@ -219,22 +251,31 @@ class HotRowOptimizer(KeyedOptimizer):
 
     def _hits(self, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> Gathered:
         """``parts`` with the slots they hit, the counts read on the host."""
-        sizes = [self.params[n].shape[0] for n in self.names]
-        hit, counts = held_slots([s for s, _ in parts], [None] * len(parts), sizes)
+        hit, counts = held_slots([s for s, _ in parts], [None] * len(parts), self.layout)
         return Gathered(parts, hit, counts.tolist())
 
-    def _apply(self, p: torch.Tensor, sel: torch.Tensor, g: torch.Tensor, lr: float, eps: float) -> None:
-        """FBGEMM's exact update of rows ``sel`` of ``p`` with their summed gradient ``g``."""
+    def _apply(
+        self,
+        weights: torch.Tensor,
+        momentum: torch.Tensor | None,
+        sel: torch.Tensor,
+        g: torch.Tensor,
+        lr: float,
+        eps: float,
+    ) -> None:
+        """FBGEMM's exact update of rows ``sel`` (every table's) of the flat weights with their
+        summed gradient ``g``."""
         if self.rule == "sgd":
-            p.index_add_(0, sel, g, alpha=-lr)
+            weights.index_add_(0, sel, g, alpha=-lr)
             return
-        m = self.state[p]["momentum"]
+        assert momentum is not None
+        m = momentum
         if self.rule == "adagrad":
             m[sel] += g * g
-            p[sel] -= lr * g / (m[sel].sqrt() + eps)
+            weights[sel] -= lr * g / (m[sel].sqrt() + eps)
         else:
             m[sel] += (g * g).mean(dim=1)
-            p[sel] -= (lr / (m[sel].sqrt() + eps)).unsqueeze(1) * g
+            weights[sel] -= (lr / (m[sel].sqrt() + eps)).unsqueeze(1) * g
 
     def pending_state(self) -> dict[str, Any]:
         """This rank's accumulated, not yet synchronised gradients (differ per rank: saved in its checkpoint file)."""
@@ -245,3 +286,17 @@ class HotRowOptimizer(KeyedOptimizer):
         for n in self.names:
             self.pending[n].copy_(state["pending"][n])
             self.touched[n].copy_(state["touched"][n])
+
+
+def _views_of(flat: torch.Tensor, tensors: Sequence[torch.Tensor], bases: list[int]) -> bool:
+    """Whether each of ``tensors`` starts at row ``bases[i]`` of ``flat`` (their host addresses)."""
+    start, row = flat.data_ptr(), flat.element_size() * flat.stride(0)
+    return all(t.data_ptr() == start + b * row for t, b in zip(tensors, bases, strict=True))
+
+
+def _coalesced(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, values) of one table's gradient with each row once: a sparse gradient's duplicate
+    lookups summed by the device's own coalescing (the order of those sums is its sort's), a
+    dense gradient's non-zero rows."""
+    c = (g if g.is_sparse else g.to_sparse(1)).coalesce()
+    return c._indices()[0], c._values()

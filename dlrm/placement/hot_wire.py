@@ -86,6 +86,68 @@ class Part:
     rows: list[torch.Tensor]
 
 
+class TableLayout:
+    """Tables of ``sizes`` rows as one run of slots, table after table (``bases``: each table's
+    first slot), and the constant index tensors that take a per-slot tensor to per-table answers
+    in a fixed number of operations, whatever the number of tables (kept per device)."""
+
+    def __init__(self, sizes: Sequence[int]) -> None:
+        self.sizes = [int(s) for s in sizes]
+        self.bases = list(itertools.accumulate(self.sizes, initial=0))[:-1]
+        self.n_slots, self.n_tables = sum(self.sizes), len(self.sizes)
+        self.capacity = max(self.sizes, default=0)  # the largest table
+        self.equal = len(set(self.sizes)) <= 1 and self.capacity > 0  # every table a row of a [tables, rows] view
+        self._consts: dict[torch.device, dict[str, torch.Tensor]] = {}
+
+    def split(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Each table's part of a per-slot tensor (views)."""
+        return list(t.split(self.sizes))
+
+    def _const(self, device: torch.device) -> dict[str, torch.Tensor]:
+        if device not in self._consts:
+            sizes, cap = torch.tensor(self.sizes, dtype=torch.int64), max(self.capacity, 1)
+            col = torch.arange(cap)
+            clamp = torch.minimum(col[None, :], (sizes - 1).clamp(min=0)[:, None])  # a short table's last row
+            consts = {
+                "bases": torch.tensor(self.bases, dtype=torch.int64)[:, None],
+                "column": col,
+                "clamp": clamp,
+                "live": col[None, :] < sizes[:, None],
+                "table_of": torch.repeat_interleave(torch.arange(self.n_tables), sizes, output_size=self.n_slots),
+            }
+            self._consts[device] = {k: v.to(device) for k, v in consts.items()}
+        return self._consts[device]
+
+    def sums(self, flags: torch.Tensor) -> torch.Tensor:
+        """Per table, how many of its slots ``flags`` (bool, per slot) holds: int64 [tables]."""
+        if self.equal:
+            return flags.view(self.n_tables, -1).sum(1)
+        table_of = self._const(flags.device)["table_of"]
+        return torch.zeros(self.n_tables, dtype=torch.int64, device=flags.device).index_add_(0, table_of, flags.long())
+
+    def padded(self, flags: torch.Tensor) -> torch.Tensor:
+        """A per-slot bool tensor as [tables, largest table] (False past a table's rows)."""
+        if self.equal:
+            return flags.view(self.n_tables, -1)
+        c = self._const(flags.device)
+        return flags[c["bases"] + c["clamp"]] & c["live"]
+
+    def column(self, device: torch.device) -> torch.Tensor:
+        """0..largest table - 1, int64 on ``device``."""
+        return self._const(device)["column"]
+
+    def globalise(self, pick: torch.Tensor) -> torch.Tensor:
+        """Global slots of [tables, largest table] rows within each table; past a table's rows,
+        its last one again."""
+        c = self._const(pick.device)
+        return (pick if self.equal else pick.gather(1, c["clamp"])) + c["bases"]
+
+    def offsets(self, tables: Sequence[int], counts: Sequence[int], device: torch.device) -> torch.Tensor:
+        """The first slot of table ``tables[i]``, ``counts[i]`` times each, int64 on ``device``."""
+        bases = _on_int([self.bases[k] for k in tables], device)
+        return torch.repeat_interleave(bases, _on_int(list(counts), device), output_size=sum(counts))
+
+
 class SyncWire:
     """Encodes and decodes one rank's sync payload: ``features`` names each table (in slot order,
     ``sizes`` slots each) for the policy, rows of width ``dim``; ``codec`` is the run's backward
@@ -99,6 +161,9 @@ class SyncWire:
         inner = codec.codec
         self.codec = inner.options[inner.fallback] if isinstance(inner, PerBlockCodec) else inner
         self.features, self.sizes, self.dim = list(features), [int(s) for s in sizes], int(dim)
+        if min(self.sizes, default=1) < 1:
+            raise ValueError(f"the hot-row sync needs at least one row per table, got {self.sizes}")
+        self.layout = TableLayout(self.sizes)
         self.width = slot_width(sum(self.sizes))
         self.slot_dtype = torch.int16 if self.width == 2 else torch.int32
         # fp32 bytes of the rows this rank coded, and their codec payloads' bytes (on the device
@@ -115,26 +180,30 @@ class SyncWire:
         return int(self._coded)
 
     def bounds(
-        self, rows: Sequence[torch.Tensor], iteration: int, also: torch.Tensor | None = None
+        self, rows: torch.Tensor | Sequence[torch.Tensor], iteration: int, also: torch.Tensor | None = None
     ) -> tuple[list[float], list[int]]:
         """Each table's absolute bound for its rows: the backward policy's value for the feature
         (a fraction of the rows' value range in rel mode), read on the host all at once, with the
-        caller's int64 device values ``also`` (returned as read)."""
-        found: list[list[float] | torch.Tensor] = []
-        for f, r in zip(self.features, rows, strict=True):
-            if not len(r):  # nothing to send: no bound needed (a range of no rows is undefined)
-                found.append([math.inf])
-                continue
-            (value,) = self.direction.policy([f], iteration)
-            b = self.direction.bounds(r, [r.shape[1]], [value])
-            found.append([math.inf] if b is None else b)  # floats (abs mode) or a tensor (rel)
-        tensors = [b.reshape(-1)[:1].double() for b in found if isinstance(b, torch.Tensor)]
+        caller's int64 device values ``also`` (returned as read). ``rows``: every table's rows as
+        one block each at their capacity ([rows, tables x D], :meth:`encode_capacity`'s), or a
+        list of each table's rows (a table with none: no bound needed, inf)."""
+        empty: list[bool] = [False] * len(self.features)
+        if not isinstance(rows, torch.Tensor):
+            empty = [not len(r) for r in rows]
+            rows = _at_capacity([torch.zeros(len(r), dtype=torch.int64) for r in rows], list(rows), self.dim)[1]
+        values = self.direction.policy(self.features, iteration)
+        found = self.direction.bounds(rows, [self.dim] * len(self.features), values)
+        tensors = [found.reshape(-1).double()] if isinstance(found, torch.Tensor) else []
         extra = [] if also is None else [also.reshape(-1).to(torch.int64)]
         pieces = [t.view(torch.uint8) for t in [*tensors, *extra]]
         raw = _host(torch.cat(pieces)) if pieces else b""  # one read
-        read = iter(struct.unpack_from(f"<{len(tensors)}d", raw))
-        bounds = [next(read) if isinstance(b, torch.Tensor) else float(b[0]) for b in found]
-        return bounds, list(struct.unpack_from(f"<{len(raw) // 8 - len(tensors)}q", raw, 8 * len(tensors)))
+        n = len(self.features) if tensors else 0
+        if found is None:  # an unbounded codec (refused at construction)
+            bounds = [math.inf] * len(self.features)
+        else:
+            bounds = list(struct.unpack_from(f"<{n}d", raw)) if tensors else [float(b) for b in found]
+        bounds = [math.inf if e else b for b, e in zip(bounds, empty, strict=True)]
+        return bounds, list(struct.unpack_from(f"<{len(raw) // 8 - n}q", raw, 8 * n))
 
     def encode(
         self,
@@ -149,11 +218,7 @@ class SyncWire:
         device = rows[0].device if rows else torch.device("cpu")
         if self.defers(device):  # version 2 (a table with no rows: one row, not sent)
             sent = _on_int([len(s) for s in slots], device)
-            at_capacity = [
-                (s, r) if len(s) else (s.new_zeros(1), r.new_zeros(1, self.dim))
-                for s, r in zip(slots, rows, strict=True)
-            ]
-            return self.encode_capacity([s for s, _ in at_capacity], [r for _, r in at_capacity], sent, iteration)
+            return self.encode_capacity(*_at_capacity(list(slots), list(rows), self.dim), sent, iteration)
         parts: dict[float, Part] = {}
         if bounds is None:
             bounds = self.bounds(rows, iteration)[0]
@@ -186,36 +251,35 @@ class SyncWire:
         return isinstance(self.codec, LossyCodec) and self.codec.defers(device)
 
     def encode_capacity(
-        self, slots: Sequence[torch.Tensor], rows: Sequence[torch.Tensor], counts: torch.Tensor, iteration: int
+        self, slots: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, iteration: int
     ) -> fmt.Deferred:
         """The device's payload (version 2, where :meth:`defers`), built without a host wait: every
-        table's ``rows`` at their capacity (the first ``counts[k]``, an int64 device tensor per
-        table, are its touched rows, ``slots`` their global slots; the others repeat touched rows,
-        so that they keep the range and deduplicate away) as one block each of one payload of
+        table's rows at their capacity, ``rows`` [capacity, tables x D] (table k's block: its first
+        ``counts[k]`` rows, an int64 device tensor per table, are its touched rows, ``slots[k]``
+        [tables, capacity] their global slots; the others repeat touched rows, so that they keep
+        the range and deduplicate away), as one block each of one payload of
         :meth:`LossyCodec.encode_deferred`, each block at its table's bound class computed on the
         device. The slots and the counts are written from the device, the payload gathered behind
-        them; the length stays on the device (the size exchange reads it, :meth:`settle`)."""
+        them; the length stays on the device (the size exchange reads it, :meth:`settle`). A
+        fixed number of operations whatever the number of tables."""
         assert isinstance(self.codec, LossyCodec)
-        device = counts.device
-        bounds = []
-        for f, r in zip(self.features, rows, strict=True):
-            (value,) = self.direction.policy([f], iteration)
-            b = self.direction.bounds(r, [self.dim], [value])
-            assert b is not None  # (a bounded codec)
-            bound = b if isinstance(b, torch.Tensor) else torch.tensor(b, dtype=torch.float64)  # abs mode: floats
-            bounds.append(bound.to(device, torch.float64, non_blocking=bound.device.type == "cpu").reshape(()))
-        classes = torch.where(counts > 0, device_bound_class(torch.stack(bounds)), 1.0)  # (none touched: unread)
-        capacity = max(r.shape[0] for r in rows)  # every table's rows, the last one repeated up to it
-        x = torch.cat([r.index_select(0, torch.arange(capacity, device=device).clamp(max=len(r) - 1)) for r in rows], 1)
-        d = self.codec.encode_deferred(x, classes, None, blocks=[self.dim] * len(rows))
+        device, n_tables = counts.device, len(self.features)
+        values = self.direction.policy(self.features, iteration)
+        found = self.direction.bounds(rows, [self.dim] * n_tables, values)
+        assert found is not None  # (a bounded codec)
+        bounds = found if isinstance(found, torch.Tensor) else torch.tensor(found, dtype=torch.float64)  # abs: floats
+        bounds = bounds.to(device, torch.float64, non_blocking=bounds.device.type == "cpu")
+        classes = torch.where(counts > 0, device_bound_class(bounds), 1.0)  # (none touched: unread)
+        d = self.codec.encode_deferred(rows, classes, None, blocks=[self.dim] * n_tables)
         coded = d if isinstance(d, fmt.Deferred) else fmt.Deferred(d, _on_int(d.numel(), device))
-        pieces = [(s.to(self.slot_dtype).view(torch.uint8), k * self.width) for s, k in zip(slots, counts, strict=True)]
+        slot_bytes = slots.to(self.slot_dtype).view(torch.uint8)  # [tables, capacity x width]
         row_counts = counts.view(torch.uint8).view(-1, 8)[:, :4].reshape(-1)  # u32: an int64's low 4 bytes
-        pieces += [(row_counts, _on_int(row_counts.numel(), device)), (coded.buffer, coded.length)]
-        prefix = torch.frombuffer(bytearray(_PREFIX.pack(MAGIC, 2, self.width, len(rows), 0, 0)), dtype=torch.uint8)
+        pieces = [*slot_bytes.unbind(0), row_counts, coded.buffer]
+        lengths = [*(counts * self.width).unbind(0), _on_int(row_counts.numel(), device), coded.length]
+        prefix = torch.frombuffer(bytearray(_PREFIX.pack(MAGIC, 2, self.width, n_tables, 0, 0)), dtype=torch.uint8)
         rows_sent = counts.sum().reshape(1).view(torch.uint8)[:4]  # a device value, in the prefix (2: Adler-32)
         out, total = ops.frame(
-            prefix, [rows_sent], [8], [p for p, _ in pieces], [n.reshape(()) for _, n in pieces],
+            prefix, [rows_sent], [8], pieces, [n.reshape(()) for n in lengths],
             [-1] * len(pieces), [0] * len(pieces), 1, 1, -1, -1,
         )  # fmt: skip
         ops.adler32_seal_(out, total, 0, 0, _PREFIX.size, _CHECK_AT)
@@ -271,7 +335,7 @@ class SyncWire:
                 pieces.append(payload[at.clamp(max=size - 1)])
             slots.append(s.clamp(0, max(n_slots - 1, 0)))
             valid.append(live)
-        hit, counts = held_slots(slots, valid, self.sizes)
+        hit, counts = held_slots(slots, valid, self.layout)
         raw = _host(torch.cat([*pieces, counts.view(torch.uint8)]))  # the one read
         base = _PREFIX.size + n_tables * _PART.size + 2  # prefix, part table, flags
         out, step = [], base + head_size
@@ -352,18 +416,34 @@ class SyncWire:
 
 
 def held_slots(
-    slots: Sequence[torch.Tensor], valid: Sequence[torch.Tensor | None], sizes: Sequence[int]
+    slots: Sequence[torch.Tensor], valid: Sequence[torch.Tensor | None], layout: TableLayout
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which of the tables' slots (``sizes`` each, in order) any of ``slots`` holds where ``valid``
-    (None: all), as bool, and their count per table (int64): on the slots' device, no host wait."""
-    total = sum(sizes)
+    """Which of the tables' slots (``layout``'s) any of ``slots`` holds where ``valid`` (None:
+    all), as bool, and their count per table (int64): on the slots' device, no host wait, a
+    fixed number of operations per part whatever the number of tables."""
+    total = layout.n_slots
     device = slots[0].device if slots else torch.device("cpu")
     held = torch.zeros(total + 1, dtype=torch.bool, device=device)  # the last: a spare for what is not valid
     for s, ok in zip(slots, valid, strict=True):
-        held[s if ok is None else torch.where(ok, s, total)] = True
+        held.index_fill_(0, s if ok is None else torch.where(ok, s, total), True)
     held = held[:total]
-    ends = list(itertools.accumulate(sizes, initial=0))
-    return held, torch.stack([held[a:b].sum() for a, b in itertools.pairwise(ends)])
+    return held, layout.sums(held)
+
+
+def _at_capacity(slots: list[torch.Tensor], rows: list[torch.Tensor], dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each table's ``slots`` [tables, capacity] and ``rows`` as one block per table
+    [capacity, tables x dim], every table's repeating its last up to the longest's (a table with
+    none: one zero row, slot 0): :meth:`SyncWire.encode_capacity`'s layout of per-table lists."""
+    capacity = max([1, *(len(s) for s in slots)])
+    at = torch.arange(capacity)
+    s_out, r_out = [], []
+    for s, r in zip(slots, rows, strict=True):
+        if not len(s):
+            s, r = s.new_zeros(1), r.new_zeros(1, dim)
+        pick = at.to(s.device).clamp(max=len(s) - 1)
+        s_out.append(s.index_select(0, pick))
+        r_out.append(r.index_select(0, pick.to(r.device)))
+    return torch.stack(s_out), torch.cat(r_out, 1)
 
 
 def _adler_ok(payload: torch.Tensor) -> torch.Tensor:

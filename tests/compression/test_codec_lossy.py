@@ -265,10 +265,13 @@ def test_device_framing_writes_the_same_payload_and_decodes_it_without_host_sync
     with HostSyncCounter() as c:  # what a sender knows its peer decodes, without the payload
         held = codec.decoded(x, torch.tensor(eb, dtype=torch.float64), widths)
         plan = None if i is None else dedup.plan_capacity(i)
+    per_block = torch.tensor(eb, dtype=torch.float64).expand(len(widths))  # as an encode checked them
+    checked = codec.decoded(x, per_block, widths, checked=True)
     assert torch.equal(payload, want)  # byte for byte: lengths, check and sections
     assert enc_syncs == dec_syncs == c.total == 0
     ints = {torch.float32: torch.int32}.get(x.dtype, torch.int16)
     assert torch.equal(y.view(ints), plain.view(ints)) and torch.equal(held.view(ints), plain.view(ints))
+    assert torch.equal(checked.view(ints), plain.view(ints))
     if plan is not None:  # the capacity plan: the dedup plan's counts and inverse, one sort
         counts, _, inverse = dedup.unique_per_block(i)
         assert torch.equal(plan[0], counts) and torch.equal(plan[2], inverse)

@@ -100,14 +100,16 @@ def _allocated(obj: object) -> int:
 
 def test_nbytes_is_the_memory_allocated_capacity_rows_and_index():
     c = RowCache(16, capacity_rows=100)
-    assert c.nbytes == _allocated(c) == 0
+    spare = 16 * 4 + 8 + 16  # row 0 and its tick (written where nothing is held), the index's end key and row
+    assert c.nbytes == _allocated(c.caches) - spare == 0
     c.store(torch.arange(10), torch.zeros(10, 16))
-    assert c.nbytes == _allocated(c) >= 100 * 16 * 4  # the row table is allocated up to the capacity
+    assert c.nbytes == _allocated(c.caches) - spare >= 100 * 16 * 4  # the row table is allocated up to the capacity
     for step in range(30):  # full, evicting: the allocation stays at the capacity
         c.store(torch.arange(step * 7, step * 7 + 40), torch.zeros(40, 16))
-        assert c.nbytes == _allocated(c)
-    assert c._rows.shape[0] == 100 and len(c) == 100
-    assert c.nbytes == 100 * 16 * 4 + 8 * (c._ids.numel() + c._slots.numel() + c._ticks.numel() + c._free.numel())
+        assert c.nbytes == _allocated(c.caches) - spare
+    assert c.caches._rows.shape[0] == 1 + 100 and len(c) == 100
+    held = c.caches._index.numel() - 2  # ids and their rows (the end key aside)
+    assert c.nbytes == 100 * 16 * 4 + 8 * (held + c.caches._ticks.numel() - 1 + c.caches._free.numel())
 
 
 def _brute_force_hits(steps, eb, decode):

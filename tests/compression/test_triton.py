@@ -225,6 +225,16 @@ def _check_interpret() -> None:
                 ints = torch.int16 if dtype != torch.float32 else torch.int32
                 same(outs[0].view(ints), outs[1].view(ints), f"lossy_unpack {dtype} {widths} keep={first is not None}")
     print("lossy pack/unpack OK")
+    for widths in ([8, 8, 8], [5, 16, 0, 3], [1]):
+        xr = torch.randn(70, sum(widths), generator=g) * 0.05
+        xr[3, 0], xr[4, -1], xr[5, 0], xr[6, -1] = float("nan"), float("inf"), 3e38, -0.0
+        bounds = torch.tensor([10.0 ** -(1 + b % 4) for b in range(len(widths))], dtype=torch.float64)
+        if len(widths) > 1:
+            bounds[1] = 0.0  # sent exactly: every value a miss
+        for tiles in ((32, 128), (16, 4)):
+            got, want = K.lossy_roundtrip(xr, bounds, widths, *tiles), R.lossy_roundtrip(xr, bounds, widths)
+            same(got, want, f"lossy_roundtrip {widths} tiles {tiles}")
+    print("lossy roundtrip OK")
 
     head = torch.randint(0, 256, (104,), generator=g, dtype=torch.uint8)
     head[20:24] = 0  # (the check field)
@@ -381,6 +391,11 @@ def _aot_specs():
         "off_ptr": "*i64", "step_ptr": "*fp32", "ed_ptr": "*fp32", "n_groups": "i64", "widths_ptr": "*u8",
     }  # fmt: skip
     lossy = {"G": "constexpr", "STEPS": "constexpr", "IDENTITY": "constexpr", "OUT": "constexpr"}
+    trip = {
+        "x_ptr": "*fp32", "x_stride": "i64", "out_ptr": "*fp32", "out_stride": "i64", "rows": "i64", "cols": "i64",
+        "table_ptr": "*i64", "n_blocks": "i32", "step_ptr": "*fp32", "ed_ptr": "*fp32", "ROWS": "constexpr",
+        "COLS": "constexpr", "STEPS": "constexpr",
+    }  # fmt: skip
     pack = {"ends_ptr": "*i64", "words_ptr": "*i32", "pos_ptr": "*i32", "raw_ptr": "*fp32", "lengths_ptr": "*i64",
             "item": "i64"}  # fmt: skip
     unpack = {
@@ -398,6 +413,9 @@ def _aot_specs():
         (K.range_partials_kernel, ranges, {"ROWS": K.RANGE_ROWS, "COLS": K.RANGE_COLS}),
         (K.range_bounds_kernel, finish_ranges, {"CHUNK": 256}),
         (K.lossy_offsets_kernel, offsets, {"CHUNK": 1024}),
+        (K.block_steps_kernel, {"bounds_ptr": "*fp64", "n_blocks": "i32", "step_ptr": "*fp32", "ed_ptr": "*fp32",
+                                "CHUNK": "constexpr"}, {"CHUNK": 1024}),
+        (K.roundtrip_kernel, trip, {"ROWS": K.TRIP_ROWS, "COLS": K.TRIP_COLS, "STEPS": 5}),
         *[
             (K.lossy_groups_kernel, {**values, "scan_ptr": "*i32", **lossy},
              {"G": K.LOSSY_GROUPS, "STEPS": 5, "IDENTITY": ident, "OUT": out})

@@ -112,9 +112,9 @@ def test_forward_cache_waits_a_fixed_number_of_times_per_chunk_whatever_its_bloc
             held.append(h)
     assert counts["hit_rows"] > 0 and counts["moved_rows"] > 0  # every kind of row was met
     for i in range(3):
-        # encode: the dedup plan (its unique ids), the blocks' sizes, their classification;
-        # decode: the plan, the sizes, the held counts with the flags, the moved counts
-        assert (c.by_label[f"encode{i}"], c.by_label[f"decode{i}"]) == (3, 4), c.counts
+        # encode: the blocks' counts with their coded bounds (every block at capacity: no sizes
+        # read before); decode: the held counts with the flags, then the sent counts
+        assert (c.by_label[f"encode{i}"], c.by_label[f"decode{i}"]) == (1, 2), c.counts
     # the same rows as the host backend (the payloads differ in their check: Adler-32 on a device)
     dc = _codec(backend="host")
     sender, receiver = fc.ForwardCache(backend="host"), fc.ForwardCache(backend="host")
@@ -209,8 +209,8 @@ def test_probe_waits_a_fixed_number_of_times_per_chunk_whatever_its_blocks(nb):
             payload = dc.encode(chunk, widths, bounds, ids)
             with c.label(f"observe{i}"):
                 probe.observe(dc, chunk, ids, payload, feats, widths, bounds, 1, stats)
-    for i in range(3):  # per scheme the cache's encode (3), then the worst errors with the bounds (1)
-        assert c.by_label[f"observe{i}"] == 2 * 4, c.counts
+    for i in range(3):  # per scheme the cache's encode (1), then the worst errors with the bounds (1)
+        assert c.by_label[f"observe{i}"] == 2 * 2, c.counts
 
 
 def _batch(nf: int, rows: int = 32) -> Batch:
@@ -339,7 +339,19 @@ def test_hot_row_sync_on_ranks_waits_at_most_once_per_collective(coded, ws):
 # The functions these features run per chunk, batch or sync, and their host copies: each a size
 # the layout needs (read once for all blocks or tables), the wire's framing, or a CPU shortcut.
 PER_ITERATION: dict[str, tuple[str, ...] | None] = {
-    "compression.row_cache": ("RowCache.find", "RowCache.gather", "RowCache.store", "positions", "compact"),
+    "compression.row_cache": (
+        "RowCaches.find",
+        "RowCaches.peek",
+        "RowCaches.store",
+        "RowCaches._evict",
+        "RowCaches._free_rows",
+        "RowCaches._grow",
+        "RowCache.find",
+        "RowCache.gather",
+        "RowCache.store",
+        "positions",
+        "compact",
+    ),
     "dlrm.embedding_comm.forward_cache": None,
     "dlrm.embedding_comm.cache_probe": ("CacheProbe.measure", "CacheProbe.observe", "_over_bound"),
     "dlrm.placement.hot_rows": ("HotSplit.__call__", "HotRows.forward"),
@@ -361,7 +373,6 @@ KNOWN = {
     ("dlrm.embedding_comm.forward_cache", "ForwardCache.encode", "tolist"),  # the blocks' classification
     ("dlrm.embedding_comm.forward_cache", "CacheStage.encode", "tolist"),  # a sampled chunk: length and counts
     ("dlrm.embedding_comm.forward_cache", "ForwardCache.decode", "tolist"),  # held counts and flags, moved counts
-    ("dlrm.embedding_comm.forward_cache", "_unpack", "tolist"),  # the blocks' unique-id counts
     ("dlrm.embedding_comm.cache_probe", "_over_bound", "tolist"),  # the worst errors, a statistic
     ("dlrm.placement.hot_rows", "HotSplit.__call__", "tolist"),  # the keys' lengths (length_per_key)
     ("dlrm.placement.hot_sync", "HotRowOptimizer._hits", "tolist"),  # the hit counts (exact)

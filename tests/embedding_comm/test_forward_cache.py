@@ -120,10 +120,16 @@ def test_a_chunk_that_is_not_fp32_is_refused_naming_the_key():
 
 
 def _allocated(fc: ForwardCache) -> int:
-    """Every tensor and array the caches hold, summed apart from RowCache.nbytes."""
-    return sum(
-        v.nbytes for c in fc.caches.values() for v in vars(c).values() if isinstance(v, torch.Tensor | np.ndarray)
-    )
+    """Every tensor the caches hold, summed apart from ForwardCache.nbytes: each structure's rows
+    and index, less its spare row (row 0 and its tick, which no id holds), the index's end key
+    and, where its blocks differ in width, the padding of the narrower ones' rows."""
+    total = 0
+    for g in fc.groups.values():
+        total += sum(v.nbytes for v in vars(g).values() if isinstance(v, torch.Tensor | np.ndarray))
+        item = g._rows.element_size()
+        padding = sum(a * (g.dim - w) * item for a, w in zip(g._alloc, g.widths, strict=True))
+        total -= g._rows.shape[1] * item + 8 + 16 + padding
+    return total
 
 
 CACHED = {

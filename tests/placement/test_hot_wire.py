@@ -175,15 +175,19 @@ def _grad(rank: int, step: int, table: int) -> torch.Tensor:
 
 
 class _Recording(HotRowOptimizer):
-    """Keeps the summed gradient each update applies (rows, values)."""
+    """Keeps the summed gradient each update applies, per table (its rows, values)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.applied: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def _apply(self, p: torch.Tensor, sel: torch.Tensor, g: torch.Tensor, lr: float, eps: float) -> None:
-        self.applied.append((sel.clone(), g.clone()))
-        super()._apply(p, sel, g, lr, eps)
+    def _apply(
+        self, weights: torch.Tensor, momentum: Any, sel: torch.Tensor, g: torch.Tensor, lr: float, eps: float
+    ) -> None:
+        for base, size in zip(self.layout.bases, self.layout.sizes, strict=True):  # every table's rows at once
+            mine = (sel >= base) & (sel < base + size)
+            self.applied.append((sel[mine] - base, g[mine].clone()))
+        super()._apply(weights, momentum, sel, g, lr, eps)
 
 
 def _sync_ranks(rank: int, world: int) -> dict[str, Any]:
