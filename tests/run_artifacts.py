@@ -39,7 +39,33 @@ def checkpoint_tensors(step_dir: Path) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp_to_torch_save(str(step_dir), str(Path(tmp) / "state.pt"))
-        return torch.load(Path(tmp) / "state.pt", weights_only=False)
+        state = torch.load(Path(tmp) / "state.pt", weights_only=False)
+    return {k: state[k] for k in ("model", "optimizer")}
+
+
+def data_files(step_dir: Path) -> list[str]:
+    """The data files a checkpoint's .metadata records a size and crc32 of, sorted: rank r checks
+    every world_size-th from the r-th on."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from dlrm.trainer.checkpoint_format import SEAL
+
+    storage = FileSystemReader(str(step_dir)).read_metadata().storage_data
+    return sorted(i.fqn.removeprefix(SEAL) for i in storage if i.fqn.startswith(SEAL))
+
+
+def checkpoint_items(step_dir: Path) -> dict[str, Any]:
+    """Every item of a checkpoint, flat by DCP key, read in this single process (whole tensors; a
+    part's state as the bytes DCP holds)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    out = {k: torch.empty(m.size, dtype=m.properties.dtype) if hasattr(m, "size") else None for k, m in meta.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no process group": intended, this is one process
+        dcp.load(out, checkpoint_id=str(step_dir), no_dist=True)
+    return out
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from dlrm.trainer.checkpoint_format import read_state, step_order
+
 MLP = ("dense_arch", "over_arch")
 
 
@@ -63,10 +65,10 @@ def summary(run_dir: Path) -> dict[str, float]:
         sums = torch.cat(found)
         out.update(moved_share=float((sums > 0).double().mean()), median_accumulator=float(sums[sums > 0].median()))
         # the L2 norm of what the optimizer received per iteration, root mean square over the run
-        out["rms_update_norm"] = float(sums.double().sum() / int(step.name.split("-")[1])) ** 0.5
+        out["rms_update_norm"] = float(sums.double().sum() / (step_order(step) or (1, 0))[0]) ** 0.5
     residual_sq = 0.0
-    for rank_file in sorted(step.glob("state-rank*.pt")):
-        dense = torch.load(rank_file, weights_only=True).get("dense_comm", {})
+    for rank in range(read_state(step, 0).train_state["world_size"]):
+        dense = read_state(step, rank).parts.get("dense_comm", {})
         for kind in ("residuals", "owner_residuals"):  # the reduce-scatter's owners hold residuals too
             residual_sq += sum(float(r.double().norm() ** 2) for r in dense.get(kind, {}).values())
     out["residual_norm"] = residual_sq**0.5

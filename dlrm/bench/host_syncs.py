@@ -313,7 +313,8 @@ def count_dct_bucket(side: int = 1024, keep: float = 0.005, seed: int = 0) -> tu
         hook, peer = HostSyncCounter(), HostSyncCounter()
         with counted_reads(hook), hook:
             dense.hook(cast(dist.GradBucket, _Bucket(layer))).wait()  # the hook reads only these methods
-        codec, f = dense._codec, _Bucket(layer).buffer().view(1, -1)
+        assert dense.dct is not None
+        codec, f = dense.dct.codec, _Bucket(layer).buffer().view(1, -1)
         mask = codec.mask(f, [f.numel()], [sparse.kth_largest_abs_tensor(f, keep)]).view(-1)
         count, width = int(mask.sum()), int(sparse.delta_width(mask))
         payload = codec.encode_known(f, mask, count, width, [f.numel()])

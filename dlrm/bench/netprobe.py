@@ -36,7 +36,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torchrec.distributed import comm_ops as torchrec_comm_ops
 
-from dlrm.dense_comm.hook import dense_comm_of
+from dlrm.dense_comm.wrapper import dense_comm_of
 from dlrm.process.env import exit_without_teardown
 from dlrm.process.instrument import current, embedding_collective
 from dlrm.telemetry.comm_stats import run_totals

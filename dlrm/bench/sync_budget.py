@@ -14,7 +14,11 @@ the host synchronisations made inside it and the collectives it issued:
   send's size exchange, the receive's head read), none per chunk, whatever the rank count; a
   send that samples (``compression.stats.sample_every``: one chunk's errors and per-table sizes
   measured) 3: also its own payload's head, and every figure at once;
-- each DCT bucket of the dense hook (``dct/bucket``): budget 1 (its size all-gather's read);
+- each DCT bucket of the dense hook (``dct/bucket``): budget 3, one per phase and the checks of
+  the payloads it sums, read before its average reaches DDP (the default reduce-scatter: its
+  segments' sizes, the owners' sizes, the checks; an all-gather makes 2: its sizes, the checks);
+  its payload all-gather is waited for in the call, so that the decode runs inside it, as a GPU's
+  NCCL runs it;
 - each hot-row replica sync (``hot/sync``): budget one per collective it makes.
 
 Whatever else synchronises (TorchRec's input dist and KJT checks, the optimizers, the metrics,
@@ -106,9 +110,12 @@ MISSES: dict[tuple[str, str], float] = {}
 
 def budget(label: str, collectives_per_call: float) -> float:
     """Host synchronisations allowed per call of ``label``: one, or one per collective of a
-    hot-row sync; a sampled send also reads its own payload's head and its figures."""
+    hot-row sync, or a DCT bucket's one per phase and its received payloads' checks (3 for a
+    reduce-scatter); a sampled send also reads its own payload's head and its figures."""
     if label == "hot/sync":
         return collectives_per_call
+    if label == "dct/bucket":
+        return 3.0
     return 3.0 if label.endswith(" sampled") else 1.0
 
 
@@ -166,7 +173,10 @@ class SyncBudget:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             if self.active and self._label is not None:
                 self.collectives[self._label] += 1
-            return fn(*args, **kwargs)
+            work = fn(*args, **kwargs)
+            if self._label == "dct/bucket" and kwargs.get("async_op"):
+                work.wait()  # the callback (decode, checks) then runs inside the bucket's call, not on gloo's thread
+            return work
 
         return wrapped
 

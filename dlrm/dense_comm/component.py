@@ -9,7 +9,8 @@ from typing import Any
 from torch.distributed.checkpoint.stateful import Stateful
 
 from dlrm.dense_comm.config import parse_dense_comm_cfg
-from dlrm.dense_comm.hook import CompressedDataParallelWrapper, DenseComm
+from dlrm.dense_comm.hook import DenseComm
+from dlrm.dense_comm.wrapper import CompressedDataParallelWrapper
 from dlrm.trainer.component import Component, Sharding
 
 
@@ -23,6 +24,3 @@ class DenseCommunication(Component):
     @property
     def parts(self) -> Mapping[str, Stateful]:
         return {"dense_comm": self.dense}
-
-    def close(self) -> None:
-        self.dense.check()  # the last payloads' checks, read on the device path at the end of the run

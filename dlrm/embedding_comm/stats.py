@@ -29,7 +29,7 @@ also ``raw_bytes`` (what TorchRec's would have sent) and ``codec_ms``.
 ``ids/plans_reused`` those that take the coded input all-to-all's plan of the same batch instead
 of sorting their ids again (:mod:`dlrm.embedding_comm.ids`).
 
-The dense gradient all-reduce (``dense``, :mod:`dlrm.dense_comm.hook`) records the same ``raw_bytes``,
+The dense gradient all-reduce (``dense``, :mod:`dlrm.dense_comm.stats`) records the same ``raw_bytes``,
 ``wire_bytes``, ``codec_ms``, ``comm_ms`` and ``calls``, and under DCT ``kept``/``numel`` (whose
 quotient :func:`derive` writes as ``comm/dense/keep``), ``threshold`` and ``residual_norm``.
 """

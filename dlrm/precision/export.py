@@ -31,7 +31,8 @@ from dlrm.placement.hot_rows import fold_into_tables
 from dlrm.precision import serving
 from dlrm.precision.search import PlanEvaluator, costliest_tables, search_plan
 from dlrm.process.env import DistEnv
-from dlrm.trainer.checkpoint import checked_steps, damage, load_rank_state
+from dlrm.trainer.checkpoint import checked_steps
+from dlrm.trainer.checkpoint_format import METADATA, damage, read_state
 from dlrm.trainer.datasets import RunData
 from dlrm.trainer.evaluation import Evaluator
 from dlrm.trainer.model import build_dlrm, embedding_configs
@@ -86,7 +87,7 @@ def checkpoint_step(run_dir: Path, cfg: DictConfig, explicit: str | None = None)
         damaged.extend(found)
     if damaged:
         raise ValueError(f"{root} holds no intact checkpoint: {'; '.join(damaged)}")
-    raise FileNotFoundError(f"{root} holds no complete checkpoint (a step-N/ with train_state.json)")
+    raise FileNotFoundError(f"{root} holds no complete checkpoint (a step-N/ with {METADATA})")
 
 
 def load_dlrm_state(step_dir: Path) -> dict[str, torch.Tensor]:
@@ -106,8 +107,8 @@ def load_dlrm_state(step_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def hot_ids_of(step_dir: Path) -> dict[str, list[int]]:
-    """The ids a run replicated (placement.hot_rows), as rank 0's state file records them."""
-    return dict(load_rank_state(step_dir, 0).get("hot_rows", {}).get("hot_ids", {}))
+    """The ids a run replicated (placement.hot_rows), as rank 0's hot_rows part records them."""
+    return dict(read_state(step_dir, 0).parts.get("hot_rows", {}).get("hot_ids", {}))
 
 
 def trained_model(cfg: DictConfig, data: RunData, state: Mapping[str, torch.Tensor]) -> DLRM:

@@ -1,6 +1,6 @@
 """The vocabulary of checkpoint state: :class:`PerRank` (a rank's own state, beside the state every
-rank shares), the random streams as plain data, and :class:`CheckpointError`. Everything here
-survives ``torch.load(weights_only=True)``: tensors, numbers, strings, lists and dicts."""
+rank shares), the random streams as plain data, and :class:`CheckpointError`. Everything a part
+saves must survive ``torch.load(weights_only=True)``: tensors, numbers, strings, lists and dicts."""
 
 from __future__ import annotations
 
@@ -17,9 +17,8 @@ class CheckpointError(RuntimeError):
 
 
 class PerRank:
-    """Marks a :class:`Stateful` whose state is this rank's own (saved in ``state-rank<r>.pt``,
-    tensors allowed); any other Stateful holds the same on every rank (saved once, as JSON in
-    ``train_state.json``)."""
+    """Marks a :class:`Stateful` whose state is this rank's own (saved under ``<part>.rank<r>``);
+    any other Stateful holds the same on every rank (saved once, under ``<part>.shared``)."""
 
 
 def numpy_rng_state(state: Any) -> list[Any]:

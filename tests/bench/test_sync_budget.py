@@ -1,7 +1,9 @@
 """Whole training runs on the device backends (``compression.backend=device``,
 ``dense_comm.backend=device``: the code a GPU runs, on CPU tensors) keep issue 25's budget: one
-host synchronisation per side of each compressed all-to-all (three for a send that samples), per
-DCT bucket, and per collective of a hot-row sync; none per chunk or table
+host synchronisation per side of each compressed all-to-all (three for a send that samples), and
+per collective of a hot-row sync, three per DCT bucket (one per phase of its default reduce-scatter,
+and its received payloads' checks; two for an all-gather);
+none per chunk or table
 (dlrm.bench.sync_budget: 2 gloo ranks, the trainer, the bundled Criteo rows). Each configuration
 was seen over budget before its device path landed; the bench runs all of them
 (``python -m dlrm.bench.sync_budget``), this suite the ones whose code paths differ most (the row

@@ -20,7 +20,7 @@ from run_artifacts import checkpoint_tensors, flatten, raw_losses
 from trainer_runs import REPO, SMALL, losses
 
 from dlrm.process.timeout import ROLL_CALL_S
-from dlrm.trainer.checkpoint import complete_steps, damage, load_rank_state
+from dlrm.trainer.checkpoint_format import complete_steps, damage, read_state
 
 
 def _why_not() -> str | None:
@@ -144,8 +144,8 @@ def test_a_cut_link_fails_node_0_within_comm_timeout_s_naming_ranks_2_and_3_and_
     ckpts = tmp_path / "run" / "checkpoints"
     newest = complete_steps(ckpts)[0]
     assert (ckpts / "latest").read_text() == newest.name
-    step = json.loads((newest / "train_state.json").read_text())["iteration"]
+    step = read_state(newest, 0).train_state["iteration"]
     assert newest.name == f"step-{step}" and step % every == 0 and step <= max(losses(tmp_path / "run"))
     assert damage(newest, 0, 1) == []
     assert any(".t_cat_" in k for k in flatten(checkpoint_tensors(newest)))
-    assert all(load_rank_state(newest, r) for r in range(4))
+    assert all(read_state(newest, r).parts["rng"] for r in range(4))

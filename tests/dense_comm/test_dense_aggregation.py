@@ -79,8 +79,8 @@ def _run(cfg: dict, rank: int, iterations: range, dense=None) -> dict:
         "outs": outs,
         "counted": counted.sent,
         "wire": dense.stats.state(run=True)[0]["dense/wire_bytes"],
-        "residuals": {n: r.clone() for n, r in dense.residuals.items()},
-        "owner_residuals": {n: r.clone() for n, r in dense.owner_residuals.items()},
+        "residuals": {n: r.clone() for n, r in dense.dct.residuals.items()},
+        "owner_residuals": {n: r.clone() for n, r in dense.dct.owner_residuals.items()},
     }
 
 
@@ -300,15 +300,15 @@ def test_aggregation_is_a_dct_key_checked_by_name():
     with pytest.raises(ValueError, match="aggregation"):
         parse_dense_comm_cfg({"name": "fp16", "aggregation": "reduce_scatter"})  # no sparse payloads to sum
     auto = DenseComm(parse_dense_comm_cfg({"name": "dct", "aggregation": "auto"}))
-    assert [auto.aggregation([100_000, 100], ws) for ws in (2, 3, 4, 64)] == ["allgather"] + ["reduce_scatter"] * 3
-    assert auto.aggregation([100, 100], 128) == "allgather"  # a piece for every rank needs a parameter of W entries
+    assert [auto.dct.aggregation([100_000, 100], ws) for ws in (2, 3, 4, 64)] == ["allgather"] + ["reduce_scatter"] * 3
+    assert auto.dct.aggregation([100, 100], 128) == "allgather"  # a piece for every rank needs a parameter of W entries
     # the trainer's small MLPs (64 entries kept of 12,785 at keep 0.005): twice the payload headers
     # (~250 bytes each) would cost more than the reduce-scatter saves; the larger MLPs' (2,313 kept)
     small, large = (
         [416, 32, 512, 16, 11744, 32, 32, 1],
         [6656, 512, 131072, 256, 4096, 16, 187904, 512, 131072, 256, 256, 1],
     )
-    assert (auto.aggregation(small, 4), auto.aggregation(large, 4)) == ("allgather", "reduce_scatter")
+    assert (auto.dct.aggregation(small, 4), auto.dct.aggregation(large, 4)) == ("allgather", "reduce_scatter")
 
 
 def _bytes_per_rank(rank: int, ws: int) -> dict:

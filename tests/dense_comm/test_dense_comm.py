@@ -68,7 +68,8 @@ def _train(
     local gradient gets non-finite entries (:func:`_poison`) and, as torch's GradScaler does,
     that step is skipped."""
     from dlrm.dense_comm.config import parse_dense_comm_cfg
-    from dlrm.dense_comm.hook import CompressedDataParallelWrapper, DenseComm
+    from dlrm.dense_comm.hook import DenseComm
+    from dlrm.dense_comm.wrapper import CompressedDataParallelWrapper
     from dlrm.embedding_comm import make_sharders
     from dlrm.embedding_comm.stats import derive
     from dlrm.process.env import DistEnv
@@ -138,8 +139,8 @@ def _train(
     if dense is not None:
         out.update(
             stats=derive(*dense.stats.state(run=True)),
-            refreshes=list(dense.refreshes),
-            residuals=dict(dense.residuals),
+            refreshes=list(dense.dct.refreshes) if dense.dct is not None else [],
+            residuals=dict(dense.dct.residuals) if dense.dct is not None else {},
             state=dense.state_dict(),
         )
     return out
@@ -287,7 +288,7 @@ def test_the_refresh_schedule_warms_up_in_powers_of_two_then_keeps_its_period():
     from dlrm.dense_comm.hook import DenseComm
 
     warm = DenseComm(parse_dense_comm_cfg({"name": "dct", "refresh_every": 1000}))
-    assert [i for i in range(3001) if warm.refresh_due(i)] == [
+    assert [i for i in range(3001) if warm.dct.refresh_due(i)] == [
         0,
         1,
         2,
@@ -304,7 +305,7 @@ def test_the_refresh_schedule_warms_up_in_powers_of_two_then_keeps_its_period():
         3000,
     ]
     plain = DenseComm(parse_dense_comm_cfg({"name": "dct", "refresh_every": 1000, "refresh_warmup": False}))
-    assert [i for i in range(3001) if plain.refresh_due(i)] == [0, 1000, 2000, 3000]
+    assert [i for i in range(3001) if plain.dct.refresh_due(i)] == [0, 1000, 2000, 3000]
 
 
 def test_dct_leaves_parameters_under_min_numel_exact(runs):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dlrm.embedding_comm.policy import TrainingBound, build_policy
+from dlrm.trainer.checkpoint_format import Part
 from dlrm_compression.policies import Plateau, PlateauState, TableStats, plateau_update
 
 TABLES = [TableStats("cat_0", 100, 8), TableStats("cat_1", 10, 8)]
@@ -40,8 +41,11 @@ def test_plateau_policy_scales_each_direction_it_is_given_and_checkpoints():
     assert p.bounds("forward", 10) == {f: pytest.approx(v / 2) for f, v in before.items()}
     assert p.bound("cat_0", "backward", 10) == 0.01
     q = build_policy(cfg({**dual, "plateau": PLATEAU}), TABLES)
-    q.load_state_dict(json.loads(json.dumps(p.state_dict())))  # a checkpoint as JSON
+    Part(q, rank=0).load_state_dict(Part(p, rank=0).state_dict())  # the item the checkpoint keeps
     assert q.bounds("forward", 10) == p.bounds("forward", 10)
+    legacy = build_policy(cfg({**dual, "plateau": PLATEAU}), TABLES)
+    legacy.load_state_dict(json.loads(json.dumps(p.state_dict())))  # format 1 kept it in train_state.json
+    assert legacy.bounds("forward", 10) == p.bounds("forward", 10)
     assert p.summary()["policy_forward_level"] == 0.5
     with pytest.raises(ValueError, match="no plateau there"):
         build_policy(cfg({"kind": "fixed", "eb": 0.01}), TABLES).load_state_dict(p.state_dict())

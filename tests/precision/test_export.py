@@ -204,6 +204,6 @@ def test_export_reads_checkpoint_dir_from_the_run_and_skips_a_damaged_newest_ste
     code, stderr = export(run_dir, tmp_path / "out2", "--precision", "fp32")
     assert f"{shard} has" in stderr  # named, and passed over for the previous intact step
     assert json.loads((tmp_path / "out2" / "export.json").read_text())["checkpoint"] == str(ckpts / "step-2")
-    (ckpts / "step-2" / "train_state.json").write_text("{")  # no intact step left: refused, naming it
+    (ckpts / "step-2" / ".metadata").write_text("{")  # no intact step left: refused, naming it
     code, stderr = export(run_dir, tmp_path / "out3", "--precision", "fp32", check=False)
-    assert code != 0 and f"{ckpts / 'step-2' / 'train_state.json'} is unreadable" in stderr, stderr
+    assert code != 0 and f"{ckpts / 'step-2' / '.metadata'} is unreadable" in stderr, stderr

@@ -5,7 +5,6 @@ test_sigkilled_rank_restarts_from_the_last_checkpoint_and_finishes.)"""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shutil
@@ -15,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from run_artifacts import raw_losses
+from run_artifacts import checkpoint_items, data_files, raw_losses
 from trainer_runs import launch, losses, train, worker_pids
 
 from dlrm.bench.netns import Namespace, NetnsError
@@ -119,6 +118,9 @@ def test_training_over_a_lossy_slow_link_gives_the_losses_of_a_clean_one(tmp_pat
     assert losses(tmp_path / "lossy") == losses(tmp_path / "clean")
 
 
+SHARES = (("step-12", 0), ("step-9", 1), ("step-6", 1))
+
+
 def _flip_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x40
@@ -127,21 +129,19 @@ def _flip_byte(path: Path) -> None:
 
 def test_damaged_checkpoints_are_refused_by_resume_true_and_skipped_by_auto(tmp_path, cache):
     run_dir = tmp_path / "run"
-    common = ["loss_log=true", "checkpoint.every=4", "checkpoint.keep=3", "batch_size=32"]
+    common = ["loss_log=true", "checkpoint.every=3", "checkpoint.keep=4", "batch_size=32"]
     train(run_dir, cache, [*common, "max_iterations=12"])
     ckpts = run_dir / "checkpoints"
     first = dict(raw_losses(run_dir))
-    # step-12 truncated in a file that rank 0 checks, step-8 with one bit flipped in a file that
-    # rank 1 checks (each rank checks every other checksummed file): the rank whose share is
-    # intact must agree to skip the step all the same
-    victims = {}
-    for step, share in (("step-12", 0), ("step-8", 1)):
-        sums = json.loads((ckpts / step / "train_state.json").read_text())["checksums"]
-        victims[step] = ckpts / step / sorted(sums)[share + 2]
-    truncated, flipped = victims["step-12"], victims["step-8"]
+    # step-12 truncated in the file that rank 0 checks, step-9 with one bit flipped in the file that
+    # rank 1 checks (rank r checks the r-th of the files .metadata records), step-6 without rank 1's
+    # file: the rank whose share is intact must agree to skip the step all the same
+    victims = {step: ckpts / step / data_files(ckpts / step)[share] for step, share in SHARES}
+    truncated, flipped, deleted = victims["step-12"], victims["step-9"], victims["step-6"]
     truncated.write_bytes(truncated.read_bytes()[: truncated.stat().st_size // 2])
     _flip_byte(flipped)
-    damaged = {path: path.read_bytes() for path in victims.values()}
+    damaged = {path: path.read_bytes() for path in (truncated, flipped)}
+    deleted.rename(tmp_path / "deleted")
 
     proc = train(run_dir, cache, [*common, "max_iterations=16", "resume=true"], check=False)
     assert proc.returncode != 0
@@ -152,13 +152,14 @@ def test_damaged_checkpoints_are_refused_by_resume_true_and_skipped_by_auto(tmp_
     train(run_dir, cache, [*common, "max_iterations=16", "resume=auto"])
     log = (run_dir / "train_rank0.log").read_text()
     for step, path in victims.items():
-        assert f"checkpoint {ckpts / step} is damaged ({path} has" in log
+        assert f"checkpoint {ckpts / step} is damaged ({path} " in log
         kept = ckpts / f"damaged-{step}" / path.name
-        assert kept.read_bytes() == damaged[path]  # set aside, never deleted
-    assert f"resumed from {ckpts / 'step-4'} at iteration 4" in log
+        assert kept.read_bytes() == damaged[path] if path in damaged else not kept.exists()  # set aside
+    assert f"checkpoint {ckpts / 'step-6'} is damaged ({deleted} is unreadable (No such file or directory))" in log
+    assert f"resumed from {ckpts / 'step-3'} at iteration 3" in log
     logged = raw_losses(run_dir)
-    assert [it for it, _ in logged] == [*range(1, 13), *range(5, 17)]  # 5-12 redone from step-4
-    assert dict(logged[12:20]) == {i: first[i] for i in range(5, 13)}
+    assert [it for it, _ in logged] == [*range(1, 13), *range(4, 17)]  # 4-12 redone from step-3
+    assert dict(logged[12:21]) == {i: first[i] for i in range(4, 13)}
     assert (ckpts / "latest").read_text() == "step-16"
 
 
@@ -173,22 +174,21 @@ class _RunsCode:
 
 
 def test_a_pickled_payload_in_a_checkpoint_is_refused_naming_the_file_and_never_run(tmp_path, cache):
-    import torch
-
-    from dlrm.trainer.checkpoint import file_digest
+    from dlrm.trainer.checkpoint_format import write_step
 
     run_dir, marker = tmp_path / "run", tmp_path / "ran"
     common = ["checkpoint.every=4", "comm_timeout_s=60"]
     train(run_dir, cache, [*common, "max_iterations=4"])
     step = run_dir / "checkpoints" / "step-4"
-    victim = step / "state-rank1.pt"
-    torch.save({"dense_comm": _RunsCode(marker)}, victim)
-    # an attacker who can write the file can rewrite its checksum too
-    state = json.loads((step / "train_state.json").read_text())
-    state["checksums"][victim.name] = file_digest(victim)
-    (step / "train_state.json").write_text(json.dumps(state))
+    items = checkpoint_items(step)
+    assert "dense_comm.rank1" in items
+    items["dense_comm.rank1"] = _RunsCode(marker)
+    shutil.rmtree(step)
+    # an attacker who can write the files can rewrite their checksums too: the trainer's own writer
+    write_step(step, items)
+    victim = step / "__0_0.distcp"  # one process wrote it all
 
     proc = train(run_dir, cache, [*common, "max_iterations=8", "resume=auto"], check=False)
     assert proc.returncode != 0
     assert not marker.exists()  # the payload never ran
-    assert f"CheckpointError: {victim}" in proc.stderr, proc.stderr[-3000:]
+    assert f"CheckpointError: {victim} (dense_comm.rank1) holds more than tensors" in proc.stderr, proc.stderr[-3000:]

@@ -21,6 +21,7 @@ import pytest
 import torch
 from multiprocess import run_ranks
 
+from dlrm.trainer.checkpoint_format import Part
 from dlrm.trainer.optim import WarmupDecayLR
 
 W, S, D = 4, 6, 4  # warmup steps, decay start, decay steps
@@ -99,11 +100,14 @@ def test_state_dict_resumes_the_schedule_exactly():
     first_opt = _optimizer()
     first = WarmupDecayLR(first_opt, W, S, D)
     _lrs_by_iteration(first, first_opt, 1, 7)
-    saved = json.loads(json.dumps(first.state_dict()))  # the checkpoint keeps it in train_state.json
+    saved = Part(first, rank=0).state_dict()  # the item the checkpoint keeps
     # a fresh process: new optimizer at the configured LRs, new schedule, then the saved state
     resumed_opt = _optimizer()
     resumed = WarmupDecayLR(resumed_opt, W, S, D)
-    resumed.load_state_dict(saved)
+    Part(resumed, rank=0).load_state_dict(saved)
+    legacy = WarmupDecayLR(_optimizer(), W, S, D)
+    legacy.load_state_dict(json.loads(json.dumps(first.state_dict())))  # format 1 kept it in train_state.json
+    assert legacy.step_count == resumed.step_count == 7
     assert _lrs_by_iteration(resumed, resumed_opt, 8, 14) == {s: uninterrupted[s] for s in range(8, 15)}
 
 

@@ -105,7 +105,7 @@ def test_crash_during_save_leaves_previous_checkpoint_usable(tmp_path, cache):
     run_dir = tmp_path / "run"
     train(run_dir, cache, ["max_iterations=4"])
     ckpts = run_dir / "checkpoints"
-    # What a save killed half-way leaves behind: a temporary directory without train_state.json.
+    # What a save killed half-way leaves behind: a temporary directory without DCP's .metadata.
     (ckpts / ".tmp-step-8").mkdir()
     (ckpts / ".tmp-step-8" / "__0_0.distcp").write_bytes(b"partial")
     proc = train(run_dir, cache, ["max_iterations=6", "resume=true"])
