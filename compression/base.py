@@ -11,7 +11,7 @@ from typing import Any, ClassVar, overload
 import torch
 
 from . import format as fmt
-from .backend import CHOICES, Backend, backend_for
+from .backend import CHOICES, Backend, backend_for, upload
 from .format import PayloadError
 
 Bound = float | Sequence[float] | torch.Tensor
@@ -201,6 +201,24 @@ class Codec(ABC):
         head (int64, or None) and the state that goes with them; None: it reads for itself."""
         return None
 
+    def known_size(self, shape: tuple[int, int], dtype: torch.dtype, blocks: Sequence[int]) -> int | None:
+        """The bytes of the payload of a ``shape`` chunk of ``dtype`` in column ``blocks``, where
+        the host knows them before encoding (TorchRec's ``calc_quantized_size``: a fixed-rate
+        codec's); None: known once encoded."""
+        return None
+
+    def block_bytes(
+        self, payload: torch.Tensor, blocks: Sequence[int], head: fmt.HostHead | None = None
+    ) -> torch.Tensor:
+        """Each block's share of ``payload``'s bytes (float64 on the payload's device, summing to
+        its length), from what the payload's sections say of each block: a codec that can tell
+        which of its bytes code which block counts them, and splits the rest (the header,
+        padding, what it codes jointly) in proportion to the blocks' widths (``blocks``, as
+        encoded). Default: all of it in proportion to the widths (a cast's values are each
+        block's rows at one width). ``head``: the payload's head, read already
+        (:func:`compression.format.read_heads`), so that nothing here waits for the device."""
+        return by_width(payload.numel(), blocks, payload.device)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
 
@@ -215,6 +233,13 @@ class Codec(ABC):
                 f"payload was written by codec {other.name if other else header.codec_id!r}, not {self.name!r}"
             )
         return header, sections
+
+
+def by_width(total: float | torch.Tensor, widths: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``total`` bytes (a number, or a 0-d tensor on ``device``) split over blocks in proportion to
+    their ``widths``, as float64 on ``device`` (nothing read; zeros where every width is 0)."""
+    w = upload(torch.tensor(list(widths), dtype=torch.float64), device)
+    return w * (total / max(sum(widths), 1))
 
 
 def check_out(out: torch.Tensor | None, header: fmt.Header, device: torch.device) -> None:

@@ -61,6 +61,11 @@ class CastCodec(Codec):
         header = fmt.Header(self.codec_id, dtype, shape[0], shape[1], list(widths), [float("inf")] * len(widths))
         return fmt.header_on(fmt.header_bytes(header, [n], "adler32"), device)
 
+    def known_size(self, shape: tuple[int, int], dtype: torch.dtype, blocks: Sequence[int]) -> int:
+        """The header of ``blocks`` and the values at the wire dtype, padded to 8 bytes."""
+        n = shape[0] * shape[1] * (self.wire_dtype or dtype).itemsize
+        return fmt.head_bytes(len(blocks), 1) + n + (-n % 8)
+
     def checks_in_decode(self, device: torch.device) -> bool:
         return not self.backend_for(device).reads_sizes
 

@@ -18,13 +18,25 @@ FIXED, ZSTD = 0, 1
 
 
 class Coder(Protocol):
-    """codes -> section bytes -> codes."""
+    """codes -> section bytes -> codes; and which of a section's bytes code which segment."""
 
     kind: int
 
     def encode(self, codes: torch.Tensor) -> torch.Tensor: ...
 
     def decode(self, section: torch.Tensor, n: int, what: str, checked: bool = False) -> torch.Tensor: ...
+
+    def shares(self, section: torch.Tensor, n: int, ends: torch.Tensor) -> torch.Tensor: ...
+
+
+def group_shares(widths: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """The fixed-length coder's bytes of each segment of the codes (segment ``b`` ends before
+    code ``ends[b]``, int64 on the device): per group of 32 codes its width byte and its words,
+    counted in the segment where the group starts (float64, one op per step, no loop)."""
+    starts = torch.arange(widths.numel(), device=widths.device) * reference.GROUP
+    segment = torch.bucketize(starts, ends, right=True).clamp_(max=max(ends.numel() - 1, 0))
+    out = torch.zeros(ends.numel(), dtype=torch.float64, device=widths.device)
+    return out.index_add_(0, segment, 1.0 + 4.0 * widths.double())
 
 
 class BlockCoder:
@@ -52,6 +64,12 @@ class BlockCoder:
         pad = torch.zeros(4, dtype=torch.uint8, device=codes.device)
         total = widths.long().sum()  # groups past the n-th code have width 0
         return [(widths, g), (pad, (-g).remainder(4)), (words.view(torch.uint8), 4 * total)]
+
+    def shares(self, section: torch.Tensor, n: int, ends: torch.Tensor) -> torch.Tensor:
+        """The bytes of ``section`` (``n`` codes) that code each segment of them
+        (:func:`group_shares`), read from its group widths on the device; its padding to 4 bytes
+        is no segment's."""
+        return group_shares(section[: -(-n // reference.GROUP)], ends)
 
     def decode(self, section: torch.Tensor, n: int, what: str, checked: bool = False) -> torch.Tensor:
         """Unpack ``n`` codes, checking that the section has exactly the bytes they need;
@@ -125,6 +143,18 @@ class ZstdCoder:
         out[0] = planes
         out[1:] = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
         return out.to(device)
+
+    def shares(self, section: torch.Tensor, n: int, ends: torch.Tensor) -> torch.Tensor:
+        """``section`` (``n`` codes in one frame, which no byte of splits by segment) shared in
+        proportion to what the fixed-length coder would spend on each segment's codes
+        (:func:`group_shares`): the codes decoded on the host, as this coder always is."""
+        if n == 0:
+            return torch.zeros(ends.numel(), dtype=torch.float64, device=section.device)
+        codes = self.decode(section, n, "codes")
+        g = -(-n // reference.GROUP)
+        padded = torch.cat([codes, codes.new_zeros(g * reference.GROUP - n)]).view(g, reference.GROUP)
+        fixed = group_shares(reference.bit_length(padded.amax(dim=1)), ends)
+        return fixed * (section.numel() / fixed.sum())
 
     def decode(self, section: torch.Tensor, n: int, what: str, checked: bool = False) -> torch.Tensor:
         """Decompress ``n`` codes; the frame must hold exactly ``planes * n`` bytes (read on the

@@ -28,12 +28,14 @@ from dataclasses import dataclass, field
 import torch
 
 from . import format as fmt
+from .backend import upload
 from .base import (
     NO_CONTEXT,
     Bound,
     Codec,
     CodecContext,
     block_bounds,
+    by_width,
     check_ids,
     check_input,
     check_out,
@@ -368,32 +370,15 @@ class PerBlockCodec(Codec):
         read already: nothing then waits for the device where its groups are the ones prepared."""
         codec = codec_for(payload, head)
         if not isinstance(codec, PerBlockCodec):  # one codec for every block (see encode)
-            if head is None:
-                return codec.decode(payload, ids, out=out)
-            single = isinstance(head.state, _Prepared) and len(head.state.carried) == 1
-            extra, state = head.state.split(head.extra)[0] if single else ([], None)
-            return codec.decode(payload, ids, out=out, head=fmt.HostHead(head.data, head.good, extra, state))
+            return codec.decode(payload, ids, out=out, head=_whole(head))
         header, sections = self._header(payload, head)
         check_out(out, header, payload.device)
         widths, nb = header.widths, len(header.widths)
-        first = 3 if header.info[0] & _DEVICE_LAYOUT else 1  # the sections before the group payloads
-        n_groups = len(sections) - first
-        if n_groups < 1 or sections[0].numel() != nb:
-            raise PayloadError(f"per_block payload: {len(sections)} sections for {nb} blocks")
-        group = list(_host(head, header, 0, sections[0]))
-        if first == 3:  # which blocks each group carries
-            if sections[1].numel() != n_groups * nb:
-                raise PayloadError(f"per_block payload: a carried map of {sections[1].numel()} for {n_groups} x {nb}")
-            carries = _host(head, header, 1, sections[1])
-            carried = [[k for k in range(nb) if carries[g * nb + k]] for g in range(n_groups)]
-        else:
-            carried = [[k for k in range(nb) if group[k] == g] for g in range(n_groups)]
-        if any(g >= n_groups or k not in carried[g] for k, g in enumerate(group)):
-            raise PayloadError(f"per_block payload: block groups {group} beyond its {n_groups} groups or not carried")
+        first, group, carried = _groups(header, sections, head)
         keys = check_ids(ids, header.rows, nb, "per_block decode")
         if out is None:
             out = torch.empty(header.rows, header.cols, dtype=header.dtype, device=payload.device)
-        heads = self._sub_heads(head, header, sections, carried) if first == 3 else [None] * n_groups
+        heads = self._sub_heads(head, header, sections, carried) if first == 3 else [None] * len(carried)
         starts = [sum(widths[:k]) for k in range(nb)]
         for g, (sub, members) in enumerate(zip(sections[first:], carried, strict=True)):
             sub_keys = None if keys is None else keys[:, members]
@@ -407,6 +392,26 @@ class PerBlockCodec(Codec):
                     out[:, starts[k] : starts[k] + widths[k]] = part[:, c : c + widths[k]]
                 c += widths[k]
         return out
+
+    def block_bytes(
+        self, payload: torch.Tensor, blocks: Sequence[int], head: fmt.HostHead | None = None
+    ) -> torch.Tensor:
+        """Each block's share of ``payload`` (:meth:`Codec.block_bytes`): of every group payload
+        that carries it, its share by the group's own codec; the rest (the group and carried
+        maps, the heads' copies, the header, padding) in proportion to the widths. ``head``: as
+        :meth:`decode`'s (then nothing is read)."""
+        codec = codec_for(payload, head)
+        if not isinstance(codec, PerBlockCodec):  # one codec for every block
+            return codec.block_bytes(payload, blocks, _whole(head))
+        header, sections = self._header(payload, head)
+        first, _, carried = _groups(header, sections, head)
+        heads = self._sub_heads(head, header, sections, carried) if first == 3 else [None] * len(carried)
+        device, widths = payload.device, header.widths
+        own = torch.zeros(len(widths), dtype=torch.float64, device=device)
+        for sub, members, sub_head in zip(sections[first:], carried, heads, strict=True):  # (a few options)
+            part = codec_for(sub, sub_head).block_bytes(sub, [widths[k] for k in members], sub_head)
+            own.index_add_(0, upload(torch.tensor(members, dtype=torch.int64), device), part)
+        return own + by_width(payload.numel() - own.sum(), widths, device)
 
     @staticmethod
     def _sub_heads(
@@ -448,6 +453,39 @@ class _Prepared:
         """Each group's values (read) and state."""
         ends = list(itertools.accumulate(self.sizes))
         return [(extra[e - n : e], st) for e, n, st in zip(ends, self.sizes, self.states, strict=True)]
+
+
+def _whole(head: fmt.HostHead | None) -> fmt.HostHead | None:
+    """The head of a payload that one codec wrote for every block (see :meth:`PerBlockCodec.encode`),
+    with the values prepared for it where its one group was the one prepared."""
+    if head is None:
+        return None
+    single = isinstance(head.state, _Prepared) and len(head.state.carried) == 1
+    extra, state = head.state.split(head.extra)[0] if single else ([], None)
+    return fmt.HostHead(head.data, head.good, extra, state)
+
+
+def _groups(
+    header: fmt.Header, sections: list[torch.Tensor], head: fmt.HostHead | None
+) -> tuple[int, list[int], list[list[int]]]:
+    """(the sections before the group payloads, each block's group, the blocks each group
+    carries) of a per_block payload, checked; read with its ``head`` where given."""
+    nb = len(header.widths)
+    first = 3 if header.info[0] & _DEVICE_LAYOUT else 1
+    n_groups = len(sections) - first
+    if n_groups < 1 or sections[0].numel() != nb:
+        raise PayloadError(f"per_block payload: {len(sections)} sections for {nb} blocks")
+    group = list(_host(head, header, 0, sections[0]))
+    if first == 3:  # which blocks each group carries
+        if sections[1].numel() != n_groups * nb:
+            raise PayloadError(f"per_block payload: a carried map of {sections[1].numel()} for {n_groups} x {nb}")
+        carries = _host(head, header, 1, sections[1])
+        carried = [[k for k in range(nb) if carries[g * nb + k]] for g in range(n_groups)]
+    else:
+        carried = [[k for k in range(nb) if group[k] == g] for g in range(n_groups)]
+    if any(g >= n_groups or k not in carried[g] for k, g in enumerate(group)):
+        raise PayloadError(f"per_block payload: block groups {group} beyond its {n_groups} groups or not carried")
+    return first, group, carried
 
 
 def _host(head: fmt.HostHead | None, header: fmt.Header, i: int, section: torch.Tensor) -> bytes:

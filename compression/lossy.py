@@ -7,6 +7,7 @@ word 0 = dedup mode | coder << 2, word 1 = fingerprint of the ids in id mode.
 
 from __future__ import annotations
 
+import itertools
 import os
 import struct
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ from .base import (
     Codec,
     CodecContext,
     block_bounds,
+    by_width,
     check_ids,
     check_input,
     check_out,
@@ -276,6 +278,35 @@ class LossyCodec(Codec):
         )
         sections: list[list[tuple[torch.Tensor, fmt.Length]]] = [[(counts, 8 * nb)], index, coded, exceptions]
         return fmt.pack_deferred(header, sections, x.device, info)
+
+    def block_bytes(
+        self, payload: torch.Tensor, blocks: Sequence[int], head: fmt.HostHead | None = None
+    ) -> torch.Tensor:
+        """Each block's share of ``payload`` (:meth:`Codec.block_bytes`): the coded groups that
+        start among its values (codes, and in value mode its rows' index), its exceptions, and
+        of the rest (header, dedup counts, padding) a part in proportion to its width; a zstd
+        frame split as the fixed-length coder would size each block's codes
+        (:meth:`~compression.coders.ZstdCoder.shares`). Read from the section lengths and the
+        dedup counts (in ``head`` where read already), then on the device, one op per step."""
+        header, sections = self._header(payload, head)
+        if len(sections) != 4:
+            raise PayloadError(f"lossy payload has {len(sections)} sections, expected 4")
+        counts_s, index_s, codes_s, exc_s = sections
+        rows, widths, nb, device = header.rows, header.widths, len(header.widths), payload.device
+        read = None if head is None else head.section(header, 0, 8 * nb)
+        if read is not None:
+            counts = list(struct.unpack(f"<{nb}q", read))
+        else:  # (a host read, where no head was read with the collective's)
+            counts = fmt.view_as(counts_s, torch.int64, "dedup counts").tolist()
+        values = [u * w for u, w in zip(counts, widths, strict=True)]
+        n = sum(values)
+        coder = self._coder(header.info[0] >> 2, _kernels(self.kernels, device))
+        ends = upload(torch.tensor(list(itertools.accumulate(values)), dtype=torch.int64), device)
+        own = coder.shares(codes_s, n, ends) + quantize.exception_shares(exc_s, header.dtype, n, ends)
+        if header.info[0] & 3 == dedup.VALUE:  # the index: each block's rows, one after another
+            rows_end = upload(torch.arange(1, nb + 1, dtype=torch.int64) * rows, device)
+            own = own + coder.shares(index_s, nb * rows, rows_end)
+        return own + by_width(payload.numel() - own.sum(), widths, device)
 
     def decoded(self, x: torch.Tensor, eb: torch.Tensor, blocks: Sequence[int], checked: bool = False) -> torch.Tensor:
         """What :meth:`decode` returns for :meth:`encode`'s payload of ``x`` under the per-block

@@ -115,3 +115,16 @@ def decode(
         out = out.to(dtype)
     out[pos] = raw
     return out
+
+
+def exception_shares(section: torch.Tensor, dtype: torch.dtype, n: int, ends: torch.Tensor) -> torch.Tensor:
+    """The bytes of an exception section (of ``n`` values in ``dtype``) that belong to each
+    segment of the values (segment ``b`` ends before value ``ends[b]``, int64 on the device):
+    each exception's position and raw value, in the segment of its position (float64, no loop)."""
+    pos_dtype, pos_size = (torch.int32, 4) if n < 2**31 else (torch.int64, 8)
+    item = pos_size + dtype.itemsize
+    k = section.numel() // item
+    pos = view_as(section[: k * pos_size], pos_dtype, "exceptions").long()
+    segment = torch.bucketize(pos, ends, right=True).clamp_(max=max(ends.numel() - 1, 0))
+    out = torch.zeros(ends.numel(), dtype=torch.float64, device=section.device)
+    return out.index_add_(0, segment, torch.full((k,), float(item), dtype=torch.float64, device=section.device))

@@ -27,6 +27,7 @@ nothing more.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -35,11 +36,13 @@ import torch
 
 from . import coders
 from . import format as fmt
+from .backend import upload
 from .base import (
     NO_CONTEXT,
     Bound,
     Codec,
     CodecContext,
+    by_width,
     check_input,
     check_out,
     codec_for,
@@ -427,6 +430,23 @@ class ThresholdCodec(Codec):
             mode, count, width = header.info[:3]
             return known_positions(sections[0], header.rows * header.cols, count, mode, width)
         return self._decode_positions(header, sections[0])
+
+    def block_bytes(
+        self, payload: torch.Tensor, blocks: Sequence[int], head: fmt.HostHead | None = None
+    ) -> torch.Tensor:
+        """Each block's share of ``payload`` (:meth:`Codec.block_bytes`): the positions and
+        values sections split by the entries each block keeps, the rest (header, padding) in
+        proportion to the widths. ``head``: as :meth:`positions`' (a device-coded payload's
+        positions then read nothing)."""
+        header, sections = self._header(payload, head)
+        idx = self.positions(payload, head)
+        device = payload.device
+        ends = upload(torch.tensor(list(itertools.accumulate(header.widths)), dtype=torch.int64), device)
+        block = torch.bucketize(idx % max(header.cols, 1), ends, right=True).clamp_(max=max(len(header.widths) - 1, 0))
+        kept = torch.zeros(len(header.widths), dtype=torch.float64, device=device)
+        kept.index_add_(0, block, torch.ones(idx.numel(), dtype=torch.float64, device=device))
+        own = kept * (sum(t.numel() for t in sections) / max(idx.numel(), 1))
+        return own + by_width(payload.numel() - own.sum(), header.widths, device)
 
     def _decode_positions(self, header: fmt.Header, section: torch.Tensor) -> torch.Tensor:
         n, count, mode = header.rows * header.cols, header.info[1], header.info[0]

@@ -211,6 +211,12 @@ class DirectionCodec:
         n = rows * cols * dtype.itemsize
         return fmt.head_bytes(1, 1) + n + (-n % 8)
 
+    def stored_first(self, shape: tuple[int, int], dtype: torch.dtype, widths: Sequence[int]) -> bool:
+        """Whether a chunk travels stored, known before it is encoded: its payload's size is the
+        host's up front (a cast's) and no smaller than its stored form's (then it is not encoded)."""
+        known = self.codec.known_size(shape, dtype, list(widths))
+        return known is not None and known >= self.stored_size(shape, dtype)
+
     def store(self, chunk: torch.Tensor) -> torch.Tensor:
         """The stored payload of ``chunk`` (the rows exactly as the peer is to decode them)."""
         return self.exact.encode(chunk.contiguous(), blocks=[chunk.shape[1]])
@@ -249,7 +255,7 @@ class DirectionCodec:
 
     def passthrough(self, features: Sequence[str]) -> bool:
         """compression=auto: every feature of a collective chose ``none``, so it travels as
-        TorchRec's all-to-all does (the raw rows; comm_ops._send_raw)."""
+        TorchRec's all-to-all does (the raw rows; send.send_raw)."""
         return (
             isinstance(self.codec, PerBlockCodec)
             and bool(self.choice)
@@ -316,6 +322,19 @@ class DirectionCodec:
         one read (:func:`dlrm_compression.format.read_heads`): the device values to read with its
         head and the state that goes with them; else None (it reads for itself)."""
         return self.codec.prepare_decode(payload, ids if self.dedup else None, self._context(features))
+
+    def prepared(
+        self, payload: torch.Tensor, ids: torch.Tensor | None, features: Sequence[str]
+    ) -> tuple[int, torch.Tensor | None, Any] | None:
+        """:meth:`prepare_decode` with the bytes of the payload's head to read with it, as a
+        stage's ``prepare_decode`` gives them; None where the codec reads for itself."""
+        codec = self.prepare_decode(payload, ids, features)
+        return None if codec is None else (self.head_size(len(features)), *codec)
+
+    def block_bytes(self, payload: torch.Tensor, widths: Sequence[int], head: HostHead | None = None) -> torch.Tensor:
+        """Each block's share of one of this direction's payloads, summing to its length
+        (:meth:`dlrm_compression.base.Codec.block_bytes`); ``head``: read already."""
+        return self.codec.block_bytes(payload, list(widths), head)
 
     def checks_in_decode(self, device: torch.device) -> bool:
         """Whether its payloads are decoded with no head read first, their verdicts read after

@@ -18,7 +18,7 @@ import torch
 from dlrm.embedding_comm.bounds import Bounds
 from dlrm.embedding_comm.codec import DirectionCodec
 from dlrm.embedding_comm.stats import CommStats
-from dlrm_compression.format import Deferred, HostHead
+from dlrm_compression.format import Deferred, HostHead, read_heads
 
 
 class Blocks(NamedTuple):
@@ -92,6 +92,18 @@ class Incoming:
     stored: bool = False  # the rows as they are (DirectionCodec.stored_size): no coder's payload
 
 
+Prepared = tuple[int, torch.Tensor | None, Any]  # a payload's head bytes, device values read with it, state
+
+
+def read_prepared(payloads: list[torch.Tensor], prepared: list[Prepared]) -> list[HostHead]:
+    """Every payload's head with its prepared device values (a stage's or the codec's
+    ``prepare_decode``), in one host synchronisation for all."""
+    heads = read_heads(payloads, [p[1] for p in prepared], [p[0] for p in prepared]) if prepared else []
+    for p, head in zip(prepared, heads, strict=True):
+        head.state = p[2]
+    return heads
+
+
 class Stage:
     """A feature's hooks on a chunk's trip, in the order the transport calls them."""
 
@@ -130,7 +142,7 @@ class Stage:
         :meth:`prepare_decode` may prepare it)."""
         return False
 
-    def prepare_decode(self, r: Incoming) -> tuple[int, torch.Tensor, Any] | None:
+    def prepare_decode(self, r: Incoming) -> Prepared | None:
         """Where this stage decodes ``r`` and can read all it needs with the collective's one
         read: (bytes of the payload's head, int64 device values, state), which :meth:`decode`
         then finds in ``r.head`` (``data``, ``good``, ``extra``, ``state``); None: not so."""

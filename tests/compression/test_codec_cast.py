@@ -99,3 +99,13 @@ def test_relative_to_absolute_uses_each_blocks_finite_range():
     assert eb[1] == pytest.approx(0.01 * 20.0)
     assert compression.relative_to_absolute(torch.zeros(0, 3), 0.1).tolist() == [0.0]
     assert math.isclose(compression.relative_to_absolute(x, 0.5)[0], 0.5 * 20.0)
+
+
+@pytest.mark.parametrize("backend", ["host", "device"])
+@pytest.mark.parametrize("name", sorted(CASTS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_casts_known_size_is_its_payloads_length(backend, name, dtype):
+    codec = compression.get_codec(name, backend=backend)
+    for rows, blocks in [(1, [1]), (3, [2, 5]), (7, [4, 4, 3]), (64, [16] * 13)]:
+        x = torch.randn(rows, sum(blocks)).to(dtype)
+        assert codec.known_size((rows, sum(blocks)), dtype, blocks) == codec.encode(x, blocks=blocks).numel()

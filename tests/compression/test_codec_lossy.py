@@ -345,3 +345,25 @@ def test_a_forged_check_on_the_device_path_cannot_read_past_the_payload():
     with pytest.raises(PayloadError, match="widths say"):
         codec.decode(forged, ids)
     assert y.shape == x.shape
+
+
+@pytest.mark.parametrize("kw", [dict(entropy=False), dict(entropy=True), dict(entropy=False, backend="device")])
+def test_each_blocks_bytes_are_read_from_the_payloads_sections(kw):
+    # a constant block, a narrow-range one and a wide-range one: their shares of one payload
+    # follow what each costs encoded alone (an independent figure), and add up to the payload
+    g = torch.Generator().manual_seed(0)
+    rows, blocks = 256, [16, 16, 32]
+    x = torch.cat(
+        [torch.zeros(rows, 16), torch.randn(rows, 16, generator=g) * 0.01, torch.randn(rows, 32, generator=g)], 1
+    )
+    codec = compression.get_codec("lossy", **kw)
+    payload = codec.encode(x, [1e-3] * 3, blocks=blocks)
+    shares = codec.block_bytes(payload, blocks).tolist()
+    assert sum(shares) == pytest.approx(payload.numel(), abs=1e-6)
+    solo = [
+        codec.encode(x[:, a : a + w].contiguous(), 1e-3, blocks=[w]).numel() for a, w in [(0, 16), (16, 16), (32, 32)]
+    ]
+    assert shares[0] < 0.01 * payload.numel()  # by width it would be a quarter
+    slack = 0.4 if kw["entropy"] else 0.15  # a zstd frame is split as the fixed coder would size each block
+    for share, alone in zip(shares[1:], solo[1:], strict=True):
+        assert abs(share - alone) < slack * alone, (shares, solo)

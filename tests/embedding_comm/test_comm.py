@@ -410,8 +410,9 @@ class IdsSpy:
     """Records, per payload sent, (iteration, direction, whether the codec got ids)."""
 
     def __init__(self) -> None:
+        from wire_tap import tap
+
         from dlrm.embedding_comm.codec import DirectionCodec
-        from dlrm.process import instrument
 
         self.seen: list[tuple[int, str, bool]] = []
         self.last = False
@@ -429,7 +430,7 @@ class IdsSpy:
             return payload
 
         DirectionCodec.encode, DirectionCodec.encode_deferred = spy(encode), spy(deferred)  # this rank process only
-        instrument.set_payload_hook(hook)
+        tap(hook)
 
 
 def _lossy_abs(rank: int, ws: int) -> dict:
@@ -843,12 +844,12 @@ def corrupt_rank0_to_rank1(
 def _fault(rank: int, ws: int) -> str:
     from datetime import timedelta
 
-    from dlrm.process.instrument import set_payload_hook
+    from wire_tap import tap
 
     # a process group with a timeout, so a rank waiting for a failed peer cannot wait forever
     pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=30))
     model = build(ours(LOSSY), "tw", ws, full_weights(8), pg=pg)
-    set_payload_hook(corrupt_rank0_to_rank1)
+    tap(corrupt_rank0_to_rank1)
     try:
         run_steps(model, rank, [8, 8], 3)
     except Exception as e:

@@ -152,11 +152,11 @@ def test_the_row_cache_on_the_device_path_gives_the_host_paths_numbers_with_one_
 def _fault(rank: int, ws: int, spec: dict = DEVICE_LOSSY) -> str:
     from datetime import timedelta
 
-    from dlrm.process.instrument import set_payload_hook
+    from wire_tap import tap
 
     pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=30))
     model = tc.build(tc.ours({**spec, "backend": "device"}), "tw", ws, tc.full_weights(8), pg=pg)
-    set_payload_hook(tc.corrupt_rank0_to_rank1)
+    tap(tc.corrupt_rank0_to_rank1)
     try:
         tc.run_steps(model, rank, [8, 8], 3)
     except Exception as e:

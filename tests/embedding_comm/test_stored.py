@@ -91,12 +91,11 @@ def _fault(rank: int, ws: int, backend: str) -> str:
     from datetime import timedelta
 
     import torch.distributed as dist
-
-    from dlrm.process.instrument import set_payload_hook
+    from wire_tap import tap
 
     pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=30))
     model = tc.build(tc.ours({**TINY, "backend": backend}), "tw", ws, tc.full_weights(8), pg=pg)
-    set_payload_hook(tc.corrupt_rank0_to_rank1)  # one byte flipped in the rows of a stored chunk
+    tap(tc.corrupt_rank0_to_rank1)  # one byte flipped in the rows of a stored chunk
     try:
         tc.run_steps(model, rank, [8, 8], 3)
     except Exception as e:
