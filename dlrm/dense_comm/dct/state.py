@@ -147,7 +147,7 @@ class DCTState:
     def aggregation(self, numels: list[int], ws: int) -> str:
         """How a bucket of parameters of ``numels`` entries is summed over ``ws`` ranks:
         ``dense_comm.aggregation``, or with ``auto`` the one that sends fewer bytes per rank
-        (:func:`~compression.cost_model.cheaper_aggregation`) for ``keep`` x entries, each a value
+        (:func:`~dlrm.performance.network.cheaper_aggregation`) for ``keep`` x entries, each a value
         and about a byte of position, in payloads with this bucket's header. A bucket without a
         parameter of ``ws`` entries or more, whose pieces would leave a rank's segment empty, is
         all-gathered."""
