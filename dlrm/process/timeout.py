@@ -24,6 +24,8 @@ import torch.distributed as dist
 
 # gloo's words for it: the waiting op's own, or the pair's once a timeout closed it (DDP's all-reduce)
 GLOO_TIMEOUT = re.compile(r"Timed out waiting \d+ms for (send|recv) operation|Application timeout caused pair closure")
+# a peer whose own timeout fired first closes its pairs: the others see it as a closed connection
+PEER_CLOSED = re.compile(r"Connection closed by peer|Connection reset by peer")
 ROLL_CALL_S = 5.0  # how long a timed-out rank waits for the other survivors to report in
 
 
@@ -81,8 +83,9 @@ def _ask_store(rc: _RollCall, collective: str, wait_s: float) -> list[int] | Non
         return None
 
 
-def describe(collective: str, error: BaseException) -> str:
-    """The message of a timed-out ``collective``: this rank, the timeout, the silent ranks, gloo's words."""
+def describe(collective: str, error: BaseException, closed: bool = False) -> str:
+    """The message of a timed-out ``collective``: this rank, the timeout, the silent ranks, gloo's words
+    (``closed``: a peer closed its connection before this rank's own timeout fired)."""
     rc = _roll_call
     if rc is None:
         return f"{collective} timed out waiting for a peer ({error})"
@@ -95,8 +98,11 @@ def describe(collective: str, error: BaseException) -> str:
         who = f"rank(s) {silent} did not answer a roll call within {ROLL_CALL_S:g} s more (stalled, stopped or cut off)"
     else:
         who = "every rank answered a roll call afterwards (a slow peer, or collectives issued in different orders)"
+    what = "timed out after"
+    if closed:
+        what = "failed when a peer closed its connection (its own timeout, or its death) within"
     return (
-        f"rank {rc.rank} of {rc.world_size}: {collective} timed out after comm_timeout_s={rc.timeout_s:g} s; "
+        f"rank {rc.rank} of {rc.world_size}: {collective} {what} comm_timeout_s={rc.timeout_s:g} s; "
         f"{who}. gloo: {error}"
     )
 
@@ -110,6 +116,7 @@ def named_collective(name: str | Callable[[], str]) -> Iterator[None]:
     except CollectiveTimeout:
         raise
     except RuntimeError as e:
-        if not GLOO_TIMEOUT.search(str(e)):
+        closed = PEER_CLOSED.search(str(e)) is not None
+        if not (closed or GLOO_TIMEOUT.search(str(e))):
             raise
-        raise CollectiveTimeout(describe(name() if callable(name) else name, e)) from e
+        raise CollectiveTimeout(describe(name() if callable(name) else name, e, closed)) from e
