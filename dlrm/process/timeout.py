@@ -6,8 +6,9 @@ complete" or "Application timeout caused pair closure": neither the collective n
 that issues collectives wraps them in :func:`named_collective`, which re-raises that error as
 :class:`CollectiveTimeout` naming the collective, this rank, and the ranks that did not answer a
 roll call in the process group's store (under torchrun the store lives in the agent, so a stalled
-rank cannot hold it up). The innermost name wins. A rank that dies outright is not a timeout:
-gloo reports the closed connection at once (and torchrun restarts the job, if allowed).
+rank cannot hold it up). The innermost name wins. A connection a peer closed or reset (the peer
+died, or its own timeout fired first and closed the pair) raises :class:`PeerLost`, named the same
+way; torchrun restarts the job where allowed.
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ ROLL_CALL_S = 5.0  # how long a timed-out rank waits for the other survivors to 
 
 class CollectiveTimeout(RuntimeError):
     """A collective waited ``comm_timeout_s`` for a peer; the message names it and the silent ranks."""
+
+
+class PeerLost(RuntimeError):
+    """A peer closed or reset its connection during a collective; the message names it and the ranks
+    that did not answer the roll call."""
 
 
 @dataclass(frozen=True)
@@ -88,7 +94,7 @@ def describe(collective: str, error: BaseException, closed: bool = False) -> str
     (``closed``: a peer closed its connection before this rank's own timeout fired)."""
     rc = _roll_call
     if rc is None:
-        return f"{collective} timed out waiting for a peer ({error})"
+        return f"{collective} {'lost a peer' if closed else 'timed out waiting for a peer'} ({error})"
     silent = silent_ranks(rc, collective)
     if silent is None:
         who = (
@@ -100,7 +106,7 @@ def describe(collective: str, error: BaseException, closed: bool = False) -> str
         who = "every rank answered a roll call afterwards (a slow peer, or collectives issued in different orders)"
     what = "timed out after"
     if closed:
-        what = "failed when a peer closed its connection (its own timeout, or its death) within"
+        what = "lost a peer's connection (closed by its own timeout, or its death) within"
     return (
         f"rank {rc.rank} of {rc.world_size}: {collective} {what} comm_timeout_s={rc.timeout_s:g} s; "
         f"{who}. gloo: {error}"
@@ -110,13 +116,15 @@ def describe(collective: str, error: BaseException, closed: bool = False) -> str
 @contextmanager
 def named_collective(name: str | Callable[[], str]) -> Iterator[None]:
     """Collectives issued inside that time out raise :class:`CollectiveTimeout` naming ``name``
-    (a string, or a function giving it at the time of the failure)."""
+    (a string, or a function giving it at the time of the failure), and :class:`PeerLost` where a
+    peer closed the connection."""
     try:
         yield
-    except CollectiveTimeout:
+    except (CollectiveTimeout, PeerLost):
         raise
     except RuntimeError as e:
         closed = PEER_CLOSED.search(str(e)) is not None
         if not (closed or GLOO_TIMEOUT.search(str(e))):
             raise
-        raise CollectiveTimeout(describe(name() if callable(name) else name, e, closed)) from e
+        kind = PeerLost if closed else CollectiveTimeout
+        raise kind(describe(name() if callable(name) else name, e, closed)) from e

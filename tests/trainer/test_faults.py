@@ -18,7 +18,7 @@ from run_artifacts import checkpoint_items, data_files, raw_losses
 from trainer_runs import launch, losses, train, worker_pids
 
 from dlrm.bench.netns import Namespace, NetnsError
-from dlrm.process.timeout import ROLL_CALL_S, CollectiveTimeout, named_collective
+from dlrm.process.timeout import ROLL_CALL_S, CollectiveTimeout, PeerLost, named_collective
 
 NETEM = ("netem", "loss", "1%", "delay", "5ms")
 
@@ -41,9 +41,13 @@ def test_only_timeouts_are_renamed_and_the_innermost_name_wins():
     with pytest.raises(CollectiveTimeout) as timeout, outer, inner:
         raise RuntimeError(gloo)
     assert str(timeout.value) == f"the inner all-to-all timed out waiting for a peer ({gloo})"
+    with pytest.raises(PeerLost) as lost, named_collective("the inner all-to-all"):
+        raise RuntimeError("Connection reset by peer")  # a dead peer: named, but not a timeout
+    assert str(lost.value) == "the inner all-to-all lost a peer (Connection reset by peer)"
+    assert not isinstance(lost.value, CollectiveTimeout)
     with pytest.raises(RuntimeError) as other, named_collective("the inner all-to-all"):
-        raise RuntimeError("Connection reset by peer")  # a dead peer: not a timeout
-    assert type(other.value) is RuntimeError and str(other.value) == "Connection reset by peer"
+        raise RuntimeError("CUDA error: out of memory")  # not the network's: passes through untouched
+    assert type(other.value) is RuntimeError and str(other.value) == "CUDA error: out of memory"
 
 
 @pytest.mark.timeout(180)
@@ -80,11 +84,13 @@ def test_a_stalled_rank_makes_the_others_fail_naming_the_collective_and_the_rank
     assert timeout_s - 1 < waited < timeout_s + ROLL_CALL_S + 20, (waited, stderr[-3000:])
     assert agent.returncode != 0
     # (or, where rank 2 entered its wait first, its timeout closed the pair rank 0 was waiting on)
-    ended = r"(?:timed out after|failed when a peer closed its connection .*? within)"
-    message = rf"CollectiveTimeout: rank 0 of 3: (.*?) {ended} comm_timeout_s=10 s; (.*?)\. gloo"
+    timed_out = r"CollectiveTimeout: rank 0 of 3: (.*?) timed out after"
+    lost = r"PeerLost: rank 0 of 3: (.*?) lost a peer's .*? within"
+    message = rf"(?:{timed_out}|{lost}) comm_timeout_s=10 s; (.*?)\. gloo"
     found = re.search(message, stderr)
     assert found, stderr[-6000:]
-    collective, who = found.groups()
+    timed_out, lost, who = found.groups()
+    collective = timed_out or lost
     # which one depends on where rank 1 stopped: each names its kind and the iteration
     assert re.search(r"all-to-all|all-reduce|all-gather", collective) and re.search(r"iteration \d+", collective)
     assert who.startswith("rank(s) [1] did not answer"), who  # rank 2 answered: it waited on rank 1 too
