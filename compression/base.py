@@ -82,6 +82,16 @@ class CodecContext:
 NO_CONTEXT = CodecContext()
 
 
+@dataclass
+class Unpacked:
+    """A payload as :meth:`Codec.decode` hands it to its codec: unpacked, written by that codec."""
+
+    header: fmt.Header
+    sections: list[torch.Tensor]  # views of the payload
+    head: fmt.HostHead | None  # its head and prepare_decode's values, read already (None: read as needed)
+    device: torch.device
+
+
 class Codec(ABC):
     """tensor [rows, cols] -> self-describing uint8 payload -> tensor.
 
@@ -94,11 +104,20 @@ class Codec(ABC):
     and :meth:`prepare_decode` (what its decoder reads on the host, with every payload of the
     collective at once) and :meth:`decode` with that ``head``; each takes a
     :class:`CodecContext`.
+
+    :meth:`encode`, :meth:`encode_deferred` and :meth:`decode` are this class's, so that every
+    codec takes the same arguments and rejects bad ones alike: they check the input, its block
+    widths and ids, or the payload's header, writer and ``out``, then call the codec's hooks
+    :meth:`_encode`, :meth:`_encode_deferred` and :meth:`_decode`.
     """
 
     name: ClassVar[str]
     codec_id: ClassVar[int]
     bounded: ClassVar[bool] = False
+    # Whether ``eb`` and ``ids`` are per block: they split the columns where ``blocks`` is not
+    # given, and encode checks them. False for a codec that takes one bound for all its values
+    # and no ids (threshold).
+    per_block_args: ClassVar[bool] = True
     backend_choice: str = "auto"  # where its stages run (with_backend); a codec's own, not shared
 
     def with_backend(self, choice: str) -> Codec:
@@ -113,7 +132,6 @@ class Codec(ABC):
         """The backend of this codec's stages on ``device``, chosen once per call from the device."""
         return backend_for(device, self.backend_choice)
 
-    @abstractmethod
     def encode(
         self,
         x: torch.Tensor,
@@ -124,8 +142,9 @@ class Codec(ABC):
         context: CodecContext = NO_CONTEXT,
     ) -> torch.Tensor:
         """Compress ``x`` into one payload (see the package docstring for ``eb``/``ids``/``blocks``)."""
+        widths, keys = self._checked(x, eb, ids, blocks)
+        return self._encode(x, widths, eb, keys, context)
 
-    @abstractmethod
     def decode(
         self,
         payload: torch.Tensor,
@@ -143,6 +162,53 @@ class Codec(ABC):
         ``head``: the payload's head and :meth:`prepare_decode`'s values, read already
         (:func:`compression.format.read_heads`), so that the decode need not wait for the device.
         """
+        writer, head = self._writer(payload, head)
+        if writer is not self:
+            return writer.decode(payload, ids, out=out, head=head)
+        header, sections = self._header(payload, head)
+        check_out(out, header, payload.device)
+        return self._decode(Unpacked(header, sections, head, payload.device), ids, out, context)
+
+    # -- what each codec implements -------------------------------------------------------------
+
+    @abstractmethod
+    def _encode(
+        self, x: torch.Tensor, widths: list[int], eb: Bound | None, ids: torch.Tensor | None, context: CodecContext
+    ) -> torch.Tensor:
+        """:meth:`encode` of ``x`` checked, in blocks of ``widths``; ``eb`` as given (a bounded
+        codec resolves it, an unbounded one's was checked); ``ids`` checked, as int64
+        [rows, n_blocks] (None for a codec that takes none)."""
+
+    def _encode_deferred(
+        self, x: torch.Tensor, widths: list[int], eb: Bound | None, ids: torch.Tensor | None, context: CodecContext
+    ) -> torch.Tensor | fmt.Deferred | None:
+        """:meth:`encode_deferred`'s payload where this codec builds it on ``x``'s device as
+        :meth:`_encode` is given it; None: this call takes :meth:`_encode`'s path (default)."""
+        return None
+
+    @abstractmethod
+    def _decode(
+        self, payload: Unpacked, ids: torch.Tensor | None, out: torch.Tensor | None, context: CodecContext
+    ) -> torch.Tensor:
+        """:meth:`decode` of a payload this codec wrote, unpacked (``out`` checked already)."""
+
+    def _writer(self, payload: torch.Tensor, head: fmt.HostHead | None) -> tuple[Codec, fmt.HostHead | None]:
+        """The codec that decodes ``payload`` and the head it takes: this one; a codec whose
+        payloads may be another's overrides it."""
+        return self, head
+
+    def _checked(
+        self, x: torch.Tensor, eb: Bound | None, ids: torch.Tensor | None, blocks: Sequence[int] | None
+    ) -> tuple[list[int], torch.Tensor | None]:
+        """Every encode's prologue: ``x`` checked, the block widths, ``eb`` checked where this
+        codec ignores it, and the ids checked as int64 [rows, n_blocks]."""
+        check_input(x)
+        if not self.per_block_args:
+            return resolve_blocks(x.shape[1], None, None, blocks), None
+        widths = resolve_blocks(x.shape[1], eb, ids, blocks)
+        if not self.bounded:
+            resolve_bounds(eb, widths, required=False)  # malformed bounds are rejected even though unused
+        return widths, check_ids(ids, x.shape[0], len(widths), f"codec {self.name!r} encode")
 
     # -- the transport's protocol (defaults: read on the host as needed) ------------------------
 
@@ -171,8 +237,12 @@ class Codec(ABC):
     ) -> torch.Tensor | fmt.Deferred:
         """:meth:`encode`, with the payload's length left on the device where the codec can
         (:class:`compression.format.Deferred`, read with every length of the collective at once).
-        Default: :meth:`encode`, after reading whether the ids hold."""
-        return self.encode(x, eb, held_ids(ids, context.single), blocks=blocks, context=context)
+        Elsewhere :meth:`encode`'s payload, after reading whether the ids hold (``context.single``)."""
+        widths, keys = self._checked(x, eb, ids, blocks)
+        deferred = self._encode_deferred(x, widths, eb, keys, context)
+        return (
+            deferred if deferred is not None else self._encode(x, widths, eb, held_ids(keys, context.single), context)
+        )
 
     def checks_in_decode(self, device: torch.device) -> bool:
         """Whether the decoder needs nothing from the host (the header its receiver expects is
@@ -344,7 +414,7 @@ def held_ids(ids: torch.Tensor | None, single: torch.Tensor | None) -> torch.Ten
     """``ids`` where they hold, as ``single`` says (a 0-d bool on the device, read here: a host
     wait, for the paths that cannot choose between ids and rows on the device); no ``single``:
     they do."""
-    return ids if single is None or bool(single) else None
+    return ids if ids is None or single is None or bool(single) else None  # (no ids: nothing to read)
 
 
 @overload

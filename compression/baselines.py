@@ -9,25 +9,12 @@ zero-padded to a whole number of chunks. fbgemm is imported on first use only.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
 
 from . import format as fmt
-from .base import (
-    NO_CONTEXT,
-    Bound,
-    Codec,
-    CodecContext,
-    check_ids,
-    check_input,
-    check_out,
-    into,
-    register,
-    resolve_blocks,
-    resolve_bounds,
-)
+from .base import Bound, Codec, CodecContext, Unpacked, into, register
 
 # fbgemm_gpu.quantize_comm constants (TorchRec's defaults).
 HFP8_EBITS, HFP8_MBITS, HFP8_BIAS = 4, 3, 15
@@ -62,20 +49,10 @@ class FbgemmCodec(Codec):
     def _wire_bytes(self, n_padded: int, chunk: int) -> int:
         raise NotImplementedError
 
-    def encode(
-        self,
-        x: torch.Tensor,
-        eb: Bound | None = None,
-        ids: torch.Tensor | None = None,
-        *,
-        blocks: Sequence[int] | None = None,
-        context: CodecContext = NO_CONTEXT,
+    def _encode(
+        self, x: torch.Tensor, widths: list[int], eb: Bound | None, ids: torch.Tensor | None, context: CodecContext
     ) -> torch.Tensor:
         """Quantise ``x`` as TorchRec's qcomms would; ``eb`` and ``ids`` are ignored."""
-        check_input(x)
-        widths = resolve_blocks(x.shape[1], eb, ids, blocks)
-        resolve_bounds(eb, widths, required=False)
-        check_ids(ids, x.shape[0], len(widths), f"codec {self.name!r} encode")
         _fbgemm()
         flat = x.float().reshape(-1)
         pad = -flat.numel() % self.chunk
@@ -97,19 +74,11 @@ class FbgemmCodec(Codec):
         """Bytes a decoder needs on the host: the header."""
         return fmt.head_bytes(n_blocks, 1)
 
-    def decode(
-        self,
-        payload: torch.Tensor,
-        ids: torch.Tensor | None = None,
-        *,
-        out: torch.Tensor | None = None,
-        head: fmt.HostHead | None = None,
-        context: CodecContext = NO_CONTEXT,
+    def _decode(
+        self, payload: Unpacked, ids: torch.Tensor | None, out: torch.Tensor | None, context: CodecContext
     ) -> torch.Tensor:
-        """Dequantise back to the input's shape and dtype. ``head``: the payload's head, read
-        already (nothing then waits for the device)."""
-        header, (section,) = self._header(payload, head)
-        check_out(out, header, payload.device)
+        """Dequantise back to the input's shape and dtype."""
+        header, (section,) = payload.header, payload.sections
         chunk = header.info[0]
         if chunk < 1:
             raise fmt.PayloadError(f"{self.name}: chunk size {chunk} in header")
@@ -157,21 +126,15 @@ class Fp8Codec(FbgemmCodec):
         super().__init__(row_dim if rowwise else 1)
         self.rowwise = rowwise
 
-    def encode(
-        self,
-        x: torch.Tensor,
-        eb: Bound | None = None,
-        ids: torch.Tensor | None = None,
-        *,
-        blocks: Sequence[int] | None = None,
-        context: CodecContext = NO_CONTEXT,
+    def _encode(
+        self, x: torch.Tensor, widths: list[int], eb: Bound | None, ids: torch.Tensor | None, context: CodecContext
     ) -> torch.Tensor:
         """As TorchRec; row-wise FP8 raises NotImplementedError off CUDA (fbgemm has no CPU kernel)."""
         if self.rowwise and x.device.type != "cuda":
             raise NotImplementedError(
                 "fp8 rowwise=True needs CUDA: fbgemm 1.8 raises 'fp8 is not supported by CPU'; use rowwise=False (HFP8)"
             )
-        return super().encode(x, eb, ids, blocks=blocks, context=context)
+        return super()._encode(x, widths, eb, ids, context)
 
     def _quantize(self, flat: torch.Tensor, chunk: int) -> torch.Tensor:
         if chunk > 1:

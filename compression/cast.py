@@ -9,18 +9,7 @@ import torch
 
 from . import format as fmt
 from . import ops
-from .base import (
-    NO_CONTEXT,
-    Bound,
-    Codec,
-    CodecContext,
-    check_ids,
-    check_input,
-    check_out,
-    register,
-    resolve_blocks,
-    resolve_bounds,
-)
+from .base import NO_CONTEXT, Bound, Codec, CodecContext, Unpacked, register
 
 
 class CastCodec(Codec):
@@ -28,20 +17,10 @@ class CastCodec(Codec):
 
     wire_dtype: ClassVar[torch.dtype | None]  # None: keep the input dtype (lossless)
 
-    def encode(
-        self,
-        x: torch.Tensor,
-        eb: Bound | None = None,
-        ids: torch.Tensor | None = None,
-        *,
-        blocks: Sequence[int] | None = None,
-        context: CodecContext = NO_CONTEXT,
+    def _encode(
+        self, x: torch.Tensor, widths: list[int], eb: Bound | None, ids: torch.Tensor | None, context: CodecContext
     ) -> torch.Tensor:
         """Cast and wrap ``x``; one section holding the cast values."""
-        check_input(x)
-        widths = resolve_blocks(x.shape[1], eb, ids, blocks)
-        resolve_bounds(eb, widths, required=False)  # reject malformed bounds even though unused
-        check_ids(ids, x.shape[0], len(widths), f"codec {self.name!r} encode")
         backend = self.backend_for(x.device)
         if not backend.reads_sizes and self._fused(x.dtype):  # one op: values, header and check
             return ops.cast_pack(x, self._head(x.shape, x.dtype, widths, x.device), _WIRE[self.wire_dtype])
@@ -94,19 +73,11 @@ class CastCodec(Codec):
         """On the device backend the header alone, read with the collective's (nothing else)."""
         return None if self.backend_for(payload.device).reads_sizes else (None, None)
 
-    def decode(
-        self,
-        payload: torch.Tensor,
-        ids: torch.Tensor | None = None,
-        *,
-        out: torch.Tensor | None = None,
-        head: fmt.HostHead | None = None,
-        context: CodecContext = NO_CONTEXT,
+    def _decode(
+        self, payload: Unpacked, ids: torch.Tensor | None, out: torch.Tensor | None, context: CodecContext
     ) -> torch.Tensor:
-        """Undo the cast; the result never aliases ``payload``. ``head``: the payload's head,
-        read already (nothing then waits for the device)."""
-        header, (section,) = self._header(payload, head)
-        check_out(out, header, payload.device)
+        """Undo the cast; the result never aliases the payload."""
+        header, (section,) = payload.header, payload.sections
         wire_dtype = header.dtype if self.wire_dtype is None else self.wire_dtype
         values = fmt.view_as(section, wire_dtype, "cast values")
         if values.numel() != header.rows * header.cols:

@@ -34,16 +34,13 @@ from .base import (
     Bound,
     Codec,
     CodecContext,
+    Unpacked,
     block_bounds,
     by_width,
     check_ids,
-    check_input,
-    check_out,
     codec_for,
     get_codec,
-    held_ids,
     register,
-    resolve_blocks,
     resolve_bounds,
 )
 from .format import PayloadError
@@ -168,34 +165,22 @@ class PerBlockCodec(Codec):
         cols = torch.cat([torch.arange(starts[k], starts[k] + widths[k]) for k in members])
         return x.index_select(1, cols.to(x.device, non_blocking=True))
 
-    def encode(
-        self,
-        x: torch.Tensor,
-        eb: Bound | None = None,
-        ids: torch.Tensor | None = None,
-        *,
-        blocks: Sequence[int] | None = None,
-        choice: Sequence[str | None] | None = None,
-        context: CodecContext = NO_CONTEXT,
+    def _encode(
+        self, x: torch.Tensor, widths: list[int], eb: Bound | None, ids: torch.Tensor | None, context: CodecContext
     ) -> torch.Tensor:
-        """Encode each block with ``choice[k]`` (else ``context.choice``'s; None or neither: the
-        fallback)."""
-        choice = choice if choice is not None else context.choice
-        check_input(x)
+        """Encode each block with ``context.choice[k]`` (None, or no choice: the fallback)."""
         rows, cols = x.shape
-        widths = resolve_blocks(cols, eb, ids, blocks)
         bounds = resolve_bounds(eb, widths, required=True)
-        keys = check_ids(ids, rows, len(widths), "per_block encode")
-        choice = self._checked_choice(choice, len(widths))
+        choice = self._checked_choice(context.choice, len(widths))
         used = self.effective(x, widths, bounds, choice)
         names = sorted(set(used), key=used.index)  # groups in first-use order
         if len(names) == 1:
-            return self.options[names[0]].encode(x, bounds, keys, blocks=widths)
+            return self.options[names[0]].encode(x, bounds, ids, blocks=widths)
         sections = [torch.tensor([names.index(u) for u in used], dtype=torch.uint8)]
         for name in names:
             members = [k for k, u in enumerate(used) if u == name]
             sub = self._columns(x, widths, members)
-            sub_ids = keys if keys is None or len(members) == len(widths) else keys[:, members]
+            sub_ids = ids if ids is None or len(members) == len(widths) else ids[:, members]
             sections.append(
                 self.options[name].encode(
                     sub, [bounds[k] for k in members], sub_ids, blocks=[widths[k] for k in members]
@@ -204,21 +189,14 @@ class PerBlockCodec(Codec):
         header = fmt.Header(self.codec_id, x.dtype, rows, cols, widths, bounds)
         return fmt.pack(header, sections, device=x.device, backend=self.backend_for(x.device))
 
-    def encode_deferred(
-        self,
-        x: torch.Tensor,
-        eb: Bound | None = None,
-        ids: torch.Tensor | None = None,
-        *,
-        blocks: Sequence[int] | None = None,
-        choice: Sequence[str | None] | None = None,
-        context: CodecContext = NO_CONTEXT,
-    ) -> torch.Tensor | fmt.Deferred:
-        """:meth:`encode` where the payload is built on the device (Adler-32 check), its length
-        left there (:class:`~compression.format.Deferred`): made without a host wait where every
-        option builds its own payload so (casts, the fixed-length lossy codec). ``single``: a 0-d
-        bool on the device saying whether ``ids`` hold (the lossy groups choose on the device,
-        :meth:`LossyCodec.encode_deferred`; a host path reads it).
+    def _encode_deferred(
+        self, x: torch.Tensor, widths: list[int], eb: Bound | None, ids: torch.Tensor | None, context: CodecContext
+    ) -> torch.Tensor | fmt.Deferred | None:
+        """:meth:`encode`'s payload built on the device (Adler-32 check), its length left there:
+        made without a host wait where every option builds its own payload so (casts, the
+        fixed-length lossy codec); else None (the host path). ``context.single``: a 0-d bool on
+        the device saying whether ``ids`` hold (the lossy groups choose on the device,
+        :meth:`LossyCodec.encode_deferred`).
 
         The groups are :meth:`device_groups`'; which option each block really gets (its choice,
         or the fallback where the choice could exceed its bound) is decided on the device and
@@ -226,20 +204,17 @@ class PerBlockCodec(Codec):
         names; in the fallback's group, the blocks decided otherwise travel as zeros. Section 1
         says which blocks each group carries, section 2 holds a copy of each group payload's
         head (so that one read of the payload's first bytes gives the decoder every header)."""
-        choice, single = (choice if choice is not None else context.choice), context.single
         if self.backend_for(x.device).reads_sizes:  # the host backend (a CPU): its path is the faster
-            return self.encode(x, eb, held_ids(ids, single), blocks=blocks, choice=choice)
-        check_input(x)
+            return None
         rows, cols = x.shape
-        widths = resolve_blocks(cols, eb, ids, blocks)
         bounds = block_bounds(eb, widths, x.device, self.backend_for(x.device))
-        keys = check_ids(ids, rows, len(widths), "per_block encode")
-        choice = self._checked_choice(choice, len(widths))
+        single = context.single
+        choice = self._checked_choice(context.choice, len(widths))
         names, carried = self.device_groups(choice)
         if any(self.options[n].head_size(0) is None for n in names):  # an option read on the host
-            return self.encode(x, eb, held_ids(ids, single), blocks=blocks, choice=choice)
+            return None
         if len(names) == 1:
-            return self._encode_group(names[0], x, bounds, keys, widths, list(range(len(widths))), single)
+            return self._encode_group(names[0], x, bounds, ids, widths, list(range(len(widths))), single)
         group = self._groups_on_device(x, widths, bounds, choice, names)
         fallback = names.index(self.fallback) if self.fallback in names else -1
         subs: list[torch.Tensor | fmt.Deferred] = []
@@ -252,7 +227,7 @@ class PerBlockCodec(Codec):
                     output_size=sub.shape[1],
                 )
                 sub = torch.where(mine, sub, 0)
-            subs.append(self._encode_group(name, sub, bounds, keys, widths, members, single))
+            subs.append(self._encode_group(name, sub, bounds, ids, widths, members, single))
         carries = torch.tensor([[k in members for k in range(len(widths))] for members in carried], dtype=torch.uint8)
         pieces: list[tuple[torch.Tensor, fmt.Length]] = [
             (s.buffer, s.length) if isinstance(s, fmt.Deferred) else (s, s.numel()) for s in subs
@@ -357,22 +332,18 @@ class PerBlockCodec(Codec):
         first = 3 if header.info[0] & _DEVICE_LAYOUT else 1
         return [codec_for(sections[first + int(g)]).name for g in sections[0].tolist()]
 
-    def decode(
-        self,
-        payload: torch.Tensor,
-        ids: torch.Tensor | None = None,
-        *,
-        out: torch.Tensor | None = None,
-        head: fmt.HostHead | None = None,
-        context: CodecContext = NO_CONTEXT,
-    ) -> torch.Tensor:
-        """Rebuild the tensor; ``head``: the payload's head and :meth:`prepare_decode`'s values,
-        read already: nothing then waits for the device where its groups are the ones prepared."""
+    def _writer(self, payload: torch.Tensor, head: fmt.HostHead | None) -> tuple[Codec, fmt.HostHead | None]:
+        """A chunk whose blocks all use one codec travels as that codec's own payload (see
+        :meth:`encode`): that codec decodes it."""
         codec = codec_for(payload, head)
-        if not isinstance(codec, PerBlockCodec):  # one codec for every block (see encode)
-            return codec.decode(payload, ids, out=out, head=_whole(head))
-        header, sections = self._header(payload, head)
-        check_out(out, header, payload.device)
+        return (self, head) if isinstance(codec, PerBlockCodec) else (codec, _whole(head))
+
+    def _decode(
+        self, payload: Unpacked, ids: torch.Tensor | None, out: torch.Tensor | None, context: CodecContext
+    ) -> torch.Tensor:
+        """Each group's blocks by its codec; with the payload's head and :meth:`prepare_decode`'s
+        values read already, nothing waits for the device where its groups are the ones prepared."""
+        header, sections, head = payload.header, payload.sections, payload.head
         widths, nb = header.widths, len(header.widths)
         first, group, carried = _groups(header, sections, head)
         keys = check_ids(ids, header.rows, nb, "per_block decode")
@@ -400,9 +371,9 @@ class PerBlockCodec(Codec):
         that carries it, its share by the group's own codec; the rest (the group and carried
         maps, the heads' copies, the header, padding) in proportion to the widths. ``head``: as
         :meth:`decode`'s (then nothing is read)."""
-        codec = codec_for(payload, head)
-        if not isinstance(codec, PerBlockCodec):  # one codec for every block
-            return codec.block_bytes(payload, blocks, _whole(head))
+        writer, head = self._writer(payload, head)
+        if writer is not self:  # one codec for every block
+            return writer.block_bytes(payload, blocks, head)
         header, sections = self._header(payload, head)
         first, _, carried = _groups(header, sections, head)
         heads = self._sub_heads(head, header, sections, carried) if first == 3 else [None] * len(carried)

@@ -22,15 +22,13 @@ from .base import (
     Bound,
     Codec,
     CodecContext,
+    Unpacked,
     block_bounds,
     by_width,
     check_ids,
     check_input,
-    check_out,
     device_bounds,
-    held_ids,
     register,
-    resolve_blocks,
 )
 from .format import PayloadError
 
@@ -104,39 +102,23 @@ class LossyCodec(Codec):
     def _coder(self, kind: int, backend) -> coders.Coder:
         return self._zstd if kind == coders.ZSTD else coders.BlockCoder(backend)
 
-    def encode(
-        self,
-        x: torch.Tensor,
-        eb: Bound | None = None,
-        ids: torch.Tensor | None = None,
-        *,
-        blocks: Sequence[int] | None = None,
-        context: CodecContext = NO_CONTEXT,
-    ) -> torch.Tensor:
-        """Compress ``x`` under absolute bound(s) ``eb``; see the package docstring."""
-        payload = self._encode(x, eb, ids, blocks, deferred=False)
-        assert isinstance(payload, torch.Tensor)
-        return payload
-
-    def encode_deferred(
-        self,
-        x: torch.Tensor,
-        eb: Bound | None = None,
-        ids: torch.Tensor | None = None,
-        *,
-        blocks: Sequence[int] | None = None,
-        context: CodecContext = NO_CONTEXT,
-    ) -> torch.Tensor | fmt.Deferred:
-        """:meth:`encode`, but where the payload is built on the device (:meth:`defers`), with its
-        length left on the device (:class:`~compression.format.Deferred`): made without a host
-        wait. ``context.single``: a 0-d bool on the device saying whether ``ids`` hold (else the
-        payload is ``encode(x, eb)``'s), for a caller that has not read it yet. ``context.summed``
-        (with ids that hold, where it defers): each id's rows sent as their sum, summed in row
-        order (a gradient's: the payload of ``encode`` of x with each row replaced by its id's sum)."""
+    def _encode_deferred(
+        self, x: torch.Tensor, widths: list[int], eb: Bound | None, ids: torch.Tensor | None, context: CodecContext
+    ) -> torch.Tensor | fmt.Deferred | None:
+        """Where the payload is built on the device (:meth:`defers`), :meth:`encode`'s bytes made
+        without a host wait. ``context.single``: a 0-d bool on the device saying whether ``ids``
+        hold (else the payload is ``encode(x, eb)``'s), for a caller that has not read it yet.
+        ``context.summed`` (with ids that hold, where it defers): each id's rows sent as their
+        sum, summed in row order (a gradient's: the payload of ``encode`` of x with each row
+        replaced by its id's sum)."""
         single, summed = context.single, context.summed
         if summed and not (ids is not None and single is None and self.defers(x.device)):
             raise ValueError("lossy encode_deferred: summed needs ids that hold, on a backend that defers")
-        return self._encode(x, eb, ids, blocks, deferred=True, single=single, summed=summed)
+        if not (self.defers(x.device) and x.numel() < 2**31):
+            return None
+        bounds = self._bounds(x, eb, ids, widths)
+        backend = _kernels(self.kernels, x.device)
+        return self._build_deferred(x, widths, bounds, ids, backend, single if ids is not None else None, summed)
 
     def chooses_ids_on_device(self, device: torch.device) -> bool:
         return self.defers(device)
@@ -155,33 +137,28 @@ class LossyCodec(Codec):
         on_host = self.backend_for(device).on_host
         return coders.ZSTD if self.entropy is True or (self.entropy == "auto" and on_host) else coders.FIXED
 
+    def _bounds(
+        self, x: torch.Tensor, eb: Bound | None, ids: torch.Tensor | None, widths: list[int]
+    ) -> list[float] | torch.Tensor:
+        """Each block's bound (:func:`~compression.base.block_bounds`), the ids on ``x``'s device."""
+        bounds = block_bounds(eb, widths, x.device, self.backend_for(x.device))
+        if ids is not None and ids.device != x.device:
+            raise ValueError(f"lossy encode: ids on {ids.device}, x on {x.device}")
+        return bounds
+
     def _encode(
-        self,
-        x: torch.Tensor,
-        eb: Bound | None,
-        ids: torch.Tensor | None,
-        blocks: Sequence[int] | None,
-        deferred: bool,
-        single: torch.Tensor | None = None,
-        summed: bool = False,
-    ) -> torch.Tensor | fmt.Deferred:
-        check_input(x)
+        self, x: torch.Tensor, widths: list[int], eb: Bound | None, ids: torch.Tensor | None, context: CodecContext
+    ) -> torch.Tensor:
+        """Compress ``x`` under absolute bound(s) ``eb``; see the package docstring."""
         rows, cols = x.shape
-        widths = resolve_blocks(cols, eb, ids, blocks)
         b = self.backend_for(x.device)
-        bounds = block_bounds(eb, widths, x.device, b)
-        keys = check_ids(ids, rows, len(widths), "lossy encode")
-        if keys is not None and keys.device != x.device:
-            raise ValueError(f"lossy encode: ids on {keys.device}, x on {x.device}")
+        bounds = self._bounds(x, eb, ids, widths)
         backend = _kernels(self.kernels, x.device)
         kind = self._kind(x.device)
         coder = self._coder(kind, backend)
-        if deferred and self.defers(x.device) and x.numel() < 2**31:
-            return self._encode_deferred(x, widths, bounds, keys, backend, single if keys is not None else None, summed)
-        keys = held_ids(keys, single)  # off the device path: read whether the ids hold
 
-        if keys is not None:
-            plan = dedup.plan_by_ids(keys, numpy=b.numpy_sorts)
+        if ids is not None:
+            plan = dedup.plan_by_ids(ids, numpy=b.numpy_sorts)
             assert plan.inverse is not None  # an id plan always has its inverse
             if self.verify_ids:
                 bad = dedup.mismatched_blocks(x, widths, plan.counts, plan.first, plan.inverse, b.numpy_sorts)
@@ -208,10 +185,10 @@ class LossyCodec(Codec):
         info = [plan.mode | kind << 2, 0, 0, 0]  # word 1: the ids' fingerprint, computed on the device
         header = fmt.Header(self.codec_id, x.dtype, rows, cols, widths, bounds, info=info)
         sections = [plan.counts, index, coder.encode(codes), exceptions]
-        fingerprint = None if keys is None else {1: fingerprint_of(keys)}
+        fingerprint = None if ids is None else {1: fingerprint_of(ids)}
         return fmt.pack(header, sections, device=x.device, device_info=fingerprint, backend=b)
 
-    def _encode_deferred(
+    def _build_deferred(
         self,
         x: torch.Tensor,
         widths: list[int],
@@ -348,31 +325,23 @@ class LossyCodec(Codec):
         mine, first, inverse, fingerprint = dedup.id_plan(keys)  # (the sender's plan of these ids, if it made one)
         return torch.cat([mine, fingerprint.reshape(1)]), (mine, inverse, first)
 
-    def decode(
-        self,
-        payload: torch.Tensor,
-        ids: torch.Tensor | None = None,
-        *,
-        out: torch.Tensor | None = None,
-        head: fmt.HostHead | None = None,
-        context: CodecContext = NO_CONTEXT,
+    def _decode(
+        self, payload: Unpacked, ids: torch.Tensor | None, out: torch.Tensor | None, context: CodecContext
     ) -> torch.Tensor:
         """Rebuild the tensor (into ``out`` if given); payloads encoded with ids need the same ids.
-        ``head``: the payload's head and :meth:`prepare_decode`'s values, read already: with the
-        fixed-length coder, nothing then waits for the device (one op decodes every block,
+        With the payload's head and :meth:`prepare_decode`'s values read already and the
+        fixed-length coder, nothing waits for the device (one op decodes every block,
         :func:`compression.ops.lossy_unpack`). ``context.keep_first`` (with ids): each id's value
         on its first row only, zeros on the others (a gradient summed by id: what the owner adds)."""
         keep_first = context.keep_first
-        header, sections = self._header(payload, head)
-        check_out(out, header, payload.device)
+        header, sections, head = payload.header, payload.sections, payload.head
         if len(sections) != 4:
             raise PayloadError(f"lossy payload has {len(sections)} sections, expected 4")
         counts_s, index_s, codes_s, exc_s = sections
         mode, kind = header.info[0] & 3, header.info[0] >> 2
         if mode not in (dedup.NONE, dedup.IDS, dedup.VALUE) or kind not in (coders.FIXED, coders.ZSTD):
             raise PayloadError(f"unknown stage choice word {header.info[0]:#x}")
-        rows, widths, nb = header.rows, header.widths, len(header.widths)
-        device = payload.device
+        rows, widths, nb, device = header.rows, header.widths, len(header.widths), payload.device
         backend = _kernels(self.kernels, device)
         coder = self._coder(kind, backend)
         counts = fmt.view_as(counts_s, torch.int64, "dedup counts")

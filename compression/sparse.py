@@ -30,6 +30,8 @@ import functools
 import itertools
 import math
 from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,13 +44,11 @@ from .base import (
     Bound,
     Codec,
     CodecContext,
+    Unpacked,
     by_width,
-    check_input,
-    check_out,
     codec_for,
     get_codec,
     register,
-    resolve_blocks,
 )
 from .format import PayloadError
 
@@ -178,6 +178,7 @@ class ThresholdCodec(Codec):
 
     name = "threshold"
     codec_id = 8
+    per_block_args = False  # eb bounds the kept values (lossy), one for all; no ids
 
     def __init__(self, threshold: float | Sequence[float] = 0.0, values: str = "none", level: int = 1):
         if values not in VALUE_CODECS:
@@ -221,23 +222,21 @@ class ThresholdCodec(Codec):
         return self.backend_for(device).host_positions
 
     def encode(
-        self,
-        x: torch.Tensor,
-        eb: Bound | None = None,
-        ids: torch.Tensor | None = None,
-        *,
-        blocks: Sequence[int] | None = None,
-        thresholds: Sequence[Threshold] | None = None,
-        context: CodecContext = NO_CONTEXT,
+        self, x: torch.Tensor, *args: Any, thresholds: Sequence[Threshold] | None = None, **kwargs: Any
     ) -> torch.Tensor:
-        """Positions and values of the kept entries; ``ids`` are not used (no dedup);
-        ``thresholds`` (one per block; else ``context.thresholds``) replace the codec's own for
-        this call."""
-        thresholds = thresholds if thresholds is not None else context.thresholds
-        check_input(x)
+        """:meth:`Codec.encode`; ``thresholds`` (one per block) replace ``context.thresholds``
+        for this call (DCT's keyword)."""
+        if thresholds is not None:
+            kwargs["context"] = replace(kwargs.get("context", NO_CONTEXT), thresholds=thresholds)
+        return super().encode(x, *args, **kwargs)
+
+    def _encode(
+        self, x: torch.Tensor, widths: list[int], eb: Bound | None, ids: torch.Tensor | None, context: CodecContext
+    ) -> torch.Tensor:
+        """Positions and values of the kept entries (``context.thresholds``, one per block, in
+        place of the codec's own); ``ids`` are not used (no dedup)."""
         rows, cols = x.shape
-        widths = resolve_blocks(cols, None, None, blocks)
-        keep = self.mask(x, widths, thresholds).reshape(-1)
+        keep = self.mask(x, widths, context.thresholds).reshape(-1)
         bound = self._bound(eb)
         if not self.coded_on_host(x.device):  # the device coding: one host read, the count and the delta width
             count, width = torch.stack([keep.sum(), delta_width(keep)]).tolist()
@@ -283,28 +282,18 @@ class ThresholdCodec(Codec):
         header = fmt.Header(self.codec_id, x.dtype, rows, cols, list(blocks), [math.inf] * len(blocks), info=info)
         return fmt.pack(header, [positions, values], device=x.device, backend=self.backend_for(x.device))
 
-    def encode_deferred(
-        self,
-        x: torch.Tensor,
-        eb: Bound | None = None,
-        ids: torch.Tensor | None = None,
-        *,
-        blocks: Sequence[int] | None = None,
-        thresholds: Sequence[Threshold] | None = None,
-        context: CodecContext = NO_CONTEXT,
-    ) -> torch.Tensor | fmt.Deferred:
-        """:meth:`encode`, but where the positions are coded on the device (cast values, Adler-32
-        check), with the count, the delta width and the payload's length left on the device
-        (:class:`~compression.format.Deferred`): :meth:`encode_known`'s bytes, made without a
-        host wait. Elsewhere (the host coding, lossy values) :meth:`encode`'s payload."""
-        thresholds = thresholds if thresholds is not None else context.thresholds
-        check_input(x)
+    def _encode_deferred(
+        self, x: torch.Tensor, widths: list[int], eb: Bound | None, ids: torch.Tensor | None, context: CodecContext
+    ) -> torch.Tensor | fmt.Deferred | None:
+        """Where the positions are coded on the device (cast values, Adler-32 check), with the
+        count, the delta width and the payload's length left on the device: :meth:`encode_known`'s
+        bytes, made without a host wait. Elsewhere (the host coding, lossy values) None:
+        :meth:`encode`'s payload."""
         b = self.backend_for(x.device)
         if b.host_positions or self.values == "lossy" or b.reads_sizes or not x.numel():
-            return self.encode(x, eb, ids, blocks=blocks, thresholds=thresholds)
+            return None
         rows, cols = x.shape
-        widths = resolve_blocks(cols, None, None, blocks)
-        keep = self.mask(x, widths, thresholds).reshape(-1)
+        keep = self.mask(x, widths, context.thresholds).reshape(-1)
         n, bitmap = keep.numel(), (keep.numel() + 7) // 8
         count, width = keep.sum(), delta_width(keep)
         idx = _compact(keep, n)  # the first ``count`` are the kept entries, the rest capacity
@@ -476,20 +465,13 @@ class ThresholdCodec(Codec):
             raise PayloadError(f"threshold positions: {idx.numel()} positions (expected {count}) within {n}")
         return idx
 
-    def decode(
-        self,
-        payload: torch.Tensor,
-        ids: torch.Tensor | None = None,
-        *,
-        out: torch.Tensor | None = None,
-        head: fmt.HostHead | None = None,
-        context: CodecContext = NO_CONTEXT,
+    def _decode(
+        self, payload: Unpacked, ids: torch.Tensor | None, out: torch.Tensor | None, context: CodecContext
     ) -> torch.Tensor:
-        """The dense tensor: kept values at their positions, zeros elsewhere. ``head``: the
-        payload's head and check, read already (:func:`~compression.format.read_heads`): a
-        device-coded payload with cast values then decodes without waiting for the device."""
-        header, sections = self._header(payload, head)
-        check_out(out, header, payload.device)
+        """The dense tensor: kept values at their positions, zeros elsewhere. With the payload's
+        head and check read already (:func:`~compression.format.read_heads`), a device-coded
+        payload with cast values decodes without waiting for the device."""
+        header, sections, head = payload.header, payload.sections, payload.head
         if len(sections) != 2:
             raise PayloadError(f"threshold payload has {len(sections)} sections, expected 2")
         if head is not None and self._device_coded(header, sections):

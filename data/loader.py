@@ -85,7 +85,9 @@ def _split(n: int, parts: int, r: int) -> tuple[int, int]:
 
 
 class CriteoBatches:
-    """One rank's batches of one epoch; ``len()`` is the number of batches it yields."""
+    """This rank's batches of ``stems`` for one epoch (see the module docstring for the order);
+    ``len()`` is the number of batches it yields. ``start_batch`` skips that many batches without
+    reading them (resume from a checkpoint)."""
 
     def __init__(
         self,
@@ -180,18 +182,4 @@ class CriteoBatches:
             yield self.make_batch(self.rows_of(b, order))
 
 
-def criteo_batches(
-    data_dir: str | os.PathLike,
-    stems: list[str],
-    batch_size: int,
-    rank: int,
-    world_size: int,
-    shuffle: bool,
-    seed: int,
-    epoch: int = 0,
-    start_batch: int = 0,
-    drop_last: bool = False,
-) -> CriteoBatches:
-    """This rank's batches of ``stems`` for one epoch (see the module docstring for the order);
-    ``start_batch`` skips that many batches without reading them (resume from a checkpoint)."""
-    return CriteoBatches(data_dir, stems, batch_size, rank, world_size, shuffle, seed, epoch, start_batch, drop_last)
+criteo_batches = CriteoBatches  # (the name its callers use: a function's, for the batches it yields)

@@ -1,6 +1,8 @@
 """The writer of checkpoint format 1, as dlrm/trainer/checkpoint.py had it up to 44430a6 (its
 ``save``, trimmed of the rotation): tests make old-format fixtures with it, so that a checkpoint a
 run of that version left behind is what the reader is tested on, not a file kept in the repository.
+A deliberately frozen copy: it repeats lines of today's writer on purpose and must not follow it
+(or share its code), or the fixtures would stop being format 1's.
 
 Layout: ``step-<N>/`` holds DCP shards of the model and optimizer alone, ``train_state.json`` (the
 position, the world size, every shared part's state, and ``checksums``: file name -> [size, crc32]

@@ -31,6 +31,15 @@ def raw_losses(run_dir: Path) -> list[tuple[int, float]]:
     return out
 
 
+def attempts(run_dir: Path) -> tuple[dict[int, float], dict[int, float]]:
+    """The losses of a run restarted once, split where an iteration comes again: the first
+    attempt's and the second's (from its checkpoint on); asserts that it restarted."""
+    logged = raw_losses(run_dir)
+    restart = next((n for n in range(1, len(logged)) if logged[n][0] <= logged[n - 1][0]), None)
+    assert restart is not None, "no iteration was logged twice: the restart redid nothing"
+    return dict(logged[:restart]), dict(logged[restart:])
+
+
 def checkpoint_tensors(step_dir: Path) -> dict[str, Any]:
     """A sharded DCP checkpoint (model and optimizer of every rank) as one plain nested dict of
     whole tensors, loaded in this single process."""
@@ -76,3 +85,14 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
             out.update(flatten(v, f"{prefix}{k}/"))
         return out
     return {prefix.rstrip("/"): tree}
+
+
+class RunsCode:
+    """What a crafted checkpoint file or item holds: unpickling it calls ``open(marker, "w")``
+    (a test then asserts that the marker was never made)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))

@@ -7,6 +7,7 @@ import ast
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,16 +124,19 @@ def test_the_cycle_finder_sees_a_cycle_made_by_a_lazy_import(tmp_path):
     assert cycles(graph(tmp_path)) == [["dlrm.sharded", "dlrm.stats"]]
 
 
+def imports_where(upward: Callable[[str, str], bool]) -> list[str]:
+    """Every import ``module -> target`` of the tree for which ``upward(module, target)``."""
+    return sorted(f"{m} -> {t}" for m, ts in graph().items() for t in ts if upward(m, t))
+
+
 def test_layers_point_one_way():
-    g = graph()
-    upward = sorted(
-        f"{m} -> {t}"
-        for m, ts in g.items()
-        for t in ts
-        if (m.startswith(("dlrm_compression", "data")) and is_trainer(t))
-        or (m.startswith("dlrm_compression") and t.startswith("data"))
-        or (m.startswith("data") and t.startswith("dlrm_compression"))
-        or (not m.startswith("dlrm.bench") and t.startswith("dlrm.bench"))
+    upward = imports_where(
+        lambda m, t: (
+            (m.startswith(("dlrm_compression", "data")) and is_trainer(t))
+            or (m.startswith("dlrm_compression") and t.startswith("data"))
+            or (m.startswith("data") and t.startswith("dlrm_compression"))
+            or (not m.startswith("dlrm.bench") and t.startswith("dlrm.bench"))
+        )
     )
     assert upward == []  # the trainer never imports its benchmarks, the codec never the trainer
 
@@ -163,12 +167,10 @@ def test_every_trainer_module_has_a_layer():
 
 
 def test_the_trainer_packages_import_only_the_layers_below_them():
-    g = graph()
-    upward = sorted(
-        f"{m} -> {t}"
-        for m, ts in g.items()
-        for t in ts
-        if m.startswith("dlrm.") and is_trainer(t) and package_of(m) != package_of(t) and layer_of(t) >= layer_of(m)
+    upward = imports_where(
+        lambda m, t: (
+            m.startswith("dlrm.") and is_trainer(t) and package_of(m) != package_of(t) and layer_of(t) >= layer_of(m)
+        )
     )
     assert upward == []
 
@@ -199,22 +201,19 @@ def test_config_targets_resolve_to_trainer_layers_never_to_the_benchmarks():
         assert layer_of(module) <= layer_of("dlrm.train"), f"{where}: every training run would import it"
 
 
-def test_import_compression_loads_no_heavy_or_upward_dependency():
-    code = (
-        "import sys, dlrm_compression, dlrm_compression.policies; "
-        "bad = [m for m in ('torchrec', 'dlrm', 'data', 'fbgemm_gpu', 'triton', 'omegaconf', 'hydra') "
-        "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
-    )
+def assert_loads_none_of(modules: str, banned: tuple[str, ...]) -> None:
+    """Importing ``modules`` (comma-separated) in a fresh interpreter loads none of ``banned``."""
+    code = f"import sys, {modules}; bad = [m for m in {banned!r} if m in sys.modules]; print(bad); sys.exit(bool(bad))"
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_import_compression_loads_no_heavy_or_upward_dependency():
+    banned = ("torchrec", "dlrm", "data", "fbgemm_gpu", "triton", "omegaconf", "hydra")
+    assert_loads_none_of("dlrm_compression, dlrm_compression.policies", banned)
 
 
 def test_the_performance_model_prices_without_torch():
     # a notebook prices a configuration with the cost model and the search alone (link timing aside)
-    code = (
-        "import sys, dlrm.performance.cost_model, dlrm.performance.network, dlrm.performance.search; "
-        "bad = [m for m in ('torch', 'torchrec', 'numpy', 'dlrm_compression', 'dlrm.trainer') if m in sys.modules]; "
-        "print(bad); sys.exit(1 if bad else 0)"
-    )
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stdout + r.stderr
+    modules = "dlrm.performance.cost_model, dlrm.performance.network, dlrm.performance.search"
+    assert_loads_none_of(modules, ("torch", "torchrec", "numpy", "dlrm_compression", "dlrm.trainer"))

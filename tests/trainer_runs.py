@@ -91,6 +91,17 @@ def losses(run_dir: Path) -> dict[int, float]:
     return out
 
 
+def resumed_losses(
+    full: Path, part: Path, cache: Path, common: list[str], stop: int, total: int
+) -> tuple[dict[int, float], dict[int, float]]:
+    """The losses of a run of ``total`` iterations in ``full``, and of one in ``part`` stopped
+    after ``stop`` and resumed to ``total``: (uninterrupted, resumed)."""
+    train(full, cache, [*common, f"max_iterations={total}"])
+    train(part, cache, [*common, f"max_iterations={stop}"])
+    train(part, cache, [*common, f"max_iterations={total}", "resume=true"])
+    return losses(full), losses(part)
+
+
 def worker_pids(agent_pid: int) -> dict[int, int]:
     """rank -> pid of the trainer processes the torchrun agent started (not its helpers)."""
     out = {}

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from dlrm.bench import netns, netreport
+from dlrm.bench.cli import options_from
 from dlrm.bench.netns import Namespace, NetnsError
 from dlrm.bench.netprobe import OUT_ENV
 from dlrm.performance import cost_model as cm
@@ -402,25 +403,8 @@ def parse_args(argv: Sequence[str] | None) -> Options:
     except ValueError as e:
         p.error(f"--burst: {e}")
     out = args.out or REPO / "outputs" / "netbench" / time.strftime("%Y-%m-%d_%H-%M-%S")
-    return Options(
-        variants=variants,
-        rates=rates,
-        repeats=args.repeats,
-        iterations=args.iterations,
-        epochs=args.epochs,
-        warmup=args.warmup,
-        nproc=args.nproc,
-        threads=args.threads,
-        out=out,
-        timeout=args.timeout,
-        burst=args.burst,
-        latency=args.latency,
-        netns=args.netns,
-        keep_checkpoints=args.keep_checkpoints,
-        overrides=list(rest),
-        codec_gbps=(enc, dec),
-        cluster_gbps=args.cluster_gbps,
-        report=args.report,
+    return options_from(
+        Options, args, variants=variants, rates=rates, out=out, overrides=list(rest), codec_gbps=(enc, dec)
     )
 
 

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from dlrm.bench import netns, netreport
+from dlrm.bench.cli import options_from
 from dlrm.bench.netns import Namespace, NetnsError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -351,22 +352,7 @@ def parse_args(argv: Sequence[str]) -> Options:
         p.error(f"--tag {args.tag!r}: 1 to 10 letters or digits (it goes into link names)")
     if args.nproc_per_node < 1 or args.timeout <= 0 or args.grace < 0 or args.max_restarts < 0:
         p.error("need --nproc-per-node >= 1, --timeout > 0, --grace >= 0, --max-restarts >= 0")
-    return Options(
-        tag=args.tag,
-        rate=args.rate,
-        delay=args.delay,
-        burst=args.burst,
-        latency=args.latency,
-        nproc_per_node=args.nproc_per_node,
-        master_port=args.master_port,
-        max_restarts=args.max_restarts,
-        timeout=args.timeout,
-        grace=args.grace,
-        module=args.module,
-        report=args.report,
-        trainer_args=list(rest),
-        faults=faults,
-    )
+    return options_from(Options, args, trainer_args=list(rest), faults=faults)
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:

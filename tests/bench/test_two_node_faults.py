@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from namespaces import why_not
-from run_artifacts import checkpoint_tensors, flatten, raw_losses
+from run_artifacts import attempts, checkpoint_tensors, flatten
 from trainer_runs import REPO, SMALL, losses
 
 from dlrm.process.timeout import ROLL_CALL_S
@@ -74,11 +74,8 @@ def test_node_1_killed_restarts_both_nodes_from_the_last_checkpoint_and_ends_nea
     assert json.loads((run_dir / "metrics.json").read_text())["iterations"] == total
 
     # losses.txt holds both attempts: 1 .. k from the first, then from the last checkpoint on
-    logged = raw_losses(run_dir)
-    restart = next((n for n in range(1, len(logged)) if logged[n][0] <= logged[n - 1][0]), None)
-    assert restart is not None, "no iteration was logged twice: the restart redid nothing"
-    first, second = dict(logged[:restart]), dict(logged[restart:])
-    killed_at = logged[restart - 1][0]
+    first, second = attempts(run_dir)
+    killed_at = max(first)
     assert every + 2 <= killed_at < 2 * every, f"killed at iteration {killed_at}, not between the saves"
     assert list(first) == list(range(1, killed_at + 1))
     assert list(second) == list(range(every + 1, total + 1))  # resumed at the last checkpoint, step-8

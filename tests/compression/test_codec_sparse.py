@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import dlrm_compression as compression
+from dlrm_compression.base import CodecContext
 from dlrm_compression.sparse import kth_largest_abs
 
 
@@ -205,7 +206,7 @@ def test_the_deferred_payload_is_built_and_decoded_from_its_read_head_without_a_
     codec = compression.get_codec("threshold", values=values, backend="device")
     counter = HostSyncCounter()
     with counted_reads(counter), counter:
-        deferred = codec.encode_deferred(x, blocks=blocks, thresholds=taus)
+        deferred = codec.encode_deferred(x, blocks=blocks, context=CodecContext(thresholds=taus))
     assert isinstance(deferred, fmt.Deferred) and counter.total == 0
     [payload] = fmt.settle([deferred])  # the transport's one read of every length
     assert torch.equal(payload, codec.encode(x, blocks=blocks, thresholds=taus))  # the device coding's bytes

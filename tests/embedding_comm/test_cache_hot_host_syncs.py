@@ -18,7 +18,7 @@ import torch
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from dlrm.bench.host_copies import HostCopy, host_copies
+from dlrm.bench.host_copies import PER_CHUNK, HostCopy, host_copies
 from dlrm.bench.host_syncs import counted_reads
 from dlrm.embedding_comm import fixed_bound
 from dlrm.embedding_comm import forward_cache as fc
@@ -339,19 +339,7 @@ def test_hot_row_sync_on_ranks_waits_at_most_once_per_collective(coded, ws):
 # The functions these features run per chunk, batch or sync, and their host copies: each a size
 # the layout needs (read once for all blocks or tables), the wire's framing, or a CPU shortcut.
 PER_ITERATION: dict[str, tuple[str, ...] | None] = {
-    "compression.row_cache": (
-        "RowCaches.find",
-        "RowCaches.peek",
-        "RowCaches.store",
-        "RowCaches._evict",
-        "RowCaches._free_rows",
-        "RowCaches._grow",
-        "RowCache.find",
-        "RowCache.gather",
-        "RowCache.store",
-        "positions",
-        "compact",
-    ),
+    "compression.row_cache": PER_CHUNK["compression.row_cache"],  # (the chunk's: the same functions)
     "dlrm.embedding_comm.forward_cache": None,
     "dlrm.embedding_comm.cache_probe": ("CacheProbe.measure", "CacheProbe.observe", "_over_bound"),
     "dlrm.placement.hot_rows": ("HotSplit.__call__", "HotRows.forward"),

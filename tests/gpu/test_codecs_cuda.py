@@ -57,21 +57,26 @@ def inputs() -> tuple[torch.Tensor, torch.Tensor]:
     return x, ids
 
 
+EB = [1e-3, 1e-2, 1e-4]  # the bounds of inputs()' three tables
+
+
+def case(key: str) -> tuple[compression.Codec, torch.Tensor, torch.Tensor | None]:
+    """A key's codec, its input, and the ids it is encoded with (None without ``+ids``)."""
+    x, ids = inputs()
+    return compression.get_codec(key.removesuffix("+ids")), x, ids if key.endswith("+ids") else None
+
+
 @pytest.mark.parametrize("key", KEYS)
 def test_a_cuda_payload_decodes_on_cuda_bit_for_bit_as_on_the_cpu(key: str) -> None:
-    name, with_ids = key.removesuffix("+ids"), key.endswith("+ids")
-    codec = compression.get_codec(name)
-    x, ids = inputs()
-    i = ids if with_ids else None
-    eb = [1e-3, 1e-2, 1e-4]
-    payload = encoded(codec, x.cuda(), eb, None if i is None else i.cuda(), [16, 16, 16])
+    codec, x, i = case(key)
+    payload = encoded(codec, x.cuda(), EB, None if i is None else i.cuda(), [16, 16, 16])
     assert payload.device.type == "cuda" and payload.dtype == torch.uint8
     on_cuda = codec.decode(payload, None if i is None else i.cuda())
     assert on_cuda.device.type == "cuda" and on_cuda.shape == x.shape and on_cuda.dtype == x.dtype
     try:
         on_cpu = codec.decode(payload.cpu(), i)  # the CPU reference decode of the same bytes
     except NotImplementedError as e:  # a CUDA-only format (fp8 rowwise): nothing to compare with
-        pytest.skip(f"codec {name!r} has no CPU decode: {e}")
+        pytest.skip(f"codec {codec.name!r} has no CPU decode: {e}")
     assert same(on_cuda, on_cpu, codec.bounded), f"{key}: the CUDA decode differs from the CPU decode"
     if codec.bounded:
         fin = torch.isfinite(x)
@@ -81,17 +86,13 @@ def test_a_cuda_payload_decodes_on_cuda_bit_for_bit_as_on_the_cpu(key: str) -> N
 
 @pytest.mark.parametrize("key", KEYS)
 def test_a_round_trip_on_cuda_reconstructs_what_the_cpu_round_trip_does(key: str) -> None:
-    name, with_ids = key.removesuffix("+ids"), key.endswith("+ids")
-    codec = compression.get_codec(name)
-    x, ids = inputs()
-    i = ids if with_ids else None
-    eb = [1e-3, 1e-2, 1e-4]
+    codec, x, i = case(key)
     try:
-        cpu = codec.decode(codec.encode(x, eb, i, blocks=[16, 16, 16]), i)
+        cpu = codec.decode(codec.encode(x, EB, i, blocks=[16, 16, 16]), i)
     except NotImplementedError as e:
-        pytest.skip(f"codec {name!r} does not run on the CPU: {e}")
+        pytest.skip(f"codec {codec.name!r} does not run on the CPU: {e}")
     gi = None if i is None else i.cuda()
-    cuda = codec.decode(encoded(codec, x.cuda(), eb, gi, [16, 16, 16]), gi)
+    cuda = codec.decode(encoded(codec, x.cuda(), EB, gi, [16, 16, 16]), gi)
     assert same(cuda, cpu, codec.bounded), f"{key}: the CUDA round trip differs from the CPU round trip"
 
 

@@ -13,7 +13,7 @@ from run_artifacts import checkpoint_tensors, flatten
 from torchrec.datasets.utils import Batch
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-from trainer_runs import losses, train
+from trainer_runs import resumed_losses
 
 from dlrm.precision.config import parse_precision_cfg
 from dlrm.precision.export import main
@@ -30,10 +30,7 @@ def cache(tmp_path_factory) -> Path:
 def test_fp16_tables_and_bf16_mlps_train_on_two_ranks_and_resume_exactly(tmp_path, cache):
     full, part = tmp_path / "full", tmp_path / "part"
     common = ["precision=mixed", "loss_log=true", "checkpoint.every=4", "eval_every=100"]
-    train(full, cache, [*common, "max_iterations=12"])
-    train(part, cache, [*common, "max_iterations=8"])
-    train(part, cache, [*common, "max_iterations=12", "resume=true"])
-    reference, resumed = losses(full), losses(part)
+    reference, resumed = resumed_losses(full, part, cache, common, stop=8, total=12)
     assert sorted(resumed) == list(range(1, 13)) and all(math.isfinite(v) for v in reference.values())
     assert [resumed[i] for i in range(9, 13)] == [reference[i] for i in range(9, 13)]
 

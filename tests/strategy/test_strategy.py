@@ -17,6 +17,7 @@ import dlrm_compression as compression
 from dlrm.performance.network import Link
 from dlrm.performance.search import Option, Timeline, Unit, choose
 from dlrm.strategy.config import parse_strategy_cfg
+from dlrm_compression.base import CodecContext
 
 MB = 1e6
 
@@ -35,7 +36,7 @@ def test_the_per_block_codec_never_lets_a_cast_exceed_a_block_bound():
     # fp16's worst case on these blocks is ~2^-11 x 0.4 ~ 2e-4: fine for 1e-3, not for 1e-6
     bounds = [1e-3, 1e-6, 1e-3, 0.05]
     choice = ["fp16", "fp16", "int8", "none"]
-    payload = codec.encode(x, bounds, blocks=[8] * 4, choice=choice)
+    payload = codec.encode(x, bounds, blocks=[8] * 4, context=CodecContext(choice=choice))
     assert codec.groups(payload) == ["fp16", "lossy", "lossy", "none"]  # int8 needs range/510 <= 1e-3 too
     y = codec.decode(payload)
     err = (y - x).abs().view(256, 4, 8).amax(dim=(0, 2))
@@ -54,7 +55,7 @@ def test_one_codec_for_every_block_travels_as_that_codecs_own_payload():
     codec = compression.get_codec("per_block")
     for name in ("none", "fp16"):
         alone = compression.get_codec(name).encode(x, [0.01] * 3, ids, blocks=[8] * 3)
-        payload = codec.encode(x, [0.01] * 3, ids, blocks=[8] * 3, choice=[name] * 3)
+        payload = codec.encode(x, [0.01] * 3, ids, blocks=[8] * 3, context=CodecContext(choice=[name] * 3))
         assert torch.equal(payload, alone)
         assert codec.groups(payload) == [name] * 3
         assert torch.equal(codec.decode(payload, ids), compression.get_codec(name).decode(alone, ids))
@@ -84,13 +85,13 @@ def test_the_per_block_device_path_decides_the_fallback_on_the_device_and_decode
     # fp16 holds 1e-3 on these blocks (~2^-11 x 0.4) but not 1e-6; bf16 (~2^-8 x 0.4) not 1e-3
     bounds, widths = [1e-3, 1e-6, 1e-3, 0.0, 1e-3], [8] * 5
     choice = ["fp16", "fp16", "bf16", "none", "lossy/fixed"]
-    host = on_host.encode(x, bounds, ids, blocks=widths, choice=choice)
+    host = on_host.encode(x, bounds, ids, blocks=widths, context=CodecContext(choice=choice))
     want = on_host.decode(host, ids)
     assert on_host.groups(host) == ["fp16", "lossy", "lossy", "none", "lossy"]
     enc, dec = HostSyncCounter(), HostSyncCounter()
     eb = torch.tensor(bounds, dtype=torch.float64)
     with counted_reads(enc), enc:
-        late = codec.encode_deferred(x, eb, ids, blocks=widths, choice=choice)
+        late = codec.encode_deferred(x, eb, ids, blocks=widths, context=CodecContext(choice=choice))
     assert isinstance(late, fmt.Deferred)
     [payload] = fmt.settle([late])
     assert codec.groups(payload) == on_host.groups(host)

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from multiprocess import run_ranks
+from run_artifacts import RunsCode
 from torch.distributed.checkpoint import FileSystemReader
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 
@@ -218,22 +219,12 @@ def test_resume_auto_sets_a_damaged_step_aside_and_takes_the_previous(saved, tmp
     assert (root / "latest").read_text() == "step-4"
 
 
-class _RunsCode:
-    """What a crafted item holds: unpickling it calls ``open(marker, "w")``."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (str(self.marker), "w"))
-
-
 @pytest.mark.parametrize("where", ["an item", "a part's state"])
 def test_a_crafted_pickle_is_refused_naming_the_file_and_never_run(saved, tmp_path, where):
     step, marker = tmp_path / "step-8", tmp_path / "ran"
     # rewritten as one whose author could also rewrite the checksums: the trainer's own writer
     everything = {k: v for k, v in _load_all(saved["root"] / "step-8").items()}
-    bad = _RunsCode(marker)
+    bad = RunsCode(marker)
     if where == "a part's state":
         import io
 
@@ -330,7 +321,7 @@ def test_a_crafted_format_1_rank_file_is_refused_naming_it(tmp_path):
     (step / "train_state.json").write_text(
         json.dumps({"iteration": 2, "epoch": 0, "batch_in_epoch": 2, "world_size": 1})
     )
-    torch.save({"dense_comm": _RunsCode(marker)}, step / "state-rank0.pt")
+    torch.save({"dense_comm": RunsCode(marker)}, step / "state-rank0.pt")
     with pytest.raises(CheckpointError, match=f"^{step / 'state-rank0.pt'} holds more than tensors and primitives"):
         read_state(step, 0)
     assert not marker.exists()

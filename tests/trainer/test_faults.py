@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from run_artifacts import checkpoint_items, data_files, raw_losses
+from run_artifacts import RunsCode, checkpoint_items, data_files, raw_losses
 from trainer_runs import launch, losses, train, worker_pids
 
 from dlrm.bench.netns import Namespace, NetnsError
@@ -171,16 +171,6 @@ def test_damaged_checkpoints_are_refused_by_resume_true_and_skipped_by_auto(tmp_
     assert (ckpts / "latest").read_text() == "step-16"
 
 
-class _RunsCode:
-    """What a crafted checkpoint file holds: unpickling it calls ``open(marker, "w")``."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (str(self.marker), "w"))
-
-
 def test_a_pickled_payload_in_a_checkpoint_is_refused_naming_the_file_and_never_run(tmp_path, cache):
     from dlrm.trainer.checkpoint_format import write_step
 
@@ -190,7 +180,7 @@ def test_a_pickled_payload_in_a_checkpoint_is_refused_naming_the_file_and_never_
     step = run_dir / "checkpoints" / "step-4"
     items = checkpoint_items(step)
     assert "dense_comm.rank1" in items
-    items["dense_comm.rank1"] = _RunsCode(marker)
+    items["dense_comm.rank1"] = RunsCode(marker)
     shutil.rmtree(step)
     # an attacker who can write the files can rewrite their checksums too: the trainer's own writer
     write_step(step, items)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from run_artifacts import checkpoint_tensors, flatten, raw_losses
+from run_artifacts import attempts, checkpoint_tensors, flatten
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from trainer_runs import REPO, env_for, launch, losses, train, worker_pids
 
@@ -142,11 +142,8 @@ def test_sigkilled_rank_restarts_from_the_last_checkpoint_and_finishes(tmp_path,
     assert json.loads((run_dir / "metrics.json").read_text())["iterations"] == total
 
     # losses.txt holds both attempts: 1 .. k from the first, then from the restart on.
-    logged = raw_losses(run_dir)
-    restart = next((n for n in range(1, len(logged)) if logged[n][0] <= logged[n - 1][0]), None)
-    assert restart is not None, "no iteration was logged twice: the restart redid nothing"
-    first, second = dict(logged[:restart]), dict(logged[restart:])
-    killed_at = logged[restart - 1][0]
+    first, second = attempts(run_dir)
+    killed_at = max(first)
     last_checkpoint = every * (killed_at // every)  # the newest save the first attempt finished
     assert list(first) == list(range(1, killed_at + 1))
     assert list(second) == list(range(last_checkpoint + 1, total + 1))
