@@ -273,6 +273,18 @@ def _words(x: torch.Tensor, widths: list[int]) -> tuple[torch.Tensor, list[int]]
     raise AssertionError(f"no integer view of {x.dtype}")  # int16/int32 always tile 2/4-byte values
 
 
+_MULTIPLIERS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _multipliers(n: int, device: torch.device) -> torch.Tensor:
+    """:func:`_row_hashes`' odd int32 multipliers [2, n] on ``device``, drawn from its seed once."""
+    if (n, device) not in _MULTIPLIERS:
+        gen = torch.Generator().manual_seed(_HASH_SEED)
+        mult = torch.randint(-(1 << 30), 1 << 30, (2, n), generator=gen, dtype=torch.int32) * 2 + 1
+        _MULTIPLIERS[n, device] = mult.to(device, non_blocking=True)
+    return _MULTIPLIERS[n, device]
+
+
 def _row_hashes(x: torch.Tensor, widths: list[int], host: bool = False) -> torch.Tensor:
     """int64 hash of each (row, block) from the value bits (collisions are checked later).
 
@@ -282,10 +294,7 @@ def _row_hashes(x: torch.Tensor, widths: list[int], host: bool = False) -> torch
     if host:
         return _row_hashes_host(x, widths)
     bits = x.contiguous().view(torch.int32 if x.element_size() == 4 else torch.int16).int()
-    gen = torch.Generator().manual_seed(_HASH_SEED)
-    mult = (torch.randint(-(1 << 30), 1 << 30, (2, max([*widths, 1])), generator=gen, dtype=torch.int32) * 2 + 1).to(
-        x.device, non_blocking=True
-    )
+    mult = _multipliers(max([*widths, 1]), x.device)
 
     def hash64(block: torch.Tensor, w: int) -> torch.Tensor:
         h1 = (block * mult[0, :w]).sum(-1, dtype=torch.int32).long()

@@ -217,8 +217,9 @@ class LossyCodec(Codec):
             every = torch.arange(rows, device=x.device).expand(nb, rows)
             counts, first = full, every
         if (keys is None and self.dedup and rows > 1) or single is not None:
-            full = torch.full((nb,), rows, dtype=torch.int64, device=x.device)
-            every = torch.arange(rows, device=x.device).expand(nb, rows)
+            if keys is not None:  # (else made above)
+                full = torch.full((nb,), rows, dtype=torch.int64, device=x.device)
+                every = torch.arange(rows, device=x.device).expand(nb, rows)
             if self.dedup and rows > 1:
                 kept, by_value, from_value, inverse = dedup.value_capacity(x, widths)
             else:  # encode(x, eb) would send every row

@@ -159,7 +159,7 @@ class HotRowOptimizer(KeyedOptimizer):
         for s, r in gathered.parts:
             total.index_add_(0, s, r)
         lr, eps = self.param_groups[0]["lr"], self.param_groups[0]["eps"]
-        sel = positions(gathered.hit, sum(gathered.n_hit), self._host(weights.device))
+        sel = self._positions(gathered.hit, sum(gathered.n_hit))
         self._apply(weights, momentum, sel, total.index_select(0, sel), lr, eps)
         self._pending.zero_()
         self._touched.zero_()
@@ -167,8 +167,16 @@ class HotRowOptimizer(KeyedOptimizer):
     def _touched_rows(self, n_touched: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every table's touched slots (ascending: table after table) and pending rows, given
         how many there are as read."""
-        slots = positions(self._touched, n_touched, self._host(self._touched.device))
+        slots = self._positions(self._touched, n_touched)
         return slots, self._pending.index_select(0, slots)
+
+    def _positions(self, keep: torch.Tensor, n: int) -> torch.Tensor:
+        """The ``n`` set places of ``keep`` in ascending order, the host knowing ``n``: the host
+        backend's ``nonzero`` (:func:`positions`), else one stable sort (no host wait)."""
+        host = self._host(keep.device)
+        if host or n in (0, keep.numel()):
+            return positions(keep, n, host)
+        return torch.argsort(keep.to(torch.uint8), descending=True, stable=True)[:n]
 
     def _host(self, device: torch.device) -> bool:
         """Whether compactions on ``device`` take the host's ``nonzero`` (the backend's choice)."""
@@ -179,11 +187,12 @@ class HotRowOptimizer(KeyedOptimizer):
         first in slot order (``counts`` of them), the rest repeating its first touched one (a
         table shorter than the largest: its last slot), and their pending rows as one block per
         table, [largest table, tables x D] (the same value range, deduplicated away): on the
-        device, without the touched counts on the host."""
-        touched = self.layout.padded(self._touched)
-        order = torch.argsort(touched.to(torch.uint8), dim=1, descending=True, stable=True)
-        pick = torch.where(self.layout.column(touched.device) < counts[:, None], order, order[:, :1])
-        slots = self.layout.globalise(pick)
+        device, without the touched counts on the host (sorted as [largest table, tables], the
+        rows' layout: gathered without a copy)."""
+        touched = self.layout.padded(self._touched).t().to(torch.uint8, memory_format=torch.contiguous_format)
+        order = torch.argsort(touched, dim=0, descending=True, stable=True)
+        pick = torch.where(self.layout.column(touched.device)[:, None] < counts, order, order[:1])
+        slots = self.layout.globalise(pick.t())
         return slots, self._pending[slots.t()].reshape(slots.shape[1], -1)
 
     def _gather(self, touched: torch.Tensor) -> Gathered:
@@ -268,14 +277,15 @@ class HotRowOptimizer(KeyedOptimizer):
         if self.rule == "sgd":
             weights.index_add_(0, sel, g, alpha=-lr)
             return
-        assert momentum is not None
-        m = momentum
+        assert momentum is not None  # (the rows' new state kept, not read back; ``w - x`` is ``w + -1 * x``)
         if self.rule == "adagrad":
-            m[sel] += g * g
-            weights[sel] -= lr * g / (m[sel].sqrt() + eps)
+            m = momentum.index_select(0, sel) + g * g
+            step = lr * g / (m.sqrt() + eps)
         else:
-            m[sel] += (g * g).mean(dim=1)
-            weights[sel] -= (lr / (m[sel].sqrt() + eps)).unsqueeze(1) * g
+            m = momentum.index_select(0, sel) + (g * g).mean(dim=1)
+            step = (lr / (m.sqrt() + eps)).unsqueeze(1) * g
+        momentum.index_copy_(0, sel, m)
+        weights.index_add_(0, sel, step, alpha=-1)
 
     def pending_state(self) -> dict[str, Any]:
         """This rank's accumulated, not yet synchronised gradients (differ per rank: saved in its checkpoint file)."""

@@ -30,8 +30,8 @@ rank that decodes the same bytes gets the same rows, bit for bit. The payload is
 on the rows' device. On the CPU the host reads the bounds (all tables at once) to encode; on an
 accelerator every size stays on the device (the size exchange reads the length). To decode every
 rank's payload the host reads all their heads at once (prefix, part table, the check's verdict
-and, version 2, the codec payload's head, whose check the payload's stands for), their part tables,
-slots and codec heads found on the device at their capacity.
+and, version 2, the codec payload's head, whose check the payload's stands for), their slots, part
+tables and codec heads taken on the device at their capacity by one gather a payload.
 """
 
 from __future__ import annotations
@@ -170,6 +170,8 @@ class SyncWire:
         # path device values, added there and read when reported)
         self._raw: int | torch.Tensor = 0
         self._coded: int | torch.Tensor = 0
+        self._reads: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._unit: dict[torch.device, torch.Tensor] = {}
 
     @property
     def raw_row_bytes(self) -> int:
@@ -269,23 +271,32 @@ class SyncWire:
         assert found is not None  # (a bounded codec)
         bounds = found if isinstance(found, torch.Tensor) else torch.tensor(found, dtype=torch.float64)  # abs: floats
         bounds = bounds.to(device, torch.float64, non_blocking=bounds.device.type == "cpu")
-        classes = torch.where(counts > 0, device_bound_class(bounds), 1.0)  # (none touched: unread)
+        classes = device_bound_class(bounds, self._ones(device)).masked_fill_(counts == 0, 1.0)  # (unread)
         d = self.codec.encode_deferred(rows, classes, None, blocks=[self.dim] * n_tables)
         coded = d if isinstance(d, fmt.Deferred) else fmt.Deferred(d, _on_int(d.numel(), device))
-        slot_bytes = slots.to(self.slot_dtype).view(torch.uint8)  # [tables, capacity x width]
-        row_counts = counts.view(torch.uint8).view(-1, 8)[:, :4].reshape(-1)  # u32: an int64's low 4 bytes
+        slot_bytes = slots.to(self.slot_dtype, memory_format=torch.contiguous_format).view(torch.uint8)
+        row_counts = counts.to(torch.int32).view(torch.uint8)  # u32s (each under the capacity)
         pieces = [*slot_bytes.unbind(0), row_counts, coded.buffer]
         lengths = [*(counts * self.width).unbind(0), _on_int(row_counts.numel(), device), coded.length]
         prefix = torch.frombuffer(bytearray(_PREFIX.pack(MAGIC, 2, self.width, n_tables, 0, 0)), dtype=torch.uint8)
-        rows_sent = counts.sum().reshape(1).view(torch.uint8)[:4]  # a device value, in the prefix (2: Adler-32)
+        n_sent = counts.sum()
+        rows_sent = n_sent.reshape(1).view(torch.uint8)[:4]  # a device value, in the prefix (2: Adler-32)
         out, total = ops.frame(
             prefix, [rows_sent], [8], pieces, [n.reshape(()) for n in lengths],
             [-1] * len(pieces), [0] * len(pieces), 1, 1, -1, -1,
         )  # fmt: skip
         ops.adler32_seal_(out, total, 0, 0, _PREFIX.size, _CHECK_AT)
-        self._raw = self._raw + counts.sum() * self.dim * 4
-        self._coded = self._coded + coded.length
+        if not isinstance(self._raw, torch.Tensor) or not isinstance(self._coded, torch.Tensor):  # the first
+            self._raw, self._coded = _on_int(int(self._raw), device), _on_int(int(self._coded), device)
+        self._raw.add_(n_sent, alpha=self.dim * 4)
+        self._coded.add_(coded.length)
         return fmt.Deferred(out, total)
+
+    def _ones(self, device: torch.device) -> torch.Tensor:
+        """1.0 (float64) per table on ``device``, kept."""
+        if device not in self._unit:
+            self._unit[device] = torch.ones(len(self.features), dtype=torch.float64, device=device)
+        return self._unit[device]
 
     @staticmethod
     def settle(payload: torch.Tensor | fmt.Deferred, n: int) -> torch.Tensor:
@@ -305,8 +316,7 @@ class SyncWire:
         payload's prefix, its part table and slots' range found on the device at their capacity
         (the most tables and slots there can be), the verdict of its check and the counts."""
         srcs = list(range(len(payloads))) if srcs is None else list(srcs)
-        n_slots, n_tables = sum(self.sizes), len(self.sizes)
-        slot_dtype = torch.int16 if self.width == 2 else torch.int32
+        n_slots, n_tables = self.layout.n_slots, self.layout.n_tables
 
         def fail(i: int, why: str) -> HotWireError:
             return HotWireError(f"hot-row sync payload from rank {srcs[i]} ({payloads[i].numel()} bytes): {why}")
@@ -315,32 +325,33 @@ class SyncWire:
         # where payloads are the device's (version 2), the codec's head is read here too
         codec_heads = on_device and self.defers(payloads[0].device)
         head_size = (self.codec.head_size(n_tables) or 0) if codec_heads else 0
-        pieces, slots, valid = [], [], []
+        device = payloads[0].device if payloads else torch.device("cpu")
+        at, column = self._read_at(device, head_size)
+        n_bytes, pieces, slots = n_slots * self.width, [], []
+        held = torch.zeros(n_slots + 1, dtype=torch.bool, device=device)  # the last: a spare for unsent slots
         for i, payload in enumerate(payloads):
             size = payload.numel()
             if size < _PREFIX.size:
                 raise fail(i, f"shorter than its {_PREFIX.size}-byte prefix (truncated)")
-            n_rows = _u32(payload, 8)  # on the device: where the part table starts
-            at = torch.arange(n_slots * self.width, device=payload.device)
-            s = payload[(at + _PREFIX.size).clamp(max=size - 1)].view(slot_dtype).long()
-            live = torch.arange(n_slots, device=payload.device) < n_rows
-            in_range = (((s >= 0) & (s < n_slots)) | ~live).all()
-            table_at = _PREFIX.size + n_rows * self.width + torch.arange(n_tables * _PART.size, device=payload.device)
+            # one gather of its slots at capacity, prefix, part table and codec head (those two
+            # past the slots: moved by its row count, read on the device)
+            n_rows = payload[8:12].clone().view(torch.int32)
+            got = payload[torch.addcmul(at[0], at[1], n_rows).clamp_(0, size - 1)]
+            s = got[:n_bytes].view(self.slot_dtype).long()
+            clamped, unsent = s.clamp(0, n_slots - 1), column >= n_rows
+            in_range = ((clamped == s) | unsent).all()
             check = _adler_ok(payload) if on_device else in_range  # (in_range: a placeholder, not read)
-            flags = torch.stack([check, in_range]).to(torch.uint8)
-            table = payload[table_at.clamp(max=size - 1)]
-            pieces += [payload[: _PREFIX.size], table, flags]
-            if codec_heads:  # version 2: the codec payload follows the row counts
-                at = table_at[0] + n_tables * _COUNT.size + torch.arange(head_size, device=payload.device)
-                pieces.append(payload[at.clamp(max=size - 1)])
-            slots.append(s.clamp(0, max(n_slots - 1, 0)))
-            valid.append(live)
-        hit, counts = held_slots(slots, valid, self.layout)
+            pieces += [got[n_bytes:], check.reshape(1), in_range.reshape(1)]
+            held.index_fill_(0, clamped.masked_fill(unsent, n_slots), True)
+            slots.append(clamped)
+        hit = held[:n_slots]
+        counts = self.layout.sums(hit)
         raw = _host(torch.cat([*pieces, counts.view(torch.uint8)]))  # the one read
-        base = _PREFIX.size + n_tables * _PART.size + 2  # prefix, part table, flags
-        out, step = [], base + head_size
+        base = _PREFIX.size + n_tables * _PART.size  # prefix, part table (then the codec head, the flags)
+        out, step = [], base + head_size + 2
         for i, payload in enumerate(payloads):
-            head, codec_head = raw[i * step : i * step + base], raw[i * step + base : (i + 1) * step]
+            head = raw[i * step : i * step + base] + raw[(i + 1) * step - 2 : (i + 1) * step]  # with the flags
+            codec_head = raw[i * step + base : (i + 1) * step - 2]
             magic, version, width, n_parts, n_rows, check = _PREFIX.unpack_from(head)
             if magic != MAGIC or version not in CHECKS:
                 raise fail(i, f"not a hot-row sync payload (magic {magic!r}, version {version})")
@@ -368,6 +379,19 @@ class SyncWire:
             out.append((slots[i][:n_rows], rows))
         n_held = list(struct.unpack_from(f"<{n_tables}q", raw, len(payloads) * step))
         return out, hit, n_held
+
+    def _read_at(self, device: torch.device, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`decode_all`'s gather of a payload: its byte offsets and, [2, n] int64, how far
+        each moves per row sent (the slots at capacity, the prefix, the part table, ``head_size``
+        bytes of codec head), and each slot's column (kept per device and head size)."""
+        if (device, head_size) not in self._reads:
+            n, w, t, p = self.layout.n_slots * self.width, self.width, self.layout.n_tables, _PREFIX.size
+            head = torch.arange(p + t * _COUNT.size, p + t * _COUNT.size + head_size)
+            at = torch.cat([p + torch.arange(n), torch.arange(p), p + torch.arange(t * _PART.size), head])
+            moves = (torch.arange(at.numel()) >= n + p) * w
+            consts = (torch.stack([at, moves]), torch.arange(self.layout.n_slots))
+            self._reads[device, head_size] = tuple(c.to(device) for c in consts)  # type: ignore[assignment]
+        return self._reads[device, head_size]
 
     def _rows(
         self, payload: torch.Tensor, head: bytes, at: int, n_rows: int, fail: Callable[[str], HotWireError]
@@ -451,22 +475,16 @@ def _adler_ok(payload: torch.Tensor) -> torch.Tensor:
     return ops.adler32_holds(payload, None, payload.numel(), 0, _PREFIX.size, _CHECK_AT).bool()
 
 
-def _u32(payload: torch.Tensor, at: int) -> torch.Tensor:
-    """The little-endian u32 at byte ``at`` of a payload, as an int64 0-d tensor on its device."""
-    b = payload[at : at + 4].long()
-    return b[0] + (b[1] << 8) + (b[2] << 16) + (b[3] << 24)
-
-
 def _on(raw: bytes, device: torch.device) -> torch.Tensor:
     """Host bytes (the framing) as a uint8 tensor on ``device``, sent without waiting for its queue."""
     t = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
     return t if device.type == "cpu" else t.to(device, non_blocking=True)
 
 
-def device_bound_class(bound: torch.Tensor) -> torch.Tensor:
-    """:func:`bound_class` of float64 bounds on their device (no host wait)."""
-    exponent = torch.frexp(bound).exponent
-    return torch.where(bound > 0, torch.ldexp(torch.ones_like(bound), exponent - 1), 0.0)
+def device_bound_class(bound: torch.Tensor, ones: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`bound_class` of float64 bounds on their device (no host wait); ``ones``: 1.0 each."""
+    ones = torch.ones_like(bound) if ones is None else ones
+    return torch.ldexp(ones, torch.frexp(bound).exponent - 1) * (bound > 0)  # (a power of two, or 0)
 
 
 def _on_int(values: int | list[int], device: torch.device) -> torch.Tensor:
