@@ -148,7 +148,7 @@ def pack(
     head = header_bytes(header, lengths, check)
     prefix = head[: _PREFIX.size]
     pieces = [upload(torch.frombuffer(bytearray(head), dtype=torch.uint8), device)]
-    zeros = upload(_ZEROS, device) if any(_pad(n) for n in lengths) else None
+    zeros = header_on(bytes(_ALIGN), device) if any(_pad(n) for n in lengths) else None  # (up once)
     for p, n in zip(body_parts, lengths, strict=True):
         pieces.append(_on(p, device))
         if zeros is not None and _pad(n):
@@ -331,9 +331,6 @@ def _holds(payload: torch.Tensor) -> torch.Tensor:
     return ops.adler32_holds(payload, None, payload.numel(), _CRC_AT, 4, _CRC_AT)
 
 
-_ZEROS = torch.zeros(_ALIGN, dtype=torch.uint8)
-
-
 def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` on ``device``: host bytes go up with one copy (:func:`compression.backend.upload`)."""
     return t if t.device == device else upload(t, device)
@@ -474,12 +471,12 @@ def _read_head(payload: torch.Tensor, backend: Backend) -> tuple[bytes, int | No
 
 def verdict(payload: torch.Tensor, backend: Backend | None = None) -> torch.Tensor:
     """Whether a payload's check (the one ``backend``, by default the device's, writes) holds, as
-    a 0-d bool tensor where the payload is: on a device no host wait (read later with other
-    numbers)."""
+    a 0-d int64 1/0 tensor where the payload is: on a device no host wait (read later with other
+    numbers, as they are: no cast to launch)."""
     if (backend or backend_for(payload.device)).check == "adler32":
-        return _holds(payload).bool()
+        return _holds(payload)
     crc = _crc32(payload[_PREFIX.size :], zlib.crc32(_host_bytes(payload, _CRC_AT)))  # the CPU: free
-    return torch.tensor(crc == int.from_bytes(_host_bytes(payload, _PREFIX.size)[_CRC_AT:], "little"))
+    return torch.tensor(int(crc == int.from_bytes(_host_bytes(payload, _PREFIX.size)[_CRC_AT:], "little")))
 
 
 def view_as(section: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:

@@ -51,8 +51,22 @@ from .base import (
     register,
 )
 from .format import PayloadError
+from .positions import (  # the device coding of positions (re-exported: callers name them here)
+    BITMAP,
+    DELTAS,
+    PACKED,
+    _bits_of,
+    _bytes_of,
+    _compact,
+    _pack_bits_capacity,
+    bitmap_bytes,
+    delta_width,
+    known_positions,
+    pack_bits,
+    positions_mode,
+    unpack_bits,
+)
 
-DELTAS, BITMAP, PACKED = 0, 1, 2
 VALUE_CODECS = ("none", "fp16", "bf16", "lossy")
 Threshold = float | torch.Tensor  # a 0-d float32 tensor stays on its device (no host wait)
 
@@ -84,76 +98,6 @@ def _checked(threshold: Threshold | Sequence[Threshold]) -> list[Threshold]:
     if any(not t >= 0.0 for t in ts if isinstance(t, float)):  # NaN fails too
         raise ValueError(f"threshold must be >= 0, got {threshold!r}")
     return ts
-
-
-def delta_width(keep: torch.Tensor) -> torch.Tensor:
-    """Bits of the largest delta between kept positions (the first from 0) of a flat mask, at
-    least 1: the width of the bit-packed deltas, as an int64 0-d tensor on the mask's device."""
-    pos = torch.arange(keep.numel(), device=keep.device)
-    last = torch.where(keep, pos, -1).cummax(0).values  # the last kept position at or before each
-    prev = torch.cat([last.new_zeros(1), last[:-1]]).clamp_(min=0)
-    largest = torch.where(keep, pos - prev, 0).max() if keep.numel() else pos.new_zeros(())
-    return (largest >> torch.arange(63, device=keep.device)).gt(0).sum().clamp_(min=1)
-
-
-def positions_mode(n: int, count: int, width: int) -> int:
-    """The device coding of ``count`` positions among ``n`` with deltas of ``width`` bits: the
-    bit-packed deltas when smaller than the bitmap."""
-    return PACKED if (count * width + 7) // 8 < (n + 7) // 8 else BITMAP
-
-
-def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
-    """Non-negative int64 values below ``2**width`` as one little-endian bit stream (uint8)."""
-    bits = values.reshape(-1, 1).bitwise_right_shift(torch.arange(width, device=values.device)).bitwise_and_(1)
-    return _bytes_of(bits.reshape(-1), msb_first=False)
-
-
-def unpack_bits(section: torch.Tensor, count: int, width: int) -> torch.Tensor:
-    """The ``count`` int64 values of ``width`` bits that :func:`pack_bits` wrote."""
-    bits = _bits_of(section, count * width, msb_first=False).view(count, width).long()
-    return bits.bitwise_left_shift_(torch.arange(width, device=section.device)).sum(1)
-
-
-def _pack_bits_capacity(values: torch.Tensor, count: torch.Tensor, width: torch.Tensor, bits: int) -> torch.Tensor:
-    """:func:`pack_bits` of ``values[:count]`` at a ``width`` known on the device only (0-d
-    int64 tensors): the stream's first ``bits`` bits (zero past ``count * width``), as bytes."""
-    at = torch.arange(bits, device=values.device)
-    which = (at // width).clamp_(max=max(values.numel() - 1, 0))  # the value each bit belongs to
-    bit = values[which].bitwise_right_shift(at % width).bitwise_and_(1)
-    return _bytes_of(torch.where(at < count * width, bit, 0), msb_first=False)
-
-
-def _bytes_of(bits: torch.Tensor, msb_first: bool) -> torch.Tensor:
-    """0/1 values, 8 to a byte (the first in the high bit with ``msb_first``: numpy's packbits)."""
-    bits = torch.cat([bits.to(torch.int32), bits.new_zeros(-bits.numel() % 8, dtype=torch.int32)])
-    shifts = torch.arange(8, device=bits.device, dtype=torch.int32)
-    weights = torch.ones(8, dtype=torch.int32, device=bits.device)
-    weights.bitwise_left_shift_(shifts.flip(0) if msb_first else shifts)
-    return (bits.view(-1, 8) * weights).sum(1, dtype=torch.int32).to(torch.uint8)
-
-
-def _bits_of(section: torch.Tensor, n: int, msb_first: bool) -> torch.Tensor:
-    """The first ``n`` bits of a byte stream, as uint8 0/1 (inverse of :func:`_bytes_of`)."""
-    shifts = torch.arange(8, device=section.device, dtype=torch.uint8)
-    bits = section.reshape(-1, 1).bitwise_right_shift(shifts.flip(0) if msb_first else shifts).bitwise_and_(1)
-    return bits.reshape(-1)[:n]
-
-
-def _compact(keep: torch.Tensor, count: int) -> torch.Tensor:
-    """The flat indices of the first ``count`` set entries of a mask, without ``nonzero`` (its
-    output size would have to be read on the host); entries past ``count`` are dropped."""
-    slot = keep.cumsum(0).sub_(1).masked_fill_(~keep, count).clamp_(max=count)
-    idx = torch.zeros(count + 1, dtype=torch.int64, device=keep.device)
-    return idx.scatter_(0, slot, torch.arange(keep.numel(), device=keep.device))[:count]
-
-
-def known_positions(section: torch.Tensor, n: int, count: int, mode: int, width: int) -> torch.Tensor:
-    """The flat indices of device-coded positions (``mode`` :data:`PACKED` or :data:`BITMAP`)
-    whose count and width the host knows, without a host synchronisation: kept in range, so that
-    a damaged payload (its check read later) decodes into wrong values, never out of bounds."""
-    if mode == PACKED:
-        return unpack_bits(section, count, width).cumsum(0).clamp_(0, max(n - 1, 0))
-    return _compact(_bits_of(section, n, msb_first=True).bool(), count)
 
 
 def refresh_due(iteration: int, every: int, warmup: bool = True) -> bool:
@@ -202,9 +146,9 @@ class ThresholdCodec(Codec):
         out = torch.empty(x.shape, dtype=torch.bool, device=x.device)
         c = 0
         for t, w in zip(ts, widths, strict=True):
-            torch.ge(x[:, c : c + w].abs(), t, out=out[:, c : c + w])  # +-inf pass, NaN does not
+            torch.lt(x[:, c : c + w].abs(), t, out=out[:, c : c + w])  # the entries that stay: NaN does not
             c += w
-        return out.logical_or_(torch.isnan(x))
+        return out.logical_not_()  # +-inf pass (a threshold is never NaN: a float's is checked, a tensor's a k-th |x|)
 
     def count(self, payload: torch.Tensor) -> int:
         """How many entries a payload carries."""
@@ -274,9 +218,9 @@ class ThresholdCodec(Codec):
         idx = _compact(keep, count)
         mode = positions_mode(keep.numel(), count, width)
         if mode == PACKED:
-            positions = pack_bits(torch.diff(idx, prepend=idx.new_zeros(1)), width)
+            positions = pack_bits(idx - torch.nn.functional.pad(idx[:-1], (1, 0)), width)  # the deltas
         else:
-            positions = _bytes_of(keep, msb_first=True)
+            positions = bitmap_bytes(idx, keep.numel())
         values = self._values.encode(x.reshape(-1).index_select(0, idx).float().view(-1, 1), eb)
         info = [mode, count, width if mode == PACKED else 0, 0]
         header = fmt.Header(self.codec_id, x.dtype, rows, cols, list(blocks), [math.inf] * len(blocks), info=info)
@@ -347,10 +291,19 @@ class ThresholdCodec(Codec):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`decode` of an :meth:`encode_known` payload whose shape, count and width the
         host knows, without a host synchronisation: the dense tensor, and whether the payload's
-        check holds as a 0-d bool tensor (to be read later; until then a damaged payload decodes
+        check holds as a 0-d int64 tensor (1: it holds) (to be read later; until then a damaged payload decodes
         into wrong values, its positions kept in range). A wrong length raises at once."""
         rows, cols = shape
-        n = rows * cols
+        idx, values, ok = self.known_entries(payload, rows * cols, blocks, count, width)
+        dense = torch.zeros(rows, cols, dtype=dtype, device=payload.device)
+        dense.view(-1).index_copy_(0, idx, values.to(dtype))  # as decode: the cast codec's fp32, then dtype
+        return dense, ok
+
+    def known_entries(
+        self, payload: torch.Tensor, n: int, blocks: Sequence[int], count: int, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`decode_known` of a payload of ``n`` entries, as the flat positions and the (fp32)
+        values it carries and its check, for a caller that places them itself."""
         size = self.payload_size(n, blocks, count, width)
         if payload.numel() != size:
             raise PayloadError(
@@ -360,11 +313,9 @@ class ThresholdCodec(Codec):
         at = _payload_len("threshold", len(blocks), 2)
         mode = positions_mode(n, count, width)
         p = (count * width + 7) // 8 if mode == PACKED else (n + 7) // 8
-        idx = known_positions(payload[at : at + p], n, count, mode, width)
+        idx = known_positions(payload[at : at + p + (-p % 8)], n, count, mode, width)  # (padded: whole words)
         values = self._known_values(payload[at + p + (-p % 8) :], count)
-        dense = torch.zeros(rows, cols, dtype=dtype, device=payload.device)
-        dense.view(-1).index_copy_(0, idx, values.to(dtype))  # as decode: the cast codec's fp32, then dtype
-        return dense, fmt.verdict(payload, self.backend_for(payload.device))
+        return idx, values, fmt.verdict(payload, self.backend_for(payload.device))
 
     def _known_values(self, section: torch.Tensor, count: int) -> torch.Tensor:
         """The ``count`` cast values (fp32) of a values section, past its (fixed) header: no read."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dlrm.dense_comm.dct.payload import Coding, segments
+from dlrm.dense_comm.dct.payload import Coding, Segments
 from dlrm.dense_comm.dct.state import Accumulated, DCTState, DenseCommError, cannot_decode
 from dlrm.performance.network import ring_allreduce_bytes
 from dlrm.process.instrument import on_the_wire
@@ -27,7 +27,7 @@ from dlrm_compression.format import PayloadError
 
 Future = torch.futures.Future
 Decode = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
-Check = tuple[torch.Tensor, str]  # a received payload's check (0-d bool) and what to call it if it fails
+Check = tuple[torch.Tensor, str]  # a received payload's check (0-d, 1: it holds) and what to call it if it fails
 
 
 class AllGather:
@@ -83,13 +83,12 @@ class ReduceScatter:
         assert state.pg is not None
         pg, coding = state.pg, Coding.of(state.codec, acc.f.device)
         ws, me = pg.size(), pg.rank()
-        owned = segments(acc.numels, ws, acc.f.device)  # per rank: its positions in the bucket, and piece widths
-        blocks = [[w for w in widths if w] for _, widths in owned]
-        p1 = self._scatter(state, coding, acc, thresholds, owned, blocks)
-        mine, buf = owned[me][0], acc.buf
+        seg = state.segments(acc.numels, ws, acc.f.device)  # per rank: its positions in the bucket, piece widths
+        p1 = self._scatter(state, coding, acc, thresholds, seg)
+        mine, buf, blocks = seg.index[me], acc.buf, [seg.blocks(r) for r in range(ws)]
         # phase 2: the owner's own selection of each piece of the summed segment, its own error feedback
         total = p1.total
-        ts = state.owner_thresholds(total, acc.numels, owned[me][1])
+        ts = state.owner_thresholds(total, acc.numels, seg.widths[me])
         keep = coding.mask(total, blocks[me], ts)
         word, made = coding.first(total, keep, blocks[me], ts, state.bound(total))
         summed, dropped = state.keep_owner_residuals(acc, total, coding.sent(total, keep, made), mine)
@@ -100,16 +99,13 @@ class ReduceScatter:
         words, (sender_norm, owner_norm, *taus) = _read(gathered, stats, p1.checks)  # phase 2's one host read
         threshold = max(taus)
         state.norm_sq += sender_norm**2 + owner_norm**2
-        lengths = [coding.size(owned[r][0].numel(), blocks[r], w) for r, w in enumerate(words)]
+        lengths = [coding.size(seg.index[r].numel(), blocks[r], w) for r, w in enumerate(words)]
         payload = coding.encoded(total, keep, blocks[me], words[me], made)
         state.stats.record(wire=p1.wire, comm_ms=1e3 * p1.exchange_s)
 
         def decode(r: int, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-            index = owned[r][0]
-            piece, ok = coding.decode(part, index.numel(), buf.dtype, blocks[r], words[r])
-            other = torch.zeros_like(buf)
-            other[index] = piece
-            return other, ok
+            index = seg.index[r]  # decoded straight into the bucket's positions, zeros elsewhere
+            return coding.decode(part, index.numel(), buf.dtype, blocks[r], words[r], at=(index, buf.numel()))
 
         times = (t0 + p1.exchange_s, t4)  # codec time: both phases, not the phase-1 payload exchange
         kept = p1.kept + coding.count(words[me], payload)
@@ -117,67 +113,60 @@ class ReduceScatter:
 
     @staticmethod
     def _scatter(
-        state: DCTState,
-        coding: Coding,
-        acc: Accumulated,
-        thresholds: list[torch.Tensor],
-        owned: list[tuple[torch.Tensor, list[int]]],
-        blocks: list[list[int]],
+        state: DCTState, coding: Coding, acc: Accumulated, thresholds: list[torch.Tensor], seg: Segments
     ) -> _Scattered:
         """Phase 1: what this rank selected of each other rank's segment to its owner, and every
-        rank's selection of ours, summed in rank order with our own segment whole."""
+        rank's selection of ours, summed in rank order with our own segment whole. The bucket
+        and its mask are permuted once, rank by rank: each rank's piece is a view."""
         assert state.pg is not None
         pg, f = state.pg, acc.f
         ws, me = pg.size(), pg.rank()
-        mine = owned[me][0]
-        pieces = [f[index] for index, _ in owned]
+        mine, blocks = seg.index[me], [seg.blocks(r) for r in range(ws)]
         keep = coding.mask(f, acc.numels, thresholds)
-        masks = [keep[:0] if r == me else keep[index] for r, (index, _) in enumerate(owned)]
+        f_by, keep_by = f[seg.perm], keep[seg.perm]
         eb = state.bound(f)
-        firsts: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        for r, (_, widths) in enumerate(owned):
-            if r == me:  # our own segment does not travel
-                firsts.append((torch.zeros((), dtype=torch.int64, device=f.device), None))
-                continue
-            ts = [t for t, w in zip(thresholds, widths, strict=True) if w]
-            firsts.append(coding.first(pieces[r], masks[r], blocks[r], ts, eb))
+        peers = [r for r in range(ws) if r != me]  # our own segment does not travel
+        firsts: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {me: (seg.zero, None)}
+        for r in peers:
+            ts = [t for t, w in zip(thresholds, seg.widths[r], strict=True) if w]
+            firsts[r] = coding.first(seg.of(f_by, r), seg.of(keep_by, r), blocks[r], ts, eb)
         if not coding.by_count:  # decoded from the payloads, coded first
             sent = torch.empty_like(f)
-            for r, (index, _) in enumerate(owned):
-                if r != me:
-                    sent[index] = coding.sent(pieces[r], masks[r], firsts[r][1])
+            for r in peers:
+                sent[seg.index[r]] = coding.sent(seg.of(f_by, r), seg.of(keep_by, r), firsts[r][1])
         else:
             sent = coding.sent(f, keep, None)
-        sent[mine] = pieces[me]  # what each owner adds for us: our own segment whole
+        sent[mine] = seg.of(f_by, me)  # what each owner adds for us: our own segment whole
         residual = state.keep_residuals(acc, sent)
-        words = torch.stack([w for w, _ in firsts])
+        words = torch.stack([firsts[r][0] for r in range(ws)])
         recv = torch.empty_like(words)
         dist.all_to_all_single(recv, words, group=pg)
         values, _ = _read([words, recv])  # phase 1's one host read
         out_words, in_words = values[:ws], values[ws:]
-        sizes = [0 if r == me else coding.size(owned[r][0].numel(), blocks[r], w) for r, w in enumerate(out_words)]
+        sizes = [0 if r == me else coding.size(seg.index[r].numel(), blocks[r], w) for r, w in enumerate(out_words)]
         recv_sizes = [0 if r == me else coding.size(mine.numel(), blocks[me], w) for r, w in enumerate(in_words)]
-        empty = torch.zeros(0, dtype=torch.uint8, device=f.device)
         payloads = [
-            empty if r == me else coding.encoded(pieces[r], masks[r], blocks[r], w, firsts[r][1])
+            torch.empty(0, dtype=torch.uint8, device=f.device)
+            if r == me
+            else coding.encoded(seg.of(f_by, r), seg.of(keep_by, r), blocks[r], w, firsts[r][1])
             for r, w in enumerate(out_words)
         ]
         t0 = time.perf_counter()
         received = _all_to_all(state, payloads, recv_sizes)
         exchange_s = time.perf_counter() - t0
+        # summed in rank order from zeros (so no -0.0: a payload's entries are added where they go)
         total = torch.zeros(mine.numel(), dtype=f.dtype, device=f.device)
         checks: list[Check] = []
 
-        def decode(r: int, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-            return coding.decode(part, mine.numel(), f.dtype, blocks[me], in_words[r])
+        def add(r: int, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+            return total, coding.add(total, part, blocks[me], in_words[r])
 
         for r in range(ws):
             if r == me:
-                total += pieces[me]
+                total += seg.of(f_by, me)
                 continue
             what = cannot_decode(pg, acc.index, r, recv_sizes[r], state.iteration)
-            other, ok = _decoded(what, decode, r, received[r])
-            total += other
+            _, ok = _decoded(what, add, r, received[r])
             checks += [(ok, what)] if ok is not None else []
         wire = sum(8 + n for r, n in enumerate(sizes) if r != me)  # size words and payloads
         kept = sum(coding.count(w, firsts[r][1]) for r, w in enumerate(out_words) if r != me)
@@ -220,8 +209,7 @@ def _exchange(
     ws, me = pg.size(), pg.rank()
     src, iteration = dist.get_global_rank(pg, me), state.iteration
     payload = on_the_wire(payload, src=src, dst=-1, direction="dense", iteration=iteration)
-    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=buf.device)
-    padded[: payload.numel()] = payload
+    padded = torch.nn.functional.pad(payload, (0, max(lengths) - payload.numel()))
     outs = [torch.empty_like(padded) for _ in range(ws)]
     fut = dist.all_gather(outs, padded, group=pg, async_op=True).get_future()
     launched = time.perf_counter()
@@ -274,7 +262,9 @@ def _all_to_all(state: DCTState, payloads: list[torch.Tensor], recv_sizes: list[
         for r, p in enumerate(payloads)
     ]
     out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=payloads[0].device)
-    dist.all_to_all_single(out, torch.cat(payloads), recv_sizes, [p.numel() for p in payloads], group=pg)
+    sending = [p for p in payloads if p.numel()]
+    send = sending[0] if len(sending) == 1 else torch.cat(payloads)  # one payload alone: no copy to launch
+    dist.all_to_all_single(out, send, recv_sizes, [p.numel() for p in payloads], group=pg)
     return list(out.split(recv_sizes))
 
 

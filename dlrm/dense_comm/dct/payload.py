@@ -23,7 +23,8 @@ import torch
 
 import dlrm_compression as compression
 from dlrm_compression.format import PayloadError
-from dlrm_compression.sparse import Threshold, ThresholdCodec, delta_width
+from dlrm_compression.positions import width_less_one
+from dlrm_compression.sparse import Threshold, ThresholdCodec
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class Coding:
         """The word of this rank's payload of ``x`` where ``keep`` is set (a 0-d int64 tensor on
         ``x``'s device), and the payload where it must be coded before its size is known."""
         if self.by_count:
-            return keep.sum() * 64 + delta_width(keep) - 1, None  # count and delta width (1..64)
+            return torch.add(width_less_one(keep), keep.sum(), alpha=64), None  # count and delta width (1..64)
         payload = self.codec.encode(x.view(1, -1), eb, blocks=blocks, thresholds=thresholds)
         return torch.tensor(payload.numel(), dtype=torch.int64, device=x.device), payload
 
@@ -81,36 +82,80 @@ class Coding:
         return self.codec.encode_known(x.view(1, -1), keep, word >> 6, (word & 63) + 1, blocks)
 
     def decode(
-        self, part: torch.Tensor, n: int, dtype: torch.dtype, blocks: Sequence[int], word: int
+        self,
+        part: torch.Tensor,
+        n: int,
+        dtype: torch.dtype,
+        blocks: Sequence[int],
+        word: int,
+        at: tuple[torch.Tensor, int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A received payload of ``n`` entries in ``blocks``, sized by ``word``: its values (flat),
-        and its check as a 0-d bool tensor still to be read (None: checked already)."""
+        """A received payload of ``n`` entries in ``blocks``, sized by ``word``: its values (flat;
+        with ``at``, (positions, size), placed at those positions of zeros of that size), and
+        its check as a 0-d tensor (1: it holds) still to be read (None: checked already)."""
+        size = n if at is None else at[1]
         if self.by_count:
-            dense, ok = self.codec.decode_known(part, (1, n), dtype, blocks, word >> 6, (word & 63) + 1)
-            return dense.view(-1), ok
+            idx, values, ok = self.codec.known_entries(part, n, blocks, word >> 6, (word & 63) + 1)
+            dense = torch.zeros(size, dtype=dtype, device=part.device)  # as decode: the cast's fp32, then dtype
+            return dense.index_copy_(0, idx if at is None else at[0].index_select(0, idx), values.to(dtype)), ok
         decoded = compression.decode(part)
         if decoded.numel() != n:
             raise PayloadError(f"{decoded.numel()} gradients, expected {n}")
-        return decoded.view(-1), None
+        if at is None:
+            return decoded.view(-1), None
+        dense = torch.zeros(size, dtype=dtype, device=part.device)
+        dense[at[0]] = decoded.view(-1).to(dtype)
+        return dense, None
+
+    def add(self, total: torch.Tensor, part: torch.Tensor, blocks: Sequence[int], word: int) -> torch.Tensor | None:
+        """Add a received payload of ``total.numel()`` entries in ``blocks``, sized by ``word``, to
+        ``total``; its check as :meth:`decode`'s. The same bits as adding its dense decode where
+        no entry of ``total`` is -0.0 (a sum that starts from zeros: adding 0.0 changes nothing)."""
+        if not self.by_count:
+            dense, ok = self.decode(part, total.numel(), total.dtype, blocks, word)
+            total.add_(dense)
+            return ok
+        idx, values, ok = self.codec.known_entries(part, total.numel(), blocks, word >> 6, (word & 63) + 1)
+        total.index_add_(0, idx, values.to(total.dtype))
+        return ok
 
 
-def segments(numels: list[int], ws: int, device: torch.device) -> list[tuple[torch.Tensor, list[int]]]:
+@dataclass(frozen=True)
+class Segments:
+    """Each rank's segment of a bucket (:func:`segments`)."""
+
+    index: list[torch.Tensor]  # per rank: its positions in the bucket, in bucket order
+    widths: list[list[int]]  # per rank: the width of its piece of each parameter (0: fewer entries than ranks)
+    perm: torch.Tensor  # every rank's positions, rank by rank
+    starts: list[int]  # where each rank's positions start in ``perm`` (and the end)
+    zero: torch.Tensor  # a 0-d int64 zero: the word of a payload to oneself
+
+    def blocks(self, r: int) -> list[int]:
+        """Rank ``r``'s non-empty pieces' widths."""
+        return [w for w in self.widths[r] if w]
+
+    def of(self, permuted: torch.Tensor, r: int) -> torch.Tensor:
+        """Rank ``r``'s segment of a bucket-sized tensor permuted by ``perm`` (a view)."""
+        return permuted[self.starts[r] : self.starts[r + 1]]
+
+
+def segments(numels: list[int], ws: int, device: torch.device) -> Segments:
     """Each rank's segment of a bucket of parameters of ``numels`` entries: the r-th of W
     contiguous pieces of every parameter, as its positions in the bucket (in bucket order) and
     the width of each piece (0 where a parameter has fewer entries than ranks)."""
-    out = []
+    index, widths = [], []
     for r in range(ws):
-        starts, ends, widths = [], [], []
-        at = 0
+        bounds, at = [], 0
         for n in numels:
-            lo, hi = at + n * r // ws, at + n * (r + 1) // ws
-            starts.append(lo)
-            ends.append(hi)
-            widths.append(hi - lo)
+            bounds.append((at + n * r // ws, at + n * (r + 1) // ws))
             at += n
-        index = torch.cat([torch.arange(lo, hi, device=device) for lo, hi in zip(starts, ends, strict=True)])
-        out.append((index, widths))
-    return out
+        index.append(torch.cat([torch.arange(lo, hi, device=device) for lo, hi in bounds]))
+        widths.append([hi - lo for lo, hi in bounds])
+    starts = [0]
+    for i in index:
+        starts.append(starts[-1] + i.numel())
+    zero = torch.zeros((), dtype=torch.int64, device=device)
+    return Segments(index, widths, torch.cat(index), starts, zero)
 
 
 def _made(payload: torch.Tensor | None) -> torch.Tensor:

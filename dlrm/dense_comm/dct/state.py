@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from dlrm.dense_comm.config import DenseCommSpec
+from dlrm.dense_comm.dct.payload import Segments, segments
 from dlrm.dense_comm.stats import DenseStats
 from dlrm.performance.network import cheaper_aggregation
 from dlrm_compression.sparse import ThresholdCodec, refresh_due
@@ -65,6 +66,8 @@ class DCTState:
         self.sizer = ThresholdCodec(values="none" if spec.values == "lossy" else spec.values).with_backend(spec.backend)
         self.pg: dist.ProcessGroup | None = None
         self.names: dict[int, str] = {}
+        # the reduce-scatter's segments of each bucket layout (numels, ranks, device): made once
+        self.layouts: dict[tuple[tuple[int, ...], int, torch.device], Segments] = {}
 
     def prepare(self, module: torch.nn.Module, pg: dist.ProcessGroup) -> None:
         """Learn the DDP module's parameter names (the keys of the per-parameter state) and its group."""
@@ -119,14 +122,23 @@ class DCTState:
             self.residuals[name] = piece
         return residual
 
+    def segments(self, numels: list[int], ws: int, device: torch.device) -> Segments:
+        """The reduce-scatter's segments of a bucket of parameters of ``numels`` entries over
+        ``ws`` ranks (:func:`.payload.segments`), made at the layout's first bucket."""
+        key = (tuple(numels), ws, device)
+        if key not in self.layouts:
+            self.layouts[key] = segments(numels, ws, device)
+        return self.layouts[key]
+
     def owner_thresholds(self, total: torch.Tensor, numels: list[int], widths: list[int]) -> list[torch.Tensor]:
         """The reduce-scatter owner's threshold of each piece of its summed segment ``total`` (one
         per non-empty piece of ``widths``): its k-th largest ``|sum|`` for ``keep``, every
         iteration, or 0 (all of it) for a parameter under ``min_numel``."""
         pieces = [(n, w) for n, w in zip(numels, widths, strict=True) if w]
-        zero = torch.zeros((), dtype=torch.float32, device=total.device)
         return [
-            kth_largest(piece, self.spec.keep) if n >= self.spec.min_numel else zero
+            kth_largest(piece, self.spec.keep)
+            if n >= self.spec.min_numel
+            else torch.zeros((), dtype=torch.float32, device=total.device)
             for (n, _), piece in zip(pieces, total.split([w for _, w in pieces]), strict=True)
         ]
 
