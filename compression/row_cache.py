@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import row_ops
 from .backend import Backend, backend_for
 
 _INDEX = ("ids", "slots", "ticks", "free")  # one block's saved index tensors (int64)
@@ -89,6 +90,11 @@ class RowCaches:
     def device(self) -> torch.device:
         return self._rows.device
 
+    @property
+    def table(self) -> torch.Tensor:
+        """The row table ([rows, widest], row 0 the spare): the rows :meth:`find`'s answers point at."""
+        return self._rows
+
     def to_(self, device: torch.device) -> RowCaches:
         """Move the caches to ``device``, in place (a restored checkpoint's)."""
         self._index, self._ticks, self._free = (t.to(device) for t in (self._index, self._ticks, self._free))
@@ -127,6 +133,14 @@ class RowCaches:
             held &= valid
         return got[1] * held, held, key
 
+    def find_unique(
+        self, ids: torch.Tensor, first: torch.Tensor, counts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`find` of every block's unique ids of a chunk, at capacity: block k's u-th the id
+        of ``ids`` [rows, n_blocks] at row ``first[k, u]``, valid below ``counts[k]`` (an id plan's):
+        (the ids, valid, rows, held, keys), one op (:func:`compression.row_ops.row_find`)."""
+        return row_ops.row_find(self._index, ids, first, counts, self.bits)
+
     def peek(self, rows: torch.Tensor) -> torch.Tensor:
         """The held rows at ``rows`` (from :meth:`find`), ``[*rows.shape, width]``; unspecified
         where not held (row 0): for a caller that overwrites those."""
@@ -141,12 +155,14 @@ class RowCaches:
         valid: torch.Tensor,
         counts: Sequence[int],
         n_held: Sequence[int],
+        new: torch.Tensor | None = None,
     ) -> None:
         """Hold ``values`` [n_blocks, q, width] under the ids of ``keys`` [n_blocks, q] (block
         k's first ``counts[k]``, ascending, where ``valid``), making them the most recent, then
         evict past the capacity (module docstring). ``rows``, ``held``, ``keys``: :meth:`find`'s
         answer for these ids (nothing changed the caches since); ``n_held``: how many each block
-        holds. No host wait: a fixed number of operations whatever the number of blocks."""
+        holds; ``new``: the ids not held (``valid ^ held``), where the caller has them. No host
+        wait: a fixed number of operations whatever the number of blocks."""
         if not sum(counts):
             return
         self._clock += 1
@@ -155,7 +171,7 @@ class RowCaches:
         after = [min(c + k, cap) if cap else c + k for c, k in zip(self._len, n_new, strict=True)]
         evicts = any(a < c + k for a, c, k in zip(after, self._len, n_new, strict=True))
         self._grow(after)
-        new = valid ^ held  # (held ids are valid)
+        new = valid ^ held if new is None else new  # (held ids are valid)
         index = self._index
         if evicts:
             # a call past a block's capacity does not keep its own smallest ids (its first):
@@ -182,8 +198,8 @@ class RowCaches:
                 take, n_free = self._free, self._free.numel()
                 at = (n_free - new.reshape(-1).cumsum(0)).clamp_(min=n_free - sum(n_new), max=n_free - 1)
                 self._free = self._free[: n_free - sum(n_new)]
-            rows = rows + take.index_select(0, at).view_as(rows) * new
-            index = torch.cat([index, torch.stack([keys.masked_fill(~new, INF), rows]).view(2, -1)], 1)
+            rows = torch.where(new, take.index_select(0, at).view_as(rows), rows)  # (new ids' rows are 0)
+            index = torch.cat([index, torch.stack([torch.where(new, keys, _inf(keys.device)), rows]).view(2, -1)], 1)
         if index.shape[1] != sum(after) + 1 or any(n_new):  # the keys ascending, the gone ones (INF) past the end
             index = index.index_select(1, torch.sort(index[0]).indices[: sum(after) + 1])
         self._ticks.index_fill_(0, rows.reshape(-1), clock)  # (and the spare's)
@@ -228,9 +244,10 @@ class RowCaches:
         self._alloc = alloc
         if more:
             n = self._rows.shape[0]
-            self._rows = torch.cat([self._rows, self._rows.new_zeros(more, self.dim)])
-            self._ticks = torch.cat([self._ticks, self._ticks.new_zeros(more)])
-            self._free = torch.cat([torch.arange(n + more - 1, n - 1, -1, device=self.device), self._free])
+            self._rows = torch.nn.functional.pad(self._rows, (0, 0, 0, more))  # zeros
+            self._ticks = torch.nn.functional.pad(self._ticks, (0, more))
+            rows = torch.arange(n + more - 1, n - 1, -1, device=self.device)
+            self._free = torch.cat([rows, self._free]) if self._free.numel() else rows
 
     def ids(self, block: int) -> list[int]:
         """Block ``block``'s held ids, least recent first (for comparing two copies)."""
@@ -433,6 +450,16 @@ def _columns(n: int, device: torch.device) -> torch.Tensor:
             _COLUMNS.clear()
         _COLUMNS[key] = torch.arange(n, device=device)[None, :]
     return _COLUMNS[key]
+
+
+_INF: dict[torch.device, torch.Tensor] = {}
+
+
+def _inf(device: torch.device) -> torch.Tensor:
+    """:data:`INF` as an int64 0-d tensor on ``device``, made once per device."""
+    if device not in _INF:
+        _INF[device] = torch.tensor(INF, dtype=torch.int64).to(device)
+    return _INF[device]
 
 
 def _on_int(values: Sequence[int], device: torch.device) -> torch.Tensor:

@@ -15,17 +15,17 @@ its unique ids in ascending order:
 
 Payload: one flag byte per block (1: moved rows travel as differences), the bits of every held
 id (packed), then one lossy payload of each block's fresh rows then moved rows, with ids
-``fresh ++ moved`` (padded, see :func:`_code`). Only
-training forwards use the caches (evaluation sends as today); each rank's caches are part of its
-checkpoint (:meth:`ForwardCache.state_dict`), so saving changes nothing and a resumed run matches
-an uninterrupted one bit for bit.
+``fresh ++ moved`` (padded, see :func:`.cache_layout.code`). Only training forwards use the
+caches (evaluation sends as today); each rank's caches are part of its checkpoint
+(:meth:`ForwardCache.state_dict`): a resumed run matches an uninterrupted one bit for bit.
 
 A chunk's blocks are one structure (:class:`compression.row_cache.RowCaches`, per role and peer:
 every block's held ids in one index, their rows in one table) and are looked up, classified,
 laid out, merged and stored together, each block at its capacity (the chunk's rows, ``[blocks,
-rows]``): a fixed number of whole-tensor operations on the chunk's own device whatever its
-number of blocks. On the CPU (:meth:`ForwardCache.encode` / :meth:`~ForwardCache.decode`) the
-host reads the sizes the payload's layout depends on, all blocks at once: encode reads the
+rows]``): a fixed number of operations on the chunk's own device whatever its number of
+blocks, most of them one fused op each (:mod:`compression.row_ops`). On the CPU
+(:meth:`ForwardCache.encode` / :meth:`~ForwardCache.decode`) the host reads the sizes the
+payload's layout depends on, all blocks at once: encode reads the
 blocks' counts with their coded bounds; decode the held counts with the flags, then the moved
 counts (the codec's own reads aside). On a device (:func:`on_device`: where the codec builds its
 payloads there) nothing waits per chunk: the payload is a format payload (sections: the lossy
@@ -40,26 +40,57 @@ chunk by value, and only the first touches the mirror.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
 from dlrm.embedding_comm.bounds import Bounds
+from dlrm.embedding_comm.cache_blocks import Block, SavedBlock
+from dlrm.embedding_comm.cache_layout import (
+    PAYLOAD_ID,
+    SECTIONS,
+    Columns,
+    Laid,
+    Look,
+    first_rows,
+    held_bits,
+    laid_out,
+    merge,
+    moved_of,
+    pack,
+    unpackbits,
+)
+from dlrm.embedding_comm.cache_layout import (
+    code as _code,
+)
+from dlrm.embedding_comm.cache_layout import (
+    decode_rows as _decode,
+)
 from dlrm.embedding_comm.codec import CompressedCommError, DirectionCodec
 from dlrm.embedding_comm.stage import Incoming, Outgoing, Settle, Stage
 from dlrm_compression import format as fmt
+from dlrm_compression import row_ops
 from dlrm_compression.backend import backend_for
 from dlrm_compression.base import held_ids
 from dlrm_compression.dedup import id_plan
 from dlrm_compression.format import HostHead
 from dlrm_compression.lossy import LossyCodec
-from dlrm_compression.row_cache import RowCaches, _columns
+from dlrm_compression.row_cache import RowCaches
 
-EPS = float(torch.finfo(torch.float32).eps)
-PAYLOAD_ID = 11  # the format's codec id of the device payload (the codecs' ids run from 1 to 10)
 COUNTS = ("unique_rows", "held_rows", "hit_rows", "moved_rows")
+
+
+class Classified(NamedTuple):
+    """The sender's classification of a chunk's unique rows ([blocks, rows(, width)]), and per
+    block its counts, whether moved rows travel as differences, and its payload's bound."""
+
+    xp: torch.Tensor  # the chunk as [rows, blocks, width]
+    moved: torch.Tensor
+    n_held: torch.Tensor
+    n_hit: torch.Tensor
+    delta: torch.Tensor
+    coded: torch.Tensor
 
 
 class ForwardCache:
@@ -135,44 +166,31 @@ class ForwardCache:
         """Every block's unique ids at capacity (ascending, then padding) looked up in its cache."""
         keys = ids.to(device)
         counts, first, inverse, _ = id_plan(keys)
-        uid = keys.t().gather(1, first)
-        valid = _column(first.shape[1], device) < counts[:, None]
         group = self._group(role, peer, features, widths, dtype, device)
-        rows, held, keys = group.find(uid, valid)
+        uid, valid, rows, held, keys = group.find_unique(keys, first, counts)
         return Look(group, Columns(widths), uid, valid, counts, first, inverse, rows, held, keys)
 
     def _classify(self, look: Look, x: torch.Tensor, bounds_t: torch.Tensor) -> Classified:
-        """The sender's view of a chunk ``x``: each unique row exact and held, which held rows
-        are hits (within the block's bound of the held value) and which moved, and each block's
-        bound for its payload (its differences' where they travel as such)."""
-        exact = look.cols.blocks_of(x, look.first)
-        cached = look.group.peek(look.rows)  # rows not held are replaced, never read
-        diff = exact - cached
-        # NaN compares false: a row with a NaN (exact or held) is never a hit; the bound compared
-        # in the rows' fp32, as a 0-d bound would be
-        hit = look.held & (diff.abs() <= bounds_t.float()[:, None, None]).all(2)
-        moved = look.held ^ hit
-        n_held, n_hit = look.held.sum(1), hit.sum(1)
-        if x.shape[0]:
-            both = torch.maximum(exact.abs(), cached.abs()).masked_fill_(~moved[..., None], 0)
-            largest = both.amax((1, 2)).double()  # (NaN kept)
-        else:
-            largest = bounds_t.new_zeros(bounds_t.shape)
-        room = bounds_t - 4 * EPS * largest  # _delta_bound's, on the device
-        if self.deltas:  # some moved rows, and room left (finite: NaN and inf compare false)
-            delta = (n_held > n_hit) & (room > 0) & (room < math.inf)
-        else:
-            delta = torch.zeros_like(n_hit, dtype=torch.bool)
-        coded = torch.where(delta, room, bounds_t)
-        return Classified(exact, cached, diff, hit, moved, n_held, n_hit, delta, coded)
+        """The sender's view of a chunk ``x``: which held rows are hits (within the block's bound
+        of the held value; NaN never, the bound compared in the rows' fp32) and which moved, and
+        each block's bound for its payload (its differences' where they travel as such: its bound
+        less ``4 eps`` times its moved rows' largest magnitude). One op
+        (:func:`compression.row_ops.row_classify`)."""
+        xp = look.cols.padded(x)
+        got = row_ops.row_classify(xp, look.first, look.group.table, look.rows, look.held, bounds_t, self.deltas)
+        return Classified(xp, *got)
 
     def _sent(self, look: Look, c: Classified) -> tuple[Laid, torch.Tensor, torch.Tensor]:
         """The layout of every block's fresh then moved rows, and the payload's rows at capacity
         ([rows, columns], moved rows as differences where their block sends them so) with their
-        ids [rows, blocks] (:func:`_code`'s padding)."""
-        laid = laid_out(look, c.moved, c.hit, c.n_hit)
-        rows = torch.where((c.moved & c.delta[:, None])[..., None], c.diff, c.exact)
-        return laid, look.cols.chunk_of(laid.sent(rows, 0.0)), laid.sent(look.uid, -1).t()
+        ids [rows, blocks] (:func:`.cache_layout.code`'s padding): one op
+        (:func:`compression.row_ops.row_sent`)."""
+        laid = laid_out(look, c.moved)
+        table = look.group.table
+        rows, sent = row_ops.row_sent(
+            c.xp, look.first, table, look.rows, c.moved, c.delta, laid.order, laid.empty, look.uid
+        )
+        return laid, look.cols.chunk(rows), sent.t()
 
     def encode(
         self,
@@ -200,14 +218,13 @@ class ForwardCache:
         host = torch.cat([read.double(), c.coded]).tolist()
         u, h, hits, n_sent, deltas = (host[i * nb : (i + 1) * nb] for i in range(5))
         n = int(max([1, *n_sent]))
-        inner = _code(dc, _rows(cols, n), _rows(sent, n, -1), widths, host[5 * nb :])
+        inner = _code(dc, first_rows(cols, n), first_rows(sent, n, -1), widths, host[5 * nb :])
         head = torch.tensor([int(d) for d in deltas], dtype=torch.uint8).to(x.device, non_blocking=True)
-        bits = _held_bits(look.held, c.moved)[0][: (sum(_ints(h)) + 7) // 8]
+        bits = held_bits(look.held, c.moved)[0][: (sum(_ints(h)) + 7) // 8]
         payload = torch.cat([head, bits, inner])
-        decoded = _decode(dc, inner, _rows(sent, n, -1), widths)
-        unique = _merged(look, laid, look.cols.blocks(_rows(decoded, x.shape[0])), c.cached, c.delta)
-        out = look.cols.spread(unique, look.inverse)
-        look.group.store(look.keys, unique, look.rows, look.held, look.valid, _ints(u), _ints(h))
+        decoded = _decode(dc, inner, first_rows(sent, n, -1), widths)
+        unique, out = merge(look, laid, first_rows(decoded, x.shape[0]), c.delta)
+        look.group.store(look.keys, unique, look.rows, look.held, look.valid, _ints(u), _ints(h), laid.fresh)
         return payload, out, _counts(features, u, h, hits, deltas)
 
     def decode(
@@ -231,16 +248,15 @@ class ForwardCache:
         read = torch.cat([look.counts, look.held.sum(1), payload[:nb].long()]).tolist()
         u, h, flags = read[:nb], read[nb : 2 * nb], read[2 * nb :]
         n_bytes = (sum(h) + 7) // 8
-        moved = _moved(look.held, _unpackbits(payload[nb : nb + n_bytes], sum(h)))
-        laid = laid_out(look, moved, look.held ^ moved)
+        moved = moved_of(look.held, unpackbits(payload[nb : nb + n_bytes], sum(h)))
+        laid = laid_out(look, moved)
         n = max([1, *laid.n_sent.tolist()])
         inner = payload[nb + n_bytes :].clone()  # aligned (format.view_as fails on an empty misaligned section)
-        sent = laid.sent(look.uid, -1).t()
-        decoded = _decode(dc, inner, _rows(sent, n, -1), widths)
+        sent = laid.ids.t()
+        decoded = _decode(dc, inner, first_rows(sent, n, -1), widths)
         delta = torch.tensor(flags, dtype=torch.bool).to(out.device, non_blocking=True)
-        unique = _merged(look, laid, look.cols.blocks(_rows(decoded, ids.shape[0])), look.group.peek(look.rows), delta)
-        look.cols.spread(unique, look.inverse, out)
-        look.group.store(look.keys, unique, look.rows, look.held, look.valid, u, h)
+        unique, _ = merge(look, laid, first_rows(decoded, ids.shape[0]), delta, out)
+        look.group.store(look.keys, unique, look.rows, look.held, look.valid, u, h, laid.fresh)
         return out
 
     def encode_on_device(
@@ -273,10 +289,9 @@ class ForwardCache:
         inner = dc.encode_deferred(cols, widths, coded, sent, single=single)
         assert isinstance(dc.codec, LossyCodec)  # on_device() says so
         decoded = dc.codec.decoded(cols, coded, widths, checked=True)  # (the bounds encode_deferred checks)
-        unique = _merged(look, laid, look.cols.blocks(decoded), c.cached, c.delta)
-        out = look.cols.spread(unique, look.inverse)
-        payload = _pack(x, widths, coded, inner, c.delta, _held_bits(look.held, c.moved))
-        counts = torch.cat([look.counts, c.n_held, c.n_hit, c.delta.long()])
+        unique, out = merge(look, laid, decoded, c.delta)
+        payload = pack(x, widths, coded, inner, c.delta, held_bits(look.held, c.moved))
+        counts = torch.cat([look.counts, c.n_held, c.n_hit, c.delta])  # (int64: cat promotes the flags)
         if single is not None:
             payload, out = fmt.pick(single, payload, inner), torch.where(single, out, decoded)
             counts = torch.cat([counts, single.long().reshape(1)])
@@ -285,7 +300,7 @@ class ForwardCache:
             if single is not None and not host[4 * nb]:
                 return None  # the codec's payload went: no cache touched
             u, h, hits, deltas = (host[i * nb : (i + 1) * nb] for i in range(4))
-            look.group.store(look.keys, unique, look.rows, look.held, look.valid, u, h)
+            look.group.store(look.keys, unique, look.rows, look.held, look.valid, u, h, laid.fresh)
             return _counts(features, u, h, hits, deltas)
 
         return payload, out, counts, store
@@ -302,18 +317,17 @@ class ForwardCache:
         """What :meth:`decode_on_device` needs the host to read for the payload from global rank
         ``src`` (its head, the rows each block holds), found without a host wait: (bytes of the
         payload's head, int64 device values, state)."""
-        nb, rows = len(widths), ids.shape[0]
+        nb = len(widths)
         look = self._look("recv", src, ids, features, widths, torch.float32, payload.device)
         flags = nb + -nb % 8  # the flags' bytes, aligned: the held bits follow them
-        tail = fmt.section_bytes(payload, nb, _SECTIONS, 1, flags + (nb * rows + 7) // 8)
-        moved = _moved(look.held, _unpackbits(tail[flags:], nb * rows))
-        laid = laid_out(look, moved, look.held ^ moved)
-        sent = laid.sent(look.uid, -1).t()
+        moved = row_ops.row_moved(payload, look.held, *fmt.section_one_at(nb, SECTIONS), flags)  # the bits
+        laid = laid_out(look, moved)
+        sent = laid.ids.t()
         assert isinstance(dc.codec, LossyCodec)  # on_device() says so
         codec, codec_state = dc.codec.prepare_decode(payload, sent) or (None, None)
         assert codec is not None  # sent ids (one row at least) on the device backend
-        values = torch.cat([codec, look.counts, look.held.sum(1)])
-        size = fmt.head_bytes(nb, _SECTIONS) + dc.codec.head_size(nb)
+        values = torch.cat([codec, look.counts, laid.n_held])
+        size = fmt.head_bytes(nb, SECTIONS) + dc.codec.head_size(nb)
         return size, values, (look, laid, sent, codec_state)
 
     def decode_on_device(
@@ -329,7 +343,7 @@ class ForwardCache:
         look, laid, sent, codec_state = head.state
         nb, rows = len(widths), sent.shape[0]
         header, sections = fmt.unpack(payload, head)
-        if (header.codec_id, header.rows, header.widths, len(sections)) != (PAYLOAD_ID, rows, list(widths), _SECTIONS):
+        if (header.codec_id, header.rows, header.widths, len(sections)) != (PAYLOAD_ID, rows, list(widths), SECTIONS):
             raise fmt.PayloadError(
                 f"not a row-cache payload of {rows} rows and blocks {list(widths)}: codec {header.codec_id}, "
                 f"{header.rows} rows, blocks {header.widths}, {len(sections)} sections"
@@ -338,8 +352,7 @@ class ForwardCache:
         assert isinstance(dc.codec, LossyCodec)  # on_device() says so
         decoded = dc.codec.decode(sections[0], sent, head=inner_head)
         delta = sections[1].view(torch.bool)  # (0 or 1: the sender's flags, under the payload's check)
-        unique = _merged(look, laid, look.cols.blocks(decoded), look.group.peek(look.rows), delta)
-        out = look.cols.spread(unique, look.inverse, out)
+        unique, out = merge(look, laid, decoded, delta, out)
         look.group.store(
             look.keys,
             unique,
@@ -348,6 +361,7 @@ class ForwardCache:
             look.valid,
             head.extra[nb + 1 : 2 * nb + 1],
             head.extra[2 * nb + 1 :],
+            laid.fresh,
         )
         return out
 
@@ -435,200 +449,6 @@ class CacheStage(Stage):
         return part
 
 
-class Block:
-    """One block's cache in its chunk's :class:`RowCaches` (the per-block view the tests and the
-    checkpoint see)."""
-
-    def __init__(self, group: RowCaches, k: int) -> None:
-        self.group, self.k = group, k
-
-    def ids(self) -> list[int]:
-        """Held ids, least recent first."""
-        return self.group.ids(self.k)
-
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.group.rows(self.k, ids)
-
-    def lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(held bool [n], rows: the held rows, zeros where not held)."""
-        return self.group.lookup(self.k, ids)
-
-    def __len__(self) -> int:
-        return self.group.lengths()[self.k]
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.group.block_state(self.k)
-
-
-class SavedBlock:
-    """A restored block's cache state, not yet taken up by a chunk."""
-
-    def __init__(self, state: Mapping[str, Any]) -> None:
-        self.state = state
-
-    def _caches(self) -> RowCaches:
-        caches = RowCaches([int(self.state["dim"])], int(self.state["capacity"]), self.state["rows"].dtype)
-        caches.load_blocks([self.state])
-        return caches
-
-    def ids(self) -> list[int]:
-        return self._caches().ids(0)
-
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return self._caches().rows(0, ids)
-
-    @property
-    def nbytes(self) -> int:
-        return self._caches().nbytes
-
-    def state_dict(self) -> dict[str, Any]:
-        return dict(self.state)
-
-
-class Columns:
-    """A chunk's column blocks (``widths``) as ``[blocks, rows, width]`` (narrower blocks padded
-    with zeros to the widest), and back: views where every block has the same width."""
-
-    def __init__(self, widths: Sequence[int]) -> None:
-        self.widths = [int(w) for w in widths]
-        self.n, self.width = len(self.widths), max(self.widths, default=0)
-        self.equal = len(set(self.widths)) <= 1
-        self._maps: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def _map(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(each padded column's source column, the spare past the chunk's for padding; each
-        chunk column's padded column)."""
-        if device not in self._maps:
-            total, c = sum(self.widths), 0
-            src: list[int] = []
-            back: list[int] = []
-            for k, w in enumerate(self.widths):
-                src += [*range(c, c + w), *[total] * (self.width - w)]
-                back += range(k * self.width, k * self.width + w)
-                c += w
-            self._maps[device] = (torch.tensor(src).to(device), torch.tensor(back).to(device))
-        return self._maps[device]
-
-    def padded(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` [rows, columns] as [rows, blocks, width]."""
-        if self.equal:
-            return x.view(x.shape[0], self.n, self.width)
-        src, _ = self._map(x.device)
-        return torch.nn.functional.pad(x, (0, 1)).index_select(1, src).view(x.shape[0], self.n, self.width)
-
-    def blocks(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` [rows, columns] as [blocks, rows, width] (a view where the widths are equal)."""
-        return self.padded(x).transpose(0, 1)
-
-    def blocks_of(self, x: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
-        """[blocks, q, width]: block k's row ``first[k, u]`` of ``x`` at u."""
-        return self.padded(x)[first, _column(self.n, x.device).t()]
-
-    def chunk_of(self, b: torch.Tensor) -> torch.Tensor:
-        """[blocks, rows, width] as [rows, columns]."""
-        x = b.transpose(0, 1).contiguous().view(b.shape[1], self.n * self.width)
-        return x if self.equal else x.index_select(1, self._map(b.device)[1])
-
-    def spread(self, unique: torch.Tensor, inverse: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Each block's unique rows ``unique`` [blocks, q, width] over the chunk's rows (row r of
-        block k: ``unique[k, inverse[k, r]]``), [rows, columns] (into ``out`` if given)."""
-        rows = unique[_column(self.n, unique.device), inverse.t()]  # [rows, blocks, width]
-        if not self.equal:
-            got = rows.reshape(rows.shape[0], self.n * self.width).index_select(1, self._map(unique.device)[1])
-            return got if out is None else out.copy_(got)
-        if out is None:
-            return rows.contiguous().view(rows.shape[0], self.n * self.width)
-        out.view(rows.shape).copy_(rows)
-        return out
-
-
-class Look(NamedTuple):
-    """Every block of a chunk at capacity (its unique ids ascending, then padding), looked up in
-    its cache: [blocks, rows] each."""
-
-    group: RowCaches
-    cols: Columns
-    uid: torch.Tensor
-    valid: torch.Tensor  # the blocks' unique ids (not padding)
-    counts: torch.Tensor  # how many per block (int64 [blocks])
-    first: torch.Tensor  # a row of the chunk holding each
-    inverse: torch.Tensor  # each chunk row's unique id, per block
-    rows: torch.Tensor  # the cache's row holding each (0: not held)
-    held: torch.Tensor
-    keys: torch.Tensor  # their keys in the cache's index
-
-
-class Classified(NamedTuple):
-    """The sender's classification of a chunk's unique rows ([blocks, rows(, width)]), and per
-    block its counts, whether moved rows travel as differences, and its payload's bound."""
-
-    exact: torch.Tensor
-    cached: torch.Tensor
-    diff: torch.Tensor
-    hit: torch.Tensor
-    moved: torch.Tensor
-    n_held: torch.Tensor
-    n_hit: torch.Tensor
-    delta: torch.Tensor
-    coded: torch.Tensor
-
-
-class Laid(NamedTuple):
-    """Where every block's fresh rows, then its moved ones, go in the payload (both sides
-    rebuild it from the held ids and the moved bits)."""
-
-    fresh: torch.Tensor
-    moved: torch.Tensor
-    place: torch.Tensor  # each unique id's row in the payload (past its block's sent rows: another)
-    order: torch.Tensor  # the unique id of each payload row (past the block's sent rows: its first's)
-    n_sent: torch.Tensor
-    empty: torch.Tensor  # blocks that send no row
-
-    def sent(self, values: torch.Tensor, empty: float) -> torch.Tensor:
-        """Per unique id ``values`` ([blocks, rows(, width)]) in payload order (:func:`_code`'s
-        padding; ``empty`` for an empty block)."""
-        index = self.order if values.dim() == 2 else self.order[..., None].expand(-1, -1, values.shape[2])
-        return values.gather(1, index).masked_fill_(self.empty.view(-1, *(1,) * (values.dim() - 1)), empty)
-
-
-def laid_out(look: Look, moved: torch.Tensor, hit: torch.Tensor, n_hit: torch.Tensor | None = None) -> Laid:
-    """Every block's payload rows: its fresh rows, then its ``moved`` ones, each in ascending id
-    order (a stable sort of every block's rows by kind: fresh, moved or padding, hits)."""
-    fresh = look.valid ^ look.held
-    kind = (~fresh).to(torch.uint8) + hit  # fresh 0, moved (and the padding after them) 1, hits 2
-    order = torch.sort(kind, dim=1, stable=True).indices
-    column = _column(order.shape[1], order.device)
-    place = torch.empty_like(order).scatter_(1, order, column.expand_as(order))
-    n_sent = look.counts - (hit.sum(1) if n_hit is None else n_hit)
-    order = torch.where(column < n_sent[:, None], order, order[:, :1])  # shorter blocks repeat their first row
-    return Laid(fresh, moved, place, order, n_sent, n_sent == 0)
-
-
-def _merged(look: Look, laid: Laid, decoded: torch.Tensor, cached: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """Every block's unique rows as both sides hold them, at capacity: held for hits, decoded
-    for fresh, held + decoded difference for moved (whole where not ``delta``); ``decoded``:
-    the payload's rows, [blocks, rows, width]."""
-    got = decoded.gather(1, laid.place[..., None].expand(-1, -1, decoded.shape[2]))
-    moved = torch.where(delta[:, None, None], cached + got, got)
-    return torch.where(laid.fresh[..., None], got, torch.where(laid.moved[..., None], moved, cached))
-
-
-def _moved(held: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    """Each held id's bit (1: moved), the blocks' held ids one after another in ``bits``."""
-    at = held.reshape(-1).cumsum(0)  # a held id's rank (1-based): its bit after a leading 0
-    return torch.nn.functional.pad(bits, (1, 0)).index_select(0, at).view_as(held) & held
-
-
-def _held_bits(held: torch.Tensor, moved: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every block's bits of its held ids (1: moved), one block after another, packed at
-    capacity, and their byte count (int64 0-d): the host path's bits, with no host wait."""
-    n = held.numel()
-    at = held.reshape(-1).cumsum(0)  # a held id's bit at its rank (1-based); the rest add nothing
-    bits = torch.zeros(n + 8, dtype=torch.uint8, device=held.device)
-    bits.scatter_add_(0, at, moved.reshape(-1).view(torch.uint8))
-    return _packbits(bits[1 : 1 + n + -n % 8]), (at[-1] + 7) // 8 if n else at.new_zeros(())
-
-
 def _counts(
     features: Sequence[str], u: Sequence[int], h: Sequence[int], hits: Sequence[int], deltas: Sequence[int]
 ) -> dict[str, int]:
@@ -647,39 +467,6 @@ def _ints(values: Sequence[float]) -> list[int]:
     return [int(v) for v in values]
 
 
-def _rows(x: torch.Tensor, n: int, fill: float = 0.0) -> torch.Tensor:
-    """``x``'s first ``n`` rows, padded with ``fill`` rows where it has fewer."""
-    if x.shape[0] >= n:
-        return x[:n]
-    return torch.cat([x, x.new_full((n - x.shape[0], *x.shape[1:]), fill)])
-
-
-def _column(n: int, device: torch.device) -> torch.Tensor:
-    """[1, n]: 0..n-1 (int64), made once per size and device."""
-    return _columns(n, device)
-
-
-def _pack(
-    x: torch.Tensor,
-    widths: Sequence[int],
-    coded: torch.Tensor,
-    inner: torch.Tensor | fmt.Deferred,
-    delta: torch.Tensor,
-    bits: tuple[torch.Tensor, torch.Tensor],
-) -> fmt.Deferred:
-    """The device payload: a format payload (its own check) of the sent rows' lossy payload
-    first, where the host reads its head with the collective's, then the flags, then the bits."""
-    header = fmt.Header(PAYLOAD_ID, x.dtype, x.shape[0], x.shape[1], list(widths), coded)
-    rows: list[tuple[torch.Tensor, fmt.Length]] = (
-        [(inner.buffer, inner.length)] if isinstance(inner, fmt.Deferred) else [(inner, inner.numel())]
-    )
-    flags = delta.view(torch.uint8)
-    return fmt.pack_deferred(header, [rows, [(flags, flags.numel())], [bits]], x.device)
-
-
-_SECTIONS = 3  # of the device payload
-
-
 def _on(bounds: Bounds, device: torch.device) -> torch.Tensor:
     """The blocks' bounds as a float64 tensor on ``device`` (host numbers go up without waiting)."""
     if isinstance(bounds, torch.Tensor):
@@ -693,47 +480,3 @@ def _check_fp32(chunk: torch.Tensor) -> None:
             f"compression.forward.cache needs fp32 pooled embeddings, got a {chunk.dtype} chunk "
             "(turn the cache off for this run)"
         )
-
-
-_BITS = (7, 6, 5, 4, 3, 2, 1, 0)  # np.packbits' order: the first bit is the most significant
-_SHIFTS: dict[torch.device, torch.Tensor] = {}
-
-
-def _shifts(device: torch.device) -> torch.Tensor:
-    if device not in _SHIFTS:
-        _SHIFTS[device] = torch.tensor(_BITS, dtype=torch.uint8).to(device)
-    return _SHIFTS[device]
-
-
-_MASKS: dict[torch.device, torch.Tensor] = {}
-
-
-def _masks(device: torch.device) -> torch.Tensor:
-    if device not in _MASKS:
-        _MASKS[device] = torch.tensor([1 << b for b in _BITS], dtype=torch.uint8).to(device)
-    return _MASKS[device]
-
-
-def _packbits(bits: torch.Tensor) -> torch.Tensor:
-    """``np.packbits`` of 0/1 uint8 (or bool) values, a multiple of 8 of them, on their device."""
-    b = bits.view(torch.uint8).view(-1, 8)
-    return (b << _shifts(b.device)).sum(1, dtype=torch.uint8)
-
-
-def _unpackbits(packed: torch.Tensor, count: int) -> torch.Tensor:
-    """``np.unpackbits(packed, count=count)`` as bool, on its device."""
-    return ((packed.unsqueeze(1) & _masks(packed.device)) != 0).reshape(-1)[:count]
-
-
-def _code(
-    dc: DirectionCodec, cols: torch.Tensor, ids: torch.Tensor, widths: Sequence[int], bounds: Sequence[float]
-) -> torch.Tensor:
-    """One lossy payload of the blocks' payload rows ``cols`` [n, columns] under ``ids`` [n,
-    blocks]: shorter blocks repeat their first row under its id (dedup sends it once); an empty
-    block carries one zero row under id -1."""
-    return dc.encode(cols, list(widths), list(bounds), ids)
-
-
-def _decode(dc: DirectionCodec, inner: torch.Tensor, ids: torch.Tensor, widths: Sequence[int]) -> torch.Tensor:
-    """The payload rows of :func:`_code`'s payload (both sides rebuild the same ids), [n, columns]."""
-    return dc.codec.decode(inner, ids)

@@ -131,19 +131,20 @@ CACHE_SIZES = [(2048, 2, 64), (2048, 5, 64), (2048, 26, 64), (8192, 26, 16)]
 def test_row_cache_launches_the_same_whatever_its_blocks_and_rows():
     """compression.forward.cache.enabled=true: every block looked up, classified, laid out, merged
     and stored together, so a chunk's launches depend on what its ids are (fresh, held), not on
-    its number of blocks or rows (before issue 36: 405 / 795 / 3,525 at 2 / 5 / 26 blocks)."""
+    its number of blocks or rows (before issue 36: 405 / 795 / 3,525 at 2 / 5 / 26 blocks; now
+    98 fresh, 68 held)."""
     counts = {size: _cache_launches(*size) for size in CACHE_SIZES[:3]}
     assert len({tuple(c) for c in counts.values()}) == 1, counts
     assert counts[CACHE_SIZES[0]][1] == counts[CACHE_SIZES[0]][2], counts  # every id held: one count
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the row cache's chunk makes 213 launches with every id fresh, 169 with every id held (the "
-    "encode alone 100), at every number of blocks and rows: over the budget of 100",
-)
 def test_row_cache_keeps_the_launch_budget():
-    assert max(_cache_launches(*CACHE_SIZES[-1])) <= gpu_collective.BUDGET["lossy"]
+    """Within the budget of 100, both ends, at every number of blocks and rows: 98 launches with
+    every id fresh (a new cache: its tables made and grown, every id stored), 68 with every id held
+    (before: 213 and 169). The lookup, classification, payload rows, layout, bits and merge are one
+    op each (:mod:`compression.row_ops`), the lossy payload and its framing the codec's own."""
+    counts = _cache_launches(*CACHE_SIZES[-1])
+    assert max(counts) <= gpu_collective.BUDGET["lossy"], counts
 
 
 def _hot_sync_launches(tables: int, coded: bool) -> int:
