@@ -316,32 +316,6 @@ def section_one_at(n_blocks: int, n_sections: int) -> tuple[int, int]:
     return _PREFIX.size + _FIXED.size + 12 * n_blocks + 4 * N_INFO, head_bytes(n_blocks, n_sections)
 
 
-def section_bytes(payload: torch.Tensor, n_blocks: int, n_sections: int, i: int, n: int) -> torch.Tensor:
-    """``n`` bytes from where section ``i`` starts, found by the device from the section lengths
-    in the payload's header (``n_blocks`` and ``n_sections`` as it was packed with): no host
-    wait. Reads past the end repeat the last byte; use them once the payload's check holds."""
-    at = _PREFIX.size + _FIXED.size + 12 * n_blocks + 4 * N_INFO
-    where = _span(head_bytes(n_blocks, n_sections), n, payload.device)
-    if i:
-        lengths = payload[at : at + 8 * i].clone().view(torch.int64)  # (clone: aligned for the view)
-        ends = (lengths + (_ALIGN - 1)).bitwise_and_(-_ALIGN)  # each as packed: rounded up to the alignment
-        where = where + (ends if i == 1 else ends.sum())
-    return payload.index_select(0, where.clamp(0, max(payload.numel() - 1, 0)))
-
-
-_SPANS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
-
-
-def _span(start: int, n: int, device: torch.device) -> torch.Tensor:
-    """``start`` .. ``start + n - 1`` (int64) on ``device``, made once per span and device."""
-    key = (start, n, torch.device(device))
-    if key not in _SPANS:
-        if len(_SPANS) > 64:  # a bounded memo: a few payload shapes recur
-            _SPANS.clear()
-        _SPANS[key] = torch.arange(start, start + n, device=device)
-    return _SPANS[key]
-
-
 def _length(n: Length, device: torch.device) -> torch.Tensor:
     """A byte count as an int64 0-d tensor on ``device`` (a host number goes up without waiting)."""
     if isinstance(n, torch.Tensor):
