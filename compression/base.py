@@ -223,7 +223,8 @@ class Codec(ABC):
 
     def sums_duplicates(self, device: torch.device) -> bool:
         """Whether :meth:`encode_deferred` takes ``context.summed`` (each id's rows sent as their
-        sum) and :meth:`decode` ``context.keep_first`` on ``device`` (else the caller sums and keeps)."""
+        sum) and :meth:`decode` (and, where :meth:`checks_in_decode`, :meth:`decode_checked`)
+        ``context.keep_first`` on ``device`` (else the caller sums and keeps)."""
         return False
 
     def encode_deferred(
@@ -251,11 +252,18 @@ class Codec(ABC):
         return False
 
     def decode_checked(
-        self, payload: torch.Tensor, out: torch.Tensor, blocks: Sequence[int], context: CodecContext = NO_CONTEXT
+        self,
+        payload: torch.Tensor,
+        out: torch.Tensor,
+        blocks: Sequence[int],
+        context: CodecContext = NO_CONTEXT,
+        *,
+        ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Where :meth:`checks_in_decode`: the payload decoded into ``out`` (the shape and dtype
         the receiver expects, ``blocks`` its block widths) and its verdict, an int64 tensor on the
-        device, all ones where the payload is sound (the values written are then to be used)."""
+        device, all ones where the payload is sound (the values written are then to be used).
+        ``ids``: the rows' ids, read where ``context.keep_first`` (:meth:`sums_duplicates`)."""
         raise NotImplementedError(f"codec {self.name!r} reads its head before it decodes")
 
     def head_size(self, n_blocks: int) -> int | None:

@@ -175,6 +175,16 @@ def id_plan(keys: torch.Tensor) -> IdPlan:
     return plan
 
 
+def id_sort(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``keys`` [rows, n_blocks] sorted stably along the rows (each id's rows in row order), and
+    the permutation, each [rows, n] (n = 1 where every block has the same ids): one sort, no copy,
+    no host wait; what the casts' fused ops sum and keep duplicate ids by
+    (:func:`compression.ops.cast_pack_summed`, :func:`compression.ops.cast_unpack_first`)."""
+    shared = keys.shape[1] == 1 or keys.stride(1) == 0
+    sorted_ids, perm = torch.sort(keys[:, :1] if shared else keys, dim=0, stable=True)
+    return sorted_ids, perm
+
+
 def first_capacity(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`unique_per_block`'s counts and source rows, without a host wait: the source rows as
     [n_blocks, rows], block b's first ``counts[b]`` in canonical order, the rest 0."""

@@ -1083,6 +1083,303 @@ def cast_unpack(
     return verdict
 
 
+SUM_SEGS = 32  # sorted positions of one block per program of the casts' kernels with ids
+SUM_COLS = 64  # columns per step
+
+
+@triton.jit
+def _id_runs(sorted_ptr, k_s0, k_s1, b, s, rows, steps):
+    """Of sorted positions ``s`` of block b's stably sorted ids: whether each starts a run of equal
+    ids, and the run's length there (0 elsewhere), by a binary search of ``steps`` halvings."""
+    live = s < rows
+    base = sorted_ptr + b * k_s1
+    key = tl.load(base + s * k_s0, mask=live, other=0)
+    prev = tl.load(base + (s - 1) * k_s0, mask=live & (s > 0), other=0)
+    new = live & ((s == 0) | (key != prev))
+    lo = s + 1  # the run's end: the first position past s whose id is larger
+    hi = tl.zeros_like(s) + rows
+    for _ in range(0, steps):
+        go = new & (lo < hi)
+        mid = (lo + hi) // 2
+        le = tl.load(base + mid * k_s0, mask=go, other=0) <= key
+        lo = tl.where(go & le, mid + 1, lo)
+        hi = tl.where(go & ~le, mid, hi)
+    return new, tl.where(new, lo - s, 0)
+
+
+@triton.jit
+def _load_f32(x_ptr, i, m, SRC: tl.constexpr):
+    """x's values at ``i`` as float32 (exactly): float32, or the bits of float16/bfloat16."""
+    if SRC == 0:
+        v = tl.load(x_ptr + i, mask=m, other=0.0)
+    else:
+        bits = tl.load(x_ptr.to(tl.pointer_type(tl.int16)) + i, mask=m, other=0).to(tl.int32) & 0xFFFF
+        if SRC == 1:
+            v = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        else:
+            v = (bits << 16).to(tl.float32, bitcast=True)
+    return v
+
+
+@triton.jit
+def _bits_of(v, TO: tl.constexpr):
+    """The bits (int32; the low 16 of a 16-bit dtype) of float32 ``v`` rounded to nearest even into
+    float32 (0), float16 (1) or bfloat16 (2, by hand: the interpreter's cast truncates; NaN: the
+    quiet one)."""
+    if TO == 0:
+        bits = v.to(tl.int32, bitcast=True)
+    if TO == 1:
+        bits = v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    if TO == 2:
+        u = v.to(tl.uint32, bitcast=True)
+        r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).to(tl.int32)
+        bits = tl.where(v != v, 0x7FC0, r)
+    return bits
+
+
+@triton.jit
+def _tile_byte_sums(bits, at, live, ITEM: tl.constexpr):
+    """:func:`_byte_sums` of a 2-D tile: (sum d, sum v d mod 65521) of its live values' bytes."""
+    a = tl.zeros((), dtype=tl.int64)
+    c = tl.zeros((), dtype=tl.int64)
+    for k in tl.static_range(ITEM):
+        d = tl.where(live, (bits >> (8 * k)) & 255, 0).to(tl.int64)
+        a += tl.sum(tl.sum(d, axis=1), axis=0)
+        c += tl.sum(tl.sum(d * (at + k - 4), axis=1), axis=0) % 65521
+    return a, c
+
+
+@triton.jit
+def _finish_last(part_ptr, n_parts, count_ptr, size, data_ptr, out_ptr, MODE: tl.constexpr, CHUNK: tl.constexpr):
+    """:func:`adler_finish_kernel` (no end, the check at bytes 20-23), done by the launch's last
+    program to store its partial sums: each adds one to ``count`` (zero before the launch) after
+    its stores, and the one that brings it to ``n_parts`` reads every partial (atomically: none
+    stale), finishes the check and resets ``count`` to zero for the next launch. No second launch."""
+    if tl.atomic_add(count_ptr, 1) == n_parts - 1:  # every program's partial sums are in
+        a = tl.zeros((), dtype=tl.int64)
+        c = tl.zeros((), dtype=tl.int64)
+        for k in range(0, n_parts, CHUNK):
+            j = k + tl.arange(0, CHUNK)
+            m = j < n_parts
+            a += tl.sum(tl.where(m, tl.atomic_add(part_ptr + 2 * j, 0, mask=m), 0), axis=0) % 65521
+            c += tl.sum(tl.where(m, tl.atomic_add(part_ptr + 2 * j + 1, 0, mask=m), 0), axis=0)
+        a = a % 65521
+        lm = (size - 4) % 65521
+        b = ((lm + lm * a - c % 65521) % 65521 + 65521) % 65521
+        check = b * 65536 + (a + 1) % 65521
+        byte = tl.arange(0, 4)
+        if MODE == 1:
+            stored = tl.sum(tl.load(data_ptr + 20 + byte).to(tl.int64) << (8 * byte), axis=0)
+            tl.store(out_ptr, (stored == check).to(tl.int64))
+        if MODE == 2:
+            tl.store(data_ptr + 20 + byte, ((check >> (8 * byte)) & 255).to(tl.uint8))
+        tl.atomic_xchg(count_ptr, 0)
+
+
+@triton.jit
+def cast_sum_pack_kernel(
+    x_ptr, rows, cols, n, sorted_ptr, perm_ptr, k_s0, k_s1, table_ptr, n_blocks, steps, head_ptr, h, total, out_ptr,
+    part_ptr, count_ptr, SRC: tl.constexpr, TO: tl.constexpr, ITEM: tl.constexpr, SEGS: tl.constexpr,
+    COLS: tl.constexpr, FINISH: tl.constexpr,
+):  # fmt: skip
+    """Programs 0..: ``SEGS`` sorted positions of one block; each that starts a run of equal ids
+    adds the run's rows in row order (float32, from a zero), rounds the sum to x's dtype, then to
+    the wire's (``TO``), and writes it to every row of the run at its place after the header,
+    with the Adler partial sums of those bytes; the last: the header, the padding, their sums.
+    (The run loops go to the tile's longest run, a scalar bound: no branch on block values.)"""
+    pid = tl.program_id(0)
+    last = tl.num_programs(0) - 1
+    a = tl.zeros((), dtype=tl.int64)
+    c = tl.zeros((), dtype=tl.int64)
+    if pid < last:
+        tiles = tl.cdiv(rows, SEGS)
+        b = pid // tiles
+        s = (pid % tiles).to(tl.int64) * SEGS + tl.arange(0, SEGS)
+        _, length = _id_runs(sorted_ptr, k_s0, k_s1, b, s, rows, steps)
+        n_steps = tl.max(length, axis=0)
+        start = tl.load(table_ptr + b)
+        width = tl.load(table_ptr + n_blocks + b)
+        for c0 in range(0, width, COLS):
+            j = c0 + tl.arange(0, COLS)
+            col = start + j
+            cm = j < width
+            acc = tl.zeros((SEGS, COLS), dtype=tl.float32)
+            for k in range(0, n_steps):
+                on = k < length
+                row = tl.load(perm_ptr + (s + k) * k_s0 + b * k_s1, mask=on, other=0)
+                m = on[:, None] & cm[None, :]
+                v = _load_f32(x_ptr, row[:, None] * cols + col[None, :], m, SRC)
+                acc = tl.where(m, acc + v, acc)
+            if SRC == 1:  # the sum in x's dtype (the transport's sum_duplicates rounds it once)
+                acc = acc.to(tl.float16).to(tl.float32)
+            if SRC == 2:
+                acc = (_bits_of(acc, 2) << 16).to(tl.float32, bitcast=True)
+            bits = _bits_of(acc, TO)
+            for k in range(0, n_steps):
+                on = k < length
+                row = tl.load(perm_ptr + (s + k) * k_s0 + b * k_s1, mask=on, other=0)
+                m = on[:, None] & cm[None, :]
+                i = row[:, None] * cols + col[None, :]
+                if ITEM == 4:
+                    tl.store(out_ptr.to(tl.pointer_type(tl.int32)) + h // 4 + i, bits, mask=m)
+                else:
+                    tl.store(out_ptr.to(tl.pointer_type(tl.int16)) + h // 2 + i, bits.to(tl.int16), mask=m)
+                da, dc = _tile_byte_sums(bits, h + i * ITEM, m, ITEM)
+                a += da
+                c = (c + dc) % 65521
+    else:
+        a, c = _head_sums(head_ptr, h, total, out_ptr, True, 1024)
+        p = h + n * ITEM + tl.arange(0, 8)
+        tl.store(out_ptr + p, tl.zeros((8,), dtype=tl.uint8), mask=p < total)
+    tl.atomic_xchg(part_ptr + 2 * pid, a)  # (atomics, as the count after them: none left in a cache)
+    tl.atomic_xchg(part_ptr + 2 * pid + 1, c % 65521)
+    _finish_last(part_ptr, last + 1, count_ptr, total, out_ptr, part_ptr, 2, FINISH)
+
+
+@triton.jit
+def cast_first_unpack_kernel(
+    pay_ptr, rows, cols, n, sorted_ptr, perm_ptr, k_s0, k_s1, table_ptr, n_blocks, h, total, head_ptr, out_ptr, s0, s1,
+    part_ptr, verdict_ptr, count_ptr, ITEM: tl.constexpr, WIRE: tl.constexpr, SEGS: tl.constexpr,
+    COLS: tl.constexpr, FINISH: tl.constexpr,
+):  # fmt: skip
+    """Programs 0..: ``SEGS`` sorted positions of one block: their rows' wire values to the output
+    where the row is its id's first in the block (the run's start), zeros elsewhere, and the
+    Adler partial sums of their bytes; the last: :func:`cast_unpack_kernel`'s."""
+    pid = tl.program_id(0)
+    last = tl.num_programs(0) - 1
+    a = tl.zeros((), dtype=tl.int64)
+    c = tl.zeros((), dtype=tl.int64)
+    if pid < last:
+        tiles = tl.cdiv(rows, SEGS)
+        b = pid // tiles
+        s = (pid % tiles).to(tl.int64) * SEGS + tl.arange(0, SEGS)
+        live = s < rows
+        new, _ = _id_runs(sorted_ptr, k_s0, k_s1, b, s, rows, 0)
+        row = tl.load(perm_ptr + s * k_s0 + b * k_s1, mask=live, other=0)
+        start = tl.load(table_ptr + b)
+        width = tl.load(table_ptr + n_blocks + b)
+        for c0 in range(0, width, COLS):
+            j = c0 + tl.arange(0, COLS)
+            col = start + j
+            m = live[:, None] & (j < width)[None, :]
+            i = row[:, None] * cols + col[None, :]
+            if ITEM == 4:
+                bits = tl.load(pay_ptr.to(tl.pointer_type(tl.int32)) + h // 4 + i, mask=m, other=0)
+            else:
+                bits = tl.load(pay_ptr.to(tl.pointer_type(tl.int16)) + h // 2 + i, mask=m, other=0).to(tl.int32)
+                bits = bits & 0xFFFF
+            da, dc = _tile_byte_sums(bits, h + i * ITEM, m, ITEM)
+            a += da
+            c = (c + dc) % 65521
+            keep = new[:, None]
+            dst = out_ptr + row[:, None] * s0 + col[None, :] * s1
+            if WIRE == 0:
+                if ITEM == 4:
+                    tl.store(dst.to(tl.pointer_type(tl.int32)), tl.where(keep, bits, 0), mask=m)
+                else:
+                    tl.store(dst.to(tl.pointer_type(tl.int16)), tl.where(keep, bits, 0).to(tl.int16), mask=m)
+            if WIRE == 1:
+                v = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                tl.store(dst, tl.where(keep, v, 0.0), mask=m)
+            if WIRE == 2:
+                tl.store(dst, tl.where(keep, (bits << 16).to(tl.float32, bitcast=True), 0.0), mask=m)
+    else:
+        a, c = _head_sums(pay_ptr, h, total, pay_ptr, False, 1024)
+        p = h + n * ITEM + tl.arange(0, 8)  # the padding after the values: checked bytes too
+        d = tl.load(pay_ptr + p, mask=p < total, other=0).to(tl.int64)
+        a += tl.sum(d, axis=0)
+        c += tl.sum(d * (p - 4), axis=0)
+        wrong = tl.zeros((), dtype=tl.int64)
+        for k in range(0, h, 1024):
+            j = (k + tl.arange(0, 1024)).to(tl.int64)
+            m = (j < h) & ((j < 20) | (j >= 24))
+            got = tl.load(pay_ptr + j, mask=m, other=0)
+            want = tl.load(head_ptr + j, mask=m, other=0)
+            wrong += tl.sum((got != want).to(tl.int64), axis=0)
+        tl.store(verdict_ptr + 1, (wrong == 0).to(tl.int64))
+    tl.atomic_xchg(part_ptr + 2 * pid, a)  # (atomics, as the count after them: none left in a cache)
+    tl.atomic_xchg(part_ptr + 2 * pid + 1, c % 65521)
+    _finish_last(part_ptr, last + 1, count_ptr, total, pay_ptr, verdict_ptr, 1, FINISH)
+
+
+_TABLES: dict[tuple, torch.Tensor] = {}  # block tables (and a launch counter) already on a device, per stream
+
+
+def _block_table(widths: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_table` of ``widths`` and a zero launch counter after it (:func:`_finish_last`: each
+    launch leaves it zero), uploaded once per distinct widths, device and stream (a run's
+    collectives send the same few layouts every iteration, like the casts' headers; launches on
+    one stream run one after another, so they share the counter in turn)."""
+    device = torch.device(device)
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (tuple(widths), device, stream)
+    if key not in _TABLES:
+        if len(_TABLES) >= 256:
+            _TABLES.clear()
+        _TABLES[key] = _table(widths, [0], device)
+    table = _TABLES[key]
+    return table, table[2 * len(widths) :]
+
+
+def _id_strides(sorted_ids: torch.Tensor, perm: torch.Tensor) -> tuple[int, int]:
+    """Element strides of the sorted ids (and of ``perm``, laid out alike) along the rows and
+    across blocks (0 where every block has the same ids: one column)."""
+    if sorted_ids.shape != perm.shape or sorted_ids.stride() != perm.stride():
+        raise ValueError(f"sorted ids {tuple(sorted_ids.shape)} and permutation {tuple(perm.shape)} differ in layout")
+    return sorted_ids.stride(0), 0 if sorted_ids.shape[1] == 1 else sorted_ids.stride(1)
+
+
+def cast_pack_summed(
+    x: torch.Tensor, head: torch.Tensor, wire: int, sorted_ids: torch.Tensor, perm: torch.Tensor, widths: list[int],
+    segs: int = SUM_SEGS, cols: int = SUM_COLS, finish: int = 1024,
+) -> torch.Tensor:  # fmt: skip
+    """Kernel version of :func:`reference.cast_pack_summed`: one launch, the sums, their casts, the
+    header and the partial sums, the check finished and written by its last program to finish."""
+    from .reference import WIRE_DTYPES
+
+    item = (WIRE_DTYPES[wire] or x.dtype).itemsize
+    rows, n_cols = x.shape
+    h = head.numel()
+    total = h + x.numel() * item
+    total += -total % 8
+    out = torch.empty(total, dtype=torch.uint8, device=x.device)
+    programs = len(widths) * triton.cdiv(rows, segs) + 1
+    parts = torch.empty(2 * programs, dtype=torch.int64, device=x.device)
+    k_s0, k_s1 = _id_strides(sorted_ids, perm)
+    table, count = _block_table(widths, x.device)
+    to = wire if wire else _OUT_CODE[x.dtype]  # the wire's dtype: x's own where it is sent as it is
+    cast_sum_pack_kernel[(programs,)](
+        x.contiguous(), rows, n_cols, x.numel(), sorted_ids, perm, k_s0, k_s1, table, len(widths),
+        max(rows, 1).bit_length(), head, h, total, out, parts, count,
+        SRC=_OUT_CODE[x.dtype], TO=to, ITEM=item, SEGS=segs, COLS=cols, FINISH=finish, **_LAUNCH,
+    )  # fmt: skip
+    return out
+
+
+def cast_unpack_first(
+    payload: torch.Tensor, head: torch.Tensor, wire: int, out: torch.Tensor, sorted_ids: torch.Tensor,
+    perm: torch.Tensor, widths: list[int], segs: int = SUM_SEGS, cols: int = SUM_COLS, finish: int = 1024,
+) -> torch.Tensor:  # fmt: skip
+    """Kernel version of :func:`reference.cast_unpack_first`: one launch, the first rows' values
+    (zeros on the others), the sums and the header's verdict, the check's verdict by its last
+    program to finish."""
+    from .reference import WIRE_DTYPES
+
+    item = (WIRE_DTYPES[wire] or out.dtype).itemsize
+    rows, n_cols = out.shape
+    programs = len(widths) * triton.cdiv(rows, segs) + 1
+    parts = torch.empty(2 * programs, dtype=torch.int64, device=out.device)
+    verdict = torch.empty(2, dtype=torch.int64, device=out.device)
+    k_s0, k_s1 = _id_strides(sorted_ids, perm)
+    table, count = _block_table(widths, out.device)
+    cast_first_unpack_kernel[(programs,)](
+        payload, rows, n_cols, out.numel(), sorted_ids, perm, k_s0, k_s1, table, len(widths),
+        head.numel(), payload.numel(), head, out, out.stride(0), out.stride(1), parts, verdict, count,
+        ITEM=item, WIRE=wire, SEGS=segs, COLS=cols, FINISH=finish, **_LAUNCH,
+    )  # fmt: skip
+    return verdict
+
+
 # -- bit streams and several payloads' checks (the ids codec) ---------------------------------------
 
 BITS_BLOCK = 1024  # values per program of the bit-stream kernels

@@ -308,6 +308,68 @@ def _(payload, head, wire, out):
 LAUNCHES["cast_unpack"] = 2  # values, sums and the header's verdict; the check's verdict
 
 
+# the casts with duplicate ids (a gradient's, backward dedup): each id's rows summed as they are cast,
+# each id's value kept on its first row as it is decoded; ``sorted_ids``/``perm``: the ids sorted
+# stably along the rows (compression.dedup.id_sort, one op before)
+
+
+@custom_op("dlrm_compression::cast_pack_summed", mutates_args=())
+@_cpu
+def cast_pack_summed(
+    x: torch.Tensor, head: torch.Tensor, wire: int, sorted_ids: torch.Tensor, perm: torch.Tensor, widths: list[int]
+) -> torch.Tensor:
+    """:func:`reference.cast_pack_summed`: :func:`cast_pack`'s payload of x with each row the sum
+    of its block's rows of the same id (summed in row order), no host wait."""
+    return reference.cast_pack_summed(x, head, wire, sorted_ids, perm, widths)
+
+
+@cast_pack_summed.register_kernel("cuda")
+def _(x, head, wire, sorted_ids, perm, widths):
+    return _kernels().cast_pack_summed(x, head, wire, sorted_ids, perm, widths)
+
+
+@cast_pack_summed.register_fake
+def _(x, head, wire, sorted_ids, perm, widths):
+    item = (reference.WIRE_DTYPES[wire] or x.dtype).itemsize
+    total = head.numel() + x.numel() * item
+    return x.new_empty(total + (-total % 8), dtype=torch.uint8)
+
+
+# one kernel: every id's sum, cast and written to its rows, the header and the sums, the check
+# finished and written by its last program (the block table and launch counter go up once per
+# widths, device and stream, like the headers)
+LAUNCHES["cast_pack_summed"] = 1
+
+
+@custom_op("dlrm_compression::cast_unpack_first", mutates_args=("out",))
+@_cpu
+def cast_unpack_first(
+    payload: torch.Tensor,
+    head: torch.Tensor,
+    wire: int,
+    out: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    perm: torch.Tensor,
+    widths: list[int],
+) -> torch.Tensor:
+    """:func:`reference.cast_unpack_first`: :func:`cast_unpack` with each id's value on its
+    block's first row of the id alone (zeros on the others), and the verdict."""
+    return reference.cast_unpack_first(payload, head, wire, out, sorted_ids, perm, widths)
+
+
+@cast_unpack_first.register_kernel("cuda")
+def _(payload, head, wire, out, sorted_ids, perm, widths):
+    return _kernels().cast_unpack_first(payload, head, wire, out, sorted_ids, perm, widths)
+
+
+@cast_unpack_first.register_fake
+def _(payload, head, wire, out, sorted_ids, perm, widths):
+    return payload.new_empty(2, dtype=torch.int64)
+
+
+LAUNCHES["cast_unpack_first"] = 1  # values (first rows), sums, the header's and (its last program) the check's verdicts
+
+
 # -- the ids codec: bit streams, and every payload of a collective checked at once ------------------
 
 

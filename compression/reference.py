@@ -402,6 +402,77 @@ def cast_unpack(payload: torch.Tensor, head: torch.Tensor, wire: int, out: torch
     return torch.stack([holds, torch.tensor(int(same))])
 
 
+def id_slots(sorted_ids: torch.Tensor, perm: torch.Tensor, n_blocks: int) -> torch.Tensor:
+    """Each row's slot among its block's distinct ids (ascending id order), ``[n_blocks, rows]``,
+    from the ids sorted stably along the rows (:func:`compression.dedup.id_sort`: ``sorted_ids``
+    and ``perm`` [rows, n], n = n_blocks, or 1 where every block has the same ids)."""
+    s, p = sorted_ids.t(), perm.t()
+    new = torch.ones_like(s, dtype=torch.bool)
+    new[:, 1:] = s[:, 1:] != s[:, :-1]
+    local = new.cumsum(1) - 1
+    slots = torch.empty_like(local).scatter_(1, p, local)
+    return slots.expand(n_blocks, -1) if slots.shape[0] != n_blocks else slots
+
+
+def first_of_ids(sorted_ids: torch.Tensor, perm: torch.Tensor, n_blocks: int) -> torch.Tensor:
+    """Whether each row is the first (smallest) row of its id in its block, bool ``[n_blocks, rows]``
+    (:func:`id_slots`'s sort)."""
+    s, p = sorted_ids.t(), perm.t()
+    new = torch.ones_like(s, dtype=torch.bool)
+    new[:, 1:] = s[:, 1:] != s[:, :-1]
+    first = torch.zeros_like(new).scatter_(1, p, new)
+    return first.expand(n_blocks, -1) if first.shape[0] != n_blocks else first
+
+
+def per_column(per_block: torch.Tensor, widths: list[int]) -> torch.Tensor:
+    """``per_block`` [n_blocks, rows] spread to every column of its block: [rows, cols]."""
+    block_of = torch.tensor([b for b, w in enumerate(widths) for _ in range(w)], dtype=torch.int64)
+    return per_block.index_select(0, block_of.to(per_block.device)).t()
+
+
+def sum_runs(x: torch.Tensor, sorted_ids: torch.Tensor, perm: torch.Tensor, widths: list[int]) -> torch.Tensor:
+    """Every row of each block (``widths``) given the sum of its block's rows with the same id (a
+    new tensor): each id's rows added in row order into a zero of x's dtype (float32 partial sums
+    for 16-bit x, rounded once), one scatter and one gather, as the transport's
+    ``dlrm.embedding_comm.ids.sum_duplicates`` sums them (the same floats)."""
+    if not any(widths):
+        return x.clone()
+    slot = per_column(id_slots(sorted_ids, perm, len(widths)), widths)
+    return torch.zeros_like(x).scatter_add_(0, slot, x).gather(0, slot)
+
+
+def keep_first_runs(out: torch.Tensor, sorted_ids: torch.Tensor, perm: torch.Tensor, widths: list[int]) -> torch.Tensor:
+    """Zero, per block, every row of ``out`` (in place, any strides) whose id appeared on an earlier
+    row: each id's value stays on its first row (``keep_first_duplicates``'s zeros)."""
+    if any(widths):
+        out.masked_fill_(~per_column(first_of_ids(sorted_ids, perm, len(widths)), widths), 0.0)
+    return out
+
+
+def cast_pack_summed(
+    x: torch.Tensor, head: torch.Tensor, wire: int, sorted_ids: torch.Tensor, perm: torch.Tensor, widths: list[int]
+) -> torch.Tensor:
+    """:func:`cast_pack` of ``x`` with every row replaced by the sum of its block's rows of the same
+    id (:func:`sum_runs`; a gradient's rows by id): the bytes of ``cast_pack(sum_runs(x))``."""
+    return cast_pack(sum_runs(x, sorted_ids, perm, widths), head, wire)
+
+
+def cast_unpack_first(
+    payload: torch.Tensor,
+    head: torch.Tensor,
+    wire: int,
+    out: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    perm: torch.Tensor,
+    widths: list[int],
+) -> torch.Tensor:
+    """:func:`cast_unpack`, then each id's value kept on its block's first row of the id alone,
+    zeros on the others (:func:`keep_first_runs`); the same verdict."""
+    verdict = cast_unpack(payload, head, wire, out)
+    keep_first_runs(out, sorted_ids, perm, widths)
+    return verdict
+
+
 # -- bit streams and several payloads' checks (the ids codec) -----------------------------------
 
 _LOW63 = (1 << 63) - 1

@@ -196,7 +196,7 @@ class RankCollective:
                 with label(f"{d}/decode"):
                     if later:
                         dtype = self.chunks[d][0].dtype
-                        out, verdict = dc.decode_checked(payload, self.shape, dtype, self.widths, **naming)
+                        out, verdict = dc.decode_checked(payload, self.shape, dtype, self.widths, ids, **naming)
                         checked.append((verdict, "bench"))
                     else:
                         head = next(heads_of) if q is not None else None

@@ -342,15 +342,24 @@ class DirectionCodec:
         return self.codec.checks_in_decode(device)
 
     def decode_checked(
-        self, payload: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype, widths: Sequence[int], **naming: Any
+        self,
+        payload: torch.Tensor,
+        shape: tuple[int, int],
+        dtype: torch.dtype,
+        widths: Sequence[int],
+        ids: torch.Tensor | None = None,
+        **naming: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Where :meth:`checks_in_decode`: one peer's payload decoded (into ``naming``'s ``out``
         window if given) and its verdict, unread; a payload of the wrong size fails at once with
-        :meth:`decode`'s message."""
+        :meth:`decode`'s message. Where the codec merges ids (:meth:`merges_ids`) each id's sum
+        lands on its first row of ``ids`` alone, in the same op."""
         out = naming.pop("out", None)
         target = out if out is not None else torch.empty(shape, dtype=dtype, device=payload.device)
+        keys = ids if self.dedup and self.merges_ids(payload.device) else None
+        context = CodecContext(keep_first=keys is not None)
         try:
-            return target, self.codec.decode_checked(payload, target, list(widths))
+            return target, self.codec.decode_checked(payload, target, list(widths), context, ids=keys)
         except Exception as e:  # any codec failure: name the transfer, keep the cause chained
             raise CompressedCommError(f"{self._transfer(payload, **naming)}: {type(e).__name__}: {e}") from e
 

@@ -141,7 +141,7 @@ def _decode_one(
     if r.stored:
         return r.dc.decode_stored(r.payload, r.shape, dtype, r.ids, r.blocks.widths, checked, out=r.window, **naming)
     if r.checked_later:
-        out, verdict = r.dc.decode_checked(r.payload, r.shape, dtype, r.blocks.widths, out=r.window, **naming)
+        out, verdict = r.dc.decode_checked(r.payload, r.shape, dtype, r.blocks.widths, r.ids, out=r.window, **naming)
         checked.append((verdict, r.dc._transfer(r.payload, **naming)))
         return out
     return r.dc.decode(r.payload, r.shape, r.ids, out=r.window, head=r.head, **naming)

@@ -109,3 +109,78 @@ def test_a_casts_known_size_is_its_payloads_length(backend, name, dtype):
     for rows, blocks in [(1, [1]), (3, [2, 5]), (7, [4, 4, 3]), (64, [16] * 13)]:
         x = torch.randn(rows, sum(blocks)).to(dtype)
         assert codec.known_size((rows, sum(blocks)), dtype, blocks) == codec.encode(x, blocks=blocks).numel()
+
+
+def _duplicate_ids(rows: int, blocks: int, distinct: int, seed: int, shared: bool = False) -> torch.Tensor:
+    """[rows, blocks] ids drawn from ``distinct`` values (many duplicates; shared: one column for
+    every block, as a [rows] id tensor expands)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(-1, distinct - 1, (rows, 1 if shared else blocks), generator=g)  # (-1: the empty bag's)
+    return ids.expand(rows, blocks) if shared else ids
+
+
+def _wide(rows: int, cols: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """Finite values over many magnitudes (whose sums depend on their order), a few -0.0 and inf."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g) * torch.pow(10.0, torch.randint(-4, 4, (rows, cols), generator=g).float())
+    if x.numel() > 4:
+        x.view(-1)[torch.randperm(x.numel(), generator=g)[:4]] = torch.tensor([-0.0, -0.0, float("inf"), -0.0])
+    return x.to(dtype)
+
+
+# (rows, widths, distinct ids, shared ids)
+SUMMED_CASES = [(300, [16, 0, 8], 12, False), (257, [5, 5, 5, 5], 3, True), (64, [7], 64, False), (1, [3, 2], 1, False)]
+
+
+@pytest.mark.parametrize("name", sorted(CASTS))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend", ["host", "device"])
+def test_summed_duplicate_ids_are_the_transports_sums_bit_for_bit(name, dtype, backend):
+    """``context.summed``: the payload is the one the transport's duplicate-id stage sent before
+    (``sum_duplicates`` then the cast), byte for byte: every id's sum the same float, summed in row
+    order; ``keep_first`` decodes what ``keep_first_duplicates`` kept. On the device backend (the
+    fused ops, :func:`compression.ops.cast_pack_summed` / ``cast_unpack_first``) and on the host's."""
+    from dlrm.embedding_comm.ids import keep_first_duplicates, sum_duplicates
+    from dlrm_compression.base import CodecContext
+
+    codec = compression.get_codec(name, backend=backend)
+    assert codec.sums_duplicates(torch.device("cpu")) == (backend == "device")
+    for k, (rows, widths, distinct, shared) in enumerate(SUMMED_CASES):
+        x = _wide(rows, sum(widths), k, dtype)
+        ids = _duplicate_ids(rows, len(widths), distinct, k, shared)
+        today = codec.encode(sum_duplicates(x, ids, widths), blocks=widths)
+        payload = codec.encode(x, ids=ids, blocks=widths, context=CodecContext(summed=True))
+        assert torch.equal(payload, today), (rows, widths)
+        assert torch.equal(
+            codec.encode(x, ids=ids, blocks=widths), codec.encode(x, blocks=widths)
+        )  # not summed: ids unread
+        want = keep_first_duplicates(codec.decode(today), ids, widths)
+        got = codec.decode(payload, ids, context=CodecContext(keep_first=True))
+        assert _same_bits(got, want)
+        if codec.checks_in_decode(x.device) and codec._fused(dtype):  # the device's receiver: into a window
+            window = torch.full((rows, sum(widths) + 2), 7.0, dtype=dtype)
+            verdict = codec.decode_checked(payload, window[:, 1:-1], widths, CodecContext(keep_first=True), ids=ids)
+            assert verdict.tolist() == [1, 1] and _same_bits(window[:, 1:-1], want)
+            assert (window[:, 0] == 7).all() and (window[:, -1] == 7).all()
+
+
+def test_summed_casts_make_no_host_read_and_keep_first_needs_ids():
+    from dlrm.bench.host_syncs import counted_reads
+    from dlrm.telemetry.sync_counter import HostSyncCounter
+    from dlrm_compression.base import CodecContext
+
+    codec = compression.get_codec("fp16", backend="device")
+    x, ids, widths = _wide(128, 24, 0, torch.float32), _duplicate_ids(128, 3, 9, 0), [8, 8, 8]
+    out, counter = torch.empty(128, 24), HostSyncCounter()
+    codec.encode(x, ids=ids, blocks=widths, context=CodecContext(summed=True))  # (the header goes up once per shape)
+    with counted_reads(counter), counter:
+        payload = codec.encode(x, ids=ids, blocks=widths, context=CodecContext(summed=True))
+        verdict = codec.decode_checked(payload, out, widths, CodecContext(keep_first=True), ids=ids)
+    assert counter.total == 0 and sum(counter.launches.values()) == 4  # a sort and one op, each way
+    assert verdict.tolist() == [1, 1]
+    with pytest.raises(ValueError, match="summed needs"):
+        codec.encode(x, blocks=widths, context=CodecContext(summed=True))
+    with pytest.raises(ValueError, match="keep_first needs"):
+        codec.decode_checked(payload, out, widths, CodecContext(keep_first=True))
+    with pytest.raises(ValueError, match="keep_first needs"):
+        codec.decode(payload, context=CodecContext(keep_first=True))

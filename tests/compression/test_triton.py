@@ -263,6 +263,57 @@ def _check_interpret() -> None:
                 same(outs[0].view(ints), outs[1].view(ints), f"cast_unpack {dtype} wire {wire} flip {flip}")
     print("cast pack/unpack OK")
 
+    # the casts with duplicate ids: each id's rows summed (in row order) as they are cast, the first
+    # row of each id kept as they are decoded; the reference's sums are the transport's
+    from dlrm.embedding_comm.ids import keep_first_duplicates, sum_duplicates
+    from dlrm_compression.dedup import id_sort
+
+    for dtype, wire in [
+        (torch.float32, 0),
+        (torch.float16, 0),
+        (torch.bfloat16, 0),
+        (torch.float32, 1),
+        (torch.float32, 2),
+    ]:
+        # (rows, widths, distinct ids, shared ids, tile rows): few programs (the interpreter is slow),
+        # and the partial sums read 4 at a time (as 1,024 on a GPU) so that every loop turns
+        for rows, widths, distinct, shared, segs in (
+            (37, [4, 0, 7], 5, False, 16),
+            (160, [8], 20, False, 64),
+            (70, [3, 3], 2, True, 32),
+            (1, [2], 1, False, 8),
+            (0, [3], 1, False, 8),
+        ):
+            cols = sum(widths)
+            x = torch.randn(rows, cols, generator=g) * torch.pow(
+                10.0, torch.randint(-3, 4, (rows, cols), generator=g).float()
+            )
+            x = x.to(dtype)
+            x.view(-1)[:3] = torch.tensor([float("inf"), -0.0, -0.0]).to(dtype)[: x.numel()]
+            nb = len(widths)
+            ids = torch.randint(0, distinct, (rows, 1 if shared else nb), generator=g)
+            keys = ids.expand(rows, nb) if shared else ids
+            srt, perm = id_sort(keys)
+            what = f"{dtype} wire {wire} {rows}x{widths}"
+            payload = K.cast_pack_summed(x, head, wire, srt, perm, widths, segs=segs, cols=8, finish=4)
+            same(payload, R.cast_pack_summed(x, head, wire, srt, perm, widths), f"cast_pack_summed {what}")
+            same(payload, R.cast_pack(sum_duplicates(x, keys, widths), head, wire), f"cast_pack_summed {what}")
+            for flip in (None, 30, payload.numel() - 1):
+                p = payload.clone()
+                if flip is not None and flip < p.numel():
+                    p[flip] ^= 1
+                outs = [torch.full((rows, cols + 2), 5.0, dtype=dtype if wire == 0 else torch.float32) for _ in "ab"]
+                got = K.cast_unpack_first(
+                    p, head, wire, outs[0][:, 1 : 1 + cols], srt, perm, widths, segs=segs, cols=8, finish=4
+                )
+                want = R.cast_unpack(p, head, wire, outs[1][:, 1 : 1 + cols])
+                keep_first_duplicates(outs[1][:, 1 : 1 + cols], keys, widths)
+                assert got.tolist() == want.tolist() and (got.tolist() == [1, 1]) == (flip is None), (flip, got)
+                ints = torch.int32 if outs[0].element_size() == 4 else torch.int16
+                same(outs[0].view(ints), outs[1].view(ints), f"cast_unpack_first {what} flip {flip}")
+    assert all(not t[2 * (len(t) // 2) :].any() for t in K._TABLES.values())  # every launch left its counter zero
+    print("cast pack summed/unpack first OK")
+
     # the ids codec's bit streams and every payload's check at once
     i64 = torch.iinfo(torch.int64)
     for n in (0, 1, 700, 5000):
@@ -469,6 +520,23 @@ def _aot_specs():
         specs.append(
             (K.cast_unpack_kernel, cast_unpack, {"ITEM": item if wire == 0 else 2, "WIRE": wire, "BLOCK": 4096})
         )
+    ids = {"sorted_ptr": "*i64", "perm_ptr": "*i64", "k_s0": "i64", "k_s1": "i64", "table_ptr": "*i64",
+           "n_blocks": "i32"}  # fmt: skip
+    summed = {
+        "x_ptr": "*fp32", "rows": "i64", "cols": "i64", "n": "i64", **ids, "steps": "i32", "head_ptr": "*u8",
+        "h": "i64", "total": "i64", "out_ptr": "*u8", "part_ptr": "*i64", "count_ptr": "*i64", "SRC": "constexpr",
+        "TO": "constexpr", "ITEM": "constexpr", "SEGS": "constexpr", "COLS": "constexpr",
+    }  # fmt: skip
+    first = {
+        "pay_ptr": "*u8", "rows": "i64", "cols": "i64", "n": "i64", **ids, "h": "i64", "total": "i64",
+        "head_ptr": "*u8", "out_ptr": "*fp32", "s0": "i64", "s1": "i64", "part_ptr": "*i64", "verdict_ptr": "*i64",
+        "count_ptr": "*i64", "ITEM": "constexpr", "WIRE": "constexpr", "SEGS": "constexpr", "COLS": "constexpr",
+    }  # fmt: skip
+    tile = {"SEGS": K.SUM_SEGS, "COLS": K.SUM_COLS, "FINISH": 1024}
+    for wire in (0, 1, 2):
+        item = 4 if wire == 0 else 2
+        specs.append((K.cast_sum_pack_kernel, summed, {"SRC": 0, "TO": wire, "ITEM": item, **tile}))
+        specs.append((K.cast_first_unpack_kernel, first, {"ITEM": item, "WIRE": wire, **tile}))
     return specs
 
 

@@ -32,6 +32,9 @@ DEVICE_DCT_MP = {**tc.shipped("dct_mp"), "stats": {"sample_every": 0}}
 _AUTO_DIR = {**tc.shipped("auto")["forward"], "eb": 1e-3}
 DEVICE_AUTO = {"name": "auto", "forward": _AUTO_DIR, "backward": _AUTO_DIR, "stats": {"sample_every": 0}}
 AUTO_CHOICE = {f"f_t{t}": o for t, o in enumerate(["fp16", "lossy/fixed", "none", "bf16", "int8", "lossy/zstd"])}
+# the 16-bit casts as shipped (backward dedup: each id's gradient rows summed and kept on its first
+# row by the transport on the host path, inside the casts' ops on the device path)
+DEVICE_CASTS = {name: {**tc.shipped(name), "stats": {"sample_every": 0}} for name in ("fp16", "bf16")}
 SPECS = {"lossy": (DEVICE_LOSSY, {}), "auto": (DEVICE_AUTO, AUTO_CHOICE), "dct_mp": (DEVICE_DCT_MP, {})}
 
 
@@ -41,7 +44,7 @@ CACHED = {
     # a bound near the size of the rows' SGD steps: some held rows come back within it (hits), some past it
     "forward": {**DEVICE_LOSSY["forward"], "eb": 0.5, "cache": {"enabled": True, "capacity_rows": 24}},
 }
-RUNS = {**SPECS, "cache": (CACHED, {})}  # the row cache has its own test (below)
+RUNS = {**SPECS, "cache": (CACHED, {}), **{n: (c, {}) for n, c in DEVICE_CASTS.items()}}  # (own tests below)
 
 
 def _counted(rank: int, ws: int, plan: str, spec: str, hot: int | tuple[int, ...] = 1, steps: int = 3) -> dict:
@@ -130,6 +133,19 @@ def test_device_path_gives_the_host_paths_numbers_with_one_host_sync_per_collect
             assert n == calls.get(side, 0), (ws, side, n, r["syncs"])
         # nothing else: the forward reads which chunks have ids with its size exchange (no "forward/dist")
         assert set(r["syncs"]) == {"forward/send", "forward/receive", "backward/send", "backward/receive"}
+
+
+@pytest.mark.parametrize("spec", sorted(DEVICE_CASTS))
+def test_the_casts_sum_duplicate_ids_on_the_device_path_as_the_transport_does_on_the_host(spec):
+    """fp16/bf16 as shipped (backward dedup): the host path sums each id's gradient rows and keeps
+    the sum on its first row in the transport's stage, the device path inside the casts' ops
+    (``Codec.sums_duplicates``); outputs and trained weights are the same bit for bit, and the
+    backward reads the host once a side per call (its verdicts, its ids' flags), no more."""
+    for r in run_ranks(_counted, 2, "tw", spec, 1):
+        assert not r["stored"] and r["same"] and r["same_weights"]
+        calls = {k: n // 2 for k, n in r["calls"].items()}
+        assert r["syncs"]["backward/send"] == calls["backward/send"], r["syncs"]
+        assert r["syncs"]["backward/receive"] == calls["backward/receive"], r["syncs"]
 
 
 # bags of one id, and (ws 2) a step of bags of two ids between them: its chunks hold no ids, so

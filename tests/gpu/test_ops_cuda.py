@@ -82,6 +82,32 @@ def test_the_fused_casts_on_cuda_are_the_cpu_ops(wire: int) -> None:
     assert torch.equal(ints(gout), ints(out))
 
 
+@pytest.mark.parametrize("wire", [0, 1, 2])
+def test_the_casts_with_duplicate_ids_on_cuda_are_the_cpu_ops(wire: int) -> None:
+    """A gradient's rows summed by id as they are cast (in row order: the same floats) and each
+    id's first row kept as they are decoded, on CUDA as on the CPU; the ids shared by every block
+    too (one sorted column)."""
+    x, ids = chunk()
+    x[:, 0] = torch.randn(x.shape[0])  # (no NaN: a sum's NaN bits are a device's own)
+    x[0, :3] = torch.tensor([7.0, float("inf"), -0.0])
+    head = torch.randint(0, 256, (104,), dtype=torch.uint8)
+    head[20:24] = 0
+    widths = [64] * 13
+    for keys in (ids, ids[:, :1].expand(-1, 13)):
+        srt, perm = dedup.id_sort(keys)
+        gsrt, gperm = dedup.id_sort(keys.cuda())
+        cpu = ops.cast_pack_summed(x, head, wire, srt, perm, widths)
+        cuda = ops.cast_pack_summed(x.cuda(), head.cuda(), wire, gsrt, gperm, widths)
+        assert torch.equal(cuda.cpu(), cpu)
+        out, gout = torch.empty_like(x), torch.empty_like(x.cuda())
+        assert ops.cast_unpack_first(cpu, head, wire, out, srt, perm, widths).tolist() == [1, 1]
+        assert ops.cast_unpack_first(cuda, head.cuda(), wire, gout, gsrt, gperm, widths).tolist() == [1, 1]
+        assert torch.equal(ints(gout), ints(out))
+        bad = cuda.clone()
+        bad[-1] ^= 1
+        assert ops.cast_unpack_first(bad, head.cuda(), wire, gout, gsrt, gperm, widths).tolist() == [0, 1]
+
+
 def test_each_codec_op_launches_what_it_declares() -> None:
     x, ids = chunk()
     x, ids = x.cuda(), ids.cuda()
@@ -101,7 +127,11 @@ def test_each_codec_op_launches_what_it_declares() -> None:
     values = torch.zeros(1000, dtype=torch.int64, device="cuda")
     words = ops.bits_pack(values, starts, 200)
     segments = ([0, 100_000, 500_000], [100_000, 400_000, 24], 20, 4, 20)
+    by_id = dedup.id_sort(ids)
+    summed = ops.cast_pack_summed(x, head, 1, *by_id, widths)
     seen = {
+        "cast_pack_summed": launches(lambda: ops.cast_pack_summed(x, head, 1, *by_id, widths)),
+        "cast_unpack_first": launches(lambda: ops.cast_unpack_first(summed, head, 1, out, *by_id, widths)),
         "cast_pack": launches(lambda: ops.cast_pack(x, head, 1)),
         "cast_unpack": launches(lambda: ops.cast_unpack(cast, head, 1, out)),
         "relative_bounds": launches(lambda: ops.relative_bounds(x, rel, widths)),
