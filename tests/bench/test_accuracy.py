@@ -10,12 +10,12 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from trainer_runs import SMALL
 
-from dlrm.bench import accuracy, netbench
+from dlrm.bench import accuracy, published_setup
 
 
 def test_dense_params_of_the_terabyte_mlps():
     model = {"embedding_dim": 64, "dense_arch_layer_sizes": [512, 256, 64], "over_arch_layer_sizes": [512, 512, 256, 1]}
-    assert accuracy.dense_params({"model": model}) == netbench.PUBLISHED_DENSE_PARAMS == 762_177
+    assert accuracy.dense_params({"model": model}) == published_setup.PUBLISHED_DENSE_PARAMS == 762_177
 
 
 def test_a_key_given_twice_keeps_the_last_value():
