@@ -254,6 +254,16 @@ def adler_partials_kernel(
 
 
 @triton.jit
+def _adler_check(a, c, checked):
+    """The Adler-32 check of ``checked`` bytes from their summed partials: ``a`` (the bytes' sums,
+    each reduced mod 65521) and ``c`` (the position-weighted sums)."""
+    a = a % 65521
+    lm = checked % 65521
+    b = ((lm + lm * a - c % 65521) % 65521 + 65521) % 65521
+    return b * 65536 + (a + 1) % 65521
+
+
+@triton.jit
 def adler_finish_kernel(
     part_ptr, n_parts, end_ptr, size, skip_len, check_at, data_ptr, out_ptr,
     HAS_END: tl.constexpr, MODE: tl.constexpr, CHUNK: tl.constexpr,
@@ -270,10 +280,7 @@ def adler_finish_kernel(
         m = j < n_parts
         a += tl.sum(tl.load(part_ptr + 2 * j, mask=m, other=0), axis=0) % 65521
         c += tl.sum(tl.load(part_ptr + 2 * j + 1, mask=m, other=0), axis=0)
-    a = a % 65521
-    lm = (end - skip_len) % 65521
-    b = ((lm + lm * a - c % 65521) % 65521 + 65521) % 65521
-    check = b * 65536 + (a + 1) % 65521
+    check = _adler_check(a, c, end - skip_len)
     byte = tl.arange(0, 4)
     if MODE == 0:
         tl.store(out_ptr, check)
@@ -1170,10 +1177,7 @@ def _finish_last(part_ptr, n_parts, count_ptr, size, data_ptr, out_ptr, MODE: tl
             m = j < n_parts
             a += tl.sum(tl.where(m, tl.atomic_add(part_ptr + 2 * j, 0, mask=m), 0), axis=0) % 65521
             c += tl.sum(tl.where(m, tl.atomic_add(part_ptr + 2 * j + 1, 0, mask=m), 0), axis=0)
-        a = a % 65521
-        lm = (size - 4) % 65521
-        b = ((lm + lm * a - c % 65521) % 65521 + 65521) % 65521
-        check = b * 65536 + (a + 1) % 65521
+        check = _adler_check(a, c, size - 4)
         byte = tl.arange(0, 4)
         if MODE == 1:
             stored = tl.sum(tl.load(data_ptr + 20 + byte).to(tl.int64) << (8 * byte), axis=0)
@@ -1472,10 +1476,7 @@ def adler_segments_finish_kernel(
         at = 2 * (seg * max_parts + j)
         a += tl.sum(tl.load(part_ptr + at, mask=m, other=0), axis=0) % 65521
         c += tl.sum(tl.load(part_ptr + at + 1, mask=m, other=0), axis=0)
-    a = a % 65521
-    lm = (size - skip_len) % 65521
-    b = ((lm + lm * a - c % 65521) % 65521 + 65521) % 65521
-    check = b * 65536 + (a + 1) % 65521
+    check = _adler_check(a, c, size - skip_len)
     byte = tl.arange(0, 4)
     if MODE == 0:
         tl.store(out_ptr + seg, check)

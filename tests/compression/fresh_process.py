@@ -27,3 +27,22 @@ def check_in_process(script: str, mode: str, interpret: bool, timeout: int) -> N
         [sys.executable, script, mode], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )
     assert r.returncode == 0 and "ALL OK" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
+
+
+def compiled_for_cuda(specs):
+    """Each ``(kernel, signature, constexprs)`` of ``specs`` compiled ahead of time for sm_80 and
+    sm_90 without FMA contraction (no GPU needed), a cubin made: yields (kernel, constexprs, compute
+    capability, PTX)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    for fn, sig, constexprs in specs:
+        for cc in (80, 90):
+            c = triton.compile(
+                ASTSource(fn, sig, constexprs=constexprs),
+                target=GPUTarget("cuda", cc, 32),
+                options={"enable_fp_fusion": False},
+            )
+            assert c.asm["cubin"], f"{fn.fn.__name__} {constexprs} sm_{cc}: no cubin"
+            yield fn, constexprs, cc, c.asm["ptx"]

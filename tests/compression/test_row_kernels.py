@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from fresh_process import ROOT, check_in_process
+from fresh_process import ROOT, check_in_process, compiled_for_cuda
 
 
 def test_row_cache_kernels_are_bit_identical_to_the_reference_in_the_interpreter():
@@ -188,21 +188,10 @@ def _aot_specs():
 
 
 def _check_aot() -> None:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    for fn, sig, constexprs in _aot_specs():
-        for cc in (80, 90):
-            c = triton.compile(
-                ASTSource(fn, sig, constexprs=constexprs),
-                target=GPUTarget("cuda", cc, 32),
-                options={"enable_fp_fusion": False},
-            )
-            name = f"{fn.fn.__name__} sm_{cc}"
-            assert c.asm["cubin"], f"{name}: no cubin"
-            assert "fma.rn" not in c.asm["ptx"], f"{name}: contracted to FMA (the reference rounds twice)"
-            print(name, "compiled")
+    for fn, _, cc, ptx in compiled_for_cuda(_aot_specs()):
+        name = f"{fn.fn.__name__} sm_{cc}"
+        assert "fma.rn" not in ptx, f"{name}: contracted to FMA (the reference rounds twice)"
+        print(name, "compiled")
 
 
 if __name__ == "__main__":

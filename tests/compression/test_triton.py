@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from fresh_process import CAST_CASES, ROOT, check_in_process
+from fresh_process import CAST_CASES, ROOT, check_in_process, compiled_for_cuda
 
 
 def test_kernels_are_bit_identical_to_the_reference_in_the_interpreter():
@@ -514,25 +514,13 @@ def _aot_specs():
 
 
 def _check_aot() -> None:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    for fn, sig, constexprs in _aot_specs():
-        for cc in (80, 90):
-            c = triton.compile(
-                ASTSource(fn, sig, constexprs=constexprs),
-                target=GPUTarget("cuda", cc, 32),
-                options={"enable_fp_fusion": False},
-            )
-            name = f"{fn.fn.__name__} {constexprs} sm_{cc}"
-            assert c.asm["cubin"], f"{name}: no cubin"
-            ptx = c.asm["ptx"]
-            assert "fma.rn.f32" not in ptx, f"{name}: contracted to FMA (reconstruction would differ)"
-            assert "div.full" not in ptx and "div.approx" not in ptx, f"{name}: approximate division"
-            if fn.fn.__name__ == "quantize_kernel":
-                assert "div.rn.f32" in ptx, f"{name}: no IEEE division"
-            print(name, "compiled")
+    for fn, constexprs, cc, ptx in compiled_for_cuda(_aot_specs()):
+        name = f"{fn.fn.__name__} {constexprs} sm_{cc}"
+        assert "fma.rn.f32" not in ptx, f"{name}: contracted to FMA (reconstruction would differ)"
+        assert "div.full" not in ptx and "div.approx" not in ptx, f"{name}: approximate division"
+        if fn.fn.__name__ == "quantize_kernel":
+            assert "div.rn.f32" in ptx, f"{name}: no IEEE division"
+        print(name, "compiled")
 
 
 def _check_no_interpreter() -> None:
