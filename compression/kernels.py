@@ -1371,6 +1371,13 @@ BITS_BLOCK = 1024  # values per program of the bit-stream kernels
 
 
 @triton.jit
+def _word_and_bit(starts_ptr, s_stride, i, live):
+    """The int64 word and the bit in it (0..63) where each live field ``i`` starts."""
+    s = tl.load(starts_ptr + i * s_stride, mask=live, other=0).to(tl.int64)
+    return s >> 6, s & 63
+
+
+@triton.jit
 def bits_pack_kernel(values_ptr, v_stride, starts_ptr, s_stride, n, words_ptr, n_words, BLOCK: tl.constexpr):
     """Each value ORed into the word its start falls in and, past its end, the next (two atomic
     ORs: fields never overlap, so the order does not matter); zeros are not written. Shifts stay
@@ -1378,9 +1385,7 @@ def bits_pack_kernel(values_ptr, v_stride, starts_ptr, s_stride, n, words_ptr, n
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = i < n
     v = tl.load(values_ptr + i * v_stride, mask=live, other=0).to(tl.int64)
-    s = tl.load(starts_ptr + i * s_stride, mask=live, other=0).to(tl.int64)
-    w = s >> 6
-    b = s & 63
+    w, b = _word_and_bit(starts_ptr, s_stride, i, live)
     low = v << b
     spill = tl.where(b > 0, ((v >> 1) & 0x7FFFFFFFFFFFFFFF) >> tl.where(b > 0, 63 - b, 0), 0)  # logical shift
     tl.atomic_or(words_ptr + w, low, mask=live & (low != 0) & (w < n_words))
@@ -1395,10 +1400,8 @@ def bits_unpack_kernel(
     end read as zeros. Shifts stay in [0, 63]."""
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = i < n
-    s = tl.load(starts_ptr + i * s_stride, mask=live, other=0).to(tl.int64)
+    w, b = _word_and_bit(starts_ptr, s_stride, i, live)
     width = tl.load(widths_ptr + i * w_stride, mask=live, other=0).to(tl.int64)
-    w = s >> 6
-    b = s & 63
     x = tl.load(words_ptr + w, mask=live & (w < n_words), other=0)
     y = tl.load(words_ptr + w + 1, mask=live & (b > 0) & (w + 1 < n_words), other=0)
     one = tl.full((BLOCK,), 1, dtype=tl.int64)
