@@ -254,6 +254,16 @@ def adler_partials_kernel(
 
 
 @triton.jit
+def _adler_check(a, c, checked):
+    """The Adler-32 check of ``checked`` bytes from their summed partials: ``a`` (the bytes' sums,
+    each reduced mod 65521) and ``c`` (the position-weighted sums)."""
+    a = a % 65521
+    lm = checked % 65521
+    b = ((lm + lm * a - c % 65521) % 65521 + 65521) % 65521
+    return b * 65536 + (a + 1) % 65521
+
+
+@triton.jit
 def adler_finish_kernel(
     part_ptr, n_parts, end_ptr, size, skip_len, check_at, data_ptr, out_ptr,
     HAS_END: tl.constexpr, MODE: tl.constexpr, CHUNK: tl.constexpr,
@@ -270,10 +280,7 @@ def adler_finish_kernel(
         m = j < n_parts
         a += tl.sum(tl.load(part_ptr + 2 * j, mask=m, other=0), axis=0) % 65521
         c += tl.sum(tl.load(part_ptr + 2 * j + 1, mask=m, other=0), axis=0)
-    a = a % 65521
-    lm = (end - skip_len) % 65521
-    b = ((lm + lm * a - c % 65521) % 65521 + 65521) % 65521
-    check = b * 65536 + (a + 1) % 65521
+    check = _adler_check(a, c, end - skip_len)
     byte = tl.arange(0, 4)
     if MODE == 0:
         tl.store(out_ptr, check)
@@ -309,6 +316,20 @@ def adler32(
 
 
 FRAME_TILE = 4096  # payload bytes per program of frame_copy_kernel
+
+
+@triton.jit
+def _last_at_or_before(starts_ptr, n, x, STEPS: tl.constexpr):
+    """Per element of ``x``: the last index b < ``n`` with ``starts[b] <= x`` (0 where none), by
+    ``STEPS`` halvings of [0, n) (``starts`` ascending)."""
+    lo = tl.zeros(x.shape, dtype=tl.int64)
+    hi = tl.zeros(x.shape, dtype=tl.int64) + n
+    for _ in tl.static_range(STEPS):
+        mid = (lo + hi) // 2
+        go = (mid < hi) & (tl.load(starts_ptr + mid, mask=mid < n, other=0) <= x)
+        lo = tl.where(go, mid + 1, lo)
+        hi = tl.where(go, hi, mid)
+    return tl.maximum(lo - 1, 0)
 
 
 @triton.jit
@@ -368,14 +389,7 @@ def frame_copy_kernel(
         hb = tl.where(in_len, tl.load(meta_b + (o - lengths_at), mask=live & in_len, other=0), hb)
         hb = tl.where(in_tot, tl.load(meta_b + 8 * n_sections + (o - total_at), mask=live & in_tot, other=0), hb)
         # body bytes: the last piece starting at or before o (binary search over the starts)
-        lo = tl.zeros((TILE,), dtype=tl.int64)
-        hi = tl.zeros((TILE,), dtype=tl.int64) + n_pieces
-        for _ in tl.static_range(STEPS):
-            mid = (lo + hi) // 2
-            go = (mid < hi) & (tl.load(meta_ptr + n_sections + 1 + mid, mask=mid < n_pieces, other=0) <= o)
-            lo = tl.where(go, mid + 1, lo)
-            hi = tl.where(go, hi, mid)
-        piece = tl.maximum(lo - 1, 0)
+        piece = _last_at_or_before(meta_ptr + n_sections + 1, n_pieces, o, STEPS)
         at = o - tl.load(meta_ptr + n_sections + 1 + piece)
         inside = live & (o >= head_len) & (at < tl.load(meta_ptr + n_sections + 1 + n_pieces + piece))
         src = tl.load(table_ptr + n_pieces + piece) + at  # the piece's place in the joined source
@@ -600,14 +614,7 @@ def roundtrip_kernel(
     margin and rebuilt (``q * step``), or kept where that misses (:func:`reference.lossy_roundtrip`)."""
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     c = tl.program_id(1).to(tl.int64) * COLS + tl.arange(0, COLS)
-    lo = tl.zeros(c.shape, dtype=tl.int64)  # the block of a column: the last b with start[b] <= c
-    hi = tl.zeros(c.shape, dtype=tl.int64) + n_blocks
-    for _ in tl.static_range(STEPS):
-        mid = (lo + hi) // 2
-        go = (mid < hi) & (tl.load(table_ptr + mid, mask=mid < n_blocks, other=0) <= c)
-        lo = tl.where(go, mid + 1, lo)
-        hi = tl.where(go, hi, mid)
-    b = tl.maximum(lo - 1, 0)
+    b = _last_at_or_before(table_ptr, n_blocks, c, STEPS)  # the block of a column: the last b with start[b] <= c
     m = (r[:, None] < rows) & (c[None, :] < cols)
     v = tl.load(x_ptr + r[:, None] * x_stride + c[None, :], mask=m, other=0.0)
     step = tl.load(step_ptr + b, mask=c < cols, other=1.0)[None, :]
@@ -625,14 +632,7 @@ def _lossy_values(
     p = (pid.to(tl.int64) * G + tl.arange(0, G)[:, None]) * 32 + tl.arange(0, 32)[None, :]
     n = tl.load(off_ptr + n_blocks)
     live = p < n
-    lo = tl.zeros(p.shape, dtype=tl.int64)  # the block: the last b with off[b] <= p
-    hi = tl.zeros(p.shape, dtype=tl.int64) + n_blocks
-    for _ in tl.static_range(STEPS):
-        mid = (lo + hi) // 2
-        go = (mid < hi) & (tl.load(off_ptr + mid, mask=mid < n_blocks, other=0) <= p)
-        lo = tl.where(go, mid + 1, lo)
-        hi = tl.where(go, hi, mid)
-    b = tl.maximum(lo - 1, 0)
+    b = _last_at_or_before(off_ptr, n_blocks, p, STEPS)  # the block: the last b with off[b] <= p
     w = tl.maximum(tl.load(table_ptr + n_blocks + b), 1)
     at = p - tl.load(off_ptr + b)
     u = at // w
@@ -815,14 +815,7 @@ def lossy_unpack_kernel(
     q = (z >> 1) ^ (0 - (z & 1))
     p = g[:, None] * 32 + j
     live = p < n
-    lo_b = tl.zeros(p.shape, dtype=tl.int64)  # the block: the last b with off[b] <= p
-    hi_b = tl.zeros(p.shape, dtype=tl.int64) + n_blocks
-    for _ in tl.static_range(STEPS):
-        mid = (lo_b + hi_b) // 2
-        go = (mid < hi_b) & (tl.load(table_ptr + 2 * n_blocks + mid, mask=mid < n_blocks, other=0) <= p)
-        lo_b = tl.where(go, mid + 1, lo_b)
-        hi_b = tl.where(go, hi_b, mid)
-    b = tl.maximum(lo_b - 1, 0)
+    b = _last_at_or_before(table_ptr + 2 * n_blocks, n_blocks, p, STEPS)  # the block: the last b with off[b] <= p
     step = tl.load(table_ptr + 3 * n_blocks + 1 + b).to(tl.int32).to(tl.float32, bitcast=True)
     val = q.to(tl.float32) * step
     if OUT == 0:
@@ -854,14 +847,7 @@ def lossy_rows_kernel(
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
     c = tl.program_id(1).to(tl.int64) * COLS + tl.arange(0, COLS)[None, :]
     m = (r < rows) & (c < cols)
-    lo = tl.zeros(c.shape, dtype=tl.int64)  # the block: the last b with start[b] <= c
-    hi = tl.zeros(c.shape, dtype=tl.int64) + n_blocks
-    for _ in tl.static_range(STEPS):
-        mid = (lo + hi) // 2
-        go = (mid < hi) & (tl.load(table_ptr + mid, mask=mid < n_blocks, other=0) <= c)
-        lo = tl.where(go, mid + 1, lo)
-        hi = tl.where(go, hi, mid)
-    b = tl.maximum(lo - 1, 0)
+    b = _last_at_or_before(table_ptr, n_blocks, c, STEPS)  # the block: the last b with start[b] <= c
     w = tl.load(table_ptr + n_blocks + b)
     if INVERSE:  # noqa: SIM108  (Triton JIT code: the branch on the constexpr stays a statement)
         u = tl.load(inv_ptr + b * rows + r, mask=m, other=0)
@@ -953,16 +939,50 @@ def _head_sums(src_ptr, h, total, out_ptr, copy: tl.constexpr, CHUNK: tl.constex
 
 
 @triton.jit
+def _head_written(head_ptr, h, n, total, out_ptr, ITEM: tl.constexpr):
+    """A pack's last program: the header and the zero padding after the ``n`` values written to
+    ``out``, their partial sums."""
+    a, c = _head_sums(head_ptr, h, total, out_ptr, True, 1024)
+    p = h + n * ITEM + tl.arange(0, 8)
+    tl.store(out_ptr + p, tl.zeros((8,), dtype=tl.uint8), mask=p < total)
+    return a, c
+
+
+@triton.jit
+def _head_checked(pay_ptr, h, n, total, head_ptr, verdict_ptr, ITEM: tl.constexpr):
+    """An unpack's last program: the header's and padding's partial sums, and whether the header
+    is the expected one ``head`` but its check (``verdict[1]``)."""
+    a, c = _head_sums(pay_ptr, h, total, pay_ptr, False, 1024)
+    p = h + n * ITEM + tl.arange(0, 8)  # the padding after the values: checked bytes too
+    d = tl.load(pay_ptr + p, mask=p < total, other=0).to(tl.int64)
+    a += tl.sum(d, axis=0)
+    c += tl.sum(d * (p - 4), axis=0)
+    wrong = tl.zeros((), dtype=tl.int64)
+    for k in range(0, h, 1024):
+        j = (k + tl.arange(0, 1024)).to(tl.int64)
+        m = (j < h) & ((j < 20) | (j >= 24))
+        got = tl.load(pay_ptr + j, mask=m, other=0)
+        want = tl.load(head_ptr + j, mask=m, other=0)
+        wrong += tl.sum((got != want).to(tl.int64), axis=0)
+    tl.store(verdict_ptr + 1, (wrong == 0).to(tl.int64))
+    return a, c
+
+
+@triton.jit
+def _cast_program():
+    """A cast kernel's program, its last one (the header's) and zero partial sums (a, c)."""
+    pid = tl.program_id(0)
+    return pid, tl.num_programs(0) - 1, tl.zeros((), dtype=tl.int64), tl.zeros((), dtype=tl.int64)
+
+
+@triton.jit
 def cast_pack_kernel(
     x_ptr, n, head_ptr, h, total, out_ptr, part_ptr,
     ITEM: tl.constexpr, WIRE: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Programs 0..: a tile of values cast to the wire dtype at their place after the header, and
     the Adler partial sums of their bytes; the last: the header, the zero padding, their sums."""
-    pid = tl.program_id(0)
-    last = tl.num_programs(0) - 1
-    a = tl.zeros((), dtype=tl.int64)
-    c = tl.zeros((), dtype=tl.int64)
+    pid, last, a, c = _cast_program()
     if pid < last:
         i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         live = i < n
@@ -984,9 +1004,7 @@ def cast_pack_kernel(
             tl.store(out_ptr.to(tl.pointer_type(tl.int16)) + h // 2 + i, bits.to(tl.int16), mask=live)
         a, c = _byte_sums(bits, h + i * ITEM, live, ITEM)
     else:
-        a, c = _head_sums(head_ptr, h, total, out_ptr, True, 1024)
-        p = h + n * ITEM + tl.arange(0, 8)
-        tl.store(out_ptr + p, tl.zeros((8,), dtype=tl.uint8), mask=p < total)
+        a, c = _head_written(head_ptr, h, n, total, out_ptr, ITEM)
     tl.store(part_ptr + 2 * pid, a)
     tl.store(part_ptr + 2 * pid + 1, c % 65521)
 
@@ -999,10 +1017,7 @@ def cast_unpack_kernel(
     """Programs 0..: a tile of wire values to the output (float32 from fp16/bf16, else the bits as
     they are) and their bytes' Adler partial sums; the last: the header's and padding's sums and
     whether the header is the expected one (``verdict[1]``)."""
-    pid = tl.program_id(0)
-    last = tl.num_programs(0) - 1
-    a = tl.zeros((), dtype=tl.int64)
-    c = tl.zeros((), dtype=tl.int64)
+    pid, last, a, c = _cast_program()
     if pid < last:
         i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         live = i < n
@@ -1022,33 +1037,36 @@ def cast_unpack_kernel(
         if WIRE == 2:
             tl.store(dst, (bits << 16).to(tl.float32, bitcast=True), mask=live)
     else:
-        a, c = _head_sums(pay_ptr, h, total, pay_ptr, False, 1024)
-        p = h + n * ITEM + tl.arange(0, 8)  # the padding after the values: checked bytes too
-        d = tl.load(pay_ptr + p, mask=p < total, other=0).to(tl.int64)
-        a += tl.sum(d, axis=0)
-        c += tl.sum(d * (p - 4), axis=0)
-        wrong = tl.zeros((), dtype=tl.int64)
-        for k in range(0, h, 1024):
-            j = (k + tl.arange(0, 1024)).to(tl.int64)
-            m = (j < h) & ((j < 20) | (j >= 24))
-            got = tl.load(pay_ptr + j, mask=m, other=0)
-            want = tl.load(head_ptr + j, mask=m, other=0)
-            wrong += tl.sum((got != want).to(tl.int64), axis=0)
-        tl.store(verdict_ptr + 1, (wrong == 0).to(tl.int64))
+        a, c = _head_checked(pay_ptr, h, n, total, head_ptr, verdict_ptr, ITEM)
     tl.store(part_ptr + 2 * pid, a)
     tl.store(part_ptr + 2 * pid + 1, c % 65521)
+
+
+def _cast_payload(x: torch.Tensor, head: torch.Tensor, wire: int) -> tuple[int, int, int, torch.Tensor]:
+    """A cast pack's wire item size, header length, payload length (8-aligned) and its buffer."""
+    from .reference import WIRE_DTYPES
+
+    item = (WIRE_DTYPES[wire] or x.dtype).itemsize
+    h = head.numel()
+    total = h + x.numel() * item
+    total += -total % 8
+    return item, h, total, torch.empty(total, dtype=torch.uint8, device=x.device)
+
+
+def _cast_verdict(out: torch.Tensor, wire: int, programs: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """A cast unpack's wire item size, its ``programs``' partial sums and its verdict, on the device."""
+    from .reference import WIRE_DTYPES
+
+    item = (WIRE_DTYPES[wire] or out.dtype).itemsize
+    parts = torch.empty(2 * programs, dtype=torch.int64, device=out.device)
+    return item, parts, torch.empty(2, dtype=torch.int64, device=out.device)
 
 
 def cast_pack(x: torch.Tensor, head: torch.Tensor, wire: int, block: int = CAST_BLOCK) -> torch.Tensor:
     """Kernel version of :func:`reference.cast_pack`: the values cast, framed and summed by one
     kernel, the check finished by a second."""
-    from .reference import WIRE_DTYPES
-
-    item = (WIRE_DTYPES[wire] or x.dtype).itemsize
-    n, h = x.numel(), head.numel()
-    total = h + n * item
-    total += -total % 8
-    out = torch.empty(total, dtype=torch.uint8, device=x.device)
+    item, h, total, out = _cast_payload(x, head, wire)
+    n = x.numel()
     programs = triton.cdiv(n, block) + 1
     parts = torch.empty(2 * programs, dtype=torch.int64, device=x.device)
     cast_pack_kernel[(programs,)](
@@ -1065,13 +1083,9 @@ def cast_unpack(
 ) -> torch.Tensor:
     """Kernel version of :func:`reference.cast_unpack`: values, sums and the header's verdict in
     one kernel, the check's verdict in a second."""
-    from .reference import WIRE_DTYPES
-
-    item = (WIRE_DTYPES[wire] or out.dtype).itemsize
     n, h = out.numel(), head.numel()
     programs = triton.cdiv(n, block) + 1
-    parts = torch.empty(2 * programs, dtype=torch.int64, device=out.device)
-    verdict = torch.empty(2, dtype=torch.int64, device=out.device)
+    item, parts, verdict = _cast_verdict(out, wire, programs)
     cast_unpack_kernel[(programs,)](
         payload, n, h, payload.numel(), head, out, out.stride(0), out.stride(1), max(out.shape[1], 1), parts, verdict,
         ITEM=item, WIRE=wire, BLOCK=block, **_LAUNCH,
@@ -1163,10 +1177,7 @@ def _finish_last(part_ptr, n_parts, count_ptr, size, data_ptr, out_ptr, MODE: tl
             m = j < n_parts
             a += tl.sum(tl.where(m, tl.atomic_add(part_ptr + 2 * j, 0, mask=m), 0), axis=0) % 65521
             c += tl.sum(tl.where(m, tl.atomic_add(part_ptr + 2 * j + 1, 0, mask=m), 0), axis=0)
-        a = a % 65521
-        lm = (size - 4) % 65521
-        b = ((lm + lm * a - c % 65521) % 65521 + 65521) % 65521
-        check = b * 65536 + (a + 1) % 65521
+        check = _adler_check(a, c, size - 4)
         byte = tl.arange(0, 4)
         if MODE == 1:
             stored = tl.sum(tl.load(data_ptr + 20 + byte).to(tl.int64) << (8 * byte), axis=0)
@@ -1174,6 +1185,14 @@ def _finish_last(part_ptr, n_parts, count_ptr, size, data_ptr, out_ptr, MODE: tl
         if MODE == 2:
             tl.store(data_ptr + 20 + byte, ((check >> (8 * byte)) & 255).to(tl.uint8))
         tl.atomic_xchg(count_ptr, 0)
+
+
+@triton.jit
+def _block_segs(pid, rows, SEGS: tl.constexpr):
+    """Program ``pid``'s block and its ``SEGS`` sorted positions there (``tl.cdiv(rows, SEGS)``
+    programs a block)."""
+    tiles = tl.cdiv(rows, SEGS)
+    return pid // tiles, (pid % tiles).to(tl.int64) * SEGS + tl.arange(0, SEGS)
 
 
 @triton.jit
@@ -1187,14 +1206,9 @@ def cast_sum_pack_kernel(
     the wire's (``TO``), and writes it to every row of the run at its place after the header,
     with the Adler partial sums of those bytes; the last: the header, the padding, their sums.
     (The run loops go to the tile's longest run, a scalar bound: no branch on block values.)"""
-    pid = tl.program_id(0)
-    last = tl.num_programs(0) - 1
-    a = tl.zeros((), dtype=tl.int64)
-    c = tl.zeros((), dtype=tl.int64)
+    pid, last, a, c = _cast_program()
     if pid < last:
-        tiles = tl.cdiv(rows, SEGS)
-        b = pid // tiles
-        s = (pid % tiles).to(tl.int64) * SEGS + tl.arange(0, SEGS)
+        b, s = _block_segs(pid, rows, SEGS)
         _, length = _id_runs(sorted_ptr, k_s0, k_s1, b, s, rows, steps)
         n_steps = tl.max(length, axis=0)
         start = tl.load(table_ptr + b)
@@ -1228,9 +1242,7 @@ def cast_sum_pack_kernel(
                 a += da
                 c = (c + dc) % 65521
     else:
-        a, c = _head_sums(head_ptr, h, total, out_ptr, True, 1024)
-        p = h + n * ITEM + tl.arange(0, 8)
-        tl.store(out_ptr + p, tl.zeros((8,), dtype=tl.uint8), mask=p < total)
+        a, c = _head_written(head_ptr, h, n, total, out_ptr, ITEM)
     tl.atomic_xchg(part_ptr + 2 * pid, a)  # (atomics, as the count after them: none left in a cache)
     tl.atomic_xchg(part_ptr + 2 * pid + 1, c % 65521)
     _finish_last(part_ptr, last + 1, count_ptr, total, out_ptr, part_ptr, 2, FINISH)
@@ -1245,14 +1257,9 @@ def cast_first_unpack_kernel(
     """Programs 0..: ``SEGS`` sorted positions of one block: their rows' wire values to the output
     where the row is its id's first in the block (the run's start), zeros elsewhere, and the
     Adler partial sums of their bytes; the last: :func:`cast_unpack_kernel`'s."""
-    pid = tl.program_id(0)
-    last = tl.num_programs(0) - 1
-    a = tl.zeros((), dtype=tl.int64)
-    c = tl.zeros((), dtype=tl.int64)
+    pid, last, a, c = _cast_program()
     if pid < last:
-        tiles = tl.cdiv(rows, SEGS)
-        b = pid // tiles
-        s = (pid % tiles).to(tl.int64) * SEGS + tl.arange(0, SEGS)
+        b, s = _block_segs(pid, rows, SEGS)
         live = s < rows
         new, _ = _id_runs(sorted_ptr, k_s0, k_s1, b, s, rows, 0)
         row = tl.load(perm_ptr + s * k_s0 + b * k_s1, mask=live, other=0)
@@ -1284,19 +1291,7 @@ def cast_first_unpack_kernel(
             if WIRE == 2:
                 tl.store(dst, tl.where(keep, (bits << 16).to(tl.float32, bitcast=True), 0.0), mask=m)
     else:
-        a, c = _head_sums(pay_ptr, h, total, pay_ptr, False, 1024)
-        p = h + n * ITEM + tl.arange(0, 8)  # the padding after the values: checked bytes too
-        d = tl.load(pay_ptr + p, mask=p < total, other=0).to(tl.int64)
-        a += tl.sum(d, axis=0)
-        c += tl.sum(d * (p - 4), axis=0)
-        wrong = tl.zeros((), dtype=tl.int64)
-        for k in range(0, h, 1024):
-            j = (k + tl.arange(0, 1024)).to(tl.int64)
-            m = (j < h) & ((j < 20) | (j >= 24))
-            got = tl.load(pay_ptr + j, mask=m, other=0)
-            want = tl.load(head_ptr + j, mask=m, other=0)
-            wrong += tl.sum((got != want).to(tl.int64), axis=0)
-        tl.store(verdict_ptr + 1, (wrong == 0).to(tl.int64))
+        a, c = _head_checked(pay_ptr, h, n, total, head_ptr, verdict_ptr, ITEM)
     tl.atomic_xchg(part_ptr + 2 * pid, a)  # (atomics, as the count after them: none left in a cache)
     tl.atomic_xchg(part_ptr + 2 * pid + 1, c % 65521)
     _finish_last(part_ptr, last + 1, count_ptr, total, pay_ptr, verdict_ptr, 1, FINISH)
@@ -1335,14 +1330,8 @@ def cast_pack_summed(
 ) -> torch.Tensor:  # fmt: skip
     """Kernel version of :func:`reference.cast_pack_summed`: one launch, the sums, their casts, the
     header and the partial sums, the check finished and written by its last program to finish."""
-    from .reference import WIRE_DTYPES
-
-    item = (WIRE_DTYPES[wire] or x.dtype).itemsize
+    item, h, total, out = _cast_payload(x, head, wire)
     rows, n_cols = x.shape
-    h = head.numel()
-    total = h + x.numel() * item
-    total += -total % 8
-    out = torch.empty(total, dtype=torch.uint8, device=x.device)
     programs = len(widths) * triton.cdiv(rows, segs) + 1
     parts = torch.empty(2 * programs, dtype=torch.int64, device=x.device)
     k_s0, k_s1 = _id_strides(sorted_ids, perm)
@@ -1363,13 +1352,9 @@ def cast_unpack_first(
     """Kernel version of :func:`reference.cast_unpack_first`: one launch, the first rows' values
     (zeros on the others), the sums and the header's verdict, the check's verdict by its last
     program to finish."""
-    from .reference import WIRE_DTYPES
-
-    item = (WIRE_DTYPES[wire] or out.dtype).itemsize
     rows, n_cols = out.shape
     programs = len(widths) * triton.cdiv(rows, segs) + 1
-    parts = torch.empty(2 * programs, dtype=torch.int64, device=out.device)
-    verdict = torch.empty(2, dtype=torch.int64, device=out.device)
+    item, parts, verdict = _cast_verdict(out, wire, programs)
     k_s0, k_s1 = _id_strides(sorted_ids, perm)
     table, count = _block_table(widths, out.device)
     cast_first_unpack_kernel[(programs,)](
@@ -1386,6 +1371,13 @@ BITS_BLOCK = 1024  # values per program of the bit-stream kernels
 
 
 @triton.jit
+def _word_and_bit(starts_ptr, s_stride, i, live):
+    """The int64 word and the bit in it (0..63) where each live field ``i`` starts."""
+    s = tl.load(starts_ptr + i * s_stride, mask=live, other=0).to(tl.int64)
+    return s >> 6, s & 63
+
+
+@triton.jit
 def bits_pack_kernel(values_ptr, v_stride, starts_ptr, s_stride, n, words_ptr, n_words, BLOCK: tl.constexpr):
     """Each value ORed into the word its start falls in and, past its end, the next (two atomic
     ORs: fields never overlap, so the order does not matter); zeros are not written. Shifts stay
@@ -1393,9 +1385,7 @@ def bits_pack_kernel(values_ptr, v_stride, starts_ptr, s_stride, n, words_ptr, n
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = i < n
     v = tl.load(values_ptr + i * v_stride, mask=live, other=0).to(tl.int64)
-    s = tl.load(starts_ptr + i * s_stride, mask=live, other=0).to(tl.int64)
-    w = s >> 6
-    b = s & 63
+    w, b = _word_and_bit(starts_ptr, s_stride, i, live)
     low = v << b
     spill = tl.where(b > 0, ((v >> 1) & 0x7FFFFFFFFFFFFFFF) >> tl.where(b > 0, 63 - b, 0), 0)  # logical shift
     tl.atomic_or(words_ptr + w, low, mask=live & (low != 0) & (w < n_words))
@@ -1410,10 +1400,8 @@ def bits_unpack_kernel(
     end read as zeros. Shifts stay in [0, 63]."""
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = i < n
-    s = tl.load(starts_ptr + i * s_stride, mask=live, other=0).to(tl.int64)
+    w, b = _word_and_bit(starts_ptr, s_stride, i, live)
     width = tl.load(widths_ptr + i * w_stride, mask=live, other=0).to(tl.int64)
-    w = s >> 6
-    b = s & 63
     x = tl.load(words_ptr + w, mask=live & (w < n_words), other=0)
     y = tl.load(words_ptr + w + 1, mask=live & (b > 0) & (w + 1 < n_words), other=0)
     one = tl.full((BLOCK,), 1, dtype=tl.int64)
@@ -1491,10 +1479,7 @@ def adler_segments_finish_kernel(
         at = 2 * (seg * max_parts + j)
         a += tl.sum(tl.load(part_ptr + at, mask=m, other=0), axis=0) % 65521
         c += tl.sum(tl.load(part_ptr + at + 1, mask=m, other=0), axis=0)
-    a = a % 65521
-    lm = (size - skip_len) % 65521
-    b = ((lm + lm * a - c % 65521) % 65521 + 65521) % 65521
-    check = b * 65536 + (a + 1) % 65521
+    check = _adler_check(a, c, size - skip_len)
     byte = tl.arange(0, 4)
     if MODE == 0:
         tl.store(out_ptr + seg, check)

@@ -15,6 +15,15 @@ LAYOUT_CHUNK = 1024  # unique ids per step of row_layout_kernel
 
 
 @triton.jit
+def _row_flags(valid_ptr, held_ptr, moved_ptr, at, m):
+    """Unique ids' flags at ``at`` (where ``m``): held, moved, fresh (valid and not held)."""
+    v = tl.load(valid_ptr + at, mask=m, other=0) != 0
+    h = tl.load(held_ptr + at, mask=m, other=0) != 0
+    mv = m & (tl.load(moved_ptr + at, mask=m, other=0) != 0)
+    return h, mv, m & v & (h == 0)
+
+
+@triton.jit
 def row_layout_kernel(
     valid_ptr, held_ptr, moved_ptr, uid_ptr, rows, fresh_ptr, order_ptr, place_ptr, sending_ptr, empty_ptr,
     n_held_ptr, ids_ptr, CHUNK: tl.constexpr,
@@ -33,10 +42,7 @@ def row_layout_kernel(
     for k in range(0, rows, CHUNK):
         i = (k + tl.arange(0, CHUNK)).to(tl.int64)
         m = i < rows
-        v = tl.load(valid_ptr + base + i, mask=m, other=0) != 0
-        h = tl.load(held_ptr + base + i, mask=m, other=0) != 0
-        mv = m & (tl.load(moved_ptr + base + i, mask=m, other=0) != 0)
-        f = m & v & (h == 0)
+        h, mv, f = _row_flags(valid_ptr, held_ptr, moved_ptr, base + i, m)
         tl.store(fresh_ptr + base + i, f, mask=m)
         n_fresh += tl.sum(f.to(tl.int64), axis=0)
         n_moved += tl.sum(mv.to(tl.int64), axis=0)
@@ -52,10 +58,7 @@ def row_layout_kernel(
     for k in range(0, rows, CHUNK):
         i = (k + tl.arange(0, CHUNK)).to(tl.int64)
         m = i < rows
-        v = tl.load(valid_ptr + base + i, mask=m, other=0) != 0
-        h = tl.load(held_ptr + base + i, mask=m, other=0) != 0
-        mv = m & (tl.load(moved_ptr + base + i, mask=m, other=0) != 0)
-        f = m & v & (h == 0)
+        h, mv, f = _row_flags(valid_ptr, held_ptr, moved_ptr, base + i, m)
         rest = m & (f == 0) & (mv == 0)
         f64, mv64, rest64 = f.to(tl.int64), mv.to(tl.int64), rest.to(tl.int64)
         at_fresh = seen_fresh + tl.cumsum(f64, axis=0) - 1
@@ -134,15 +137,9 @@ def row_merge_kernel(
 
 
 def row_merge(
-    decoded: torch.Tensor,
-    place: torch.Tensor,
-    fresh: torch.Tensor,
-    moved: torch.Tensor,
-    table: torch.Tensor,
-    rows: torch.Tensor,
-    delta: torch.Tensor,
-    inverse: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    decoded: torch.Tensor, place: torch.Tensor, fresh: torch.Tensor, moved: torch.Tensor, table: torch.Tensor,
+    rows: torch.Tensor, delta: torch.Tensor, inverse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Kernel version of :func:`row_reference.row_merge`: one launch, programs per block and tile of rows."""
     n_blocks, q = place.shape
     n_rows, width = inverse.shape[1], table.shape[1]
@@ -296,14 +293,9 @@ def row_bounds_kernel(
 
 
 def row_classify(
-    xp: torch.Tensor,
-    first: torch.Tensor,
-    table: torch.Tensor,
-    rows: torch.Tensor,
-    held: torch.Tensor,
-    bounds: torch.Tensor,
-    deltas: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    xp: torch.Tensor, first: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, held: torch.Tensor,
+    bounds: torch.Tensor, deltas: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Kernel version of :func:`row_reference.row_classify`: per tile of every block's ids, then per block."""
     from .row_reference import ROOM_SCALE
 
@@ -360,16 +352,9 @@ def row_sent_kernel(
 
 
 def row_sent(
-    xp: torch.Tensor,
-    first: torch.Tensor,
-    table: torch.Tensor,
-    rows: torch.Tensor,
-    moved: torch.Tensor,
-    delta: torch.Tensor,
-    order: torch.Tensor,
-    empty: torch.Tensor,
-    uid: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    xp: torch.Tensor, first: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, moved: torch.Tensor,
+    delta: torch.Tensor, order: torch.Tensor, empty: torch.Tensor, uid: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Kernel version of :func:`row_reference.row_sent`: one launch."""
     n_blocks, q = first.shape
     width = table.shape[1]

@@ -8,32 +8,17 @@ be set before the kernels are decorated, and unset for the ahead-of-time CUDA co
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _run(mode: str, interpret: bool) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if interpret:
-        env["TRITON_INTERPRET"] = "1"
-    env["OMP_NUM_THREADS"] = "1"
-    return subprocess.run(
-        [sys.executable, __file__, mode], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
+from fresh_process import ROOT, check_in_process, compiled_for_cuda
 
 
 def test_row_cache_kernels_are_bit_identical_to_the_reference_in_the_interpreter():
-    r = _run("interpret", interpret=True)
-    assert r.returncode == 0 and "ALL OK" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
+    check_in_process(__file__, "interpret", interpret=True, timeout=600)
 
 
 def test_row_cache_kernels_compile_for_cuda_sm80_and_sm90_without_a_gpu():
-    r = _run("aot", interpret=False)
-    assert r.returncode == 0 and "ALL OK" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
+    check_in_process(__file__, "aot", interpret=False, timeout=600)
 
 
 # --------------------------------------------------------------------------- subprocess side ----
@@ -203,21 +188,10 @@ def _aot_specs():
 
 
 def _check_aot() -> None:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    for fn, sig, constexprs in _aot_specs():
-        for cc in (80, 90):
-            c = triton.compile(
-                ASTSource(fn, sig, constexprs=constexprs),
-                target=GPUTarget("cuda", cc, 32),
-                options={"enable_fp_fusion": False},
-            )
-            name = f"{fn.fn.__name__} sm_{cc}"
-            assert c.asm["cubin"], f"{name}: no cubin"
-            assert "fma.rn" not in c.asm["ptx"], f"{name}: contracted to FMA (the reference rounds twice)"
-            print(name, "compiled")
+    for fn, _, cc, ptx in compiled_for_cuda(_aot_specs()):
+        name = f"{fn.fn.__name__} sm_{cc}"
+        assert "fma.rn" not in ptx, f"{name}: contracted to FMA (the reference rounds twice)"
+        print(name, "compiled")
 
 
 if __name__ == "__main__":

@@ -6,37 +6,21 @@ are decorated, and must be unset for the ahead-of-time CUDA compile.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _run(mode: str, interpret: bool) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if interpret:
-        env["TRITON_INTERPRET"] = "1"
-    env["OMP_NUM_THREADS"] = "1"
-    return subprocess.run(
-        [sys.executable, __file__, mode], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
+from fresh_process import CAST_CASES, ROOT, check_in_process, compiled_for_cuda
 
 
 def test_kernels_are_bit_identical_to_the_reference_in_the_interpreter():
-    r = _run("interpret", interpret=True)
-    assert r.returncode == 0 and "ALL OK" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
+    check_in_process(__file__, "interpret", interpret=True, timeout=300)
 
 
 def test_kernels_compile_for_cuda_sm80_and_sm90_without_a_gpu():
-    r = _run("aot", interpret=False)
-    assert r.returncode == 0 and "ALL OK" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
+    check_in_process(__file__, "aot", interpret=False, timeout=300)
 
 
 def test_triton_backend_on_cpu_without_interpreter_says_how_to_enable_it():
-    r = _run("no_interpreter", interpret=False)
-    assert r.returncode == 0 and "ALL OK" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
+    check_in_process(__file__, "no_interpreter", interpret=False, timeout=300)
 
 
 # --------------------------------------------------------------------------- subprocess side ----
@@ -238,13 +222,8 @@ def _check_interpret() -> None:
 
     head = torch.randint(0, 256, (104,), generator=g, dtype=torch.uint8)
     head[20:24] = 0  # (the check field)
-    for dtype, wire in [
-        (torch.float32, 0),
-        (torch.float16, 0),
-        (torch.bfloat16, 0),
-        (torch.float32, 1),
-        (torch.float32, 2),
-    ]:
+    cast_cases = [(getattr(torch, name), wire) for name, wire in CAST_CASES]
+    for dtype, wire in cast_cases:
         for rows, cols in ((37, 12), (300, 8), (1, 1)):
             x = (torch.randn(rows, cols, generator=g) * 1e3).to(dtype)
             specials = [float("nan") if wire == 0 else 7.0, float("inf"), -0.0]  # (a cast's NaN: any NaN's bits)
@@ -268,13 +247,7 @@ def _check_interpret() -> None:
     from dlrm.embedding_comm.ids import keep_first_duplicates, sum_duplicates
     from dlrm_compression.dedup import id_sort
 
-    for dtype, wire in [
-        (torch.float32, 0),
-        (torch.float16, 0),
-        (torch.bfloat16, 0),
-        (torch.float32, 1),
-        (torch.float32, 2),
-    ]:
+    for dtype, wire in cast_cases:
         # (rows, widths, distinct ids, shared ids, tile rows): few programs (the interpreter is slow),
         # and the partial sums read 4 at a time (as 1,024 on a GPU) so that every loop turns
         for rows, widths, distinct, shared, segs in (
@@ -541,25 +514,13 @@ def _aot_specs():
 
 
 def _check_aot() -> None:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    for fn, sig, constexprs in _aot_specs():
-        for cc in (80, 90):
-            c = triton.compile(
-                ASTSource(fn, sig, constexprs=constexprs),
-                target=GPUTarget("cuda", cc, 32),
-                options={"enable_fp_fusion": False},
-            )
-            name = f"{fn.fn.__name__} {constexprs} sm_{cc}"
-            assert c.asm["cubin"], f"{name}: no cubin"
-            ptx = c.asm["ptx"]
-            assert "fma.rn.f32" not in ptx, f"{name}: contracted to FMA (reconstruction would differ)"
-            assert "div.full" not in ptx and "div.approx" not in ptx, f"{name}: approximate division"
-            if fn.fn.__name__ == "quantize_kernel":
-                assert "div.rn.f32" in ptx, f"{name}: no IEEE division"
-            print(name, "compiled")
+    for fn, constexprs, cc, ptx in compiled_for_cuda(_aot_specs()):
+        name = f"{fn.fn.__name__} {constexprs} sm_{cc}"
+        assert "fma.rn.f32" not in ptx, f"{name}: contracted to FMA (reconstruction would differ)"
+        assert "div.full" not in ptx and "div.approx" not in ptx, f"{name}: approximate division"
+        if fn.fn.__name__ == "quantize_kernel":
+            assert "div.rn.f32" in ptx, f"{name}: no IEEE division"
+        print(name, "compiled")
 
 
 def _check_no_interpreter() -> None:
