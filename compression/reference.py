@@ -10,6 +10,10 @@ exception with code 0. Codes are zig-zagged to non-negative int32 (|q| < 2**30).
 Block packing (the cuSZp-style fixed-length stage): codes in groups of 32; group g has width
 ``w[g]`` = bit length of its largest code (0..31) and takes exactly ``w[g]`` 32-bit words, code
 j at bits ``[j*w, j*w + w)`` of the group's bit string, least significant bit first.
+
+Over 500 lines because it is ``kernels.py``'s other half: one function per kernel of the same
+name (the fused ops of :mod:`compression.ops` are registered from these functions' signatures),
+so that the pairs a test compares bit for bit are read side by side in two files.
 """
 
 from __future__ import annotations
