@@ -79,24 +79,16 @@ PER_CHUNK: dict[str, tuple[str, ...] | None] = {
     "dlrm.embedding_comm.forward_cache": (
         "ForwardCache.encode",
         "ForwardCache.decode",
-        "_code",
-        "_decode",
         "ForwardCache.encode_on_device",  # the device path: none (its counts go with the collective's reads)
         "ForwardCache.prepare_on_device",
         "ForwardCache.decode_on_device",
         "ForwardCache._look",
         "ForwardCache._classify",
         "ForwardCache._sent",
-        "laid_out",
-        "Laid.sent",
-        "Columns.blocks_of",
-        "Columns.chunk_of",
-        "Columns.spread",
-        "_merged",
-        "_moved",
-        "_held_bits",
-        "_pack",
     ),
+    "dlrm.embedding_comm.cache_layout": None,  # the chunk's layout, merge, bits and inner payload
+    "compression.row_ops": None,
+    "compression.row_reference": None,
     "dlrm.embedding_comm.cache_probe": ("CacheProbe.measure", "CacheProbe.observe", "_over_bound"),
 }
 
