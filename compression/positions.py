@@ -20,16 +20,24 @@ def delta_width(keep: torch.Tensor) -> torch.Tensor:
     return width_less_one(keep).long().add_(1)
 
 
-def width_less_one(keep: torch.Tensor) -> torch.Tensor:
+def width_less_one(keep: torch.Tensor, halves: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`delta_width` less one (an int32 0-d tensor): the bit length of half the largest
-    delta, as the exponent of its float64 (exact below 2**53 positions; 0 for no delta)."""
+    delta, as the exponent of its float64 (exact below 2**53 positions; 0 for no delta).
+    ``halves``: :func:`halves_of` the mask's size, made once by a caller that codes it often."""
     if keep.numel() < 2:  # no delta but the first position's, 0
         return torch.zeros((), dtype=torch.int32, device=keep.device)
     # half of the last kept position at or before each (0 before the first): a kept one's half
     # delta is the step from its predecessor's, a dropped one's 0
-    half = torch.arange(0, keep.numel() / 2, 0.5, dtype=torch.float64, device=keep.device)
-    last = half.mul_(keep).cummax(0).values
+    if halves is None:
+        last = halves_of(keep.numel(), keep.device).mul_(keep).cummax(0).values
+    else:
+        last = torch.mul(halves, keep).cummax(0).values
     return torch.frexp((last[1:] - last[:-1]).max()).exponent
+
+
+def halves_of(n: int, device: torch.device) -> torch.Tensor:
+    """Half of each of the positions ``0 .. n-1`` (float64): :func:`width_less_one`'s constant."""
+    return torch.arange(0, n / 2, 0.5, dtype=torch.float64, device=device)
 
 
 def positions_mode(n: int, count: int, width: int) -> int:
@@ -38,19 +46,38 @@ def positions_mode(n: int, count: int, width: int) -> int:
     return PACKED if (count * width + 7) // 8 < (n + 7) // 8 else BITMAP
 
 
-def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
+def pack_bits(values: torch.Tensor, width: int, ramp: torch.Tensor | None = None) -> torch.Tensor:
     """Non-negative int64 values below ``2**width`` as one little-endian bit stream (uint8): the
-    i-th from bit ``i * width`` on (:func:`compression.ops.bits_pack`)."""
+    i-th from bit ``i * width`` on (:func:`compression.ops.bits_pack`). ``ramp``: :func:`ramp_of`
+    a caller's, made once (the starts are then a view of it)."""
     n = values.numel()
-    starts = torch.arange(0, n * width, width, device=values.device)
+    starts, _ = _starts(ramp, n, width, values.device)
     return _stream(values.reshape(-1), starts, n * width)
 
 
-def unpack_bits(section: torch.Tensor, count: int, width: int) -> torch.Tensor:
-    """The ``count`` int64 values of ``width`` bits that :func:`pack_bits` wrote."""
+def unpack_bits(section: torch.Tensor, count: int, width: int, ramp: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``count`` int64 values of ``width`` bits that :func:`pack_bits` wrote (``ramp``: as its)."""
     words = section if section.numel() % 8 == 0 else torch.nn.functional.pad(section, (0, -section.numel() % 8))
-    starts = torch.arange(0, count * width, width, device=section.device)
-    return ops.bits_unpack(fmt.view_as(words, torch.int64, "bit stream"), starts, starts.new_full((count,), width))
+    starts, widths = _starts(ramp, count, width, section.device)
+    return ops.bits_unpack(fmt.view_as(words, torch.int64, "bit stream"), starts, widths)
+
+
+def ramp_of(n: int, device: torch.device) -> torch.Tensor:
+    """``0, 1, ...`` (int64) long enough for the bit starts of :data:`PACKED` positions among
+    ``n`` (fewer bits than the bitmap's) and every width: the constant that :func:`pack_bits`
+    and :func:`unpack_bits` take their starts and widths from, as views."""
+    return torch.arange(n + 72, device=device)
+
+
+def _starts(
+    ramp: torch.Tensor | None, count: int, width: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bit starts of ``count`` fields of ``width`` bits and their widths (int64): views of
+    ``ramp`` where it is long enough (strided; the kernels take strides), else made."""
+    if ramp is not None and width >= 1 and ramp.numel() > max(count * width, width):
+        return ramp[: count * width : width], ramp[width : width + 1].expand(count)
+    starts = torch.arange(0, count * width, width, device=device)
+    return starts, starts.new_full((count,), width)
 
 
 def bitmap_bytes(idx: torch.Tensor, n: int) -> torch.Tensor:
@@ -96,10 +123,13 @@ def _compact(keep: torch.Tensor, count: int) -> torch.Tensor:
     return torch.nonzero_static(keep.reshape(-1), size=count, fill_value=0).view(-1)
 
 
-def known_positions(section: torch.Tensor, n: int, count: int, mode: int, width: int) -> torch.Tensor:
+def known_positions(
+    section: torch.Tensor, n: int, count: int, mode: int, width: int, ramp: torch.Tensor | None = None
+) -> torch.Tensor:
     """The flat indices of device-coded positions (``mode`` :data:`PACKED` or :data:`BITMAP`)
     whose count and width the host knows, without a host synchronisation: kept in range, so that
-    a damaged payload (its check read later) decodes into wrong values, never out of bounds."""
+    a damaged payload (its check read later) decodes into wrong values, never out of bounds.
+    ``ramp``: :func:`unpack_bits`'."""
     if mode == PACKED:
-        return unpack_bits(section, count, width).cumsum(0).clamp_(0, max(n - 1, 0))
+        return unpack_bits(section, count, width, ramp).cumsum(0).clamp_(0, max(n - 1, 0))
     return _compact(_bits_of(section, n, msb_first=True).bool(), count)

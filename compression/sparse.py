@@ -78,8 +78,23 @@ def kth_largest_abs_tensor(x: torch.Tensor, keep: float) -> torch.Tensor:
     n = x.numel()
     if keep >= 1.0 or n == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
+    return torch.kthvalue(magnitudes(x), n - max(1, math.ceil(keep * n)) + 1).values
+
+
+def magnitudes(x: torch.Tensor) -> torch.Tensor:
+    """``|x|`` (flat, float32) with NaN as infinity: what :func:`kth_largest_abs_tensor` ranks
+    and :meth:`ThresholdCodec.mask_of` compares, made once for both."""
+    return x.detach().reshape(-1).abs().float().nan_to_num(nan=math.inf, posinf=math.inf)
+
+
+def kth_largest_magnitude(mags: torch.Tensor, keep: float) -> torch.Tensor:
+    """:func:`kth_largest_abs_tensor` of the tensor whose :func:`magnitudes` are ``mags``."""
+    if not keep > 0.0:  # NaN fails too
+        raise ValueError(f"keep must be > 0, got {keep}")
+    n = mags.numel()
+    if keep >= 1.0 or n == 0:
+        return torch.zeros((), dtype=torch.float32, device=mags.device)
     k = max(1, math.ceil(keep * n))
-    mags = x.detach().reshape(-1).abs().float().nan_to_num(nan=math.inf, posinf=math.inf)
     return torch.kthvalue(mags, n - k + 1).values
 
 
@@ -150,6 +165,20 @@ class ThresholdCodec(Codec):
             c += w
         return out.logical_not_()  # +-inf pass (a threshold is never NaN: a float's is checked, a tensor's a k-th |x|)
 
+    def mask_of(self, mags: torch.Tensor, widths: Sequence[int], thresholds: Sequence[Threshold]) -> torch.Tensor:
+        """:meth:`mask` of a float32 ``x`` (flat) from its :func:`magnitudes`: ``mags >=`` the
+        block's threshold (NaN's magnitude is infinite: it passes, as in :meth:`mask`)."""
+        ts = _checked(thresholds)
+        ts = ts * len(widths) if len(ts) == 1 else ts
+        if len(ts) != len(widths):
+            raise ValueError(f"{len(ts)} thresholds for {len(widths)} blocks {list(widths)}")
+        out = torch.empty(mags.shape, dtype=torch.bool, device=mags.device)
+        c = 0
+        for t, w in zip(ts, widths, strict=True):
+            torch.ge(mags[c : c + w], t, out=out[c : c + w])
+            c += w
+        return out
+
     def count(self, payload: torch.Tensor) -> int:
         """How many entries a payload carries."""
         header, _ = self._header(payload)
@@ -210,15 +239,16 @@ class ThresholdCodec(Codec):
         width: int,
         blocks: Sequence[int],
         eb: float | None = None,
+        ramp: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The device coding of ``x`` [rows, cols] where ``keep`` (its flat :meth:`mask`) is set,
         with the mask's count and :func:`delta_width` known on the host: no host synchronisation
-        (for cast values; lossy values are their own codec's)."""
+        (for cast values; lossy values are their own codec's). ``ramp``: :func:`pack_bits`'."""
         rows, cols = x.shape
         idx = _compact(keep, count)
         mode = positions_mode(keep.numel(), count, width)
         if mode == PACKED:
-            positions = pack_bits(idx - torch.nn.functional.pad(idx[:-1], (1, 0)), width)  # the deltas
+            positions = pack_bits(idx - torch.nn.functional.pad(idx[:-1], (1, 0)), width, ramp)  # the deltas
         else:
             positions = bitmap_bytes(idx, keep.numel())
         values = self._values.encode(x.reshape(-1).index_select(0, idx).float().view(-1, 1), eb)
@@ -300,10 +330,17 @@ class ThresholdCodec(Codec):
         return dense, ok
 
     def known_entries(
-        self, payload: torch.Tensor, n: int, blocks: Sequence[int], count: int, width: int
+        self,
+        payload: torch.Tensor,
+        n: int,
+        blocks: Sequence[int],
+        count: int,
+        width: int,
+        ramp: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:meth:`decode_known` of a payload of ``n`` entries, as the flat positions and the (fp32)
-        values it carries and its check, for a caller that places them itself."""
+        values it carries and its check, for a caller that places them itself (``ramp``:
+        :func:`unpack_bits`')."""
         size = self.payload_size(n, blocks, count, width)
         if payload.numel() != size:
             raise PayloadError(
@@ -313,7 +350,7 @@ class ThresholdCodec(Codec):
         at = _payload_len("threshold", len(blocks), 2)
         mode = positions_mode(n, count, width)
         p = (count * width + 7) // 8 if mode == PACKED else (n + 7) // 8
-        idx = known_positions(payload[at : at + p + (-p % 8)], n, count, mode, width)  # (padded: whole words)
+        idx = known_positions(payload[at : at + p + (-p % 8)], n, count, mode, width, ramp)  # (padded: whole words)
         values = self._known_values(payload[at + p + (-p % 8) :], count)
         return idx, values, fmt.verdict(payload, self.backend_for(payload.device))
 
@@ -339,15 +376,20 @@ class ThresholdCodec(Codec):
             )
         return True
 
-    def sent(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    def sent(self, x: torch.Tensor, keep: torch.Tensor, zero: torch.Tensor | None = None) -> torch.Tensor:
         """What :meth:`decode` of ``x``'s payload gives, computed from ``x`` (cast values): the
-        kept entries through the values' cast, zeros elsewhere."""
+        kept entries through the values' cast, zeros elsewhere (``zero``: a zero of ``x``'s dtype
+        and device to take them from, made once by the caller; of one element (not 0-d), for a
+        float32 ``x`` it also casts the values back: ``where``'s promotion, one op less)."""
         if self.values == "lossy":
             raise ValueError("threshold codec: lossy values are known only from their payload")
+        if zero is not None and zero.dim() == 1 and x.dtype == zero.dtype == torch.float32:
+            wire = x if self.values == "none" else x.to(_WIRE_DTYPE[self.values])
+            return torch.where(keep.view_as(x), wire, zero)  # wire's values to float32, exactly
         kept = x.float()
         if self.values != "none":
             kept = kept.to(_WIRE_DTYPE[self.values]).to(torch.float32)
-        return torch.where(keep.view_as(x), kept.to(x.dtype), 0.0)
+        return torch.where(keep.view_as(x), kept.to(x.dtype), 0.0 if zero is None else zero)
 
     def _positions(self, idx: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The smaller of delta-coded indices (zstd byte planes) and a bitmap."""

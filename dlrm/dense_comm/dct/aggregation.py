@@ -24,9 +24,12 @@ from dlrm.dense_comm.dct.state import Accumulated, DCTState, DenseCommError, can
 from dlrm.performance.network import ring_allreduce_bytes
 from dlrm.process.instrument import on_the_wire
 from dlrm_compression.format import PayloadError
+from dlrm_compression.sparse import magnitudes
 
 Future = torch.futures.Future
 Decode = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
+# adds rank r's payload, divided by the world size, to a bucket-sized sum; returns its check (as Decode's)
+Place = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor | None]
 Check = tuple[torch.Tensor, str]  # a received payload's check (0-d, 1: it holds) and what to call it if it fails
 
 
@@ -41,9 +44,11 @@ class AllGather:
         pg, coding = state.pg, Coding.of(state.codec, acc.f.device)
         ws, me = pg.size(), pg.rank()
         f, numels = acc.f, acc.numels
-        keep = coding.mask(f, numels, thresholds)
-        word, made = coding.first(f, keep, numels, thresholds, state.bound(f))
-        sent = coding.sent(f, keep, made)  # exactly what every rank decodes from our payload
+        keep = coding.mask(f, numels, thresholds, acc.mags)
+        halves = state.halves(f.numel(), f.device) if coding.by_count else None
+        word, made = coding.first(f, keep, numels, thresholds, state.bound(f), halves)
+        # exactly what every rank decodes from our payload
+        sent = coding.sent(f, keep, made, state.zero(f.dtype, f.device))
         residual = state.keep_residuals(acc, sent)
         t1 = time.perf_counter()
         gathered = [torch.empty_like(word.reshape(1)) for _ in range(ws)]
@@ -52,13 +57,16 @@ class AllGather:
         threshold = max(taus)  # on the host: each threshold read, not a stack and a max launched
         state.norm_sq += norm**2
         lengths = [coding.size(f.numel(), numels, w) for w in words]
-        payload = coding.encoded(f, keep, numels, words[me], made)
+        ramp = state.ramp(f.numel(), f.device) if coding.by_count else None
+        payload = coding.encoded(f, keep, numels, words[me], made, ramp)
 
-        def decode(r: int, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-            return coding.decode(part, f.numel(), acc.buf.dtype, numels, words[r])
+        def place(r: int, part: torch.Tensor, into: torch.Tensor) -> torch.Tensor | None:
+            other, ok = coding.decode(part, f.numel(), acc.buf.dtype, numels, words[r], ramp=ramp)
+            into.add_(other.div_(ws))
+            return ok
 
         kept = coding.count(words[me], payload)
-        return _exchange(state, acc, payload, lengths, sent, (t0, t1), kept, threshold, decode, coding.by_count)
+        return _exchange(state, acc, payload, lengths, sent, (t0, t1), kept, threshold, place, coding.by_count)
 
 
 class ReduceScatter:
@@ -88,10 +96,15 @@ class ReduceScatter:
         mine, buf, blocks = seg.index[me], acc.buf, [seg.blocks(r) for r in range(ws)]
         # phase 2: the owner's own selection of each piece of the summed segment, its own error feedback
         total = p1.total
-        ts = state.owner_thresholds(total, acc.numels, seg.widths[me])
-        keep = coding.mask(total, blocks[me], ts)
-        word, made = coding.first(total, keep, blocks[me], ts, state.bound(total))
-        summed, dropped = state.keep_owner_residuals(acc, total, coding.sent(total, keep, made), mine)
+        mags = magnitudes(total) if total.dtype == torch.float32 else None  # the thresholds' and the mask's
+        ts = state.owner_thresholds(total, acc.numels, seg.widths[me], mags)
+        keep = coding.mask(total, blocks[me], ts, mags)
+        halves = state.halves(total.numel(), total.device) if coding.by_count else None
+        word, made = coding.first(total, keep, blocks[me], ts, state.bound(total), halves)
+        sends = coding.sent(total, keep, made, state.zero(total.dtype, total.device))
+        # with other ranks' payloads to add, summed holds no -0.0 (their dense decodes' zeros made it
+        # +0.0): those are added where their entries go (place), not as dense tensors
+        summed, dropped = state.keep_owner_residuals(acc, total, sends, mine, signed_zeros=ws == 1)
         gathered = [torch.empty_like(word.reshape(1)) for _ in range(ws)]
         t4 = time.perf_counter()
         dist.all_gather(gathered, word.reshape(1), group=pg)
@@ -100,16 +113,24 @@ class ReduceScatter:
         threshold = max(taus)
         state.norm_sq += sender_norm**2 + owner_norm**2
         lengths = [coding.size(seg.index[r].numel(), blocks[r], w) for r, w in enumerate(words)]
-        payload = coding.encoded(total, keep, blocks[me], words[me], made)
+        ramp = state.ramp(buf.numel(), buf.device) if coding.by_count else None
+        payload = coding.encoded(total, keep, blocks[me], words[me], made, ramp)
         state.stats.record(wire=p1.wire, comm_ms=1e3 * p1.exchange_s)
 
-        def decode(r: int, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-            index = seg.index[r]  # decoded straight into the bucket's positions, zeros elsewhere
-            return coding.decode(part, index.numel(), buf.dtype, blocks[r], words[r], at=(index, buf.numel()))
+        def place(r: int, part: torch.Tensor, into: torch.Tensor) -> torch.Tensor | None:
+            index = seg.index[r]  # rank r's segment: disjoint from every other rank's
+            if coding.by_count:  # its entries added where they go (into holds no -0.0 for zeros to change)
+                idx, values, ok = coding.entries(part, index.numel(), blocks[r], words[r], ramp)
+                # (out of place: a float32 payload's values are a view of the payload received)
+                into.index_add_(0, index.index_select(0, idx), torch.div(values.to(buf.dtype), ws))
+                return ok
+            other, checked = coding.decode(part, index.numel(), buf.dtype, blocks[r], words[r], at=(index, buf.numel()))
+            into.add_(other.div_(ws))
+            return checked
 
         times = (t0 + p1.exchange_s, t4)  # codec time: both phases, not the phase-1 payload exchange
         kept = p1.kept + coding.count(words[me], payload)
-        return _exchange(state, acc, payload, lengths, summed, times, kept, threshold, decode, coding.by_count)
+        return _exchange(state, acc, payload, lengths, summed, times, kept, threshold, place, coding.by_count)
 
     @staticmethod
     def _scatter(
@@ -122,48 +143,56 @@ class ReduceScatter:
         pg, f = state.pg, acc.f
         ws, me = pg.size(), pg.rank()
         mine, blocks = seg.index[me], [seg.blocks(r) for r in range(ws)]
-        keep = coding.mask(f, acc.numels, thresholds)
+        keep = coding.mask(f, acc.numels, thresholds, acc.mags)
         f_by, keep_by = f[seg.perm], keep[seg.perm]
         eb = state.bound(f)
         peers = [r for r in range(ws) if r != me]  # our own segment does not travel
         firsts: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {me: (seg.zero, None)}
         for r in peers:
             ts = [t for t, w in zip(thresholds, seg.widths[r], strict=True) if w]
-            firsts[r] = coding.first(seg.of(f_by, r), seg.of(keep_by, r), blocks[r], ts, eb)
+            halves = state.halves(seg.index[r].numel(), f.device) if coding.by_count else None
+            firsts[r] = coding.first(seg.of(f_by, r), seg.of(keep_by, r), blocks[r], ts, eb, halves)
         if not coding.by_count:  # decoded from the payloads, coded first
             sent = torch.empty_like(f)
             for r in peers:
                 sent[seg.index[r]] = coding.sent(seg.of(f_by, r), seg.of(keep_by, r), firsts[r][1])
         else:
-            sent = coding.sent(f, keep, None)
+            sent = coding.sent(f, keep, None, state.zero(f.dtype, f.device))
         sent[mine] = seg.of(f_by, me)  # what each owner adds for us: our own segment whole
         residual = state.keep_residuals(acc, sent)
-        words = torch.stack([firsts[r][0] for r in range(ws)])
-        recv = torch.empty_like(words)
-        dist.all_to_all_single(recv, words, group=pg)
-        values, _ = _read([words, recv])  # phase 1's one host read
+        both = torch.empty(2, ws, dtype=torch.int64, device=f.device)  # the words sent, then received
+        torch.stack([firsts[r][0] for r in range(ws)], out=both[0])
+        dist.all_to_all_single(both[1], both[0], group=pg)
+        values, _ = _read([both.view(-1)])  # phase 1's one host read
         out_words, in_words = values[:ws], values[ws:]
         sizes = [0 if r == me else coding.size(seg.index[r].numel(), blocks[r], w) for r, w in enumerate(out_words)]
         recv_sizes = [0 if r == me else coding.size(mine.numel(), blocks[me], w) for r, w in enumerate(in_words)]
+        ramp = state.ramp(f.numel(), f.device) if coding.by_count else None
         payloads = [
             torch.empty(0, dtype=torch.uint8, device=f.device)
             if r == me
-            else coding.encoded(seg.of(f_by, r), seg.of(keep_by, r), blocks[r], w, firsts[r][1])
+            else coding.encoded(seg.of(f_by, r), seg.of(keep_by, r), blocks[r], w, firsts[r][1], ramp)
             for r, w in enumerate(out_words)
         ]
         t0 = time.perf_counter()
         received = _all_to_all(state, payloads, recv_sizes)
         exchange_s = time.perf_counter() - t0
-        # summed in rank order from zeros (so no -0.0: a payload's entries are added where they go)
-        total = torch.zeros(mine.numel(), dtype=f.dtype, device=f.device)
+        # summed in rank order from zeros (so no -0.0: a payload's entries are added where they go);
+        # our own segment first (rank 0's; of two terms, either's) is its sum with 0.0: one op
+        own_first = me == 0 or ws == 2
+        if own_first:
+            total = torch.add(seg.of(f_by, me), 0.0)
+        else:
+            total = torch.zeros(mine.numel(), dtype=f.dtype, device=f.device)
         checks: list[Check] = []
 
         def add(r: int, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-            return total, coding.add(total, part, blocks[me], in_words[r])
+            return total, coding.add(total, part, blocks[me], in_words[r], ramp)
 
         for r in range(ws):
             if r == me:
-                total += seg.of(f_by, me)
+                if not own_first:
+                    total += seg.of(f_by, me)
                 continue
             what = cannot_decode(pg, acc.index, r, recv_sizes[r], state.iteration)
             _, ok = _decoded(what, add, r, received[r])
@@ -197,11 +226,11 @@ def _exchange(
     times: tuple[float, float],
     kept: int,
     threshold: float,
-    decode: Decode,
+    place: Place,
     verify: bool,
 ) -> Future:
     """All-gather every rank's payload (padded to the longest of ``lengths``) and, when they
-    arrive, average: our own ``sent`` and every other rank's ``decode``d payload. ``verify``: the
+    arrive, average: our own ``sent`` and every other rank's payload, ``place``d. ``verify``: the
     decodes leave checks to read (:mod:`.payload`): the sum is made in ``sent`` and reaches the
     bucket only once they hold."""
     assert state.pg is not None
@@ -209,7 +238,8 @@ def _exchange(
     ws, me = pg.size(), pg.rank()
     src, iteration = dist.get_global_rank(pg, me), state.iteration
     payload = on_the_wire(payload, src=src, dst=-1, direction="dense", iteration=iteration)
-    padded = torch.nn.functional.pad(payload, (0, max(lengths) - payload.numel()))
+    pad = max(lengths) - payload.numel()  # none for the longest: no copy to launch
+    padded = torch.nn.functional.pad(payload, (0, pad)) if pad else payload
     outs = [torch.empty_like(padded) for _ in range(ws)]
     fut = dist.all_gather(outs, padded, group=pg, async_op=True).get_future()
     launched = time.perf_counter()
@@ -235,8 +265,7 @@ def _exchange(
             if r == me:
                 continue
             what = cannot_decode(pg, acc.index, r, lengths[r], iteration)
-            other, ok = _decoded(what, decode, r, parts[r][: lengths[r]])
-            into.add_(other.div_(ws))
+            ok = _placed(what, place, r, parts[r][: lengths[r]], into)
             checks += [(ok, what)] if ok is not None else []
         if verify:
             raise_damaged(checks, _stacked([ok for ok, _ in checks]).tolist())  # before the bucket has a value
@@ -277,6 +306,11 @@ def _decoded(what: str, decode: Decode, r: int, part: torch.Tensor) -> tuple[tor
         raise DenseCommError(f"{what}: {type(e).__name__}: {e}") from e
 
 
+def _placed(what: str, place: Place, r: int, part: torch.Tensor, into: torch.Tensor) -> torch.Tensor | None:
+    """:func:`_decoded` of a payload ``place``d in ``into``: its check."""
+    return _decoded(what, lambda r, part: (into, place(r, part, into)), r, part)[1]
+
+
 def _read(
     ints: Sequence[torch.Tensor], floats: Sequence[torch.Tensor] = (), checks: Sequence[Check] = ()
 ) -> tuple[list[int], list[float]]:
@@ -285,10 +319,11 @@ def _read(
     failed one raises."""
     parts = list(ints)
     if floats:
-        parts.append(torch.stack(list(floats)).double().view(torch.int64))
+        exact = torch.empty(len(floats), dtype=torch.float64, device=floats[0].device)
+        parts.append(torch.stack(list(floats), out=exact).view(torch.int64))  # float64 in the stack's one op
     if checks:
         parts.append(_stacked([ok for ok, _ in checks]).long())
-    values = torch.cat(parts).tolist()
+    values = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
     n = len(values) - len(floats) - len(checks)
     raise_damaged(checks, values[n + len(floats) :])
     bits = values[n : n + len(floats)]

@@ -35,6 +35,8 @@ def dct_hook(state: DCTState, bucket: dist.GradBucket) -> Future[torch.Tensor]:
     t0 = time.perf_counter()
     assert state.pg is not None, "DCTState.prepare() was not called"
     acc = state.accumulated(bucket)
-    thresholds = [state.threshold(name, piece) for name, piece in zip(acc.names, acc.f.split(acc.numels), strict=True)]
+    mags = [None] * len(acc.numels) if acc.mags is None else acc.mags.split(acc.numels)
+    pieces = zip(acc.names, acc.f.split(acc.numels), mags, strict=True)
+    thresholds = [state.threshold(name, piece, m) for name, piece, m in pieces]
     aggregate = AGGREGATIONS[state.aggregation(acc.numels, state.pg.size())]
     return aggregate(state, acc, thresholds, t0)

@@ -38,17 +38,29 @@ class Coding:
     def of(codec: ThresholdCodec, device: torch.device) -> Coding:
         return Coding(codec, codec.values != "lossy" and not codec.coded_on_host(device))
 
-    def mask(self, x: torch.Tensor, blocks: Sequence[int], thresholds: Sequence[Threshold]) -> torch.Tensor:
-        """Which entries of ``x`` (flat, in ``blocks``) travel: ``|x| >=`` their block's threshold, or NaN."""
+    def mask(
+        self,
+        x: torch.Tensor,
+        blocks: Sequence[int],
+        thresholds: Sequence[Threshold],
+        mags: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Which entries of ``x`` (flat, in ``blocks``) travel: ``|x| >=`` their block's threshold,
+        or NaN; ``mags``: ``x``'s :func:`~compression.sparse.magnitudes`, made already (float32 ``x``)."""
+        if mags is not None:
+            return self.codec.mask_of(mags, blocks, thresholds)
         return self.codec.mask(x.view(1, -1), blocks, thresholds).view(-1)
 
-    def sent(self, x: torch.Tensor, keep: torch.Tensor, payload: torch.Tensor | None) -> torch.Tensor:
+    def sent(
+        self, x: torch.Tensor, keep: torch.Tensor, payload: torch.Tensor | None, zero: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """What every receiver decodes of this rank's selection ``keep`` of ``x``: decoded from
         ``payload`` where it is coded first (lossy values are known from it alone; so the host
-        coding's NaNs keep the bits its decode gives them), computed from ``x`` otherwise."""
+        coding's NaNs keep the bits its decode gives them), computed from ``x`` otherwise
+        (``zero``: :meth:`ThresholdCodec.sent`'s)."""
         if not self.by_count:
             return self.codec.decode(_made(payload)).view(-1)
-        return self.codec.sent(x, keep)
+        return self.codec.sent(x, keep, zero)
 
     def first(
         self,
@@ -57,11 +69,13 @@ class Coding:
         blocks: Sequence[int],
         thresholds: Sequence[Threshold],
         eb: float | None,
+        halves: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The word of this rank's payload of ``x`` where ``keep`` is set (a 0-d int64 tensor on
-        ``x``'s device), and the payload where it must be coded before its size is known."""
+        ``x``'s device), and the payload where it must be coded before its size is known.
+        ``halves``: :func:`~compression.positions.width_less_one`'s, made once per layout."""
         if self.by_count:
-            return torch.add(width_less_one(keep), keep.sum(), alpha=64), None  # count and delta width (1..64)
+            return torch.add(width_less_one(keep, halves), keep.sum(), alpha=64), None  # count and delta width (1..64)
         payload = self.codec.encode(x.view(1, -1), eb, blocks=blocks, thresholds=thresholds)
         return torch.tensor(payload.numel(), dtype=torch.int64, device=x.device), payload
 
@@ -74,12 +88,19 @@ class Coding:
         return word >> 6 if self.by_count else self.codec.count(_made(payload))
 
     def encoded(
-        self, x: torch.Tensor, keep: torch.Tensor, blocks: Sequence[int], word: int, payload: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        keep: torch.Tensor,
+        blocks: Sequence[int],
+        word: int,
+        payload: torch.Tensor | None,
+        ramp: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """This rank's payload of ``x`` where ``keep`` is set, once ``word`` is read (or as made first)."""
+        """This rank's payload of ``x`` where ``keep`` is set, once ``word`` is read (or as made
+        first). ``ramp``: :func:`~compression.positions.ramp_of` the bucket, made once (also :meth:`decode`'s)."""
         if not self.by_count:
             return _made(payload)
-        return self.codec.encode_known(x.view(1, -1), keep, word >> 6, (word & 63) + 1, blocks)
+        return self.codec.encode_known(x.view(1, -1), keep, word >> 6, (word & 63) + 1, blocks, ramp=ramp)
 
     def decode(
         self,
@@ -89,13 +110,14 @@ class Coding:
         blocks: Sequence[int],
         word: int,
         at: tuple[torch.Tensor, int] | None = None,
+        ramp: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A received payload of ``n`` entries in ``blocks``, sized by ``word``: its values (flat;
         with ``at``, (positions, size), placed at those positions of zeros of that size), and
         its check as a 0-d tensor (1: it holds) still to be read (None: checked already)."""
         size = n if at is None else at[1]
         if self.by_count:
-            idx, values, ok = self.codec.known_entries(part, n, blocks, word >> 6, (word & 63) + 1)
+            idx, values, ok = self.codec.known_entries(part, n, blocks, word >> 6, (word & 63) + 1, ramp)
             dense = torch.zeros(size, dtype=dtype, device=part.device)  # as decode: the cast's fp32, then dtype
             return dense.index_copy_(0, idx if at is None else at[0].index_select(0, idx), values.to(dtype)), ok
         decoded = compression.decode(part)
@@ -107,7 +129,21 @@ class Coding:
         dense[at[0]] = decoded.view(-1).to(dtype)
         return dense, None
 
-    def add(self, total: torch.Tensor, part: torch.Tensor, blocks: Sequence[int], word: int) -> torch.Tensor | None:
+    def entries(
+        self, part: torch.Tensor, n: int, blocks: Sequence[int], word: int, ramp: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A received payload sized by its count and delta width (:attr:`by_count`) of ``n``
+        entries in ``blocks``: the positions and (fp32) values it carries, and its check (:meth:`decode`'s)."""
+        return self.codec.known_entries(part, n, blocks, word >> 6, (word & 63) + 1, ramp)
+
+    def add(
+        self,
+        total: torch.Tensor,
+        part: torch.Tensor,
+        blocks: Sequence[int],
+        word: int,
+        ramp: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
         """Add a received payload of ``total.numel()`` entries in ``blocks``, sized by ``word``, to
         ``total``; its check as :meth:`decode`'s. The same bits as adding its dense decode where
         no entry of ``total`` is -0.0 (a sum that starts from zeros: adding 0.0 changes nothing)."""
@@ -115,7 +151,7 @@ class Coding:
             dense, ok = self.decode(part, total.numel(), total.dtype, blocks, word)
             total.add_(dense)
             return ok
-        idx, values, ok = self.codec.known_entries(part, total.numel(), blocks, word >> 6, (word & 63) + 1)
+        idx, values, ok = self.codec.known_entries(part, total.numel(), blocks, word >> 6, (word & 63) + 1, ramp)
         total.index_add_(0, idx, values.to(total.dtype))
         return ok
 

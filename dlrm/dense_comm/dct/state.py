@@ -19,7 +19,8 @@ from dlrm.dense_comm.config import DenseCommSpec
 from dlrm.dense_comm.dct.payload import Segments, segments
 from dlrm.dense_comm.stats import DenseStats
 from dlrm.performance.network import cheaper_aggregation
-from dlrm_compression.sparse import ThresholdCodec, refresh_due
+from dlrm_compression.positions import halves_of, ramp_of
+from dlrm_compression.sparse import ThresholdCodec, kth_largest_magnitude, magnitudes, refresh_due
 from dlrm_compression.sparse import kth_largest_abs_tensor as kth_largest
 
 
@@ -46,6 +47,7 @@ class Accumulated:
     names: list[str]
     numels: list[int]
     f: torch.Tensor
+    mags: torch.Tensor | None = None  # f's magnitudes (float32 f): its thresholds' and mask's, made once
 
 
 class DCTState:
@@ -68,6 +70,11 @@ class DCTState:
         self.names: dict[int, str] = {}
         # the reduce-scatter's segments of each bucket layout (numels, ranks, device): made once
         self.layouts: dict[tuple[tuple[int, ...], int, torch.device], Segments] = {}
+        # constants of the coding, made once: width_less_one's halves and the bit streams' ramp by
+        # (size, device), and the zeros of the values dropped by (dtype, device)
+        self._halves: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._ramps: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._zeros: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
     def prepare(self, module: torch.nn.Module, pg: dist.ProcessGroup) -> None:
         """Learn the DDP module's parameter names (the keys of the per-parameter state) and its group."""
@@ -83,20 +90,22 @@ class DCTState:
         buf = bucket.buffer()
         layout = [(self.names.get(id(p), f"param{i}"), p.numel()) for i, p in enumerate(bucket.parameters())]
         names, numels = [n for n, _ in layout], [n for _, n in layout]
-        held = torch.cat([_residual(self.residuals.get(name), numel, buf) for name, numel in layout])
+        held = _joined([_residual(self.residuals.get(name), numel, buf) for name, numel in layout])
         owned = [self.owner_residuals.pop(name, None) for name in names]  # consumed: f carries them now
         if any(o is not None for o in owned):
-            held += torch.cat([_residual(o, numel, buf) for o, numel in zip(owned, numels, strict=True)])
-        return Accumulated(buf, bucket.index(), names, numels, buf + held)
+            held = held + _joined([_residual(o, numel, buf) for o, numel in zip(owned, numels, strict=True)])
+        f = buf + held
+        return Accumulated(buf, bucket.index(), names, numels, f, magnitudes(f) if f.dtype == torch.float32 else None)
 
-    def threshold(self, name: str, f: torch.Tensor) -> torch.Tensor:
+    def threshold(self, name: str, f: torch.Tensor, mags: torch.Tensor | None = None) -> torch.Tensor:
         """A parameter's threshold (a 0-d float32 tensor on ``f``'s device: no host wait):
         refreshed on schedule (and when first seen); 0 (send all) for parameters under
-        ``min_numel``."""
+        ``min_numel``. ``mags``: ``f``'s magnitudes, made already."""
         if f.numel() < self.spec.min_numel:
             return torch.zeros((), dtype=torch.float32, device=f.device)
         if name not in self.thresholds or self.refresh_due(self.iteration):
-            self.thresholds[name] = kth_largest(f, self.spec.keep)
+            keep = self.spec.keep
+            self.thresholds[name] = kth_largest(f, keep) if mags is None else kth_largest_magnitude(mags, keep)
             self.refreshes.append((self.iteration, name))
         elif self.thresholds[name].device != f.device:  # restored from a checkpoint: moved once
             self.thresholds[name] = self.thresholds[name].to(f.device, non_blocking=True)
@@ -130,31 +139,60 @@ class DCTState:
             self.layouts[key] = segments(numels, ws, device)
         return self.layouts[key]
 
-    def owner_thresholds(self, total: torch.Tensor, numels: list[int], widths: list[int]) -> list[torch.Tensor]:
+    def owner_thresholds(
+        self, total: torch.Tensor, numels: list[int], widths: list[int], mags: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
         """The reduce-scatter owner's threshold of each piece of its summed segment ``total`` (one
         per non-empty piece of ``widths``): its k-th largest ``|sum|`` for ``keep``, every
-        iteration, or 0 (all of it) for a parameter under ``min_numel``."""
+        iteration, or 0 (all of it) for a parameter under ``min_numel``. ``mags``: ``total``'s
+        magnitudes, made already."""
         pieces = [(n, w) for n, w in zip(numels, widths, strict=True) if w]
+        keep = self.spec.keep
+        split = total.split([w for _, w in pieces]) if mags is None else mags.split([w for _, w in pieces])
         return [
-            kth_largest(piece, self.spec.keep)
+            (kth_largest(piece, keep) if mags is None else kth_largest_magnitude(piece, keep))
             if n >= self.spec.min_numel
             else torch.zeros((), dtype=torch.float32, device=total.device)
-            for (n, _), piece in zip(pieces, total.split([w for _, w in pieces]), strict=True)
+            for (n, _), piece in zip(pieces, split, strict=True)
         ]
 
     def keep_owner_residuals(
-        self, acc: Accumulated, total: torch.Tensor, kept: torch.Tensor, mine: torch.Tensor
+        self, acc: Accumulated, total: torch.Tensor, kept: torch.Tensor, mine: torch.Tensor, signed_zeros: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """What the owner of the bucket positions ``mine`` sends of their sum ``total`` (``kept``,
         as decoded) and drops, each placed in a bucket-sized tensor; what it drops becomes each
-        parameter's owner residual."""
+        parameter's owner residual. Without ``signed_zeros`` a -0.0 sent is placed as +0.0 (added
+        to the zeros: the same op)."""
         summed = torch.zeros(acc.f.numel(), dtype=total.dtype, device=total.device)
-        summed[mine] = kept
+        summed.index_put_((mine,), kept, accumulate=not signed_zeros)
         dropped = torch.zeros_like(summed)
         dropped[mine] = (total - kept).nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf)  # as keep_residuals
         for name, piece in zip(acc.names, dropped.split(acc.numels), strict=True):
             self.owner_residuals[name] = piece
         return summed, dropped
+
+    def halves(self, n: int, device: torch.device) -> torch.Tensor:
+        """:func:`~compression.positions.halves_of` ``n`` on ``device``, made once."""
+        key = (n, device)
+        if key not in self._halves:
+            self._halves[key] = halves_of(n, device)
+        return self._halves[key]
+
+    def ramp(self, n: int, device: torch.device) -> torch.Tensor:
+        """:func:`~compression.positions.ramp_of` ``n`` (a bucket's entries: its segments' too) on
+        ``device``, made once."""
+        key = (n, device)
+        if key not in self._ramps:
+            self._ramps[key] = ramp_of(n, device)
+        return self._ramps[key]
+
+    def zero(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A zero of ``dtype`` on ``device`` (one element: :meth:`ThresholdCodec.sent`'s), made
+        once (the value of the entries not sent)."""
+        key = (dtype, device)
+        if key not in self._zeros:
+            self._zeros[key] = torch.zeros(1, dtype=dtype, device=device)
+        return self._zeros[key]
 
     def aggregation(self, numels: list[int], ws: int) -> str:
         """How a bucket of parameters of ``numels`` entries is summed over ``ws`` ranks:
@@ -192,6 +230,19 @@ class DCTState:
         }
         self.residuals = {str(k): v.clone() for k, v in state.get("residuals", {}).items()}
         self.owner_residuals = {str(k): v.clone() for k, v in state.get("owner_residuals", {}).items()}
+
+
+def _joined(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """The pieces, one after another: a view where they are consecutive pieces of one flat
+    tensor (the split of the last iteration's residual: no copy to launch), else their ``cat``."""
+    first, at = pieces[0], pieces[0].storage_offset()
+    for p in pieces:
+        if p.dim() != 1 or p.stride(0) != 1 or p.storage_offset() != at or p.dtype != first.dtype:
+            return torch.cat(pieces)
+        if p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or p.device != first.device:
+            return torch.cat(pieces)
+        at += p.numel()
+    return first.as_strided((at - first.storage_offset(),), (1,), first.storage_offset())
 
 
 def _residual(r: torch.Tensor | None, numel: int, like: torch.Tensor) -> torch.Tensor:
