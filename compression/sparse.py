@@ -73,12 +73,8 @@ Threshold = float | torch.Tensor  # a 0-d float32 tensor stays on its device (no
 
 def kth_largest_abs_tensor(x: torch.Tensor, keep: float) -> torch.Tensor:
     """:func:`kth_largest_abs` as a 0-d float32 tensor on ``x``'s device (no host wait)."""
-    if not keep > 0.0:  # NaN fails too
-        raise ValueError(f"keep must be > 0, got {keep}")
-    n = x.numel()
-    if keep >= 1.0 or n == 0:
-        return torch.zeros((), dtype=torch.float32, device=x.device)
-    return torch.kthvalue(magnitudes(x), n - max(1, math.ceil(keep * n)) + 1).values
+    ranked = 0.0 < keep < 1.0 and x.numel() > 0  # (else no magnitudes are made: zero, or keep's error)
+    return kth_largest_magnitude(magnitudes(x) if ranked else x.reshape(-1), keep)
 
 
 def magnitudes(x: torch.Tensor) -> torch.Tensor:
