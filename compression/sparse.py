@@ -73,8 +73,8 @@ Threshold = float | torch.Tensor  # a 0-d float32 tensor stays on its device (no
 
 def kth_largest_abs_tensor(x: torch.Tensor, keep: float) -> torch.Tensor:
     """:func:`kth_largest_abs` as a 0-d float32 tensor on ``x``'s device (no host wait)."""
-    ranked = 0.0 < keep < 1.0 and x.numel() > 0  # (else no magnitudes are made: zero, or keep's error)
-    return kth_largest_magnitude(magnitudes(x) if ranked else x.reshape(-1), keep)
+    ranked = 0.0 < keep < 1.0 and x.numel() > 0  # (else nothing is ranked: zero, or keep's error)
+    return kth_largest_magnitude(magnitudes(x) if ranked else x.new_empty(0), keep)
 
 
 def magnitudes(x: torch.Tensor) -> torch.Tensor:
