@@ -185,8 +185,10 @@ def test_exact_hot_row_sync_keeps_the_launch_budget_at_the_issues_tables():
 
 @pytest.mark.xfail(
     strict=True,
-    reason="the coded hot-row sync makes 180 / 188 / 228 launches at 2 / 5 / 26 tables (before issue 36: "
-    "277 / 426 / 1,453; then 226 / 234 / 274), its codec's value-dedup encode alone 92: over the budget of 100",
+    reason="the coded hot-row sync makes 111 / 117 / 159 launches at 2 / 5 / 26 tables (before issue 36: "
+    "277 / 426 / 1,453; then 226 / 234 / 274; 180 / 188 / 228 with the codec's value dedup), its codec's encode "
+    "by the rows' positions as ids 23 (by value: 92), the update shared with the exact sync 31: over the budget "
+    "of 100",
 )
 def test_coded_hot_row_sync_keeps_the_launch_budget():
     assert _hot_sync_launches(2, coded=True) <= gpu_collective.BUDGET["lossy"]
