@@ -48,7 +48,6 @@ import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy
 import torch
 
 from dlrm.embedding_comm.codec import DirectionCodec
@@ -177,8 +176,6 @@ class SyncWire:
         self._coded: int | torch.Tensor = 0
         self._reads: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._unit: dict[torch.device, torch.Tensor] = {}
-        self._prefix: dict[int, tuple[numpy.ndarray, numpy.ndarray]] = {}  # per capacity: :meth:`_sums`
-        self._sums_on: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def raw_row_bytes(self) -> int:
@@ -272,7 +269,7 @@ class SyncWire:
         ``counts[k]`` rows, an int64 device tensor per table, are its touched rows, ``slots[k]``
         [tables, capacity] their global slots; the others repeat its first touched row, so that
         they keep the range and deduplicate away by id), as one block each of one payload of
-        :meth:`LossyCodec.encode_deferred` with the rows' positions as ids (:meth:`_positions`),
+        :meth:`LossyCodec.encode_deferred` with the rows' positions as ids (:func:`dedup.position_ids`),
         each block at its table's bound class computed on the device. The slots and the counts
         are written from the device, the payload gathered behind them; the length stays on the
         device (the size exchange reads it, :meth:`settle`). A fixed number of operations whatever
@@ -285,7 +282,7 @@ class SyncWire:
         bounds = found if isinstance(found, torch.Tensor) else torch.tensor(found, dtype=torch.float64)  # abs: floats
         bounds = bounds.to(device, torch.float64, non_blocking=bounds.device.type == "cpu")
         classes = device_bound_class(bounds, self._halves(device)).masked_fill_(counts == 0, 1.0)  # (unread)
-        keys = self._positions(counts, rows.shape[0])
+        keys = dedup.position_ids(counts, rows.shape[0])
         d = self.codec.encode_deferred(rows, classes, keys, blocks=[self.dim] * n_tables)
         coded = d if isinstance(d, fmt.Deferred) else fmt.Deferred(d, _on_int(d.numel(), device))
         slot_bytes = slots.to(self.slot_dtype, memory_format=torch.contiguous_format).view(torch.uint8)
@@ -305,52 +302,6 @@ class SyncWire:
         self._raw.add_(n_sent, alpha=self.dim * 4)
         self._coded.add_(coded.length)
         return fmt.Deferred(out, total)
-
-    def _positions(self, counts: torch.Tensor, capacity: int) -> torch.Tensor:
-        """The codec's ids of rows at capacity (``counts``: each table's rows sent, int64 on their
-        device): a row's position in its table's block, 0 past its count, where the row repeats
-        the block's first (:meth:`encode_capacity`'s layout; the rows sent are distinct rows of
-        their table, so equal ids are equal rows). Their dedup plan is attached, known without a
-        sort: each table's ``max(count, 1)`` distinct ids, each id its own index among them and
-        its first row, and their fingerprint (:func:`compression.reference.fingerprint`) from
-        kept sums (:meth:`_sums`), a few ops whatever the number of tables."""
-        column = self.layout.column(counts.device)[:capacity]
-        inverse = column * (column[None, :] < counts[:, None])  # [tables, capacity]
-        prefix, weights = self._sums(capacity, counts.device)
-        fingerprint = (prefix[counts] * weights).sum() & 0xFFFFFFFF
-        keys = inverse.t()  # (the plan attached as dedup.id_plan keeps its own: it then sorts nothing)
-        setattr(keys, dedup._ID_PLAN, dedup.IdPlan(counts.clamp(min=1), inverse, inverse, fingerprint))
-        return keys
-
-    def _sums(self, capacity: int, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`_positions`' fingerprint in parts, kept per capacity (and device): for c = 0 ..
-        ``capacity``, the sum of r * w_row[r] over r < c, and each table's w_blk (int64, wrapping:
-        the fingerprint's weights), on ``device`` (None: the host's, numpy's)."""
-        if capacity not in self._prefix:
-            r = numpy.arange(capacity, dtype=numpy.uint64)
-            k = numpy.arange(len(self.sizes), dtype=numpy.uint64)
-            with numpy.errstate(over="ignore"):
-                w_row = (r * numpy.uint64(-7046029254386353131 % 2**64) + numpy.uint64(0x2545F491)) | numpy.uint64(1)
-                w_blk = (k * numpy.uint64(0x5851F42D4C957F2D) + numpy.uint64(0x14057B7EF767814F)) | numpy.uint64(1)
-                prefix = numpy.concatenate([numpy.zeros(1, numpy.uint64), numpy.cumsum(r * w_row, dtype=numpy.uint64)])
-            self._prefix[capacity] = (prefix, w_blk)
-        if device is None:
-            return self._prefix[capacity]  # type: ignore[return-value]
-        if (capacity, device) not in self._sums_on:
-            host = [torch.from_numpy(a.view(numpy.int64).copy()) for a in self._prefix[capacity]]
-            self._sums_on[capacity, device] = (host[0].to(device), host[1].to(device))
-        return self._sums_on[capacity, device]
-
-    def _position_head(self, counts: Sequence[int], capacity: int, device: torch.device) -> tuple[list[int], object]:
-        """What the lossy decoder asks of the receiver's ids (:meth:`_positions`' of the host's
-        ``counts``): each table's distinct ids and their fingerprint, computed on the host (no
-        read, no launch), and the inverse on ``device`` (from the kept constants, two ops)."""
-        prefix, w_blk = self._sums(capacity, None)
-        total = sum(int(prefix[min(c, capacity)]) * int(w) for c, w in zip(counts, w_blk, strict=True))
-        n = _on_int(list(counts), device)
-        column = self.layout.column(device)[:capacity]
-        inverse = column * (column[None, :] < n[:, None])
-        return [*(max(c, 1) for c in counts), total & 0xFFFFFFFF], (None, inverse, None)
 
     def _halves(self, device: torch.device) -> torch.Tensor:
         """0.5 (float64) per table on ``device``, kept."""
@@ -491,11 +442,8 @@ class SyncWire:
             raise fail(f"row counts {list(counts)} do not add up to {n_rows} rows")
         try:
             assert isinstance(self.codec, LossyCodec)  # (a version-2 payload is its encode_deferred's)
-            capacity = self.layout.capacity  # (the rows of the codec payload: checked against the ids)
-            extra, state = self._position_head(counts, capacity, payload.device)
-            if read is not None:
-                read = fmt.HostHead(read.data, read.good, extra, state)
-            keys = state[1].t()  # type: ignore[index]
+            # the rows' ids as the sender's (the rows of the codec payload: checked against them)
+            keys = dedup.known_position_ids(list(counts), self.layout.capacity, payload.device)
             block = self.codec.decode(payload[at:].clone(), keys, head=read)
         except Exception as e:  # any codec failure: name the rank
             raise fail(f"rows: {type(e).__name__}: {e}") from e
