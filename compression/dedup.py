@@ -6,7 +6,9 @@ itself, so only the per-block counts travel; in value mode the mapping (the inde
 
 A caller that already sorted the ids (e.g. the ids codec of the same batch) attaches its result
 to the ids tensor (:func:`with_known_plan`); every plan of those ids is then taken from it with
-no sort (a slice or copy of the tensor carries none: it is sorted again).
+no sort (a slice or copy of the tensor carries none: it is sorted again). Rows laid out at a
+capacity, each block's distinct rows first and the rest repeating its first, take their
+positions as ids (:func:`position_ids`), whose plan both ends know from the counts.
 """
 
 from __future__ import annotations
@@ -173,6 +175,65 @@ def id_plan(keys: torch.Tensor) -> IdPlan:
         plan = IdPlan(counts, first, inverse, fingerprint)
     setattr(keys, _ID_PLAN, plan)
     return plan
+
+
+_HOST_PLAN = "_dedup_host_plan"  # the attribute of position ids whose plan the host knows (host_plan)
+_POSITIONS: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def position_ids(counts: torch.Tensor, capacity: int) -> torch.Tensor:
+    """The ids [capacity, n_blocks] of rows laid out block by block at ``capacity``, where block
+    b's first ``counts[b]`` rows (int64 [n_blocks] on the rows' device) are distinct rows, each
+    with its position as its id, and the rest repeat the block's first (id 0). Their plan is
+    attached (:func:`id_plan` returns it): known from the counts, without a sort, in a few ops
+    whatever the number of blocks."""
+    column, prefix, w_blk = _position_sums(capacity, counts.numel(), counts.device)
+    inverse = column * (column < counts[:, None])  # [n_blocks, capacity]: each row's id, its slot
+    fingerprint = (prefix[counts] * w_blk).sum() & 0xFFFFFFFF  # (reference.fingerprint of the ids)
+    keys = inverse.t()
+    setattr(keys, _ID_PLAN, IdPlan(counts.clamp(min=1), inverse, inverse, fingerprint))
+    return keys
+
+
+def known_position_ids(counts: list[int], capacity: int, device: torch.device) -> torch.Tensor:
+    """:func:`position_ids` of counts the host knows (a receiver's, read with a payload's head),
+    on ``device``, with what a decoder reads of their plan known on the host too
+    (:func:`host_plan`): nothing read back, no op on the device but the counts' copy and two."""
+    n = len(counts)
+    if max(counts, default=0) > capacity:
+        raise ValueError(f"row counts {counts[:8]} past the capacity of {capacity} rows")
+    prefix, w_blk = (t.numpy().view(np.uint64) for t in _position_sums(capacity, n, torch.device("cpu"))[1:])
+    fingerprint = int((prefix[counts] * w_blk).sum()) & 0xFFFFFFFF  # (uint64 arrays wrap as int64 does)
+    known = [*(max(c, 1) for c in counts), fingerprint]
+    host = torch.tensor([*counts, *known])
+    on = host if device.type == "cpu" else host.to(device, non_blocking=True)
+    column = _position_sums(capacity, n, device)[0]
+    inverse = column * (column < on[:n, None])
+    keys = inverse.t()
+    setattr(keys, _ID_PLAN, IdPlan(on[n : 2 * n], inverse, inverse, on[2 * n]))
+    setattr(keys, _HOST_PLAN, known)
+    return keys
+
+
+def host_plan(keys: torch.Tensor) -> list[int] | None:
+    """What a decoder reads of the plan of ``keys``, known on the host (:func:`known_position_ids`):
+    each block's distinct ids, then their fingerprint; None where the device holds it."""
+    return getattr(keys, _HOST_PLAN, None)
+
+
+def _position_sums(
+    capacity: int, n_blocks: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`position_ids`' constants on ``device``, made once: the column 0 .. capacity - 1, for
+    c = 0 .. capacity the fingerprint's weighted sum of the ids 0 .. c - 1, and the blocks'
+    weights (int64, wrapping)."""
+    key = (capacity, n_blocks, device)
+    if key not in _POSITIONS:
+        w_row, w_blk = reference.fingerprint_weights(capacity, n_blocks)
+        column = torch.arange(capacity)
+        prefix = torch.cat([column.new_zeros(1), (column * w_row).cumsum(0)])
+        _POSITIONS[key] = (column.to(device), prefix.to(device), w_blk.to(device))
+    return _POSITIONS[key]
 
 
 def id_sort(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

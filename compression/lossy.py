@@ -357,7 +357,11 @@ class LossyCodec(Codec):
             if ids is None:
                 raise PayloadError("payload was encoded with ids and carries no row index: pass the same ids to decode")
             keys = check_ids(ids, rows, nb, "lossy decode").to(device)
-            if read is not None and head is not None and head.state is not None and len(head.extra) == nb + 1:
+            known = dedup.host_plan(keys)  # (ids whose plan the host knows: dedup.known_position_ids)
+            if read is not None and known is not None:
+                host = [*struct.unpack(f"<{nb}q", read), *known]
+                _, first, inverse, _ = dedup.id_plan(keys)
+            elif read is not None and head is not None and head.state is not None and len(head.extra) == nb + 1:
                 host = [*struct.unpack(f"<{nb}q", read), *head.extra]
                 inverse, first = head.state[1], head.state[2]
             else:  # (the host's numpy sorts where its backend takes them; each id's first row if asked)

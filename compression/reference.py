@@ -369,13 +369,21 @@ def fingerprint(keys: torch.Tensor) -> torch.Tensor:
     """32-bit weighted sum of ``keys`` [rows, n_blocks] (int64 0-d): odd weights, so any single
     change of an id changes it (wrapping int64 arithmetic, then its low 32 bits)."""
     rows, nb = keys.shape
-    w_row = torch.arange(rows, device=keys.device) * -7046029254386353131 + 0x2545F491 | 1
-    w_blk = torch.arange(nb, device=keys.device) * 0x5851F42D4C957F2D + 0x14057B7EF767814F | 1
+    w_row, w_blk = fingerprint_weights(rows, nb, keys.device)
     if nb == 1 or keys.stride(1) == 0:
         total = (keys[:, 0] * w_row).sum() * w_blk.sum()  # not torch.dot: CUDA has no int64 dot
     else:
         total = ((keys * w_row[:, None]).sum(0) * w_blk).sum()
     return total & 0xFFFFFFFF
+
+
+def fingerprint_weights(
+    rows: int, n_blocks: int, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fingerprint`'s odd weights (int64): one per row, one per block."""
+    w_row = torch.arange(rows, device=device) * -7046029254386353131 + 0x2545F491 | 1
+    w_blk = torch.arange(n_blocks, device=device) * 0x5851F42D4C957F2D + 0x14057B7EF767814F | 1
+    return w_row, w_blk
 
 
 WIRE_DTYPES: dict[int, torch.dtype | None] = {0: None, 1: torch.float16, 2: torch.bfloat16}  # None: as they are

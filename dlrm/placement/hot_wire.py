@@ -7,9 +7,13 @@ rounded bounds are equal share one codec payload coded at that bound, so a paylo
 bytes) is paid per bound class, not per table, and no row is coded looser than its table's own
 bound. On an accelerator (version 2) that grouping would need the bounds on the host: there every
 table is one block of a single codec payload, coded at its bound's class computed on the device,
-of its rows at their capacity (the touched ones first, the rest repeating a touched row, which the
-codec's dedup folds away; the table's row count says how many are sent), so the header is paid
-once. The codec quantises value by value, so a row decodes to the same bits either way.
+of its rows at their capacity (the touched ones first, the rest repeating the first; the table's
+row count says how many are sent), so the header is paid once. Its rows go by the codec's id path,
+each row's id its position in its table's block (0 past the count: the rows sent are distinct rows
+of the table, the padding the first again), which folds the padding away without the value dedup's
+hashes, sort and index: both ends know the ids' plan from the row counts (the receiver computes
+their fingerprint on the host). The codec quantises value by value, so a row decodes to the same
+bits either way.
 
 Layout (little-endian)::
 
@@ -47,8 +51,8 @@ from dataclasses import dataclass
 import torch
 
 from dlrm.embedding_comm.codec import DirectionCodec
+from dlrm_compression import dedup, ops
 from dlrm_compression import format as fmt
-from dlrm_compression import ops
 from dlrm_compression.composite import PerBlockCodec
 from dlrm_compression.lossy import LossyCodec
 
@@ -192,7 +196,9 @@ class SyncWire:
         empty: list[bool] = [False] * len(self.features)
         if not isinstance(rows, torch.Tensor):
             empty = [not len(r) for r in rows]
-            rows = _at_capacity([torch.zeros(len(r), dtype=torch.int64) for r in rows], list(rows), self.dim)[1]
+            capacity = max([self.layout.capacity, *(len(r) for r in rows)])
+            no_slots = [torch.zeros(len(r), dtype=torch.int64) for r in rows]
+            rows = _at_capacity(no_slots, list(rows), self.dim, capacity)[1]
         values = self.direction.policy(self.features, iteration)
         found = self.direction.bounds(rows, [self.dim] * len(self.features), values)
         tensors = [found.reshape(-1).double()] if isinstance(found, torch.Tensor) else []
@@ -220,7 +226,10 @@ class SyncWire:
         device = rows[0].device if rows else torch.device("cpu")
         if self.defers(device):  # version 2 (a table with no rows: one row, not sent)
             sent = _on_int([len(s) for s in slots], device)
-            return self.encode_capacity(*_at_capacity(list(slots), list(rows), self.dim), sent, iteration)
+            if max(len(s) for s in slots) > self.layout.capacity:
+                raise ValueError(f"more rows than the largest table's {self.layout.capacity} in one table")
+            at_capacity = _at_capacity(list(slots), list(rows), self.dim, self.layout.capacity)
+            return self.encode_capacity(*at_capacity, sent, iteration)
         parts: dict[float, Part] = {}
         if bounds is None:
             bounds = self.bounds(rows, iteration)[0]
@@ -258,12 +267,13 @@ class SyncWire:
         """The device's payload (version 2, where :meth:`defers`), built without a host wait: every
         table's rows at their capacity, ``rows`` [capacity, tables x D] (table k's block: its first
         ``counts[k]`` rows, an int64 device tensor per table, are its touched rows, ``slots[k]``
-        [tables, capacity] their global slots; the others repeat touched rows, so that they keep
-        the range and deduplicate away), as one block each of one payload of
-        :meth:`LossyCodec.encode_deferred`, each block at its table's bound class computed on the
-        device. The slots and the counts are written from the device, the payload gathered behind
-        them; the length stays on the device (the size exchange reads it, :meth:`settle`). A
-        fixed number of operations whatever the number of tables."""
+        [tables, capacity] their global slots; the others repeat its first touched row, so that
+        they keep the range and deduplicate away by id), as one block each of one payload of
+        :meth:`LossyCodec.encode_deferred` with the rows' positions as ids (:func:`dedup.position_ids`),
+        each block at its table's bound class computed on the device. The slots and the counts
+        are written from the device, the payload gathered behind them; the length stays on the
+        device (the size exchange reads it, :meth:`settle`). A fixed number of operations whatever
+        the number of tables."""
         assert isinstance(self.codec, LossyCodec)
         device, n_tables = counts.device, len(self.features)
         values = self.direction.policy(self.features, iteration)
@@ -271,8 +281,9 @@ class SyncWire:
         assert found is not None  # (a bounded codec)
         bounds = found if isinstance(found, torch.Tensor) else torch.tensor(found, dtype=torch.float64)  # abs: floats
         bounds = bounds.to(device, torch.float64, non_blocking=bounds.device.type == "cpu")
-        classes = device_bound_class(bounds, self._ones(device)).masked_fill_(counts == 0, 1.0)  # (unread)
-        d = self.codec.encode_deferred(rows, classes, None, blocks=[self.dim] * n_tables)
+        classes = device_bound_class(bounds, self._halves(device)).masked_fill_(counts == 0, 1.0)  # (unread)
+        keys = dedup.position_ids(counts, rows.shape[0])
+        d = self.codec.encode_deferred(rows, classes, keys, blocks=[self.dim] * n_tables)
         coded = d if isinstance(d, fmt.Deferred) else fmt.Deferred(d, _on_int(d.numel(), device))
         slot_bytes = slots.to(self.slot_dtype, memory_format=torch.contiguous_format).view(torch.uint8)
         row_counts = counts.to(torch.int32).view(torch.uint8)  # u32s (each under the capacity)
@@ -292,10 +303,10 @@ class SyncWire:
         self._coded.add_(coded.length)
         return fmt.Deferred(out, total)
 
-    def _ones(self, device: torch.device) -> torch.Tensor:
-        """1.0 (float64) per table on ``device``, kept."""
+    def _halves(self, device: torch.device) -> torch.Tensor:
+        """0.5 (float64) per table on ``device``, kept."""
         if device not in self._unit:
-            self._unit[device] = torch.ones(len(self.features), dtype=torch.float64, device=device)
+            self._unit[device] = torch.full((len(self.features),), 0.5, dtype=torch.float64, device=device)
         return self._unit[device]
 
     @staticmethod
@@ -340,8 +351,9 @@ class SyncWire:
             s = got[:n_bytes].view(self.slot_dtype).long()
             clamped, unsent = s.clamp(0, n_slots - 1), column >= n_rows
             in_range = ((clamped == s) | unsent).all()
-            check = _adler_ok(payload) if on_device else in_range  # (in_range: a placeholder, not read)
-            pieces += [got[n_bytes:], check.reshape(1), in_range.reshape(1)]
+            # the check's verdict: its int64's low byte (in_range: a placeholder, not read)
+            check = _adler_holds(payload).reshape(1).view(torch.uint8)[:1] if on_device else in_range.reshape(1)
+            pieces += [got[n_bytes:], check, in_range.reshape(1)]
             held.index_fill_(0, clamped.masked_fill(unsent, n_slots), True)
             slots.append(clamped)
         hit = held[:n_slots]
@@ -364,7 +376,7 @@ class SyncWire:
             if CHECKS[version] == "crc32":  # the CPU's: the bytes themselves (no wait there)
                 good = zlib.crc32(_host(payload[_PREFIX.size :])) == check
             else:  # the device's verdict (a payload from another kind of device: checked here)
-                good = head[-2] == 1 if on_device else bool(_adler_ok(payload))
+                good = head[-2] == 1 if on_device else bool(_adler_holds(payload))
             if not good:
                 raise fail(i, "checksum mismatch (corrupted or truncated)")
             if n_rows > n_slots or n_parts > n_tables or (version == 2 and n_parts != n_tables):  # an encoder's bug
@@ -430,7 +442,9 @@ class SyncWire:
             raise fail(f"row counts {list(counts)} do not add up to {n_rows} rows")
         try:
             assert isinstance(self.codec, LossyCodec)  # (a version-2 payload is its encode_deferred's)
-            block = self.codec.decode(payload[at:].clone(), head=read)
+            # the rows' ids as the sender's (the rows of the codec payload: checked against them)
+            keys = dedup.known_position_ids(list(counts), self.layout.capacity, payload.device)
+            block = self.codec.decode(payload[at:].clone(), keys, head=read)
         except Exception as e:  # any codec failure: name the rank
             raise fail(f"rows: {type(e).__name__}: {e}") from e
         if block.shape[0] < max(counts, default=0) or block.shape[1] != self.dim * len(counts):
@@ -454,25 +468,27 @@ def held_slots(
     return held, layout.sums(held)
 
 
-def _at_capacity(slots: list[torch.Tensor], rows: list[torch.Tensor], dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _at_capacity(
+    slots: list[torch.Tensor], rows: list[torch.Tensor], dim: int, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each table's ``slots`` [tables, capacity] and ``rows`` as one block per table
-    [capacity, tables x dim], every table's repeating its last up to the longest's (a table with
-    none: one zero row, slot 0): :meth:`SyncWire.encode_capacity`'s layout of per-table lists."""
-    capacity = max([1, *(len(s) for s in slots)])
+    [capacity, tables x dim] (``capacity``: the largest table's rows), every table's repeating its
+    first past its own (a table with none: a zero row, slot 0): :meth:`SyncWire.encode_capacity`'s
+    layout of per-table lists."""
     at = torch.arange(capacity)
     s_out, r_out = [], []
     for s, r in zip(slots, rows, strict=True):
         if not len(s):
             s, r = s.new_zeros(1), r.new_zeros(1, dim)
-        pick = at.to(s.device).clamp(max=len(s) - 1)
+        pick = torch.where(at < len(s), at, 0).to(s.device)
         s_out.append(s.index_select(0, pick))
         r_out.append(r.index_select(0, pick.to(r.device)))
     return torch.stack(s_out), torch.cat(r_out, 1)
 
 
-def _adler_ok(payload: torch.Tensor) -> torch.Tensor:
-    """Whether a payload's Adler-32 check holds (0-d bool on its device)."""
-    return ops.adler32_holds(payload, None, payload.numel(), 0, _PREFIX.size, _CHECK_AT).bool()
+def _adler_holds(payload: torch.Tensor) -> torch.Tensor:
+    """Whether a payload's Adler-32 check holds (0-d int64, 1 or 0, on its device)."""
+    return ops.adler32_holds(payload, None, payload.numel(), 0, _PREFIX.size, _CHECK_AT)
 
 
 def _on(raw: bytes, device: torch.device) -> torch.Tensor:
@@ -481,10 +497,10 @@ def _on(raw: bytes, device: torch.device) -> torch.Tensor:
     return t if device.type == "cpu" else t.to(device, non_blocking=True)
 
 
-def device_bound_class(bound: torch.Tensor, ones: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`bound_class` of float64 bounds on their device (no host wait); ``ones``: 1.0 each."""
-    ones = torch.ones_like(bound) if ones is None else ones
-    return torch.ldexp(ones, torch.frexp(bound).exponent - 1) * (bound > 0)  # (a power of two, or 0)
+def device_bound_class(bound: torch.Tensor, halves: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`bound_class` of float64 bounds on their device (no host wait); ``halves``: 0.5 each."""
+    halves = torch.full_like(bound, 0.5) if halves is None else halves
+    return torch.ldexp(halves, torch.frexp(bound).exponent) * (bound > 0)  # (a power of two, or 0)
 
 
 def _on_int(values: int | list[int], device: torch.device) -> torch.Tensor:

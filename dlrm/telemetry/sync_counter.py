@@ -170,17 +170,21 @@ class HostSyncCounter(TorchDispatchMode):
         return None
 
 
-# Ops that launch no kernel: memory handed out (the allocator), not written.
-_ALLOCATIONS = {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.new_empty_strided}
+# Ops that launch no kernel: memory handed out (the allocator), not written; a sparse tensor's
+# metadata asked for (its flags and sizes, kept on the host).
+_NO_KERNEL = {
+    *(aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.new_empty_strided),
+    *(aten.is_coalesced, aten._nnz, aten.sparse_dim, aten.dense_dim),
+}
 
 
 def _launches(func: Any, args: tuple = (), kwargs: dict | None = None) -> int:
-    """The kernel launches ``func`` stands for: one per aten op but views (metadata alone) and
-    allocations; a codec op (:mod:`compression.ops`) as many as its CUDA implementation makes."""
+    """The kernel launches ``func`` stands for: one per aten op but views (metadata alone),
+    allocations and metadata queries; a codec op (:mod:`compression.ops`) as many as its CUDA implementation makes."""
     if func.namespace == "dlrm_compression":
         n = ops.LAUNCHES[func.overloadpacket.__name__]
         return n(*args, **(kwargs or {})) if callable(n) else n
-    return 0 if func.is_view or func.overloadpacket in _ALLOCATIONS else 1
+    return 0 if func.is_view or func.overloadpacket in _NO_KERNEL else 1
 
 
 def _tensors(args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
