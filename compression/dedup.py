@@ -178,16 +178,18 @@ def id_plan(keys: torch.Tensor) -> IdPlan:
 
 
 _HOST_PLAN = "_dedup_host_plan"  # the attribute of position ids whose plan the host knows (host_plan)
-_POSITIONS: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
 def position_ids(counts: torch.Tensor, capacity: int) -> torch.Tensor:
     """The ids [capacity, n_blocks] of rows laid out block by block at ``capacity``, where block
     b's first ``counts[b]`` rows (int64 [n_blocks] on the rows' device) are distinct rows, each
-    with its position as its id, and the rest repeat the block's first (id 0). Their plan is
+    with its position as its id; the rest are padding, never read back, with id 0 (the codec
+    codes each id's first row: not for gradients whose duplicate ids are summed). Their plan is
     attached (:func:`id_plan` returns it): known from the counts, without a sort, in a few ops
     whatever the number of blocks."""
-    column, prefix, w_blk = _position_sums(capacity, counts.numel(), counts.device)
+    counts = counts.long()
+    column, prefix = _position_sums(capacity, counts.device)
+    w_blk = _block_weights(counts.numel(), counts.device)
     inverse = column * (column < counts[:, None])  # [n_blocks, capacity]: each row's id, its slot
     fingerprint = (prefix[counts] * w_blk).sum() & 0xFFFFFFFF  # (reference.fingerprint of the ids)
     keys = inverse.t()
@@ -195,19 +197,21 @@ def position_ids(counts: torch.Tensor, capacity: int) -> torch.Tensor:
     return keys
 
 
-def known_position_ids(counts: list[int], capacity: int, device: torch.device) -> torch.Tensor:
+def host_position_ids(counts: list[int], capacity: int, device: torch.device) -> torch.Tensor:
     """:func:`position_ids` of counts the host knows (a receiver's, read with a payload's head),
     on ``device``, with what a decoder reads of their plan known on the host too
     (:func:`host_plan`): nothing read back, no op on the device but the counts' copy and two."""
     n = len(counts)
-    if max(counts, default=0) > capacity:
-        raise ValueError(f"row counts {counts[:8]} past the capacity of {capacity} rows")
-    prefix, w_blk = (t.numpy().view(np.uint64) for t in _position_sums(capacity, n, torch.device("cpu"))[1:])
+    past = [b for b, c in enumerate(counts) if not 0 <= c <= capacity]
+    if past:
+        raise ValueError(f"block {past[0]}'s row count {counts[past[0]]} is not within the capacity of {capacity} rows")
+    cpu = torch.device("cpu")
+    prefix, w_blk = (t.numpy().view(np.uint64) for t in (_position_sums(capacity, cpu)[1], _block_weights(n, cpu)))
     fingerprint = int((prefix[counts] * w_blk).sum()) & 0xFFFFFFFF  # (uint64 arrays wrap as int64 does)
     known = [*(max(c, 1) for c in counts), fingerprint]
     host = torch.tensor([*counts, *known])
     on = host if device.type == "cpu" else host.to(device, non_blocking=True)
-    column = _position_sums(capacity, n, device)[0]
+    column = _position_sums(capacity, device)[0]
     inverse = column * (column < on[:n, None])
     keys = inverse.t()
     setattr(keys, _ID_PLAN, IdPlan(on[n : 2 * n], inverse, inverse, on[2 * n]))
@@ -216,24 +220,25 @@ def known_position_ids(counts: list[int], capacity: int, device: torch.device) -
 
 
 def host_plan(keys: torch.Tensor) -> list[int] | None:
-    """What a decoder reads of the plan of ``keys``, known on the host (:func:`known_position_ids`):
+    """What a decoder reads of the plan of ``keys``, known on the host (:func:`host_position_ids`):
     each block's distinct ids, then their fingerprint; None where the device holds it."""
     return getattr(keys, _HOST_PLAN, None)
 
 
-def _position_sums(
-    capacity: int, n_blocks: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`position_ids`' constants on ``device``, made once: the column 0 .. capacity - 1, for
-    c = 0 .. capacity the fingerprint's weighted sum of the ids 0 .. c - 1, and the blocks'
-    weights (int64, wrapping)."""
-    key = (capacity, n_blocks, device)
-    if key not in _POSITIONS:
-        w_row, w_blk = reference.fingerprint_weights(capacity, n_blocks)
-        column = torch.arange(capacity)
-        prefix = torch.cat([column.new_zeros(1), (column * w_row).cumsum(0)])
-        _POSITIONS[key] = (column.to(device), prefix.to(device), w_blk.to(device))
-    return _POSITIONS[key]
+@functools.lru_cache(maxsize=16)
+def _position_sums(capacity: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`position_ids`' column 0 .. capacity - 1 on ``device``, and for c = 0 .. capacity the
+    fingerprint's weighted sum of the ids 0 .. c - 1 (int64, wrapping), made once."""
+    w_row, _ = reference.fingerprint_weights(capacity, 0)
+    column = torch.arange(capacity)
+    prefix = torch.cat([column.new_zeros(1), (column * w_row).cumsum(0)])
+    return column.to(device), prefix.to(device)
+
+
+@functools.lru_cache(maxsize=16)
+def _block_weights(n_blocks: int, device: torch.device) -> torch.Tensor:
+    """The fingerprint's weights of ``n_blocks`` blocks on ``device``, made once."""
+    return reference.fingerprint_weights(0, n_blocks)[1].to(device)
 
 
 def id_sort(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -332,8 +332,10 @@ class LossyCodec(Codec):
         """Rebuild the tensor (into ``out`` if given); payloads encoded with ids need the same ids.
         With the payload's head and :meth:`prepare_decode`'s values read already and the
         fixed-length coder, nothing waits for the device (one op decodes every block,
-        :func:`compression.ops.lossy_unpack`). ``context.keep_first`` (with ids): each id's value
-        on its first row only, zeros on the others (a gradient summed by id: what the owner adds)."""
+        :func:`compression.ops.lossy_unpack`); so too with ids whose plan the host knows
+        (:func:`compression.dedup.host_position_ids`) and the payload's head alone.
+        ``context.keep_first`` (with ids): each id's value on its first row only, zeros on the
+        others (a gradient summed by id: what the owner adds)."""
         keep_first = context.keep_first
         header, sections, head = payload.header, payload.sections, payload.head
         if len(sections) != 4:
@@ -357,7 +359,7 @@ class LossyCodec(Codec):
             if ids is None:
                 raise PayloadError("payload was encoded with ids and carries no row index: pass the same ids to decode")
             keys = check_ids(ids, rows, nb, "lossy decode").to(device)
-            known = dedup.host_plan(keys)  # (ids whose plan the host knows: dedup.known_position_ids)
+            known = dedup.host_plan(keys)  # (ids whose plan the host knows: dedup.host_position_ids)
             if read is not None and known is not None:
                 host = [*struct.unpack(f"<{nb}q", read), *known]
                 _, first, inverse, _ = dedup.id_plan(keys)

@@ -186,7 +186,7 @@ class HotRowOptimizer(KeyedOptimizer):
         """Each table's slots (global) at its capacity, [tables, largest table], its touched ones
         first in slot order (``counts`` of them), the rest repeating its first touched one (a
         table shorter than the largest: its last slot), and their pending rows as one block per
-        table, [largest table, tables x D] (the same value range, deduplicated away): on the
+        table, [largest table, tables x D] (the same value range; the padding never read back): on the
         device, without the touched counts on the host (sorted as [largest table, tables], the
         rows' layout: gathered without a copy)."""
         touched = self.layout.padded(self._touched).t().to(torch.uint8, memory_format=torch.contiguous_format)

@@ -7,13 +7,13 @@ rounded bounds are equal share one codec payload coded at that bound, so a paylo
 bytes) is paid per bound class, not per table, and no row is coded looser than its table's own
 bound. On an accelerator (version 2) that grouping would need the bounds on the host: there every
 table is one block of a single codec payload, coded at its bound's class computed on the device,
-of its rows at their capacity (the touched ones first, the rest repeating the first; the table's
-row count says how many are sent), so the header is paid once. Its rows go by the codec's id path,
-each row's id its position in its table's block (0 past the count: the rows sent are distinct rows
-of the table, the padding the first again), which folds the padding away without the value dedup's
-hashes, sort and index: both ends know the ids' plan from the row counts (the receiver computes
-their fingerprint on the host). The codec quantises value by value, so a row decodes to the same
-bits either way.
+of its rows at their capacity (the touched ones first, then padding: rows of the same table,
+never read back; the table's row count says how many are sent), so the header is paid once. Its
+rows go by the codec's id path, each row's id its position in its table's block (the rows sent
+are distinct rows of the table; the padding takes id 0, and the codec codes each id's first row),
+which drops the padding without the value dedup's hashes, sort and index: both ends know the ids'
+plan from the row counts (the receiver computes their fingerprint on the host). The codec
+quantises value by value, so a row decodes to the same bits either way.
 
 Layout (little-endian)::
 
@@ -175,7 +175,7 @@ class SyncWire:
         self._raw: int | torch.Tensor = 0
         self._coded: int | torch.Tensor = 0
         self._reads: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._unit: dict[torch.device, torch.Tensor] = {}
+        self._halves_on: dict[torch.device, torch.Tensor] = {}
 
     @property
     def raw_row_bytes(self) -> int:
@@ -196,7 +196,7 @@ class SyncWire:
         empty: list[bool] = [False] * len(self.features)
         if not isinstance(rows, torch.Tensor):
             empty = [not len(r) for r in rows]
-            capacity = max([self.layout.capacity, *(len(r) for r in rows)])
+            capacity = max([1, *(len(r) for r in rows)])
             no_slots = [torch.zeros(len(r), dtype=torch.int64) for r in rows]
             rows = _at_capacity(no_slots, list(rows), self.dim, capacity)[1]
         values = self.direction.policy(self.features, iteration)
@@ -267,8 +267,8 @@ class SyncWire:
         """The device's payload (version 2, where :meth:`defers`), built without a host wait: every
         table's rows at their capacity, ``rows`` [capacity, tables x D] (table k's block: its first
         ``counts[k]`` rows, an int64 device tensor per table, are its touched rows, ``slots[k]``
-        [tables, capacity] their global slots; the others repeat its first touched row, so that
-        they keep the range and deduplicate away by id), as one block each of one payload of
+        [tables, capacity] their global slots; the others are padding, rows of the same table that
+        keep its range and are never read back), as one block each of one payload of
         :meth:`LossyCodec.encode_deferred` with the rows' positions as ids (:func:`dedup.position_ids`),
         each block at its table's bound class computed on the device. The slots and the counts
         are written from the device, the payload gathered behind them; the length stays on the
@@ -305,9 +305,9 @@ class SyncWire:
 
     def _halves(self, device: torch.device) -> torch.Tensor:
         """0.5 (float64) per table on ``device``, kept."""
-        if device not in self._unit:
-            self._unit[device] = torch.full((len(self.features),), 0.5, dtype=torch.float64, device=device)
-        return self._unit[device]
+        if device not in self._halves_on:
+            self._halves_on[device] = torch.full((len(self.features),), 0.5, dtype=torch.float64, device=device)
+        return self._halves_on[device]
 
     @staticmethod
     def settle(payload: torch.Tensor | fmt.Deferred, n: int) -> torch.Tensor:
@@ -440,14 +440,18 @@ class SyncWire:
         counts = struct.unpack_from(f"<{len(self.sizes)}I", head, _PREFIX.size)
         if sum(counts) != n_rows:
             raise fail(f"row counts {list(counts)} do not add up to {n_rows} rows")
+        past = [k for k, c in enumerate(counts) if c > self.layout.capacity]
+        if past:  # (an encoder's bug, or a forged check: they would index past the codec's rows)
+            k = past[0]
+            raise fail(f"table {self.features[k]!r}: {counts[k]} rows, past the capacity of {self.layout.capacity}")
         try:
             assert isinstance(self.codec, LossyCodec)  # (a version-2 payload is its encode_deferred's)
             # the rows' ids as the sender's (the rows of the codec payload: checked against them)
-            keys = dedup.known_position_ids(list(counts), self.layout.capacity, payload.device)
+            keys = dedup.host_position_ids(list(counts), self.layout.capacity, payload.device)
             block = self.codec.decode(payload[at:].clone(), keys, head=read)
         except Exception as e:  # any codec failure: name the rank
             raise fail(f"rows: {type(e).__name__}: {e}") from e
-        if block.shape[0] < max(counts, default=0) or block.shape[1] != self.dim * len(counts):
+        if block.shape[0] < max(counts, default=0) or block.shape[1] != self.dim * len(counts):  # (an encoder's bug)
             raise fail(f"decoded shape {tuple(block.shape)}, for {len(counts)} tables of up to {max(counts)} rows")
         rows = [b[:n] for b, n in zip(block.float().split(self.dim, 1), counts, strict=True)]
         return torch.cat(rows) if rows else torch.zeros(0, self.dim, device=payload.device)
@@ -472,7 +476,7 @@ def _at_capacity(
     slots: list[torch.Tensor], rows: list[torch.Tensor], dim: int, capacity: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each table's ``slots`` [tables, capacity] and ``rows`` as one block per table
-    [capacity, tables x dim] (``capacity``: the largest table's rows), every table's repeating its
+    [capacity, tables x dim] (``capacity``: at least the longest list's rows), every table's repeating its
     first past its own (a table with none: a zero row, slot 0): :meth:`SyncWire.encode_capacity`'s
     layout of per-table lists."""
     at = torch.arange(capacity)

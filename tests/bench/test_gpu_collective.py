@@ -182,13 +182,14 @@ def _hot_sync_launches(tables: int, coded: bool) -> tuple[int, int]:
 
 @pytest.mark.parametrize("coded", [False, True], ids=["exact", "coded"])
 def test_a_hot_row_sync_keeps_the_launch_budget_at_the_issues_tables(coded):
-    """A sync, the collective (the rows' exchange, both ends, and the update), holds 100 at 2, 5
-    and 26 tables whatever the number of tables (exact 27, coded 99; before issue 36, with the
-    intake: exact 100 / 235 / 1,180, coded 277 / 426 / 1,453). A step's gradient intake, which
-    runs every step whether or not it syncs, takes one op per table (each table's gradient
-    coalesced on its own, for its sum order) and a few for all."""
+    """A sync, the collective (one payload encoded and decoded, as one peer's, and the update),
+    holds 100 at 2, 5 and 26 tables whatever the number of tables (exact 27, coded 99; before
+    issue 36, with the intake: exact 100 / 235 / 1,180, coded 277 / 426 / 1,453). Counted at one
+    rank, where a rank decodes its own payload: at more, it decodes every rank's (about 23 more
+    a rank). A step's gradient intake, which runs every step whether or not it syncs, takes one
+    op per table (each table's gradient coalesced on its own, for its sum order) and 8 for all."""
     intake, sync = zip(*(_hot_sync_launches(t, coded) for t in (2, 5, 26)), strict=True)
-    assert max(sync) <= gpu_collective.BUDGET["lossy"], sync
+    assert max(sync) <= (gpu_collective.BUDGET["lossy"] if coded else 30), sync  # (exact: 27)
     assert sync[0] == sync[1] == sync[2], sync
     assert intake[1] - intake[0] == 3 and intake[2] - intake[1] == 21, intake
 

@@ -12,7 +12,7 @@ from dlrm.telemetry.sync_counter import HostSyncCounter
 from dlrm_compression import PayloadError, dedup, reference
 from dlrm_compression import format as fmt
 
-CASES = [([3, 0, 7], 7), ([1], 1), ([5, 5], 9), ([0, 0], 4), ([2, 9, 1, 4, 0, 6], 12)]
+CASES = [([3, 0, 7], 7), ([1], 1), ([2], 5), ([0], 3), ([5, 5], 9), ([0, 0], 4), ([2, 9, 1, 4, 0, 6], 12)]
 
 
 def _spelled_out(counts: list[int], capacity: int) -> torch.Tensor:
@@ -33,7 +33,7 @@ def test_the_attached_plan_is_the_plan_a_sort_of_the_ids_finds(counts, capacity)
 
 @pytest.mark.parametrize(("counts", "capacity"), CASES)
 def test_the_receivers_ids_carry_on_the_host_what_a_decoder_would_read(counts, capacity):
-    keys = dedup.known_position_ids(counts, capacity, torch.device("cpu"))
+    keys = dedup.host_position_ids(counts, capacity, torch.device("cpu"))
     sorted_plan = dedup.id_plan(_spelled_out(counts, capacity))
     assert torch.equal(keys, _spelled_out(counts, capacity))
     assert dedup.host_plan(keys) == [*sorted_plan.counts.tolist(), int(sorted_plan.fingerprint)]
@@ -42,8 +42,8 @@ def test_the_receivers_ids_carry_on_the_host_what_a_decoder_would_read(counts, c
 
 
 def test_counts_past_the_capacity_are_refused_naming_them():
-    with pytest.raises(ValueError, match=r"row counts \[3, 8\] past the capacity of 7 rows"):
-        dedup.known_position_ids([3, 8], 7, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"block 1's row count 8 is not within the capacity of 7 rows"):
+        dedup.host_position_ids([3, 8], 7, torch.device("cpu"))
 
 
 def _payload(counts: list[int], capacity: int, dim: int = 4) -> tuple[torch.Tensor, torch.Tensor, object]:
@@ -66,7 +66,7 @@ def test_a_payload_coded_by_positions_decodes_from_the_receivers_ids_reading_not
     by_sort = codec.decode(payload.clone(), _spelled_out(counts, capacity))  # the ids as any caller passes them
     assert (by_sort - rows).abs().max() <= 0.01
     head = fmt.read_heads([payload], [None], [codec.head_size(len(counts))])[0]
-    known = dedup.known_position_ids(counts, capacity, payload.device)
+    known = dedup.host_position_ids(counts, capacity, payload.device)
     counter = HostSyncCounter()
     with counted_reads(counter), counter:
         decoded = codec.decode(payload.clone(), known, head=head)
@@ -77,4 +77,4 @@ def test_a_receiver_with_other_counts_is_told_its_ids_differ():
     _, payload, codec = _payload([3, 5], 6)
     head = fmt.read_heads([payload], [None], [codec.head_size(2)])[0]
     with pytest.raises(PayloadError, match="ids differ from the ids the payload was encoded with"):
-        codec.decode(payload.clone(), dedup.known_position_ids([3, 4], 6, payload.device), head=head)
+        codec.decode(payload.clone(), dedup.host_position_ids([3, 4], 6, payload.device), head=head)

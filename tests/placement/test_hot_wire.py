@@ -15,12 +15,14 @@ from dlrm.bench.host_syncs import counted_reads
 from dlrm.embedding_comm.bounds import fixed_bound
 from dlrm.embedding_comm.codec import DirectionCodec
 from dlrm.embedding_comm.config import CompressionSpec, DirectionSpec
+from dlrm.placement import hot_wire
 from dlrm.placement.config import PlacementSpec, parse_placement_cfg
 from dlrm.placement.hot_sync import HotRowOptimizer
 from dlrm.placement.hot_wire import HotWireError, SyncWire, bound_class
 from dlrm.placement.replication import setup_replication
 from dlrm.telemetry.sync_counter import HostSyncCounter
 from dlrm_compression import format as fmt
+from dlrm_compression import ops
 
 EB = 0.01  # the backward policy's value: a fraction of each table's range (rel), as fixed.yaml's
 DIM = 8
@@ -100,7 +102,7 @@ def test_the_device_payload_decodes_to_the_cpu_payloads_rows_bit_for_bit_reading
     wire = SyncWire(_codec(), [f"t{k}" for k in range(tables)], [50] * tables, DIM)
     g = torch.Generator().manual_seed(3)
     slots = [torch.randperm(50, generator=g)[: 7 + k].sort().values + 50 * k for k in range(tables)]
-    # ranges apart (several bound classes), and repeated rows (value dedup)
+    # ranges apart (several bound classes), and repeated rows (the host path dedups them by value)
     rows = [(torch.randn(7 + k, DIM, generator=g) * 4.0**k)[torch.arange(7 + k) // 2] for k in range(tables)]
     host_slots, host_rows = wire.decode(wire.encode(slots, rows, 0), src=0)
     on_device = SyncWire(_codec(backend="device"), wire.features, wire.sizes, DIM)
@@ -134,6 +136,19 @@ def test_a_damaged_device_payload_is_a_clear_error_naming_the_rank(damage, match
     payload = _device_encoded(wire, [torch.arange(3), torch.arange(10, 12)], [torch.randn(3, DIM), torch.randn(2, DIM)])
     with pytest.raises(HotWireError, match=rf"from rank 1 .*({match})"):
         wire.decode(damage(payload), src=1)
+
+
+def test_a_sealed_payload_whose_row_counts_pass_the_capacity_is_refused_naming_the_rank_and_table():
+    """Row counts that add up but pass a table's capacity (an encoder's bug, or a forged check)
+    would index past the codec's rows: refused, naming the table."""
+    wire = SyncWire(_codec(backend="device"), ["a", "b"], [10, 10], DIM)
+    payload = _device_encoded(wire, [torch.arange(6), torch.arange(10, 16)], [torch.randn(6, DIM)] * 2).clone()
+    at = hot_wire._PREFIX.size + 2 * 12  # the row counts, after 12 two-byte slots
+    assert payload[at : at + 8].view(torch.int32).tolist() == [6, 6]
+    payload[at : at + 8] = torch.tensor([11, 1], dtype=torch.int32).view(torch.uint8)
+    ops.adler32_seal_(payload, None, payload.numel(), 0, hot_wire._PREFIX.size, hot_wire._CHECK_AT)
+    with pytest.raises(HotWireError, match=r"from rank 1 .*table 'a': 11 rows, past the capacity of 10"):
+        wire.decode(payload, src=1)
 
 
 # --- the config ----------------------------------------------------------------------------------
