@@ -208,11 +208,22 @@ def _variants(rank: int, ws: int) -> dict:
     }
 
 
+def _variants_and_nonfinite(rank: int, ws: int) -> dict:
+    return {"variants": _variants(rank, ws), "nonfinite": _nonfinite(rank, ws)}
+
+
 @pytest.fixture(scope="module")
-def runs() -> list[dict]:
+def both() -> dict[str, list[dict]]:
+    """Each rank's _variants and _nonfinite, in one job: starting the ranks costs more than most runs."""
     from multiprocess import run_ranks
 
-    return run_ranks(_variants, 2, timeout=600)
+    results = run_ranks(_variants_and_nonfinite, 2, timeout=600)
+    return {job: [r[job] for r in results] for job in ("variants", "nonfinite")}
+
+
+@pytest.fixture(scope="module")
+def runs(both) -> list[dict]:
+    return both["variants"]
 
 
 def equal(a: dict, b: dict) -> bool:
@@ -336,12 +347,10 @@ def _nonfinite(rank: int, ws: int) -> dict:
     }
 
 
-def test_dct_carries_non_finite_gradients_exactly_and_training_goes_on():
+def test_dct_carries_non_finite_gradients_exactly_and_training_goes_on(both):
     # frozen weights: every step's true gradients are stock DDP's of the same step; at step 1 one
     # weight's gradients hold +-inf and NaN on both ranks (:func:`_poison`)
-    from multiprocess import run_ranks
-
-    runs = run_ranks(_nonfinite, 2, timeout=600)
+    runs = both["nonfinite"]
     for r in runs:
         stock = r["stock"]["grads"]
         assert not all(bool(g.isfinite().all()) for g in stock[1].values())  # the poison reached DDP

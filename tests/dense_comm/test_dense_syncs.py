@@ -90,11 +90,26 @@ def _buckets(rank: int, ws: int, values: str, iterations: int, aggregation: str 
     return out
 
 
-@pytest.fixture(scope="module", params=["none", "fp16", "bf16"])
-def buckets(request) -> list[dict]:
+def _buckets_of(rank: int, ws: int, codings: list[str], iterations: int, aggregation: str = "allgather") -> dict:
+    return {values: _buckets(rank, ws, values, iterations, aggregation) for values in codings}
+
+
+def _by_values(codings: list[str], ws: int, *args) -> dict[str, list[dict]]:
+    """_buckets of each values coding, in one job of ws ranks: starting the ranks costs more than a run."""
     from multiprocess import run_ranks
 
-    return run_ranks(_buckets, 2, request.param, 4, timeout=300)
+    results = run_ranks(_buckets_of, ws, codings, *args, timeout=300)
+    return {values: [r[values] for r in results] for values in codings}
+
+
+@pytest.fixture(scope="module")
+def gathered() -> dict[str, list[dict]]:
+    return _by_values(["none", "fp16", "bf16"], 2, 4)
+
+
+@pytest.fixture(scope="module", params=["none", "fp16", "bf16"])
+def buckets(request, gathered) -> list[dict]:
+    return gathered[request.param]
 
 
 def test_a_device_bucket_makes_two_host_syncs_the_sizes_and_the_checks(buckets):
@@ -124,11 +139,14 @@ def _same_bits(runs: list[dict]) -> None:
         assert all(type(v) is float for v in device["state"]["thresholds"].values())
 
 
-@pytest.fixture(scope="module", params=["none", "bf16"])
-def scattered(request) -> list[dict]:
-    from multiprocess import run_ranks
+@pytest.fixture(scope="module")
+def reduce_scattered() -> dict[str, list[dict]]:
+    return _by_values(["none", "bf16"], 3, 4, "reduce_scatter")
 
-    return run_ranks(_buckets, 3, request.param, 4, "reduce_scatter", timeout=300)
+
+@pytest.fixture(scope="module", params=["none", "bf16"])
+def scattered(request, reduce_scattered) -> list[dict]:
+    return reduce_scattered[request.param]
 
 
 def test_the_reduce_scatter_on_the_device_makes_one_host_sync_per_phase_and_one_for_the_checks(scattered):

@@ -343,8 +343,8 @@ WORLDS = [2, pytest.param(3, marks=pytest.mark.scale), pytest.param(4, marks=pyt
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_none_is_bit_identical_to_stock_torchrec_every_sharding_type_and_uneven_batch(world):
-    results = run_ranks(_parity_none, world)
+def test_none_is_bit_identical_to_stock_torchrec_every_sharding_type_and_uneven_batch(ranks, world):
+    results = ranks(_parity_none, world)
     for plan in range(2):  # real bytes went through our path in both directions
         stats = [per_plan[plan] for per_plan in results]
         assert all(s["comm/backward/raw_bytes"] > 0 for s in stats)  # every rank sends gradients
@@ -482,8 +482,8 @@ def _lossy_abs(rank: int, ws: int) -> dict:
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_lossy_outputs_and_updates_within_per_table_bounds(world):
-    results = run_ranks(_lossy_abs, world)
+def test_lossy_outputs_and_updates_within_per_table_bounds(ranks, world):
+    results = ranks(_lossy_abs, world)
     for r in results:
         assert r["worst"] > 0.1  # errors are really there (a no-op codec would pass the bounds)
         s = r["local"]
@@ -527,8 +527,8 @@ def _four_ranks_two_nodes(rank: int, ws: int) -> dict:
     return {"fwd_diff": fwd_diff, "w_diff": w_diff, "worst": worst}
 
 
-def test_four_ranks_two_nodes_none_matches_stock_and_rel_mode_holds():
-    results = run_ranks(_four_ranks_two_nodes, 4)
+def test_four_ranks_two_nodes_none_matches_stock_and_rel_mode_holds(ranks):
+    results = ranks(_four_ranks_two_nodes, 4)
     for r in results:
         assert r["worst"] > 0.1
         assert r["fwd_diff"] == 0.0 and r["w_diff"] == 0.0, r  # none == stock, TWRW across nodes too
@@ -556,12 +556,12 @@ def _twrw_rel_backward_fractions(rank: int, ws: int) -> list[float]:
     return seen
 
 
-def test_table_row_wise_rel_backward_stages_add_up_to_the_policy_bound():
+def test_table_row_wise_rel_backward_stages_add_up_to_the_policy_bound(ranks):
     # A relative bound scales with the chunk it is applied to: the intra-node stage's gradients,
     # already divided by the node count, need no further division. Each of the two stages takes
     # the same share, and the shares of a gradient's path (cross-node, then intra-node) add up to
     # the policy's fraction.
-    seen = [v for r in run_ranks(_twrw_rel_backward_fractions, 4) for v in r]
+    seen = [v for r in ranks(_twrw_rel_backward_fractions, 4) for v in r]
     assert seen, "no backward chunk was bounded"
     assert len(set(seen)) == 1, sorted(set(seen))
     assert 2 * seen[0] == pytest.approx(REL_EB)
@@ -694,8 +694,8 @@ def _qcomm_mx4(rank: int, ws: int) -> dict:
     return {"worst_over_bound": worst, "moved": moved}
 
 
-def test_qcomm_mx4_sends_fbgemms_mx4_at_the_production_group_sizes():
-    for r in run_ranks(_qcomm_mx4, 2):
+def test_qcomm_mx4_sends_fbgemms_mx4_at_the_production_group_sizes(ranks):
+    for r in ranks(_qcomm_mx4, 2):
         assert r["moved"] > 0 and r["worst_over_bound"] <= 1.0, r  # MX4 really travelled backward, within bound
 
 
@@ -726,13 +726,13 @@ def _rare_ids_keep_their_gradients(rank: int, ws: int) -> dict:
     return {"worst_over_bound": worst}
 
 
-def test_relative_backward_bound_follows_per_sample_rows_so_rare_ids_keep_gradients():
-    for r in run_ranks(_rare_ids_keep_their_gradients, 2):
+def test_relative_backward_bound_follows_per_sample_rows_so_rare_ids_keep_gradients(ranks):
+    for r in ranks(_rare_ids_keep_their_gradients, 2):
         assert 0 < r["worst_over_bound"] <= 1.0, r
 
 
-def test_backward_dedup_keeps_per_id_sums_and_qcomm_fp16_is_torchrecs():
-    results = run_ranks(_dedup_and_qcomm, 2)
+def test_backward_dedup_keeps_per_id_sums_and_qcomm_fp16_is_torchrecs(ranks):
+    results = ranks(_dedup_and_qcomm, 2)
     for r in results:
         for opt in ("sgd", "rowwise_adagrad"):
             stock_rows, our_rows = r[opt]
@@ -774,8 +774,8 @@ def _pipeline(rank: int, ws: int) -> dict:
     return comm_stats(piped)
 
 
-def test_train_pipeline_sparse_dist_gives_the_plain_loops_numbers():
-    for s in run_ranks(_pipeline, 2):
+def test_train_pipeline_sparse_dist_gives_the_plain_loops_numbers(ranks):
+    for s in ranks(_pipeline, 2):
         assert s["comm/forward/calls"] > 0 and s["comm/forward/ratio"] > 1
 
 
@@ -811,8 +811,8 @@ def _nonfinite_and_eval(rank: int, ws: int) -> dict:
     return {"inf_rows": int(torch.isinf(new["t4"]).any(dim=1).sum())}
 
 
-def test_nan_inf_travel_exactly_and_eval_under_no_grad():
-    for r in run_ranks(_nonfinite_and_eval, 2):
+def test_nan_inf_travel_exactly_and_eval_under_no_grad(ranks):
+    for r in ranks(_nonfinite_and_eval, 2):
         assert r["inf_rows"] == 1
 
 
@@ -893,8 +893,8 @@ def _dct_mp_step(rank: int, ws: int) -> dict:
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_dct_mp_sends_only_kept_entries_and_returns_gradients_only_there(world):
-    results = run_ranks(_dct_mp_step, world)
+def test_dct_mp_sends_only_kept_entries_and_returns_gradients_only_there(ranks, world):
+    results = ranks(_dct_mp_step, world)
     r0 = results[0]
     ws, w = len(results), r0["w"]
     masked_grads = []
@@ -928,3 +928,42 @@ def test_dct_mp_sends_only_kept_entries_and_returns_gradients_only_there(world):
         torch.testing.assert_close(r0["new"][n], expected[n], rtol=0, atol=1e-6)
     unmasked = reference_sgd(w, r0["kjts"], r0["grads"], ws)
     assert any(not torch.allclose(r0["new"][n], unmasked[n], atol=1e-4) for n, _, _ in TABLES)
+
+
+# --------------------------------------------------------------------------- one job per rank count
+
+# The runs of this file's tests at 2 ranks, and its two at 4 ranks, each set in one job (started by
+# the first test that needs it): starting the ranks costs more than most of the runs. Each set ends
+# with the run whose spies stay on in its process (_lossy_abs, _twrw_rel_backward_fractions).
+JOBS = {
+    2: [
+        _parity_none,
+        _dct_mp_step,
+        _qcomm_mx4,
+        _rare_ids_keep_their_gradients,
+        _dedup_and_qcomm,
+        _pipeline,
+        _nonfinite_and_eval,
+        _lossy_abs,
+    ],
+    4: [_four_ranks_two_nodes, _twrw_rel_backward_fractions],
+}
+
+
+def _job(rank: int, ws: int, fns: list[Callable]) -> dict:
+    return {fn.__name__: fn(rank, ws) for fn in fns}
+
+
+@pytest.fixture(scope="module")
+def ranks() -> Callable[[Callable, int], list]:
+    """(fn, world) -> each rank's result of fn, from the world's job in JOBS where fn is in it."""
+    done: dict[int, list[dict]] = {}
+
+    def get(fn: Callable, world: int) -> list:
+        if fn not in JOBS.get(world, []):
+            return run_ranks(fn, world)
+        if world not in done:
+            done[world] = run_ranks(_job, world, JOBS[world], timeout=600)
+        return [r[fn.__name__] for r in done[world]]
+
+    return get

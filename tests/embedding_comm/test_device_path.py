@@ -49,13 +49,11 @@ RUNS = {**SPECS, "cache": (CACHED, {}), **{n: (c, {}) for n, c in DEVICE_CASTS.i
 
 def _counted(rank: int, ws: int, plan: str, spec: str, hot: int | tuple[int, ...] = 1, steps: int = 3) -> dict:
     """``steps`` training steps on the host backend, then the same on the device backend, counted."""
-    from dlrm.bench.host_syncs import counted_reads
     from dlrm.embedding_comm import comm_ops
     from dlrm.embedding_comm import dist as output_dists
-    from dlrm.telemetry.comm_stats import comm_stats
     from dlrm.telemetry.sync_counter import HostSyncCounter
 
-    counter, calls, stored = HostSyncCounter(), Counter(), set()
+    counter, calls = HostSyncCounter(), Counter()
     send, receive = comm_ops._send, comm_ops._receive
 
     def counted_send(pg, info, d, chunks):
@@ -70,16 +68,29 @@ def _counted(rank: int, ws: int, plan: str, spec: str, hot: int | tuple[int, ...
 
         return run
 
-    for cls in (output_dists.CompressedTwPooledEmbeddingDist, output_dists.CompressedRwPooledEmbeddingDist):
-        cls.forward = counted_dist(cls.forward)
-
     def counted_receive(pg, info, d, tr):
         calls[f"{d}/receive"] += 1
         with counter.label(f"{d}/receive"):
             return receive(pg, info, d, tr)
 
+    dists = (output_dists.CompressedTwPooledEmbeddingDist, output_dists.CompressedRwPooledEmbeddingDist)
+    forwards = {cls: cls.forward for cls in dists}
+    for cls in dists:
+        cls.forward = counted_dist(cls.forward)
     comm_ops._send, comm_ops._receive = counted_send, counted_receive
-    runs = {}
+    try:
+        return _compare_paths(rank, ws, plan, spec, hot, steps, counter, calls)
+    finally:  # unwrapped for the next case in this process
+        comm_ops._send, comm_ops._receive = send, receive
+        for cls, forward in forwards.items():
+            cls.forward = forward
+
+
+def _compare_paths(rank, ws, plan, spec, hot, steps, counter, calls) -> dict:
+    from dlrm.bench.host_syncs import counted_reads
+    from dlrm.telemetry.comm_stats import comm_stats
+
+    runs, stored = {}, set()
     cfg, choice = RUNS[spec]
     # auto's per-table options (a header each) on a few rows code larger than the rows on the
     # device (the fixed-length coder where the host has zstd): stored there, exact; more rows
@@ -115,15 +126,42 @@ def _counted(rank: int, ws: int, plan: str, spec: str, hot: int | tuple[int, ...
     }
 
 
+DEVICE_CASES = [*((spec, "tw", 1) for spec in SPECS), ("lossy", "tw", 2), ("lossy", "rw", 1)]
+CACHE_HOT = [1, (1, 1, 2, 1)]
+# (plan, spec, hot, steps): every 2-rank case of the three tests below
+TWO_RANK_CASES = [
+    *((plan, spec, hot, 3) for spec, plan, hot in DEVICE_CASES),
+    *(("tw", spec, 1, 3) for spec in sorted(DEVICE_CASTS)),
+    *(("tw", "cache", hot, 4) for hot in CACHE_HOT),
+]
+
+
+def _every_counted(rank: int, ws: int, cases: list) -> dict:
+    return {case: _counted(rank, ws, *case) for case in cases}
+
+
+@pytest.fixture(scope="module")
+def counted():
+    """The runs of _counted by (ws, case); the 2-rank cases all in one job (starting the ranks costs
+    more than a case), the 3-rank ones (make test-scale) one job each as before."""
+    two_ranks: list = []
+
+    def get(ws: int, *case) -> list[dict]:
+        if ws != 2:
+            return run_ranks(_counted, ws, *case)
+        if not two_ranks:
+            two_ranks.extend(run_ranks(_every_counted, 2, TWO_RANK_CASES))
+        return [r[case] for r in two_ranks]
+
+    return get
+
+
 # each codec with rows deduplicated by id; the lossy codec also with bags of two ids (no ids: the
 # device picks the rows, by value) and with row-wise partial sums (by value)
-@pytest.mark.parametrize(
-    ("spec", "plan", "hot"),
-    [*((spec, "tw", 1) for spec in SPECS), ("lossy", "tw", 2), ("lossy", "rw", 1)],
-)
+@pytest.mark.parametrize(("spec", "plan", "hot"), DEVICE_CASES)
 @pytest.mark.parametrize("ws", [2, pytest.param(3, marks=pytest.mark.scale)])  # 3 ranks: make test-scale
-def test_device_path_gives_the_host_paths_numbers_with_one_host_sync_per_collective_side(ws, spec, plan, hot):
-    for r in run_ranks(_counted, ws, plan, spec, hot):
+def test_device_path_gives_the_host_paths_numbers_with_one_host_sync_per_collective_side(counted, ws, spec, plan, hot):
+    for r in counted(ws, plan, spec, hot, 3):
         assert not r["stored"]  # every chunk coded on both paths
         assert r["same"] and r["same_weights"]  # bit for bit: the framing moved, not the values
         calls = {k: n // 2 for k, n in r["calls"].items()}  # the device run's half
@@ -136,12 +174,12 @@ def test_device_path_gives_the_host_paths_numbers_with_one_host_sync_per_collect
 
 
 @pytest.mark.parametrize("spec", sorted(DEVICE_CASTS))
-def test_the_casts_sum_duplicate_ids_on_the_device_path_as_the_transport_does_on_the_host(spec):
+def test_the_casts_sum_duplicate_ids_on_the_device_path_as_the_transport_does_on_the_host(counted, spec):
     """fp16/bf16 as shipped (backward dedup): the host path sums each id's gradient rows and keeps
     the sum on its first row in the transport's stage, the device path inside the casts' ops
     (``Codec.sums_duplicates``); outputs and trained weights are the same bit for bit, and the
     backward reads the host once a side per call (its verdicts, its ids' flags), no more."""
-    for r in run_ranks(_counted, 2, "tw", spec, 1):
+    for r in counted(2, "tw", spec, 1, 3):
         assert not r["stored"] and r["same"] and r["same_weights"]
         calls = {k: n // 2 for k, n in r["calls"].items()}
         assert r["syncs"]["backward/send"] == calls["backward/send"], r["syncs"]
@@ -151,11 +189,13 @@ def test_the_casts_sum_duplicate_ids_on_the_device_path_as_the_transport_does_on
 # bags of one id, and (ws 2) a step of bags of two ids between them: its chunks hold no ids, so
 # they go through the codec by value, chosen on the device, and the caches skip that step
 @pytest.mark.parametrize(
-    ("ws", "hot"), [(2, 1), pytest.param(3, 1, marks=pytest.mark.scale), (2, (1, 1, 2, 1))]
+    ("ws", "hot"), [(2, CACHE_HOT[0]), pytest.param(3, 1, marks=pytest.mark.scale), (2, CACHE_HOT[1])]
 )  # 3 ranks: make test-scale
-def test_the_row_cache_on_the_device_path_gives_the_host_paths_numbers_with_one_host_sync_per_collective_side(ws, hot):
+def test_the_row_cache_on_the_device_path_gives_the_host_paths_numbers_with_one_host_sync_per_collective_side(
+    counted, ws, hot
+):
     # the cache encodes and decodes the forward itself; the backward goes through the codec
-    for r in run_ranks(_counted, ws, "tw", "cache", hot, 4):
+    for r in counted(ws, "tw", "cache", hot, 4):
         assert r["same"] and r["same_weights"] and r["same_cache"]
         cache = r["cache"]  # held rows came back within the bound (hits) and past it (moved)
         assert cache["comm/forward/cache/hit_rows"] > 0 and cache["comm/forward/cache/moved_rows"] > 0, cache

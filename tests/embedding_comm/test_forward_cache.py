@@ -3,7 +3,10 @@ real 2-rank training runs."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
+import pytest
 import torch
 
 from dlrm.embedding_comm import fixed_bound
@@ -110,8 +113,6 @@ def test_a_chunk_with_zero_rows_passes_and_changes_no_cache():
 
 
 def test_a_chunk_that_is_not_fp32_is_refused_naming_the_key():
-    import pytest
-
     dc = DirectionCodec(DirectionSpec("lossy", params={"entropy": True}), "forward", fixed_bound(0.01))
     ids = torch.arange(6).reshape(3, 2)
     for dtype in (torch.bfloat16, torch.float16):
@@ -206,8 +207,6 @@ def test_two_ranks_bound_held_and_mirrors_equal_caches_every_iteration():
 
 
 def test_cache_is_refused_where_it_cannot_apply():
-    import pytest
-
     from dlrm.embedding_comm.config import excluded_sharding_types, parse_compression_cfg
     from dlrm.trainer.sharding import check_supported
 
@@ -234,30 +233,41 @@ def test_cache_is_refused_where_it_cannot_apply():
         parse_compression_cfg({**base, "forward": {"codec": "lossy", "cache": {"enabled": True, "capacity_rows": -2}}})
 
 
-def test_checkpoints_leave_the_cached_training_unchanged_and_resume_exact(tmp_path, tmp_path_factory):
+CACHED_RUN = ["loss_log=true", "sharding=table_wise", "compression.forward.cache.enabled=true", "max_iterations=12"]
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory) -> tuple[Path, Path]:
+    """(data cache, run dir) of the uninterrupted cached run both resume tests compare with: trained once."""
+    from trainer_runs import train
+
+    cache, plain = tmp_path_factory.mktemp("cache"), tmp_path_factory.mktemp("plain")
+    train(plain, cache, CACHED_RUN)  # saves only at the end
+    return cache, plain
+
+
+def test_checkpoints_leave_the_cached_training_unchanged_and_resume_exact(tmp_path, plain):
     from trainer_runs import losses, train
 
-    cache = tmp_path_factory.mktemp("cache")
-    plain, saved, part = tmp_path / "plain", tmp_path / "saved", tmp_path / "part"
-    common = ["loss_log=true", "sharding=table_wise", "compression.forward.cache.enabled=true", "max_iterations=12"]
-    train(plain, cache, common)  # saves only at the end
-    train(saved, cache, [*common, "checkpoint.every=4"])
-    train(part, cache, [*common, "checkpoint.every=4", "max_iterations=6"])  # saved at 4 and 6
-    train(part, cache, [*common, "checkpoint.every=4", "resume=true"])
-    reference = losses(plain)
+    cache, plain_run = plain
+    saved, part = tmp_path / "saved", tmp_path / "part"
+    common = [*CACHED_RUN, "checkpoint.every=4"]
+    train(saved, cache, common)
+    train(part, cache, [*common, "max_iterations=6"])  # saved at 4 and 6
+    train(part, cache, [*common, "resume=true"])
+    reference = losses(plain_run)
     assert losses(saved) == reference
     assert losses(part) == reference
 
 
-def test_resumed_run_repeats_the_uninterrupted_one_with_the_cache(tmp_path, tmp_path_factory):
+def test_resumed_run_repeats_the_uninterrupted_one_with_the_cache(tmp_path, plain):
     import json
 
     from trainer_runs import losses, train
 
-    cache = tmp_path_factory.mktemp("cache")
-    full, part = tmp_path / "full", tmp_path / "part"
-    common = ["loss_log=true", "checkpoint.every=5", "sharding=table_wise", "compression.forward.cache.enabled=true"]
-    train(full, cache, [*common, "max_iterations=12"])
+    cache, full = plain
+    part = tmp_path / "part"
+    common = [*CACHED_RUN, "checkpoint.every=5"]
     train(part, cache, [*common, "max_iterations=5"])
     train(part, cache, [*common, "max_iterations=12", "resume=true"])
     reference, resumed = losses(full), losses(part)

@@ -42,10 +42,34 @@ def _run(rank: int, ws: int, cfg: dict, plan: str, backend: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("backend", ["host", "device"])
+def _normal(rank: int, ws: int) -> dict:
+    from dlrm.telemetry.comm_stats import comm_stats
+
+    model = tc.build(tc.ours({**TINY, "forward": {"codec": "lossy", "eb": 1e-3}}), "tw", ws, tc.full_weights(3))
+    tc.run_steps(model, rank, [10] * ws, 2)
+    return comm_stats(model)
+
+
+BACKENDS = ["host", "device"]
+
+
+def _every_run(rank: int, ws: int) -> dict:
+    runs: dict = {("tiny", plan, b): _run(rank, ws, TINY, plan, b) for plan in ("tw_cw", "rw") for b in BACKENDS}
+    runs |= {("dct_mp", b): _run(rank, ws, DCT_ALL, "tw", b) for b in BACKENDS}
+    return {**runs, "normal": _normal(rank, ws)}
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    """Each test's run (by case), all in one job of 2 ranks: starting the ranks costs more than the runs."""
+    results = run_ranks(_every_run, 2)
+    return {key: [r[key] for r in results] for key in results[0]}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(("plan", "exactly"), [("tw_cw", True), ("rw", False)])
-def test_a_payload_larger_than_its_rows_travels_stored(plan, exactly, backend):
-    results = run_ranks(_run, 2, TINY, plan, backend)
+def test_a_payload_larger_than_its_rows_travels_stored(runs, plan, exactly, backend):
+    results = runs["tiny", plan, backend]
     for d in ("forward", "backward"):  # (a chunk of row-wise zero partial sums codes smaller by value)
         assert any(r["stats"].get(f"comm/{d}/stored_chunks", 0) >= 1 for r in results), d
     for r in results:
@@ -63,25 +87,17 @@ def test_a_payload_larger_than_its_rows_travels_stored(plan, exactly, backend):
         assert max(r["outputs"]) <= tolerance and r["weights"] <= tolerance, r
 
 
-@pytest.mark.parametrize("backend", ["host", "device"])
-def test_dct_mp_after_a_stored_forward_sends_every_gradient(backend):
-    for r in run_ranks(_run, 2, DCT_ALL, "tw", backend):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dct_mp_after_a_stored_forward_sends_every_gradient(runs, backend):
+    for r in runs["dct_mp", backend]:
         s = r["stats"]
         if "comm/forward/raw_bytes" in s:
             assert s["comm/forward/stored_chunks"] >= 1, s
         assert max(r["outputs"]) == 0.0 and r["weights"] == 0.0, r  # every entry kept, both ways
 
 
-def _normal(rank: int, ws: int) -> dict:
-    from dlrm.telemetry.comm_stats import comm_stats
-
-    model = tc.build(tc.ours({**TINY, "forward": {"codec": "lossy", "eb": 1e-3}}), "tw", ws, tc.full_weights(3))
-    tc.run_steps(model, rank, [10] * ws, 2)
-    return comm_stats(model)
-
-
-def test_a_coded_payload_smaller_than_its_rows_is_sent_coded():
-    for s in run_ranks(_normal, 2):
+def test_a_coded_payload_smaller_than_its_rows_is_sent_coded(runs):
+    for s in runs["normal"]:
         if "comm/forward/raw_bytes" in s:
             assert "comm/forward/stored_chunks" not in s and s["comm/forward/ratio"] > 2, s
         assert s.get("comm/backward/stored_chunks", 0) >= 1  # the backward's bound of 1e-30: stored
@@ -103,7 +119,7 @@ def _fault(rank: int, ws: int, backend: str) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("backend", ["host", "device"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_corrupted_stored_chunk_is_refused_and_named(backend):
     errors = run_ranks(_fault, 2, backend, timeout=120)
     assert errors[1].startswith("CompressedCommError: rank 1 (table_wise)") and "from rank 0" in errors[1]

@@ -132,9 +132,16 @@ AUTO = [
 ]
 
 
-def test_auto_decides_for_every_rank_settles_once_and_a_replay_reproduces_the_losses(tmp_path, cache):
-    first, replay = tmp_path / "auto", tmp_path / "replay"
-    train(first, cache, AUTO)
+@pytest.fixture(scope="module")
+def auto_run(tmp_path_factory, cache) -> Path:
+    """An AUTO run, trained once: the first test checks it and replays it, another prices its first plan."""
+    run = tmp_path_factory.mktemp("auto")
+    train(run, cache, AUTO)
+    return run
+
+
+def test_auto_decides_for_every_rank_settles_once_and_a_replay_reproduces_the_losses(tmp_path, cache, auto_run):
+    first, replay = auto_run, tmp_path / "replay"
     saved = json.loads((first / "strategy.json").read_text())["plans"]
     assert saved and saved[0]["calibrated_from"] == 0 and saved[0]["from_iteration"] == 4
     # the first plan was timed on the run's first iterations: the next 2 re-make it, drift or not
@@ -186,11 +193,9 @@ def test_a_plan_of_none_everywhere_costs_and_computes_what_compression_none_does
     assert metrics["forward_ratio"] == 1.0 and metrics["backward_ratio"] == 1.0
 
 
-def test_calibrated_options_choose_by_the_link(tmp_path, cache):
+def test_calibrated_options_choose_by_the_link(auto_run):
     # the units as a real run calibrated them, priced on a slow and on an infinite link
-    run = tmp_path / "auto"
-    train(run, cache, [*AUTO, "max_iterations=6"])
-    plan = json.loads((run / "strategy.json").read_text())["plans"][0]
+    plan = json.loads((auto_run / "strategy.json").read_text())["plans"][0]
     real = [
         Unit(u["name"], u["name"].split("/")[0], u["raw_bytes"], tuple(Option(**o) for o in u["options"]))
         for u in plan["units"]

@@ -127,6 +127,25 @@ def _copy(saved: dict[str, Any], tmp_path: Path) -> Path:
     return root
 
 
+def _on_copies(rank: int, world_size: int, roots: dict[str, str]) -> dict:
+    return {
+        "resume": _resume(rank, world_size, roots["resume"], True),
+        "auto": _resume(rank, world_size, roots["auto"], "auto"),
+        "again": _save(rank, world_size, roots["again"], [8, 8], 3),
+    }
+
+
+@pytest.fixture(scope="module")
+def on_copies(saved, tmp_path_factory) -> dict[str, tuple[Path, list[dict]]]:
+    """name -> (root, each rank's result) of three tests' 2-rank runs on their own copies of the saved
+    checkpoints, in one job (starting the ranks costs more than the runs): a resume=true, a
+    resume=auto with rank 1's file of step-8 deleted, and a second save at 8."""
+    roots = {name: _copy(saved, tmp_path_factory.mktemp(name)) for name in ("resume", "auto", "again")}
+    (roots["auto"] / "step-8" / "__1_0.distcp").unlink()
+    results = run_ranks(_on_copies, WORLD, {name: str(root) for name, root in roots.items()}, timeout=240)
+    return {name: (root, [r[name] for r in results]) for name, root in roots.items()}
+
+
 def test_one_dcp_save_holds_every_part_keyed_by_rank_where_it_is_a_ranks_own(saved):
     step = saved["root"] / "step-8"
     assert sorted(p.name for p in saved["root"].iterdir()) == ["latest", "step-4", "step-8"]
@@ -145,8 +164,8 @@ def test_one_dcp_save_holds_every_part_keyed_by_rank_where_it_is_a_ranks_own(sav
     assert all(v[0] == (step / k.removeprefix(SEAL)).stat().st_size for k, v in seals.items())
 
 
-def test_a_resume_restores_every_part_of_every_rank_exactly(saved, tmp_path):
-    resumed = run_ranks(_resume, WORLD, str(_copy(saved, tmp_path)), True, timeout=240)
+def test_a_resume_restores_every_part_of_every_rank_exactly(saved, on_copies):
+    _, resumed = on_copies["resume"]
     for rank in range(WORLD):
         want, got = saved["ranks"][rank], resumed[rank]
         assert got["position"] == {"iteration": 8, "epoch": 1, "batch_in_epoch": 8}
@@ -210,10 +229,8 @@ def test_a_damaged_step_is_found_by_the_ranks_together_naming_the_file(saved, tm
         assert f == ([] if step_dir.name == "step-4" else found)
 
 
-def test_resume_auto_sets_a_damaged_step_aside_and_takes_the_previous(saved, tmp_path):
-    root = _copy(saved, tmp_path)
-    (root / "step-8" / "__1_0.distcp").unlink()
-    resumed = run_ranks(_resume, WORLD, str(root), "auto", timeout=240)
+def test_resume_auto_sets_a_damaged_step_aside_and_takes_the_previous(on_copies):
+    root, resumed = on_copies["auto"]  # step-8 without rank 1's file
     assert all(r["position"]["iteration"] == 4 for r in resumed)
     assert sorted(p.name for p in root.iterdir()) == ["damaged-step-8", "latest", "step-4"]
     assert (root / "latest").read_text() == "step-4"
@@ -389,9 +406,8 @@ def test_a_crash_at_any_point_of_a_repeated_save_leaves_latest_naming_a_complete
     assert steps > 3  # it did get through every change
 
 
-def test_a_repeated_save_of_a_step_replaces_it_under_a_new_name(saved, tmp_path):
-    root = _copy(saved, tmp_path)
-    got = run_ranks(_save, WORLD, str(root), [8, 8], 3, timeout=240)
+def test_a_repeated_save_of_a_step_replaces_it_under_a_new_name(on_copies):
+    root, got = on_copies["again"]  # saved at 8 twice more
     assert got[0]["published"] == got[1]["published"] == "step-8.2"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-4", "step-8.2"]
     assert (root / "latest").read_text() == "step-8.2"

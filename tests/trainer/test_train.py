@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -93,17 +94,25 @@ def test_resume_continues_with_the_losses_of_an_uninterrupted_run(tmp_path, cach
     assert json.loads((part / "metrics.json").read_text())["iterations"] == 22
 
 
-def test_resume_with_another_world_size_names_both_sizes(tmp_path, cache):
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory, cache) -> Path:
+    """A 2-rank run of 4 iterations and its checkpoint, trained once: the tests below resume copies of it."""
+    run_dir = tmp_path_factory.mktemp("short") / "run"
+    train(run_dir, cache, ["max_iterations=4"])
+    return run_dir
+
+
+def test_resume_with_another_world_size_names_both_sizes(tmp_path, cache, short_run):
     run_dir = tmp_path / "run"
-    train(run_dir, cache, ["max_iterations=3"])
+    shutil.copytree(short_run, run_dir)
     proc = train(run_dir, cache, ["max_iterations=6", "resume=true"], nproc=1, check=False)
     assert proc.returncode != 0
     assert "written by 2 ranks but this job has 1" in proc.stderr
 
 
-def test_crash_during_save_leaves_previous_checkpoint_usable(tmp_path, cache):
+def test_crash_during_save_leaves_previous_checkpoint_usable(tmp_path, cache, short_run):
     run_dir = tmp_path / "run"
-    train(run_dir, cache, ["max_iterations=4"])
+    shutil.copytree(short_run, run_dir)
     ckpts = run_dir / "checkpoints"
     # What a save killed half-way leaves behind: a temporary directory without DCP's .metadata.
     (ckpts / ".tmp-step-8").mkdir()
