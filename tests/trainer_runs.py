@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -91,13 +92,24 @@ def losses(run_dir: Path) -> dict[int, float]:
     return out
 
 
+def resume_from(full: Path, part: Path, stop: int) -> None:
+    """Leave in ``part`` what a run stopped after ``stop`` leaves for a resume: ``full``'s periodic
+    checkpoint of iteration ``stop`` (its ``checkpoint.every`` and ``keep`` must hold it), alone."""
+    step = full / "checkpoints" / f"step-{stop}"
+    assert step.is_dir(), f"{full} kept no checkpoint of iteration {stop} (checkpoint.every, checkpoint.keep?)"
+    ckpts = part / "checkpoints"
+    shutil.copytree(step, ckpts / step.name)
+    (ckpts / "latest").write_text(step.name)
+
+
 def resumed_losses(
     full: Path, part: Path, cache: Path, common: list[str], stop: int, total: int
 ) -> tuple[dict[int, float], dict[int, float]]:
-    """The losses of a run of ``total`` iterations in ``full``, and of one in ``part`` stopped
-    after ``stop`` and resumed to ``total``: (uninterrupted, resumed)."""
+    """The losses of a run of ``total`` iterations in ``full``, and of one in ``part`` resumed from
+    its checkpoint of iteration ``stop`` to ``total`` (:func:`resume_from`): (uninterrupted, resumed,
+    the resumed run's own iterations only)."""
     train(full, cache, [*common, f"max_iterations={total}"])
-    train(part, cache, [*common, f"max_iterations={stop}"])
+    resume_from(full, part, stop)
     train(part, cache, [*common, f"max_iterations={total}", "resume=true"])
     return losses(full), losses(part)
 

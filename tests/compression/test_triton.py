@@ -1,26 +1,36 @@
 """Triton kernels: bit-identical to the torch reference in the interpreter; compile for sm_80/sm_90.
 
-Each check runs in a fresh interpreter process: TRITON_INTERPRET must be set before the kernels
-are decorated, and must be unset for the ahead-of-time CUDA compile.
+Each check runs in a fresh interpreter process (the two without the interpreter in one):
+TRITON_INTERPRET must be set before the kernels are decorated, and must be unset for the
+ahead-of-time CUDA compile.
 """
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
-from fresh_process import CAST_CASES, ROOT, check_in_process, compiled_for_cuda
+import pytest
+from fresh_process import CAST_CASES, ROOT, check_in_process, check_mode, compiled_for_cuda, run_in_process, run_modes
 
 
 def test_kernels_are_bit_identical_to_the_reference_in_the_interpreter():
     check_in_process(__file__, "interpret", interpret=True, timeout=300)
 
 
-def test_kernels_compile_for_cuda_sm80_and_sm90_without_a_gpu():
-    check_in_process(__file__, "aot", interpret=False, timeout=300)
+@pytest.fixture(scope="module")
+def without_interpreter() -> subprocess.CompletedProcess:
+    """The two checks without the interpreter in one fresh process (starting it costs more than a check);
+    no_interpreter first, as in a process of its own."""
+    return run_in_process(__file__, ["no_interpreter", "aot"], interpret=False, timeout=300)
 
 
-def test_triton_backend_on_cpu_without_interpreter_says_how_to_enable_it():
-    check_in_process(__file__, "no_interpreter", interpret=False, timeout=300)
+def test_kernels_compile_for_cuda_sm80_and_sm90_without_a_gpu(without_interpreter):
+    check_mode(without_interpreter, "aot")
+
+
+def test_triton_backend_on_cpu_without_interpreter_says_how_to_enable_it(without_interpreter):
+    check_mode(without_interpreter, "no_interpreter")
 
 
 # --------------------------------------------------------------------------- subprocess side ----
@@ -538,5 +548,4 @@ def _check_no_interpreter() -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    {"interpret": _check_interpret, "aot": _check_aot, "no_interpreter": _check_no_interpreter}[sys.argv[1]]()
-    print("ALL OK")
+    run_modes({"interpret": _check_interpret, "aot": _check_aot, "no_interpreter": _check_no_interpreter}, sys.argv[1])

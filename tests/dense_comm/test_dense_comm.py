@@ -396,14 +396,16 @@ def test_the_trainer_resumes_a_dense_hook_and_reports_it(tmp_path, cache, dense)
     import json
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from trainer_runs import losses, train
+    from trainer_runs import losses, resume_from, train
 
     full, part = tmp_path / "full", tmp_path / "part"
-    common = ["loss_log=true", "checkpoint.every=5", "compression=none", *dense]
+    # saved at 5, 10 and 12, all kept: part resumes from full's step-5
+    common = ["loss_log=true", "checkpoint.every=5", "checkpoint.keep=3", "compression=none", *dense]
     train(full, cache, [*common, "max_iterations=12"])
-    train(part, cache, [*common, "max_iterations=5"])
+    resume_from(full, part, 5)
     train(part, cache, [*common, "max_iterations=12", "resume=true"])
     reference, resumed = losses(full), losses(part)
+    assert sorted(resumed) == list(range(6, 13))  # it trained from step-5 on, nothing before
     assert resumed[6] == reference[6]  # the weights and optimizer came back
     if "dense_comm=dct" in dense:
         # the residuals and thresholds came back: the same losses after the resume
