@@ -111,6 +111,7 @@ class CaseResults(dict):
     """key -> each rank's result; a case that failed on any rank raises CaseFailed when read."""
 
     def __getitem__(self, key: Hashable) -> list:
+        __tracebackhide__ = True  # pytest: the case's message, not this dict
         value = super().__getitem__(key)
         if isinstance(value, CaseFailed):
             raise CaseFailed(*value.args)
@@ -149,13 +150,15 @@ class SharedJob:
         self.done: dict[int, CaseResults | CaseFailed] = {}
 
     def results(self, key: Hashable, world_size: int | None = None) -> list:
+        __tracebackhide__ = True
         if world_size is None:  # the one world of a job table with one
             (world_size,) = self.jobs
         if world_size not in self.done:
             try:
                 self.done[world_size] = run_cases(world_size, self.jobs[world_size], self.per_case_timeout)
             except Exception as e:
-                self.done[world_size] = CaseFailed(f"the shared job of {world_size} ranks failed:\n{e}")
+                n = len(self.jobs[world_size])  # (each rank's stderr names the case it was in)
+                self.done[world_size] = CaseFailed(f"the shared job of {world_size} ranks, {n} cases, failed:\n{e}")
         done = self.done[world_size]
         if isinstance(done, CaseFailed):
             raise CaseFailed(*done.args)
