@@ -208,17 +208,12 @@ def _variants(rank: int, ws: int) -> dict:
     }
 
 
-def _variants_and_nonfinite(rank: int, ws: int) -> dict:
-    return {"variants": _variants(rank, ws), "nonfinite": _nonfinite(rank, ws)}
-
-
 @pytest.fixture(scope="module")
-def both() -> dict[str, list[dict]]:
+def both():
     """Each rank's _variants and _nonfinite, in one job: starting the ranks costs more than most runs."""
-    from multiprocess import run_ranks
+    from multiprocess import SharedJob
 
-    results = run_ranks(_variants_and_nonfinite, 2, timeout=600)
-    return {job: [r[job] for r in results] for job in ("variants", "nonfinite")}
+    return SharedJob({2: {"variants": (_variants,), "nonfinite": (_nonfinite,)}}, per_case_timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -90,20 +90,15 @@ def _buckets(rank: int, ws: int, values: str, iterations: int, aggregation: str 
     return out
 
 
-def _buckets_of(rank: int, ws: int, codings: list[str], iterations: int, aggregation: str = "allgather") -> dict:
-    return {values: _buckets(rank, ws, values, iterations, aggregation) for values in codings}
-
-
-def _by_values(codings: list[str], ws: int, *args) -> dict[str, list[dict]]:
+def _by_values(codings: list[str], ws: int, *args):
     """_buckets of each values coding, in one job of ws ranks: starting the ranks costs more than a run."""
-    from multiprocess import run_ranks
+    from multiprocess import SharedJob
 
-    results = run_ranks(_buckets_of, ws, codings, *args, timeout=300)
-    return {values: [r[values] for r in results] for values in codings}
+    return SharedJob({ws: {values: (_buckets, values, *args) for values in codings}})
 
 
 @pytest.fixture(scope="module")
-def gathered() -> dict[str, list[dict]]:
+def gathered():
     return _by_values(["none", "fp16", "bf16"], 2, 4)
 
 
@@ -140,7 +135,7 @@ def _same_bits(runs: list[dict]) -> None:
 
 
 @pytest.fixture(scope="module")
-def reduce_scattered() -> dict[str, list[dict]]:
+def reduce_scattered():
     return _by_values(["none", "bf16"], 3, 4, "reduce_scatter")
 
 

@@ -291,25 +291,27 @@ def _synced_on_ranks(rank: int, ws: int, tables: int, coded: bool) -> dict:
         return run
 
     hot_sync.dist.all_gather, hot_sync.dist.all_to_all_single = counted(gather), counted(exchange)  # type: ignore[attr-defined]
-    runs = {}
-    for path in ("host", "device"):
-        params = {
-            f"w{k}": torch.nn.Parameter(torch.randn(16, DIM, generator=torch.Generator().manual_seed(k)))
-            for k in range(tables)
-        }
-        wire = SyncWire(_codec("backward", "rel", path), list(params), [16] * tables, DIM) if coded else None
-        opt = HotRowOptimizer(params, "rowwise_adagrad", lr=0.1, eps=1e-8, sync_every=1, wire=wire, backend=path)
-        g, c = torch.Generator().manual_seed(rank), HostSyncCounter()
-        calls["n"] = 0
-        for i in range(3):
-            _touch(params, g)
-            if path == "host":
-                opt.step()
-                continue
-            with counted_reads(c), c, c.label(f"step{i}"):  # the codec's own waits counted too
-                opt.step()
-        runs[path] = ([p.detach().clone() for p in params.values()], c, calls["n"] // 3)
-    hot_sync.dist.all_gather, hot_sync.dist.all_to_all_single = gather, exchange  # type: ignore[attr-defined]
+    try:
+        runs = {}
+        for path in ("host", "device"):
+            params = {
+                f"w{k}": torch.nn.Parameter(torch.randn(16, DIM, generator=torch.Generator().manual_seed(k)))
+                for k in range(tables)
+            }
+            wire = SyncWire(_codec("backward", "rel", path), list(params), [16] * tables, DIM) if coded else None
+            opt = HotRowOptimizer(params, "rowwise_adagrad", lr=0.1, eps=1e-8, sync_every=1, wire=wire, backend=path)
+            g, c = torch.Generator().manual_seed(rank), HostSyncCounter()
+            calls["n"] = 0
+            for i in range(3):
+                _touch(params, g)
+                if path == "host":
+                    opt.step()
+                    continue
+                with counted_reads(c), c, c.label(f"step{i}"):  # the codec's own waits counted too
+                    opt.step()
+            runs[path] = ([p.detach().clone() for p in params.values()], c, calls["n"] // 3)
+    finally:  # unwrapped for the next case in this process
+        hot_sync.dist.all_gather, hot_sync.dist.all_to_all_single = gather, exchange  # type: ignore[attr-defined]
     (host, _, _), (device, c, collectives) = runs["host"], runs["device"]
     return {
         "same": all(torch.equal(a, b) for a, b in zip(host, device, strict=True)),
@@ -319,17 +321,12 @@ def _synced_on_ranks(rank: int, ws: int, tables: int, coded: bool) -> dict:
     }
 
 
-def _synced_both_ways(rank: int, ws: int, tables: int) -> dict:
-    return {coded: _synced_on_ranks(rank, ws, tables, coded) for coded in (False, True)}
-
-
 @pytest.fixture(scope="module")
-def synced_on_two_ranks() -> dict[bool, list[dict]]:
+def synced_on_two_ranks():
     """_synced_on_ranks at 2 ranks, exact and coded, in one job: starting the ranks costs more than the syncs."""
-    from multiprocess import run_ranks
+    from multiprocess import SharedJob
 
-    results = run_ranks(_synced_both_ways, 2, 3)
-    return {coded: [r[coded] for r in results] for coded in (False, True)}
+    return SharedJob({2: {coded: (_synced_on_ranks, 3, coded) for coded in (False, True)}})
 
 
 @pytest.mark.parametrize("ws", [2, pytest.param(3, marks=pytest.mark.scale)])  # 3 ranks: make test-scale

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import run_ranks
+from multiprocess import SharedJob, run_ranks
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
@@ -407,16 +407,18 @@ def check_bounded_training(
 
 
 class IdsSpy:
-    """Records, per payload sent, (iteration, direction, whether the codec got ids)."""
+    """Records, per payload sent, (iteration, direction, whether the codec got ids), while entered."""
 
     def __init__(self) -> None:
+        self.seen: list[tuple[int, str, bool]] = []
+        self.last = False
+
+    def __enter__(self) -> IdsSpy:
         from wire_tap import tap
 
         from dlrm.embedding_comm.codec import DirectionCodec
 
-        self.seen: list[tuple[int, str, bool]] = []
-        self.last = False
-        encode, deferred = DirectionCodec.encode, DirectionCodec.encode_deferred
+        self._undo = encode, deferred = DirectionCodec.encode, DirectionCodec.encode_deferred
 
         def spy(method):
             def spy_encode(codec, chunk, widths, bounds, ids, *rest):
@@ -431,24 +433,35 @@ class IdsSpy:
 
         DirectionCodec.encode, DirectionCodec.encode_deferred = spy(encode), spy(deferred)  # this rank process only
         tap(hook)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from wire_tap import tap
+
+        from dlrm.embedding_comm.codec import DirectionCodec
+
+        DirectionCodec.encode, DirectionCodec.encode_deferred = self._undo
+        tap(None)
 
 
 def _lossy_abs(rank: int, ws: int) -> dict:
     from dlrm.telemetry.comm_stats import comm_stats, comm_stats_all_ranks, comm_summary
 
     sizes = [24] * (ws - 1) + [13]
-    spy = IdsSpy()
-    model = build(ours(LOSSY, bound_fn_forward=table_bound, bound_fn_backward=table_bound), "mixed", ws, full_weights())
-    worst = check_bounded_training(
-        model,
-        rank,
-        ws,
-        sizes,
-        3,
-        lambda f, ref: table_bound(f, "forward", 0),
-        lambda f: table_bound(f, "backward", 0),
-        hot=lambda step: 1 + step % 2,
-    )
+    with IdsSpy() as spy:
+        model = build(
+            ours(LOSSY, bound_fn_forward=table_bound, bound_fn_backward=table_bound), "mixed", ws, full_weights()
+        )
+        worst = check_bounded_training(
+            model,
+            rank,
+            ws,
+            sizes,
+            3,
+            lambda f, ref: table_bound(f, "forward", 0),
+            lambda f: table_bound(f, "backward", 0),
+            hot=lambda step: 1 + step % 2,
+        )
     # single-valued steps (0, 2) send table-wise chunks by id, both ways (forward from the ranks
     # that own table-wise tables, 0 and ws - 1); the 2-hot step by value
     by_id = {(it, d) for it, d, with_ids in spy.seen if with_ids}
@@ -552,7 +565,10 @@ def _twrw_rel_backward_fractions(rank: int, ws: int) -> list[float]:
 
     DirectionCodec.bounds = spy  # this rank process only
     rel = {"name": "rel", "forward": {"codec": "none"}, "backward": {"codec": "lossy", "eb": REL_EB, "mode": "rel"}}
-    run_steps(build(ours(rel), "twrw", ws, full_weights(2)), rank, [8] * ws, 2)
+    try:
+        run_steps(build(ours(rel), "twrw", ws, full_weights(2)), rank, [8] * ws, 2)
+    finally:
+        DirectionCodec.bounds = bounds
     return seen
 
 
@@ -933,37 +949,30 @@ def test_dct_mp_sends_only_kept_entries_and_returns_gradients_only_there(ranks, 
 # --------------------------------------------------------------------------- one job per rank count
 
 # The runs of this file's tests at 2 ranks, and its two at 4 ranks, each set in one job (started by
-# the first test that needs it): starting the ranks costs more than most of the runs. Each set ends
-# with the run whose spies stay on in its process (_lossy_abs, _twrw_rel_backward_fractions).
-JOBS = {
-    2: [
-        _parity_none,
-        _dct_mp_step,
-        _qcomm_mx4,
-        _rare_ids_keep_their_gradients,
-        _dedup_and_qcomm,
-        _pipeline,
-        _nonfinite_and_eval,
-        _lossy_abs,
-    ],
-    4: [_four_ranks_two_nodes, _twrw_rel_backward_fractions],
+# the first test that needs it): starting the ranks costs more than most of the runs. Every case of
+# the 4-rank job runs with LOCAL_WORLD_SIZE=2 (both set it): TorchRec caches its node groups per process.
+JOBS: dict[int, dict[str, tuple]] = {
+    world: {fn.__name__: (fn,) for fn in fns}
+    for world, fns in {
+        2: [
+            _parity_none,
+            _dct_mp_step,
+            _qcomm_mx4,
+            _rare_ids_keep_their_gradients,
+            _dedup_and_qcomm,
+            _pipeline,
+            _nonfinite_and_eval,
+            _lossy_abs,
+        ],
+        4: [_four_ranks_two_nodes, _twrw_rel_backward_fractions],
+    }.items()
 }
-
-
-def _job(rank: int, ws: int, fns: list[Callable]) -> dict:
-    return {fn.__name__: fn(rank, ws) for fn in fns}
 
 
 @pytest.fixture(scope="module")
 def ranks() -> Callable[[Callable, int], list]:
     """(fn, world) -> each rank's result of fn, from the world's job in JOBS where fn is in it."""
-    done: dict[int, list[dict]] = {}
-
-    def get(fn: Callable, world: int) -> list:
-        if fn not in JOBS.get(world, []):
-            return run_ranks(fn, world)
-        if world not in done:
-            done[world] = run_ranks(_job, world, JOBS[world], timeout=600)
-        return [r[fn.__name__] for r in done[world]]
-
-    return get
+    job = SharedJob(JOBS)
+    return lambda fn, world: (
+        job.results(fn.__name__, world) if fn.__name__ in JOBS.get(world, {}) else run_ranks(fn, world)
+    )

@@ -15,7 +15,7 @@ from collections import Counter
 import pytest
 import test_comm as tc
 import torch.distributed as dist
-from multiprocess import run_ranks
+from multiprocess import SharedJob, run_ranks
 
 DEVICE_LOSSY = {
     "name": "lossy",
@@ -136,24 +136,15 @@ TWO_RANK_CASES = [
 ]
 
 
-def _every_counted(rank: int, ws: int, cases: list) -> dict:
-    return {case: _counted(rank, ws, *case) for case in cases}
+TWO_RANKS = {case: (_counted, *case) for case in TWO_RANK_CASES}
 
 
 @pytest.fixture(scope="module")
 def counted():
     """The runs of _counted by (ws, case); the 2-rank cases all in one job (starting the ranks costs
     more than a case), the 3-rank ones (make test-scale) one job each as before."""
-    two_ranks: list = []
-
-    def get(ws: int, *case) -> list[dict]:
-        if ws != 2:
-            return run_ranks(_counted, ws, *case)
-        if not two_ranks:
-            two_ranks.extend(run_ranks(_every_counted, 2, TWO_RANK_CASES))
-        return [r[case] for r in two_ranks]
-
-    return get
+    job = SharedJob({2: TWO_RANKS})
+    return lambda ws, *case: job.results(case) if ws == 2 else run_ranks(_counted, ws, *case)
 
 
 # each codec with rows deduplicated by id; the lossy codec also with bags of two ids (no ids: the

@@ -3,9 +3,12 @@ delivers, bit for bit, for every sharding type, uneven batches and TorchRec's pi
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 import torch
-from multiprocess import run_ranks
+from multiprocess import SharedJob, run_ranks
 from test_comm import (
     LOSSY,
     NONE,
@@ -24,8 +27,9 @@ IDS = {**NONE, "input": "ids"}
 LOSSY_IDS = {**LOSSY, "input": "ids"}
 
 
-def _record_received() -> list[list[KeyedJaggedTensor]]:
-    """Patch this rank's sharded EBC to keep every KJT its input dists deliver (this process only)."""
+@contextmanager
+def _record_received() -> Iterator[list[list[KeyedJaggedTensor]]]:
+    """Patch this rank's sharded EBC to keep every KJT its input dists deliver (undone on exit)."""
     from dlrm.embedding_comm.embeddingbag import CompressedShardedEmbeddingBagCollection as EBC
 
     seen: list[list[KeyedJaggedTensor]] = []
@@ -36,7 +40,10 @@ def _record_received() -> list[list[KeyedJaggedTensor]]:
         return stash(self, ctx, dist_input)
 
     EBC._stash_post_a2a = record
-    return seen
+    try:
+        yield seen
+    finally:
+        EBC._stash_post_a2a = stash
 
 
 def _same_kjt(a: KeyedJaggedTensor, b: KeyedJaggedTensor, where: str) -> None:
@@ -53,38 +60,38 @@ def _same_kjt(a: KeyedJaggedTensor, b: KeyedJaggedTensor, where: str) -> None:
 def _received_and_trained(rank: int, ws: int) -> dict:
     from dlrm.telemetry.comm_stats import comm_stats
 
-    seen = _record_received()
-    cases = [("mixed", [16, 11, 7][:ws]), ("tw_cw", [16, 9, 12][:ws])]  # TW, CW, RW (bucketized), TWRW; uneven
-    out: dict = {}
-    for plan, sizes in cases:
-        runs = {}
-        for name, cfg in (("none", NONE), ("ids", IDS)):
+    with _record_received() as seen:
+        cases = [("mixed", [16, 11, 7][:ws]), ("tw_cw", [16, 9, 12][:ws])]  # TW, CW, RW (bucketized), TWRW; uneven
+        out: dict = {}
+        for plan, sizes in cases:
+            runs = {}
+            for name, cfg in (("none", NONE), ("ids", IDS)):
+                seen.clear()
+                model = build(ours(cfg), plan, ws, full_weights())
+                outs = run_steps(model, rank, sizes, 3)
+                runs[name] = (list(seen), outs, model)
+            (ref, ref_out, m0), (got, got_out, m1) = runs["none"], runs["ids"]
+            assert len(ref) == len(got) == 3
+            for step, (a, b) in enumerate(zip(ref, got, strict=True)):
+                assert len(a) == len(b)
+                for i, (x, y) in enumerate(zip(a, b, strict=True)):
+                    _same_kjt(x, y, f"rank {rank} {plan} step {step} sharding {i}")
+            assert all(torch.equal(x, y) for x, y in zip(ref_out, got_out, strict=True))
+            out[plan] = (comm_stats(m0), comm_stats(m1))
+        # table_column_wise and data_parallel (no all-to-all: untouched), through TorchRec's planner
+        constraints = {"t2": ["table_column_wise"], "t0": ["data_parallel"], "t1": ["table_wise"], "t4": ["row_wise"]}
+        kjts = []
+        for cfg in (NONE, IDS):
             seen.clear()
-            model = build(ours(cfg), plan, ws, full_weights())
-            outs = run_steps(model, rank, sizes, 3)
-            runs[name] = (list(seen), outs, model)
-        (ref, ref_out, m0), (got, got_out, m1) = runs["none"], runs["ids"]
-        assert len(ref) == len(got) == 3
-        for step, (a, b) in enumerate(zip(ref, got, strict=True)):
-            assert len(a) == len(b)
+            model = build_planned(ours(cfg), constraints, ws, full_weights(2))
+            types = {t: ps.sharding_type for t, ps in model.plan.plan["ebc"].items()}
+            assert all(types[t] == want[0] for t, want in constraints.items()), types
+            run_steps(model, rank, [16] * ws, 2)
+            kjts.append(list(seen))
+        for step, (a, b) in enumerate(zip(*kjts, strict=True)):
             for i, (x, y) in enumerate(zip(a, b, strict=True)):
-                _same_kjt(x, y, f"rank {rank} {plan} step {step} sharding {i}")
-        assert all(torch.equal(x, y) for x, y in zip(ref_out, got_out, strict=True))
-        out[plan] = (comm_stats(m0), comm_stats(m1))
-    # table_column_wise and data_parallel (no all-to-all: untouched), through TorchRec's planner
-    constraints = {"t2": ["table_column_wise"], "t0": ["data_parallel"], "t1": ["table_wise"], "t4": ["row_wise"]}
-    kjts = []
-    for cfg in (NONE, IDS):
-        seen.clear()
-        model = build_planned(ours(cfg), constraints, ws, full_weights(2))
-        types = {t: ps.sharding_type for t, ps in model.plan.plan["ebc"].items()}
-        assert all(types[t] == want[0] for t, want in constraints.items()), types
-        run_steps(model, rank, [16] * ws, 2)
-        kjts.append(list(seen))
-    for step, (a, b) in enumerate(zip(*kjts, strict=True)):
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _same_kjt(x, y, f"rank {rank} planned step {step} sharding {i}")
-    return out
+                _same_kjt(x, y, f"rank {rank} planned step {step} sharding {i}")
+        return out
 
 
 def test_every_sharding_type_receives_torchrecs_kjt_bit_for_bit_2_ranks(two_ranks):
@@ -264,23 +271,11 @@ def test_torchrecs_own_kjt_all_to_all_unit_batches_arrive_bit_for_bit_in_no_more
 
 
 # The 2-rank runs of this file's tests (not its fault's) in one job, started by the first test that
-# needs it: starting the ranks costs more than the runs. Last: _received_and_trained, whose recorder
-# stays on in its process.
-TWO_RANKS = [_pipeline_ids, _direct, _torchrec_unit_batches, _received_and_trained]
-
-
-def _job(rank: int, ws: int) -> dict:
-    return {fn.__name__: fn(rank, ws) for fn in TWO_RANKS}
+# needs it: starting the ranks costs more than the runs.
+TWO_RANKS = {fn.__name__: (fn,) for fn in (_pipeline_ids, _direct, _torchrec_unit_batches, _received_and_trained)}
 
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    """fn -> each rank's result of fn (one of TWO_RANKS) on 2 ranks, from the one job."""
-    done: list[dict] = []
-
-    def get(fn) -> list:
-        if not done:
-            done.extend(run_ranks(_job, 2, timeout=600))
-        return [r[fn.__name__] for r in done]
-
-    return get
+    job = SharedJob({2: TWO_RANKS})
+    return lambda fn: job.results(fn.__name__)

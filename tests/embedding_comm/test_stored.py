@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import test_comm as tc
-from multiprocess import run_ranks
+from multiprocess import SharedJob, run_ranks
 
 TINY = {
     "name": "lossy",
@@ -53,17 +53,14 @@ def _normal(rank: int, ws: int) -> dict:
 BACKENDS = ["host", "device"]
 
 
-def _every_run(rank: int, ws: int) -> dict:
-    runs: dict = {("tiny", plan, b): _run(rank, ws, TINY, plan, b) for plan in ("tw_cw", "rw") for b in BACKENDS}
-    runs |= {("dct_mp", b): _run(rank, ws, DCT_ALL, "tw", b) for b in BACKENDS}
-    return {**runs, "normal": _normal(rank, ws)}
+CASES: dict = {("tiny", plan, b): (_run, TINY, plan, b) for plan in ("tw_cw", "rw") for b in BACKENDS}
+CASES |= {("dct_mp", b): (_run, DCT_ALL, "tw", b) for b in BACKENDS} | {"normal": (_normal,)}
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict:
+def runs() -> SharedJob:
     """Each test's run (by case), all in one job of 2 ranks: starting the ranks costs more than the runs."""
-    results = run_ranks(_every_run, 2)
-    return {key: [r[key] for r in results] for key in results[0]}
+    return SharedJob({2: CASES})
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

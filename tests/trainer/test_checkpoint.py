@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from multiprocess import run_ranks
+from multiprocess import SharedJob, run_ranks
 from run_artifacts import RunsCode
 from torch.distributed.checkpoint import FileSystemReader
 from torchrec.optim.keyed import KeyedOptimizerWrapper
@@ -127,23 +127,16 @@ def _copy(saved: dict[str, Any], tmp_path: Path) -> Path:
     return root
 
 
-def _on_copies(rank: int, world_size: int, roots: dict[str, str]) -> dict:
-    return {
-        "resume": _resume(rank, world_size, roots["resume"], True),
-        "auto": _resume(rank, world_size, roots["auto"], "auto"),
-        "again": _save(rank, world_size, roots["again"], [8, 8], 3),
-    }
-
-
 @pytest.fixture(scope="module")
-def on_copies(saved, tmp_path_factory) -> dict[str, tuple[Path, list[dict]]]:
+def on_copies(saved, tmp_path_factory) -> Callable[[str], tuple[Path, list[dict]]]:
     """name -> (root, each rank's result) of three tests' 2-rank runs on their own copies of the saved
     checkpoints, in one job (starting the ranks costs more than the runs): a resume=true, a
     resume=auto with rank 1's file of step-8 deleted, and a second save at 8."""
     roots = {name: _copy(saved, tmp_path_factory.mktemp(name)) for name in ("resume", "auto", "again")}
     (roots["auto"] / "step-8" / "__1_0.distcp").unlink()
-    results = run_ranks(_on_copies, WORLD, {name: str(root) for name, root in roots.items()}, timeout=240)
-    return {name: (root, [r[name] for r in results]) for name, root in roots.items()}
+    cases = {"resume": (_resume, True), "auto": (_resume, "auto"), "again": (_save, [8, 8], 3)}
+    job = SharedJob({WORLD: {name: (fn, str(roots[name]), *args) for name, (fn, *args) in cases.items()}}, 120)
+    return lambda name: (roots[name], job[name])
 
 
 def test_one_dcp_save_holds_every_part_keyed_by_rank_where_it_is_a_ranks_own(saved):
@@ -165,7 +158,7 @@ def test_one_dcp_save_holds_every_part_keyed_by_rank_where_it_is_a_ranks_own(sav
 
 
 def test_a_resume_restores_every_part_of_every_rank_exactly(saved, on_copies):
-    _, resumed = on_copies["resume"]
+    _, resumed = on_copies("resume")
     for rank in range(WORLD):
         want, got = saved["ranks"][rank], resumed[rank]
         assert got["position"] == {"iteration": 8, "epoch": 1, "batch_in_epoch": 8}
@@ -230,7 +223,7 @@ def test_a_damaged_step_is_found_by_the_ranks_together_naming_the_file(saved, tm
 
 
 def test_resume_auto_sets_a_damaged_step_aside_and_takes_the_previous(on_copies):
-    root, resumed = on_copies["auto"]  # step-8 without rank 1's file
+    root, resumed = on_copies("auto")  # step-8 without rank 1's file
     assert all(r["position"]["iteration"] == 4 for r in resumed)
     assert sorted(p.name for p in root.iterdir()) == ["damaged-step-8", "latest", "step-4"]
     assert (root / "latest").read_text() == "step-4"
@@ -407,7 +400,7 @@ def test_a_crash_at_any_point_of_a_repeated_save_leaves_latest_naming_a_complete
 
 
 def test_a_repeated_save_of_a_step_replaces_it_under_a_new_name(on_copies):
-    root, got = on_copies["again"]  # saved at 8 twice more
+    root, got = on_copies("again")  # saved at 8 twice more
     assert got[0]["published"] == got[1]["published"] == "step-8.2"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-4", "step-8.2"]
     assert (root / "latest").read_text() == "step-8.2"
