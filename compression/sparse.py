@@ -102,6 +102,14 @@ def kth_largest_abs(x: torch.Tensor, keep: float) -> float:
     return float(kth_largest_abs_tensor(x, keep))
 
 
+def _per_block(ts: list[Threshold], widths: Sequence[int]) -> list[Threshold]:
+    """One threshold per block of ``widths``: a single one for every block, else one each."""
+    ts = ts * len(widths) if len(ts) == 1 else ts
+    if len(ts) != len(widths):
+        raise ValueError(f"{len(ts)} thresholds for {len(widths)} blocks {list(widths)}")
+    return ts
+
+
 def _checked(threshold: Threshold | Sequence[Threshold]) -> list[Threshold]:
     """Thresholds as floats or 0-d tensors; the floats checked (a tensor's check would wait for it)."""
     given = [threshold] if isinstance(threshold, (int, float, torch.Tensor)) else list(threshold)
@@ -150,10 +158,7 @@ class ThresholdCodec(Codec):
         self, x: torch.Tensor, widths: Sequence[int], thresholds: Sequence[Threshold] | None = None
     ) -> torch.Tensor:
         """Which entries of ``x`` [rows, cols] travel (``|x| >= threshold`` of their block, or NaN)."""
-        ts = self.thresholds if thresholds is None else _checked(thresholds)
-        ts = ts * len(widths) if len(ts) == 1 else ts
-        if len(ts) != len(widths):
-            raise ValueError(f"{len(ts)} thresholds for {len(widths)} blocks {list(widths)}")
+        ts = _per_block(self.thresholds if thresholds is None else _checked(thresholds), widths)
         out = torch.empty(x.shape, dtype=torch.bool, device=x.device)
         c = 0
         for t, w in zip(ts, widths, strict=True):
@@ -164,10 +169,7 @@ class ThresholdCodec(Codec):
     def mask_of(self, mags: torch.Tensor, widths: Sequence[int], thresholds: Sequence[Threshold]) -> torch.Tensor:
         """:meth:`mask` of a float32 ``x`` (flat) from its :func:`magnitudes`: ``mags >=`` the
         block's threshold (NaN's magnitude is infinite: it passes, as in :meth:`mask`)."""
-        ts = _checked(thresholds)
-        ts = ts * len(widths) if len(ts) == 1 else ts
-        if len(ts) != len(widths):
-            raise ValueError(f"{len(ts)} thresholds for {len(widths)} blocks {list(widths)}")
+        ts = _per_block(_checked(thresholds), widths)
         out = torch.empty(mags.shape, dtype=torch.bool, device=mags.device)
         c = 0
         for t, w in zip(ts, widths, strict=True):
